@@ -1,0 +1,226 @@
+"""The public API: `plan` decides, `apply` rewrites, `optimize` does both.
+
+    plan = autoplan.plan(model, "20GB", example_inputs=(x,), device="h100-80gb")
+    model = autoplan.optimize(model, "20GB", example_inputs=(x,))
+
+Stages run in order — budget/device, trace, profile, solve, verify — and each hands a frozen value
+to the next. When the whole-step simulation of a solved plan exceeds the usable budget, the budget
+is tightened by the difference and the program solved again.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable, Mapping
+
+import torch
+
+from autoplan.budget import budget_needed_for, make_budget
+from autoplan.devices import Device, get_device
+from autoplan.memory import predict_peak, predict_step_time
+from autoplan.plan import MODES, Choice, Plan, UnitDecision
+from autoplan.profile import Profile, precision_options, profile
+from autoplan.rewrite import apply_choices
+from autoplan.simulate import optimizer_name
+from autoplan.solve import fastest, minimum_peak, solve
+from autoplan.trace import trace
+from autoplan.verify import simulate_plan
+
+MAX_RESOLVES = 4
+
+
+class InfeasibleBudgetError(ValueError):
+    """`optimize` was asked for a budget no plan fits; `.plan` says how close it gets."""
+
+    def __init__(self, plan: Plan) -> None:
+        from autoplan.budget import format_bytes
+
+        super().__init__(
+            f"no plan fits {plan.device} in {format_bytes(plan.budget_bytes)} "
+            f"(usable {format_bytes(plan.usable_bytes)}): the lowest peak autoplan can reach is "
+            f"{format_bytes(plan.minimum_peak_bytes)}, which needs a budget of "
+            f"{format_bytes(plan.minimum_budget_bytes)}. Call autoplan.plan(...) to see the breakdown."
+        )
+        self.plan = plan
+
+
+def _matching(units: list[str], patterns, what: str) -> set[str]:
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    matched = {u for u in units if any(fnmatch.fnmatchcase(u, p) for p in patterns)}
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(u, p) for u in units)]
+    if unmatched:
+        raise ValueError(f"{what}={unmatched} matched no unit; the units are: {', '.join(units)}")
+    return matched
+
+
+def _pins(
+    units: list[str], precisions: tuple[str, ...], keep_fp32, checkpoint
+) -> dict[str, tuple[Choice, ...]]:
+    """Per unit, the choices the person allows (absent: any profiled choice)."""
+    modes: dict[str, tuple[str, ...]] = {}
+    if checkpoint:
+        requested = checkpoint if isinstance(checkpoint, Mapping) else {p: "full" for p in ([checkpoint] if isinstance(checkpoint, str) else checkpoint)}
+        for pattern, mode in requested.items():
+            if mode not in MODES:
+                raise ValueError(f"checkpoint mode for {pattern!r} must be one of {MODES}; got {mode!r}")
+            for unit in _matching(units, [pattern], "checkpoint"):
+                modes[unit] = (mode,)
+    fp32_units = _matching(units, keep_fp32, "keep_fp32") if keep_fp32 else set()
+    pins = {}
+    for unit in units:
+        unit_precisions = ("fp32",) if unit in fp32_units else precisions
+        pins[unit] = tuple(Choice(m, p) for p in unit_precisions for m in modes.get(unit, MODES))
+    return pins
+
+
+def plan(
+    model: torch.nn.Module,
+    budget: str | int,
+    *,
+    example_inputs: Any,
+    device: str | Device | None = None,
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    precision: str = "auto",
+    units: list[str] | None = None,
+    keep_fp32: list[str] | None = None,
+    checkpoint: list[str] | Mapping[str, str] | None = None,
+    reserve: str | int | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    time_limit_s: float = 10.0,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
+
+    budget: "20GB", "20 GiB", "80%" (of the device), or an int of bytes.
+    example_inputs: a tuple of positional args, a dict of kwargs, or (args, kwargs); one batch.
+    device: a device profile name ("h100-80gb", see autoplan.devices), None for the current GPU (or
+        "cpu" without one).
+    optimizer: "adamw" (default), "adam", "sgd", "sgd-momentum" or an optimizer instance.
+    precision: "auto" (per unit, fp32 or the device's autocast dtype), "fp32", "bf16" or "fp16".
+    units: name patterns of the submodules to plan (default: the repeated blocks).
+    keep_fp32: unit patterns that must stay fp32. checkpoint: unit patterns that must be checkpointed
+        (full), or {pattern: mode}.
+    reserve: bytes held back from the budget (default: CUDA context + 5% fragmentation).
+    loss_fn: output -> scalar loss for profiling (default: the output's .loss, else a sum).
+    """
+    target = get_device(device)
+    memory = make_budget(budget, target, reserve)
+    precisions = precision_options(precision, target)
+    if keep_fp32 and "fp32" not in precisions:
+        precisions = (*precisions, "fp32")
+    rest = "fp32" if precision == "auto" else precision
+    say = progress or (lambda message: None)
+    say("tracing")
+    traced = trace(model, example_inputs, units)
+    measured = profile(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
+    allowed_precisions = precision_options(precision, target)
+    pins = _pins(list(traced.units), allowed_precisions, keep_fp32, checkpoint)
+
+    def simulate(choices):
+        return simulate_plan(traced, choices, device=target, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn)
+
+    say("solving")
+    lowest, solve_time = minimum_peak(measured, pins=pins, time_limit_s=time_limit_s)
+    lowest_simulated = simulate(lowest).peak_bytes
+    lowest_peak = max(predict_peak(measured, lowest).bytes, lowest_simulated)
+
+    usable = memory.usable_bytes
+    margin, resolves, status = 0, 0, "Infeasible"
+    chosen, simulated, feasible = lowest, lowest_simulated, False
+    while lowest_peak <= usable and resolves <= MAX_RESOLVES:
+        solution = solve(measured, usable - margin, pins=pins, time_limit_s=time_limit_s)
+        solve_time += solution.solve_time_s
+        status = solution.status
+        if not solution.feasible:
+            break
+        say("verifying the plan with a simulated training step")
+        result = simulate(solution.choices)
+        predicted = predict_peak(measured, solution.choices).bytes
+        if result.peak_bytes <= usable and predicted <= usable:
+            chosen, simulated, feasible = solution.choices, result.peak_bytes, True
+            break
+        margin += max(result.peak_bytes, predicted) - usable + 2**20
+        resolves += 1
+    return _assemble(
+        measured, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced
+    )
+
+
+def _assemble(
+    measured: Profile, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced
+) -> Plan:
+    rest = measured.rest_precision
+    prediction = predict_peak(measured, chosen)
+    notes = []
+    if not feasible:
+        notes.append("no choice fits the budget; the units show the lowest-peak choices")
+    if traced.skip_edges:
+        notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
+    if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in chosen.values()):
+        notes.append("fp16 units need torch.amp.GradScaler in the training loop")
+    decisions = tuple(
+        UnitDecision(
+            name=unit.name,
+            choice=chosen[unit.name],
+            saved_bytes=unit.options[chosen[unit.name]].held_bytes,
+            recompute_flops=unit.recompute_flops(chosen[unit.name]),
+            step_time_s=unit.options[chosen[unit.name]].time_s,
+        )
+        for unit in measured.units
+    )
+    return Plan(
+        model_name=measured.model_name,
+        device=target.name,
+        low_precision=target.low_precision_name,
+        rest_precision=rest,
+        needs_grad_scaler=any(c.precision == "fp16" for c in chosen.values()) or rest == "fp16",
+        optimizer=measured.optimizer,
+        feasible=feasible,
+        budget_bytes=memory.total_bytes,
+        usable_bytes=memory.usable_bytes,
+        predicted_peak_bytes=prediction.bytes,
+        simulated_peak_bytes=simulated,
+        baseline_peak_bytes=measured.reference.peak_bytes,
+        minimum_peak_bytes=lowest_peak,
+        minimum_budget_bytes=budget_needed_for(lowest_peak, target, reserve),
+        predicted_step_time_s=predict_step_time(measured, chosen),
+        baseline_step_time_s=measured.reference.step_time_s,
+        fastest_step_time_s=predict_step_time(measured, fastest(measured, pins)),
+        time_source=measured.time_source,
+        breakdown=prediction.breakdown,
+        peak_phase=prediction.phase,
+        units=decisions,
+        solver_status=status,
+        solve_time_s=solve_time,
+        resolves=resolves,
+        trace_method=traced.method,
+        notes=tuple(notes),
+    )
+
+
+def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+    """Rewrite `model` in place to run as `plan` says; returns the same object."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
+    choices = plan.choices()
+    from autoplan.trace import unit_endpoints
+
+    for name in choices:
+        try:
+            unit_endpoints(model, name)
+        except (AttributeError, IndexError) as error:
+            raise ValueError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
+    return apply_choices(model, choices, rest_precision=plan.rest_precision)
+
+
+def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch.nn.Module:
+    """Plan for `budget` and rewrite `model` in place; returns the same model object.
+
+    Takes the same arguments as `plan`. Raises InfeasibleBudgetError (with `.plan`) when no plan
+    fits, rather than returning a model that would run out of memory.
+    """
+    decided = plan(model, budget, **options)
+    if not decided.feasible:
+        raise InfeasibleBudgetError(decided)
+    return apply(model, decided)

@@ -1,0 +1,240 @@
+"""Hardware descriptions the planner prices plans against.
+
+A ``Device`` holds a device's memory capacity, dense peak FLOP/s per
+precision, memory bandwidth and the memory lost outside the allocator.
+``DEVICES`` is a table of common accelerators taken from vendor datasheets;
+``get_device`` resolves a name, an alias or the machine's current device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+_GB = 2**30  # datasheet "80GB" of GPU memory is 80 GiB (nvidia-smi counts MiB)
+_T = 1e12
+
+# Not measured: the CUDA context and cuBLAS/cuDNN workspaces typically take a
+# few hundred MiB outside the caching allocator. To be calibrated on a GPU.
+_CUDA_CONTEXT_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class Device:
+    """One kind of device; rates are dense (no structured sparsity)."""
+
+    name: str
+    description: str
+    kind: str
+    memory_bytes: int
+    peak_flops: Mapping[str, float]
+    memory_bandwidth: float
+    context_bytes: int
+    source: str
+
+    def __post_init__(self) -> None:
+        # A plain dict would let callers mutate a "frozen" device's rates.
+        if not isinstance(self.peak_flops, types.MappingProxyType):
+            object.__setattr__(
+                self, "peak_flops", types.MappingProxyType(dict(self.peak_flops))
+            )
+
+    @property
+    def supports_bf16(self) -> bool:
+        return "bf16" in self.peak_flops
+
+    @property
+    def low_precision_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.supports_bf16 else torch.float16
+
+    @property
+    def low_precision_name(self) -> str:
+        return "bf16" if self.supports_bf16 else "fp16"
+
+    def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
+        """Peak FLOP/s for matmuls in ``dtype``.
+
+        A precision the hardware lacks runs at the fp32 rate (emulated or
+        upcast), and so do dtypes without a tensor-core path (ints, float64).
+        """
+        fp32 = self.peak_flops["fp32"]
+        if dtype == torch.float32:
+            return self.peak_flops.get("tf32", fp32) if allow_tf32 else fp32
+        if dtype == torch.bfloat16:
+            return self.peak_flops.get("bf16", fp32)
+        if dtype == torch.float16:
+            return self.peak_flops.get("fp16", fp32)
+        return fp32
+
+
+def _cuda(
+    name: str,
+    description: str,
+    memory_gb: float,
+    flops_tera: Mapping[str, float],
+    bandwidth_bytes: float,
+    source: str,
+) -> Device:
+    return Device(
+        name=name,
+        description=description,
+        kind="cuda",
+        memory_bytes=int(memory_gb * _GB),
+        peak_flops={k: v * _T for k, v in flops_tera.items()},
+        memory_bandwidth=bandwidth_bytes,
+        context_bytes=_CUDA_CONTEXT_BYTES,
+        source=source,
+    )
+
+
+def _cpu() -> Device:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Device(
+        name="cpu",
+        description="host CPU (rates are rough guesses, not a datasheet)",
+        kind="cpu",
+        memory_bytes=int(memory),
+        peak_flops={"fp32": 1e12, "bf16": 1e12},
+        memory_bandwidth=50e9,
+        context_bytes=0,
+        source="rough estimate for a multi-core server CPU; memory from sysconf",
+    )
+
+
+_A100 = {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}
+_H100 = {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}
+_V100 = {"fp32": 15.7, "fp16": 125}
+
+_TABLE = (
+    _cuda("a100-40gb", "NVIDIA A100 SXM4 40GB HBM2", 40, _A100, 1555e9,
+          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 40GB)"),
+    _cuda("a100-80gb", "NVIDIA A100 SXM4 80GB HBM2e", 80, _A100, 2039e9,
+          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 80GB)"),
+    _cuda("h100-80gb", "NVIDIA H100 SXM5 80GB HBM3", 80, _H100, 3.35e12,
+          "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)"),
+    _cuda("h200", "NVIDIA H200 SXM 141GB HBM3e", 141, _H100, 4.8e12,
+          "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)"),
+    # GeForce: fp16/bf16 tensor rates with fp32 accumulate, as frameworks use.
+    _cuda("rtx-3090", "NVIDIA GeForce RTX 3090 24GB GDDR6X", 24,
+          {"fp32": 35.6, "tf32": 35.6, "bf16": 71, "fp16": 71}, 936e9,
+          "NVIDIA Ampere GA102 GPU Architecture whitepaper (RTX 3090)"),
+    _cuda("rtx-4090", "NVIDIA GeForce RTX 4090 24GB GDDR6X", 24,
+          {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2}, 1008e9,
+          "NVIDIA Ada GPU Architecture whitepaper (RTX 4090)"),
+    _cuda("t4", "NVIDIA T4 16GB GDDR6", 16, {"fp32": 8.1, "fp16": 65}, 320e9,
+          "NVIDIA T4 Tensor Core GPU datasheet"),
+    _cuda("v100-16gb", "NVIDIA V100 SXM2 16GB HBM2", 16, _V100, 900e9,
+          "NVIDIA Tesla V100 GPU datasheet (SXM2)"),
+    _cuda("v100-32gb", "NVIDIA V100 SXM2 32GB HBM2", 32, _V100, 900e9,
+          "NVIDIA Tesla V100 GPU datasheet (SXM2)"),
+    _cuda("l4", "NVIDIA L4 24GB GDDR6", 24,
+          {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121}, 300e9,
+          "NVIDIA L4 Tensor Core GPU datasheet"),
+    _cpu(),
+)
+
+DEVICES: dict[str, Device] = {d.name: d for d in _TABLE}
+
+_ALIASES = {
+    "h100": "h100-80gb",
+    "h100-sxm": "h100-80gb",
+    "h200-141gb": "h200",
+    "a100": "a100-80gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "v100": "v100-32gb",
+    "v100-16": "v100-16gb",
+    "v100-32": "v100-32gb",
+    "3090": "rtx-3090",
+    "rtx3090": "rtx-3090",
+    "4090": "rtx-4090",
+    "rtx4090": "rtx-4090",
+}
+
+# Tokens of torch.cuda.get_device_name() that identify a family; the member
+# whose nominal memory is closest to the real one wins (A100 40/80, V100 16/32).
+_FAMILIES = {
+    "h100": ("h100-80gb",),
+    "h200": ("h200",),
+    "a100": ("a100-40gb", "a100-80gb"),
+    "v100": ("v100-16gb", "v100-32gb"),
+    "3090": ("rtx-3090",),
+    "4090": ("rtx-4090",),
+    "t4": ("t4",),
+    "l4": ("l4",),
+}
+
+
+def list_devices() -> list[Device]:
+    """All known devices, sorted by name."""
+    return sorted(DEVICES.values(), key=lambda d: d.name)
+
+
+def get_device(spec: str | Device | None = None) -> Device:
+    """Resolve ``spec`` to a ``Device``.
+
+    A ``Device`` is returned as is. A string is a device name or alias
+    (case-insensitive, e.g. "h100", "A100", "4090"). ``device=None`` means the
+    current CUDA device if CUDA is available, else the "cpu" device; a
+    detected GPU reports its real memory from torch.
+    """
+    if isinstance(spec, Device):
+        return spec
+    if spec is None:
+        return _current_device()
+    if not isinstance(spec, str):
+        raise TypeError(f"device must be a name or a Device, got {spec!r}")
+    key = re.sub(r"[\s_]+", "-", spec.strip().lower())
+    key = _ALIASES.get(key, key)
+    if key not in DEVICES:
+        known = ", ".join(sorted(DEVICES))
+        raise ValueError(f"unknown device {spec!r}. Known devices: {known}")
+    return DEVICES[key]
+
+
+def _current_device() -> Device:
+    if not torch.cuda.is_available():
+        return DEVICES["cpu"]
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return _match_gpu(
+        torch.cuda.get_device_name(index), int(props.total_memory), index,
+        props.major,
+    )
+
+
+def _match_gpu(name: str, memory_bytes: int, index: int, major: int) -> Device:
+    """Map a CUDA device name to a table entry, keeping its real memory."""
+    # Whole tokens only, so "L40S" does not pass for "L4".
+    tokens = set(re.split(r"[^a-z0-9]+", name.lower()))
+    for token, members in _FAMILIES.items():
+        if token in tokens:
+            best = min(
+                (DEVICES[m] for m in members),
+                key=lambda d: abs(d.memory_bytes - memory_bytes),
+            )
+            return dataclasses.replace(best, memory_bytes=memory_bytes)
+    return _unknown_gpu(name, memory_bytes, index, major)
+
+
+def _unknown_gpu(name: str, memory_bytes: int, index: int, major: int) -> Device:
+    h100 = DEVICES["h100-80gb"]
+    rates = dict(h100.peak_flops)
+    if major < 8:
+        # bf16 and tf32 arrived with Ampere (compute capability 8.0).
+        rates.pop("bf16", None)
+        rates.pop("tf32", None)
+    return dataclasses.replace(
+        h100,
+        name=f"cuda:{index}",
+        description=f"{name} (rates unknown; H100 rates assumed)",
+        memory_bytes=memory_bytes,
+        peak_flops=rates,
+        source="torch.cuda device properties; rates copied from H100 SXM",
+    )

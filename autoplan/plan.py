@@ -1,0 +1,123 @@
+"""The plan's vocabulary: what can be chosen for a unit, and the Plan a planning run returns.
+
+A `Choice` is one checkpoint mode × one precision. A `Plan` is everything a person (or the
+rewrite stage) needs: one decision per unit, the predicted and simulated peaks, the memory
+breakdown at the peak, predicted step times, and how the solver got there. `Plan.to_dict()`
+is the JSON schema; it holds only plain numbers, strings, lists and dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Mode = Literal["keep", "selective", "full"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+MODES: tuple[Mode, ...] = ("keep", "selective", "full")
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
+CHECKPOINTED: frozenset[str] = frozenset({"selective", "full"})
+
+
+@dataclass(frozen=True, order=True)
+class Choice:
+    """How one unit runs: which activations it keeps for backward, and in which precision."""
+
+    mode: Mode = "keep"  # keep: save all; selective: save matmul/attention outputs; full: save inputs only
+    precision: Precision = "fp32"  # fp32, or the device's autocast dtype
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown checkpoint mode {self.mode!r}; expected one of {MODES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.mode in CHECKPOINTED
+
+    def __str__(self) -> str:
+        return f"{self.mode}/{self.precision}"
+
+
+@dataclass(frozen=True)
+class UnitDecision:
+    """The plan's decision for one unit, with what it costs."""
+
+    name: str  # qualified module name, e.g. "transformer.h.3"
+    choice: Choice
+    saved_bytes: int  # bytes this unit keeps alive from its forward until its backward
+    recompute_flops: int  # extra FLOPs its backward spends recomputing the forward
+    step_time_s: float  # its forward + backward (+ recompute) time under this choice
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Where the bytes are at the moment of the peak."""
+
+    parameters: int  # parameters and buffers
+    gradients: int  # gradients already produced at that moment
+    optimizer: int  # optimizer state (AdamW: two fp32 tensors per trainable parameter)
+    activations: int  # tensors saved for backward and live inputs/outputs at the start of that phase
+    transient: int  # what the running op sequence allocates on top, up to the peak
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.transient
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What autoplan decided for one model, budget and device, and why it believes it fits."""
+
+    model_name: str  # the model's class name
+    device: str  # the device profile planned for, e.g. "h100-80gb"
+    low_precision: Precision  # the autocast dtype a low-precision unit uses on this device
+    rest_precision: Precision  # precision of everything outside the units (autocast around the forward if low)
+    needs_grad_scaler: bool  # fp16 units need torch.amp.GradScaler in the training loop
+    optimizer: str  # the optimizer whose state was counted
+    feasible: bool  # the simulated peak of one training step fits the usable budget
+    budget_bytes: int  # the budget as given
+    usable_bytes: int  # budget minus the reserve (CUDA context, fragmentation)
+    predicted_peak_bytes: int  # the linear memory model's peak for these choices
+    simulated_peak_bytes: int  # peak of one real training step of the rewritten model, under fake tensors
+    baseline_peak_bytes: int  # simulated peak with no plan (every unit keep/fp32)
+    minimum_peak_bytes: int  # the lowest peak any choice reaches (everything turned on)
+    minimum_budget_bytes: int  # the budget that peak needs after the reserve
+    predicted_step_time_s: float  # forward + backward + recompute + optimizer, roofline estimate
+    baseline_step_time_s: float  # the same with no plan
+    fastest_step_time_s: float  # the fastest choice that ignores memory
+    time_source: str  # "roofline" (FLOPs and bytes over device peak rates) or "measured"
+    breakdown: MemoryBreakdown  # at the predicted peak
+    peak_phase: str  # the moment of the step where the predicted peak happens
+    units: tuple[UnitDecision, ...]  # in execution order
+    solver_status: str  # pulp's status of the final solve, e.g. "Optimal"
+    solve_time_s: float  # wall time spent in the ILP solver, all re-solves included
+    resolves: int  # how often verification tightened the budget and solved again
+    trace_method: str  # "symbolic_trace", "export", or "none" when units were named and tracing failed
+    notes: tuple[str, ...] = field(default=())  # anything the person should know about this plan
+
+    def choices(self) -> dict[str, Choice]:
+        return {unit.name: unit.choice for unit in self.units}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["units"] = [
+            {**dataclasses.asdict(unit), "choice": None, "mode": unit.choice.mode, "precision": unit.choice.precision}
+            for unit in self.units
+        ]
+        for unit in data["units"]:
+            del unit["choice"]
+        data["notes"] = list(self.notes)
+        data["breakdown"]["total"] = self.breakdown.total
+        return data
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def report(self) -> str:
+        from autoplan.report import format_report
+
+        return format_report(self)

@@ -1,0 +1,217 @@
+"""Profile stage: what every unit costs, in bytes and time, under every choice it can take.
+
+Two kinds of measurement, both under fake tensors (no real memory, any machine):
+- the *timeline*: two full training steps of a fake twin of the model with every unit at its base
+  choice (keep, in the base precision), split into phases at unit boundaries;
+- each *unit alone*, called with inputs shaped like the ones it received in the timeline, under
+  each choice: the peak of its forward, the bytes it keeps for backward, the peak of its backward
+  (recomputation included), and roofline time and FLOPs of both.
+Identical units (same class, parameter shapes and input shapes) are measured once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from autoplan.devices import Device
+from autoplan.plan import MODES, Choice
+from autoplan.rewrite import DTYPES, PlannedForward, apply_choices, remove_plan
+from autoplan.simulate import LiveBytesTracker, fake_copy, optimizer_name, unique_storage_bytes
+from autoplan.timeline import TensorSpec, Timeline, UnitCall, _tensors_of, simulate_training
+from autoplan.trace import Traced, unit_module
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit under one choice, measured alone."""
+
+    fwd_peak_bytes: int  # peak of its forward above what was live when it began
+    held_bytes: int  # what it keeps from forward to backward, beyond its inputs and outputs
+    bwd_peak_bytes: int  # peak of its backward (recomputation included) above what was live when it began
+    fwd_time_s: float
+    bwd_time_s: float  # backward plus recomputation
+    fwd_flops: int
+    bwd_flops: int
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_time_s + self.bwd_time_s
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    name: str
+    options: Mapping[Choice, UnitCost]  # every choice this unit may take
+    base: Choice  # the choice it had in the timeline
+
+    def delta_held(self, choice: Choice) -> int:
+        return self.options[choice].held_bytes - self.options[self.base].held_bytes
+
+    def recompute_flops(self, choice: Choice) -> int:
+        kept = self.options.get(Choice("keep", choice.precision))
+        return max(0, self.options[choice].bwd_flops - kept.bwd_flops) if kept else 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    model_name: str
+    device: Device
+    optimizer: str
+    rest_precision: str  # precision of everything outside the units
+    timeline: Timeline  # every unit at its base choice
+    reference: Timeline  # no plan at all: every unit keep/fp32, nothing under autocast
+    units: tuple[UnitProfile, ...]  # forward order
+    trace_method: str
+    skip_edges: tuple[tuple[str, str], ...]
+    time_source: str = "roofline"
+
+    def unit(self, name: str) -> UnitProfile:
+        return next(u for u in self.units if u.name == name)
+
+
+def precision_options(precision: str, device: Device) -> tuple[str, ...]:
+    """The precisions the solver may choose from: "auto" means fp32 or the device's autocast dtype."""
+    if precision == "auto":
+        return ("fp32", device.low_precision_name)
+    if precision not in DTYPES:
+        raise ValueError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got {precision!r}")
+    if precision == "bf16" and not device.supports_bf16:
+        raise ValueError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
+    return (precision,)
+
+
+def _simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping[str, Choice], rest: str):
+    model = remove_plan(fake_copy(traced.model, fake_mode))
+    model.train()  # plans are for training: dropout on, BatchNorm updating its statistics
+    return apply_choices(model, choices, rest_precision=rest)
+
+
+def run_timeline(
+    traced: Traced,
+    choices: Mapping[str, Choice],
+    *,
+    device: Device,
+    optimizer: str | torch.optim.Optimizer,
+    rest_precision: str = "fp32",
+    loss_fn: Callable | None = None,
+) -> Timeline:
+    """Simulate two training steps of the model rewritten with `choices`."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _simulation_model(traced, fake_mode, choices, rest_precision)
+    return simulate_training(
+        model,
+        traced.example_inputs,
+        fake_mode=fake_mode,
+        units=list(traced.units),
+        device=device,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+    )
+
+
+def _signature(module: torch.nn.Module, call: UnitCall) -> tuple:
+    leaves, spec = tree_flatten(call.inputs)
+    described = tuple(leaf if isinstance(leaf, (TensorSpec, int, float, bool, str, type(None))) else type(leaf) for leaf in leaves)
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
+    return (type(module).__qualname__, params, buffers, described, str(spec), call.unheld_input_bytes)
+
+
+def _measure_unit(
+    module: torch.nn.Module, call: UnitCall, choice: Choice, rest: str, device: Device, fake_mode: FakeTensorMode
+) -> UnitCost:
+    tracker = LiveBytesTracker(device)
+    planned = PlannedForward(module, choice)
+    outer = torch.autocast("cpu", dtype=DTYPES[rest], cache_enabled=False) if rest != "fp32" else contextlib.nullcontext()
+    for param in module.parameters():
+        param.grad = None
+    with fake_mode, tracker:
+        args, kwargs = tree_map_only(TensorSpec, TensorSpec.materialize, call.inputs)
+        input_storages = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        tracker.begin_phase("fwd")
+        with outer:
+            output = planned(*args, **kwargs)
+        outputs = [t for t in _tensors_of(output) if t.requires_grad]
+        new_outputs = [t for t in _tensors_of(output) if id(t.untyped_storage()) not in input_storages]
+        held = tracker.live_bytes - tracker.phases()[-1].start_bytes - unique_storage_bytes(new_outputs)
+        grads = [torch.empty_like(t) for t in outputs]
+        tracker.begin_phase("bwd")
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        fwd, bwd = tracker.phases()[-2:]
+        del output, outputs, new_outputs, grads, args, kwargs
+    for param in module.parameters():
+        param.grad = None
+    if choice.checkpointed:
+        held += call.unheld_input_bytes  # checkpoint keeps its inputs alive until backward
+    return UnitCost(
+        fwd_peak_bytes=fwd.peak_bytes - fwd.start_bytes,
+        held_bytes=held,
+        bwd_peak_bytes=bwd.peak_bytes - bwd.start_bytes,
+        fwd_time_s=fwd.time_s,
+        bwd_time_s=bwd.time_s,
+        fwd_flops=fwd.flops,
+        bwd_flops=bwd.flops,
+    )
+
+
+def unit_choices(precisions: tuple[str, ...]) -> list[Choice]:
+    return [Choice(mode, precision) for precision in precisions for mode in MODES]
+
+
+def profile(
+    traced: Traced,
+    device: Device,
+    *,
+    optimizer: str | torch.optim.Optimizer = "adamw",
+    precisions: tuple[str, ...] = ("fp32",),
+    rest_precision: str = "fp32",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
+
+    `rest_precision` is what runs outside the units, and each unit's base choice (keep in it).
+    """
+    if not isinstance(traced, Traced):
+        raise TypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
+    rest = rest_precision
+    base = {name: Choice("keep", rest) for name in traced.units}
+    say = progress or (lambda message: None)
+    say("simulating a training step")
+    timeline = run_timeline(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn)
+    reference = timeline
+    if rest != "fp32":
+        fp32 = {name: Choice("keep", "fp32") for name in traced.units}
+        reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _simulation_model(traced, fake_mode, {}, "fp32")
+    measured: dict[tuple, Mapping[Choice, UnitCost]] = {}
+    units = []
+    for index, call in enumerate(timeline.unit_calls):
+        module = unit_module(model, call.name)
+        key = _signature(module, call)
+        if key not in measured:
+            say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
+            costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
+            measured[key] = MappingProxyType(costs)
+        units.append(UnitProfile(call.name, measured[key], base[call.name]))
+    return Profile(
+        model_name=type(traced.model).__name__,
+        device=device,
+        optimizer=optimizer_name(optimizer),
+        rest_precision=rest,
+        timeline=timeline,
+        reference=reference,
+        units=tuple(units),
+        trace_method=traced.method,
+        skip_edges=traced.skip_edges,
+    )

@@ -1,0 +1,233 @@
+"""Rewrite stage: make a model run its units the way a plan says, in place.
+
+Each unit's `forward` is replaced *on the instance* by a `PlannedForward` that calls the class's
+own forward under the unit's precision (torch.autocast) and checkpoint mode
+(torch.utils.checkpoint, non-reentrant; selective mode through its selective-checkpoint policy).
+Nothing else changes: the class, the parameter objects, `state_dict()` keys and the model's own
+methods stay as they were, `copy.deepcopy` copies the wrappers with the model, and
+`remove_plan(model)` puts the original forwards back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autoplan.plan import Choice
+from autoplan.trace import RANGE_UNIT
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
+# their cost) and recomputes everything else: norms, activations, dropout, casts, adds.
+_SAVED_IN_SELECTIVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.convolution.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_IN_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _has_running_stats(module: torch.nn.Module) -> bool:
+    return any(
+        isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules()
+    )
+
+
+@dataclass
+class PlannedForward:
+    """A unit's forward under its plan; set as `module.forward` on the instance."""
+
+    module: torch.nn.Module
+    choice: Choice
+    original: Any = None  # an instance-level forward that was there before (e.g. another library's hook)
+    cast_outputs: bool = True  # return outputs in the inputs' float dtype, so neighbours see what they saw before
+
+    def _run(self, *args, **kwargs):
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def _precision_context(self, args, kwargs) -> contextlib.AbstractContextManager:
+        device_type = _device_type(self.module, args, kwargs)
+        if self.choice.precision == "fp32":
+            if torch.is_autocast_enabled(device_type):
+                return torch.autocast(device_type, enabled=False)
+            return contextlib.nullcontext()
+        # The weight cache would keep low-precision weight copies alive until the outermost autocast
+        # exits, which defeats checkpointing; without it each use casts, and the cast is what is saved.
+        return torch.autocast(device_type, dtype=DTYPES[self.choice.precision], cache_enabled=False)
+
+    def _forward_in_precision(self, *args, **kwargs):
+        with self._precision_context(args, kwargs):
+            return self._run(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if self.choice.mode == "keep" or not torch.is_grad_enabled():
+            output = self._forward_in_precision(*args, **kwargs)
+        else:
+            function = self._forward_in_precision
+            if _has_running_stats(self.module):
+                function = _without_second_stats_update(self.module, function)
+            context_fn = _selective_context if self.choice.mode == "selective" else _no_context
+            output = checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        if self.cast_outputs and self.choice.precision != "fp32":
+            output = _cast_like_inputs(output, args, kwargs, self.module)
+        return output
+
+
+def _no_context():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _without_second_stats_update(module: torch.nn.Module, function):
+    """Recomputing a BatchNorm in backward would update its running statistics a second time.
+
+    The first call (the forward) runs as is; later calls (recomputation) restore the running
+    statistics afterwards, so the buffers end the step as they would without checkpointing.
+    """
+    calls = []
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if not calls:
+            calls.append(True)
+            return function(*args, **kwargs)
+        buffers = [b for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) for b in m.buffers()]
+        # Outside the dispatch modes: selective checkpointing replays exactly the forward's ops
+        # during recomputation and would reject these extra ones.
+        with _disable_current_modes():
+            saved = [b.detach().clone() for b in buffers]
+        try:
+            return function(*args, **kwargs)
+        finally:
+            with _disable_current_modes(), torch.no_grad():
+                for buffer, value in zip(buffers, saved):
+                    buffer.copy_(value)
+
+    return run
+
+
+def _device_type(module: torch.nn.Module, args, kwargs) -> str:
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    for tensor in module.parameters():
+        return tensor.device.type
+    return "cpu"
+
+
+def _cast_like_inputs(output, args, kwargs, module):
+    floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    target = floats[0].dtype if floats else next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if target is None:
+        return output
+    low = (torch.bfloat16, torch.float16)
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(target) if t.dtype in low and t.dtype != target else t, output
+    )
+
+
+@dataclass
+class PlannedSequential:
+    """An nn.Sequential's forward whose runs of layers are units: each run goes through its PlannedForward.
+
+    The runs are plain Sequentials over the same layer objects, held here rather than registered,
+    so `state_dict()` keys and `model.modules()` are unchanged.
+    """
+
+    module: torch.nn.Sequential
+    runs: list[tuple[int, int, PlannedForward]]  # (start, stop, the run's planned forward)
+    original: Any = None
+
+    def __call__(self, input):
+        layers = list(self.module)
+        position = 0
+        for start, stop, run in self.runs:
+            for layer in layers[position:start]:
+                input = layer(input)
+            input = run(input)
+            position = stop
+        for layer in layers[position:]:
+            input = layer(input)
+        return input
+
+
+def _is_planned(forward: Any) -> bool:
+    return isinstance(forward, (PlannedForward, PlannedSequential))
+
+
+def remove_plan(model: torch.nn.Module) -> torch.nn.Module:
+    """Put back the forward each module had before a plan was applied."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if _is_planned(forward):
+            if forward.original is None:
+                del module.forward
+            else:
+                module.forward = forward.original
+    return model
+
+
+def apply_choices(
+    model: torch.nn.Module,
+    choices: Mapping[str, Choice],
+    *,
+    rest_precision: str = "fp32",
+) -> torch.nn.Module:
+    """Wrap each named unit of `model` (in place) to run with its choice; returns `model`.
+
+    `rest_precision` is the precision of everything outside the units: when it is low, the whole
+    forward runs under autocast, and units chosen fp32 switch it off for themselves.
+    """
+    remove_plan(model)
+    runs: dict[str, list[tuple[int, int, PlannedForward]]] = {}
+    for name, choice in choices.items():
+        match = RANGE_UNIT.match(name)
+        if match is None:
+            module = model.get_submodule(name)
+            module.forward = PlannedForward(module, choice, original=module.__dict__.get("forward"))
+            continue
+        start, stop = int(match["start"]), int(match["stop"])
+        layers = torch.nn.Sequential(*list(model.get_submodule(match["parent"]))[start:stop])
+        runs.setdefault(match["parent"], []).append((start, stop, PlannedForward(layers, choice)))
+    for parent_name, parent_runs in runs.items():
+        parent = model.get_submodule(parent_name)
+        parent.forward = PlannedSequential(parent, sorted(parent_runs, key=lambda run: run[0]), parent.__dict__.get("forward"))
+    if rest_precision != "fp32":
+        model.forward = PlannedForward(
+            model, Choice("keep", rest_precision), original=model.__dict__.get("forward"), cast_outputs=False
+        )
+    return model
+
+
+def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
+    """The choice each unit of a rewritten model runs with (the root's own autocast excluded)."""
+    choices: dict[str, Choice] = {}
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, PlannedSequential):
+            choices.update({f"{name}[{start}:{stop}]": run.choice for start, stop, run in forward.runs})
+        elif isinstance(forward, PlannedForward) and name:
+            choices[name] = forward.choice
+    return choices

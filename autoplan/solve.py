@@ -1,0 +1,160 @@
+"""Solve stage: an integer program that picks one choice per unit.
+
+Variables: x[u, c] = 1 when unit u takes choice c (checkpoint mode × precision), one choice per
+unit. Constraints: for every phase of the training step, the memory model's bytes (see
+`memory.py`) stay under the usable budget. Objective: the least predicted step time (forward,
+backward, recomputation). The bytes a unit keeps until its backward reach every later phase, so
+they are summed once into prefix variables H[i] (held bytes of the first i units), which keeps
+the program's size linear in the number of units.
+
+`minimum_peak` answers "how low can the peak go with everything turned on" by minimising the
+peak instead; an infeasible budget is reported with it, never raised.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import pulp
+
+from autoplan.memory import Point, delta, points, predict_peak
+from autoplan.plan import MODES, Choice
+from autoplan.profile import Profile
+
+MIB = 2**20  # the program works in MiB so the solver's tolerances stay meaningful
+
+
+@dataclass(frozen=True)
+class Solution:
+    choices: Mapping[str, Choice]  # one per unit; empty when no choice fits
+    status: str  # pulp's status: "Optimal", "Infeasible", ...
+    feasible: bool
+    solve_time_s: float
+
+
+def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = None) -> list[list[Choice]]:
+    """Per unit (profile order): the choices the solver may pick, after the person's pins."""
+    pins = pins or {}
+    result = []
+    for unit in profile.units:
+        options = sorted(unit.options)
+        if unit.name in pins:
+            options = [c for c in options if c in pins[unit.name]]
+            if not options:
+                raise ValueError(f"the pins on unit {unit.name!r} leave it no choice it can take")
+        result.append(options)
+    return result
+
+
+def _build(profile: Profile, allowed: list[list[Choice]], name: str):
+    problem = pulp.LpProblem(name, pulp.LpMinimize)
+    x = {
+        (u, c): pulp.LpVariable(f"x_{u}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
+        for u, options in enumerate(allowed)
+        for c in options
+    }
+    for u, options in enumerate(allowed):
+        problem += pulp.lpSum(x[u, c] for c in options) == 1, f"one_choice_unit_{u}"
+    # prefix[i] = held-bytes change of the units that have finished their forward, in forward order
+    forward_order = sorted(range(len(allowed)), key=lambda u: _forward_index(profile, u))
+    prefix = [pulp.LpVariable(f"held_first_{i}", lowBound=None) for i in range(len(allowed) + 1)]
+    problem += prefix[0] == 0, "held_first_0"
+    for i, u in enumerate(forward_order):
+        held = pulp.lpSum(delta(profile.units[u], "held", c) / MIB * x[u, c] for c in allowed[u])
+        problem += prefix[i + 1] == prefix[i] + held, f"held_first_{i + 1}"
+    position = {u: i for i, u in enumerate(forward_order)}
+
+    def phase_bytes(point: Point):
+        held_units = sorted(position[u] for u, relation in point.relations if relation != "fwd")
+        if held_units == list(range(len(held_units))):
+            held = prefix[len(held_units)]
+        else:  # not a prefix of forward order (branches): sum the units themselves
+            held = pulp.lpSum(
+                delta(profile.units[u], "held", c) / MIB * x[u, c] for u, r in point.relations if r != "fwd" for c in allowed[u]
+            )
+        own = pulp.lpSum(
+            (delta(profile.units[u], r, c) - (delta(profile.units[u], "held", c) if r == "bwd" else 0)) / MIB * x[u, c]
+            for u, r in point.relations
+            if r != "held"
+            for c in allowed[u]
+        )
+        return point.base_bytes / MIB + held + own
+
+    return problem, x, phase_bytes
+
+
+def _forward_index(profile: Profile, unit: int) -> int:
+    names = [phase.name for phase in profile.timeline.phases]
+    return names.index(f"fwd:{profile.units[unit].name}")
+
+
+def _tie_break(choice: Choice) -> float:
+    """Between choices of equal time, prefer less rewriting: keep over checkpointing, fp32 over low precision."""
+    return 1e-12 * (MODES.index(choice.mode) + (choice.precision != "fp32"))
+
+
+def _solver(time_limit_s: float) -> pulp.LpSolver:
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-4)
+
+
+def _read_choices(profile: Profile, allowed, x) -> dict[str, Choice]:
+    return {
+        unit.name: max(allowed[u], key=lambda c: x[u, c].value() or 0.0) for u, unit in enumerate(profile.units)
+    }
+
+
+def solve(
+    profile: Profile,
+    usable_bytes: int,
+    *,
+    pins: Mapping[str, tuple[Choice, ...]] | None = None,
+    time_limit_s: float = 10.0,
+) -> Solution:
+    """The fastest choices whose predicted peak fits `usable_bytes`."""
+    started = time.perf_counter()
+    allowed = allowed_choices(profile, pins)
+    problem, x, phase_bytes = _build(profile, allowed, "autoplan_fastest")
+    for point in points(profile):
+        problem += phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
+    problem += pulp.lpSum((profile.units[u].options[c].time_s + _tie_break(c)) * x[u, c] for (u, c) in x), "step_time"
+    problem.solve(_solver(time_limit_s))
+    status = pulp.LpStatus[problem.status]
+    has_solution = problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    elapsed = time.perf_counter() - started
+    if not has_solution:
+        return Solution({}, status, False, elapsed)
+    return Solution(_read_choices(profile, allowed, x), status, True, elapsed)
+
+
+def minimum_peak(
+    profile: Profile, *, pins: Mapping[str, tuple[Choice, ...]] | None = None, time_limit_s: float = 10.0
+) -> tuple[dict[str, Choice], float]:
+    """The choices with the lowest predicted peak (everything turned on), and the solve time."""
+    started = time.perf_counter()
+    allowed = allowed_choices(profile, pins)
+    problem, x, phase_bytes = _build(profile, allowed, "autoplan_lowest_peak")
+    peak = pulp.LpVariable("peak_mib", lowBound=None)
+    for point in points(profile):
+        problem += phase_bytes(point) <= peak, f"peak_at_{point.index}"
+    # among the lowest-peak choices prefer fast ones: time is tiny next to MiB
+    problem += peak + 1e-6 * pulp.lpSum(profile.units[u].options[c].time_s * x[u, c] for (u, c) in x), "peak"
+    problem.solve(_solver(time_limit_s))
+    if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        # cannot happen for a well-formed profile (every unit has a choice); fall back to the base
+        return {u.name: u.base for u in profile.units}, time.perf_counter() - started
+    choices = _read_choices(profile, allowed, x)
+    return choices, time.perf_counter() - started
+
+
+def fastest(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = None) -> dict[str, Choice]:
+    """The fastest choice of every unit, memory ignored."""
+    allowed = allowed_choices(profile, pins)
+    return {
+        unit.name: min(allowed[u], key=lambda c: unit.options[c].time_s + _tie_break(c)) for u, unit in enumerate(profile.units)
+    }
+
+
+def check(profile: Profile, choices: Mapping[str, Choice], usable_bytes: int) -> bool:
+    return predict_peak(profile, choices).bytes <= usable_bytes

@@ -1,0 +1,265 @@
+"""Trace stage: find the units of a model and the graph of how data flows between them.
+
+Units are what the plan decides about. Found in this order:
+1. `units=["layers.*"]`: modules whose qualified names match the patterns (outermost wins);
+2. the submodule class a model repeats that covers the most parameters (transformer blocks,
+   ResNet blocks, U-Net conv blocks);
+3. a model with no repeated class but an `nn.Sequential` backbone: runs of its children cut at
+   the articulation points of their dataflow graph, one parametric layer per unit
+   (named like `"net[0:2]"`).
+
+The model is traced with `torch.fx.symbolic_trace` (units kept as leaf calls), else with
+`torch.export.export(strict=False)`, whose graph is fx too. The unit graph (networkx) says which
+unit feeds which; edges between non-neighbours are skip connections whose tensors stay alive
+across units.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+RANGE_UNIT = re.compile(r"^(?P<parent>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
+
+
+class TraceError(ValueError):
+    """The model could not be traced or partitioned; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A model, its example inputs, its units and the graph between them."""
+
+    model: torch.nn.Module
+    example_inputs: tuple[tuple, dict]  # (args, kwargs)
+    units: tuple[str, ...]  # qualified names, in execution order when the graph is known
+    graph: torch.fx.Graph | None  # None only when tracing failed and the person named the units
+    method: str  # "symbolic_trace", "export" or "none"
+    unit_graph: nx.DiGraph  # unit -> unit dataflow ("input" and "output" included)
+    skip_edges: tuple[tuple[str, str], ...]  # dataflow between units that are not neighbours
+    trace_errors: tuple[str, ...] = ()  # what each tracer tripped on, when one did
+
+
+def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """Accept a tuple of positional args, a dict of kwargs, a pair (args, kwargs), or one tensor."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if (
+        isinstance(example_inputs, (tuple, list))
+        and len(example_inputs) == 2
+        and isinstance(example_inputs[0], (tuple, list))
+        and isinstance(example_inputs[1], dict)
+    ):
+        return tuple(example_inputs[0]), dict(example_inputs[1])
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(
+        "example_inputs must be a tuple of positional arguments, a dict of keyword arguments, "
+        f"or a pair (args, kwargs); got {type(example_inputs).__name__}"
+    )
+
+
+# -- finding units ------------------------------------------------------------------------
+
+def is_range_unit(name: str) -> bool:
+    return RANGE_UNIT.match(name) is not None
+
+
+def unit_endpoints(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The first and last module a unit runs: the unit itself, or the ends of a Sequential run."""
+    match = RANGE_UNIT.match(name)
+    if match is None:
+        module = model.get_submodule(name)
+        return module, module
+    parent = model.get_submodule(match["parent"])
+    return parent[int(match["start"])], parent[int(match["stop"]) - 1]
+
+
+def unit_module(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """The module that computes a unit; for a Sequential run, a new Sequential of the same layers."""
+    match = RANGE_UNIT.match(name)
+    if match is None:
+        return model.get_submodule(name)
+    parent = model.get_submodule(match["parent"])
+    return torch.nn.Sequential(*list(parent)[int(match["start"]) : int(match["stop"])])
+
+
+def _outermost(names: list[str]) -> list[str]:
+    kept: list[str] = []
+    for name in sorted(names, key=lambda n: n.count(".")):
+        if not any(name.startswith(outer + ".") for outer in kept):
+            kept.append(name)
+    return kept
+
+
+def _param_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _repeated_class_units(model: torch.nn.Module) -> list[str]:
+    by_class: dict[type, list[str]] = defaultdict(list)
+    for name, module in model.named_modules():
+        cls = type(module)
+        if not name or isinstance(module, _CONTAINERS) or cls.__module__.startswith("torch.nn."):
+            continue
+        if _param_count(module) > 0:
+            by_class[cls].append(name)
+
+    def coverage(names: list[str]) -> tuple[int, int]:
+        outer = _outermost(names)
+        return sum(_param_count(model.get_submodule(n)) for n in outer), -min(n.count(".") for n in outer)
+
+    candidates = {cls: _outermost(names) for cls, names in by_class.items() if len(_outermost(names)) >= 2}
+    if not candidates:
+        return []
+    best = max(candidates, key=lambda cls: coverage(candidates[cls]))
+    return candidates[best]
+
+
+def _sequential_units(model: torch.nn.Module) -> list[str]:
+    """Cut the longest Sequential into runs that each start at a layer with parameters."""
+    sequentials = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Sequential) and len(m) >= 2]
+    if not sequentials:
+        return []
+    name, seq = max(sequentials, key=lambda item: (_param_count(item[1]), -item[0].count(".")))
+    chain = nx.path_graph(["input", *range(len(seq)), "output"])
+    cut_points = set(nx.articulation_points(chain))  # in a Sequential every layer boundary is one
+    starts = [i for i in range(len(seq)) if i in cut_points and _param_count(seq[i]) > 0]
+    if len(starts) < 2:
+        return []
+    starts[0] = 0
+    bounds = starts + [len(seq)]
+    return [f"{name}[{a}:{b}]" for a, b in zip(bounds, bounds[1:])]
+
+
+def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> list[str]:
+    """Names of the modules (or Sequential runs) the plan will decide about."""
+    if patterns:
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        names = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        if not names:
+            tops = ", ".join(n for n, _ in model.named_children()) or "(none)"
+            raise TraceError(
+                f"units={patterns} matched no submodule of {type(model).__name__}; "
+                f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
+            )
+        return _outermost(names)
+    units = _repeated_class_units(model) or _sequential_units(model)
+    if not units:
+        raise TraceError(
+            f"{type(model).__name__} has no repeated submodule and no nn.Sequential to split into units; "
+            "pass units=['name.pattern', ...] naming the submodules to plan (e.g. its blocks)."
+        )
+    return units
+
+
+# -- tracing ------------------------------------------------------------------------------
+
+class _UnitLeafTracer(torch.fx.Tracer):
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
+        return qualified_name in self.leaves or super().is_leaf_module(module, qualified_name)
+
+
+def _symbolic_trace(model: torch.nn.Module, leaves: set[str]) -> torch.fx.Graph:
+    return _UnitLeafTracer(leaves).trace(model)
+
+
+def _export(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> torch.fx.Graph:
+    args, kwargs = inputs
+    return torch.export.export(model, args, kwargs, strict=False).graph
+
+
+def _node_unit(node: torch.fx.Node, module_units: dict[str, str]) -> str | None:
+    if node.op == "call_module":
+        return module_units.get(str(node.target))
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        path = re.sub(r"^L\['self'\]\.?", "", str(path)).replace("._modules['", ".").replace("']", "")
+        if path in module_units:
+            return module_units[path]
+    return None
+
+
+def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.DiGraph]:
+    """Which unit's output reaches which unit's input, through the ops between them."""
+    module_units: dict[str, str] = {}
+    for unit in units:
+        match = RANGE_UNIT.match(unit)
+        if match is None:
+            module_units[unit] = unit
+        else:
+            prefix = f"{match['parent']}." if match["parent"] else ""
+            for i in range(int(match["start"]), int(match["stop"])):
+                module_units[f"{prefix}{i}"] = unit
+    sources: dict[torch.fx.Node, set[str]] = {}
+    order: list[str] = []
+    dataflow = nx.DiGraph()
+    dataflow.add_nodes_from(["input", "output"])
+    for node in graph.nodes:
+        unit = _node_unit(node, module_units)
+        incoming = set().union(*(sources.get(arg, set()) for arg in node.all_input_nodes)) if node.all_input_nodes else set()
+        if node.op == "placeholder":
+            sources[node] = {"input"}
+        elif unit is not None:
+            if unit not in order:
+                order.append(unit)
+                dataflow.add_node(unit)
+            for source in incoming - {unit}:
+                dataflow.add_edge(source, unit)
+            sources[node] = {unit}
+        else:
+            sources[node] = incoming
+            if node.op == "output":
+                for source in incoming:
+                    dataflow.add_edge(source, "output")
+    return order, dataflow
+
+
+def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None) -> Traced:
+    """Find the units of `model` and trace how data flows between them."""
+    inputs = normalize_inputs(example_inputs)
+    unit_names = find_units(model, units)
+    leaves = {u for u in unit_names if not is_range_unit(u)}
+    errors: list[str] = []
+    graph, method = None, "none"
+    try:
+        graph, method = _symbolic_trace(model, leaves), "symbolic_trace"
+    except Exception as error:  # noqa: BLE001 - any failure means: try the next tracer
+        errors.append(f"torch.fx.symbolic_trace: {type(error).__name__}: {_first_line(error)}")
+        try:
+            graph, method = _export(model, inputs), "export"
+        except Exception as error2:  # noqa: BLE001
+            errors.append(f"torch.export(strict=False): {type(error2).__name__}: {_first_line(error2)}")
+    if graph is None and not units:
+        raise TraceError(
+            f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n"
+            "Pass units=['pattern', ...] to name the submodules to plan; autoplan can then plan "
+            "without a graph. Or make the forward traceable (avoid Python control flow on tensor values)."
+        )
+    if graph is None:
+        return Traced(model, inputs, tuple(unit_names), None, method, nx.DiGraph(), (), tuple(errors))
+    order, dataflow = _unit_graph(graph, unit_names)
+    ordered = order + [u for u in unit_names if u not in order]
+    neighbours = {(a, b) for a, b in zip(["input", *ordered], [*ordered, "output"])}
+    skips = tuple(sorted((a, b) for a, b in dataflow.edges if (a, b) not in neighbours and a != "input" and b != "output"))
+    return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""

@@ -1,0 +1,43 @@
+"""Verify stage: run one real training step of the rewritten model under fake tensors.
+
+The linear memory model (`memory.py`) adds up per-unit measurements; this stage checks its sum
+against a simulation of the whole rewritten model (every op, every tensor, the optimizer step),
+so a plan is called feasible only when that simulation fits. On a GPU, issue #5 adds the same
+check against `torch.cuda.max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from autoplan.devices import Device
+from autoplan.plan import Choice
+from autoplan.profile import run_timeline
+from autoplan.trace import Traced
+
+
+@dataclass(frozen=True)
+class Simulation:
+    peak_bytes: int  # peak live bytes of step 2
+    peak_phase: str  # the phase where it happened
+    step_time_s: float  # roofline time of the whole step
+
+
+def simulate_plan(
+    traced: Traced,
+    choices: Mapping[str, Choice],
+    *,
+    device: Device,
+    optimizer: str | torch.optim.Optimizer,
+    rest_precision: str,
+    loss_fn: Callable | None = None,
+) -> Simulation:
+    """Simulate a training step of `traced.model` rewritten with `choices`."""
+    timeline = run_timeline(
+        traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn
+    )
+    peak = max(timeline.phases, key=lambda phase: phase.peak_bytes)
+    return Simulation(peak.peak_bytes, peak.name, timeline.step_time_s)
