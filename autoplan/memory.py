@@ -10,6 +10,12 @@ base choice) and changes it unit by unit:
 - during u's backward, by that difference plus the difference of its backward peaks (where a
   checkpointed unit recomputes).
 
+Tensors passed between units (a block's output is the next block's input; a U-Net's skip reaches
+a decoder block) are counted once: such a tensor stays alive through a holder's window (its
+forward to its backward) when that holder, or any holder before it in forward order, keeps it
+(the producer saves its output, a consumer saves its input or checkpoints it). Windows of later
+units nest inside those of earlier ones, so this is an OR that the solver linearises.
+
 Peak = max over phases. Static memory (parameters, optimizer state, gradients as they appear, the
 batch, the rest of the model) is in the timeline exactly as simulated.
 """
@@ -63,28 +69,123 @@ def points(profile: Profile) -> list[Point]:
     return result
 
 
-def delta(unit: UnitProfile, relation: Relation, choice: Choice) -> int:
-    """How much `choice` (instead of the unit's base choice) changes the bytes of a phase."""
+def transient_delta(unit: UnitProfile, relation: Relation, choice: Choice) -> int:
+    """How much `choice` (instead of the base) changes the unit's own peak in its forward or backward."""
     cost, base = unit.options[choice], unit.options[unit.base]
     if relation == "fwd":
         return cost.fwd_peak_bytes - base.fwd_peak_bytes
-    held = cost.held_bytes - base.held_bytes
-    if relation == "held":
-        return held
-    return held + cost.bwd_peak_bytes - base.bwd_peak_bytes
+    if relation == "bwd":
+        return cost.bwd_peak_bytes - base.bwd_peak_bytes
+    return 0
+
+
+def held_delta(unit: UnitProfile, choice: Choice) -> int:
+    """How much `choice` changes what the unit keeps beyond its inputs and outputs."""
+    return unit.delta_held(choice)
+
+
+@dataclass(frozen=True)
+class Holder:
+    unit: int  # index in profile.units
+    side: Literal["in", "out"]
+    leaf: int  # which tensor of the unit's inputs or output
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """A tensor units pass along, and the units that may keep it, in forward order."""
+
+    bytes: int
+    holders: tuple[Holder, ...]
+
+
+def shared_tensors(profile: Profile) -> list[SharedTensor]:
+    """Tensors between units whose lifetime depends on the units' choices (not kept by the rest)."""
+    index = {unit.name: i for i, unit in enumerate(profile.units)}
+    result = []
+    for boundary in profile.timeline.boundaries:
+        if boundary.held_by_rest:
+            continue  # the batch, or saved by an op outside the units: alive whatever units choose
+        holders = [Holder(index[name], "in", leaf) for name, leaf in boundary.consumers if name in index]
+        if boundary.producer and boundary.producer[0] in index:
+            holders.insert(0, Holder(index[boundary.producer[0]], "out", boundary.producer[1]))
+        holders.sort(key=lambda h: h.unit)
+        if holders:
+            result.append(SharedTensor(boundary.bytes, tuple(holders)))
+    return result
+
+
+def holds(profile: Profile, holder: Holder, choice: Choice) -> bool:
+    cost = profile.units[holder.unit].options[choice]
+    flags = cost.holds_outputs if holder.side == "out" else cost.holds_inputs
+    return flags[holder.leaf] if holder.leaf < len(flags) else True  # unknown: assume kept
+
+
+def shared_bytes(profile: Profile, chosen: list[Choice], tensors: list[SharedTensor] | None = None) -> list[int]:
+    """Per unit: bytes of passed-along tensors alive in its window only because of it (or nothing earlier)."""
+    extra = [0] * len(profile.units)
+    for tensor in shared_tensors(profile) if tensors is None else tensors:
+        kept = False
+        for holder in tensor.holders:
+            now = kept or holds(profile, holder, chosen[holder.unit])
+            if now and not kept:
+                extra[holder.unit] += tensor.bytes
+            kept = now
+    return extra
 
 
 def _choices_list(profile: Profile, choices: Mapping[str, Choice]) -> list[Choice]:
     return [choices.get(unit.name, unit.base) for unit in profile.units]
 
 
+def held_changes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
+    """Per unit: the change, against the timeline, of the bytes alive through its window because of it."""
+    chosen = _choices_list(profile, choices)
+    base = [unit.base for unit in profile.units]
+    tensors = shared_tensors(profile)
+    extra, base_extra = shared_bytes(profile, chosen, tensors), shared_bytes(profile, base, tensors)
+    return [held_delta(unit, c) + e - b for unit, c, e, b in zip(profile.units, chosen, extra, base_extra)]
+
+
+def kept_flags(profile: Profile, tensor: SharedTensor, chosen: list[Choice]) -> list[bool]:
+    """kept[j]: whether any of the tensor's holders 0..j keeps it."""
+    flags, kept = [], False
+    for holder in tensor.holders:
+        kept = kept or holds(profile, holder, chosen[holder.unit])
+        flags.append(kept)
+    return flags
+
+
+def alive_regardless(profile: Profile, tensor: SharedTensor) -> dict[int, int]:
+    """Forward phases where the tensor is alive anyway (made, not yet used by its last consumer).
+
+    Maps phase index -> the last holder (index into tensor.holders) whose forward has finished
+    there; the prefix sums credit that holder's kept-flag to these phases, which must not count.
+    """
+    windows = unit_windows(profile)
+    starts = [windows[h.unit][0] for h in tensor.holders]
+    result = {}
+    for index in range(starts[0] + 1, starts[-1] + 1):
+        finished = [j for j, start in enumerate(starts) if start < index]
+        result[index] = finished[-1]
+    return result
+
+
 def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
     """Predicted peak bytes of every phase of the step."""
     chosen = _choices_list(profile, choices)
-    return [
-        point.base_bytes + sum(delta(profile.units[u], relation, chosen[u]) for u, relation in point.relations)
+    base = [unit.base for unit in profile.units]
+    held = held_changes(profile, choices)
+    live = [
+        point.base_bytes
+        + sum((held[u] if relation != "fwd" else 0) + transient_delta(profile.units[u], relation, chosen[u]) for u, relation in point.relations)
         for point in points(profile)
     ]
+    for tensor in shared_tensors(profile):
+        kept, kept_base = kept_flags(profile, tensor, chosen), kept_flags(profile, tensor, base)
+        for index, last in alive_regardless(profile, tensor).items():
+            live[index] += tensor.bytes * (kept_base[last] - kept[last])
+    return live
 
 
 @dataclass(frozen=True)
@@ -99,10 +200,8 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice]) -> PeakPredict
     live = live_bytes(profile, choices)
     index = max(range(len(live)), key=live.__getitem__)
     phase = profile.timeline.phases[index]
-    chosen = _choices_list(profile, choices)
-    start = phase.start_bytes + sum(
-        profile.units[u].delta_held(chosen[u]) for u, relation in points(profile)[index].relations if relation != "fwd"
-    )
+    held = held_changes(profile, choices)
+    start = phase.start_bytes + sum(held[u] for u, relation in points(profile)[index].relations if relation != "fwd")
     static = profile.timeline.static
     activations = start - static.parameters - static.optimizer - phase.grad_bytes
     breakdown = MemoryBreakdown(

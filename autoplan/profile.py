@@ -12,12 +12,14 @@ Identical units (same class, parameter shapes and input shapes) are measured onc
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoplan.devices import Device
@@ -39,6 +41,8 @@ class UnitCost:
     bwd_time_s: float  # backward plus recomputation
     fwd_flops: int
     bwd_flops: int
+    holds_inputs: tuple[bool, ...] = ()  # per tensor leaf of its inputs: still alive after forward
+    holds_outputs: tuple[bool, ...] = ()  # per tensor leaf of its output: saved by itself for backward
 
     @property
     def time_s(self) -> float:
@@ -121,7 +125,15 @@ def _signature(module: torch.nn.Module, call: UnitCall) -> tuple:
     described = tuple(leaf if isinstance(leaf, (TensorSpec, int, float, bool, str, type(None))) else type(leaf) for leaf in leaves)
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
     buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
-    return (type(module).__qualname__, params, buffers, described, str(spec), call.unheld_input_bytes)
+    return (type(module).__qualname__, params, buffers, described, str(spec))
+
+
+def _materialize(spec: TensorSpec) -> torch.Tensor:
+    """A fake input like the one recorded; one that needs grad is made by an op, as in the real
+    step, so that only the unit's own saved tensors (not autograd's leaf bookkeeping) keep it alive."""
+    if not spec.requires_grad:
+        return TensorSpec(spec.shape, spec.stride, spec.dtype, False).materialize()
+    return spec.materialize().clone()
 
 
 def _measure_unit(
@@ -133,24 +145,32 @@ def _measure_unit(
     for param in module.parameters():
         param.grad = None
     with fake_mode, tracker:
-        args, kwargs = tree_map_only(TensorSpec, TensorSpec.materialize, call.inputs)
-        input_storages = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        input_refs = [weakref.ref(t.untyped_storage()) for t in inputs]
+        input_storages = {id(t.untyped_storage()) for t in inputs}
         tracker.begin_phase("fwd")
         with outer:
             output = planned(*args, **kwargs)
-        outputs = [t for t in _tensors_of(output) if t.requires_grad]
-        new_outputs = [t for t in _tensors_of(output) if id(t.untyped_storage()) not in input_storages]
+        outputs = _tensors_of(output)
+        new_outputs = [t for t in outputs if id(t.untyped_storage()) not in input_storages]
         held = tracker.live_bytes - tracker.phases()[-1].start_bytes - unique_storage_bytes(new_outputs)
-        grads = [torch.empty_like(t) for t in outputs]
+        output_refs = [weakref.ref(t.untyped_storage()) for t in outputs]
+        needs_grad = [t for t in outputs if t.requires_grad]
+        edges = [get_gradient_edge(t) for t in needs_grad]
+        shapes = [(t.shape, t.dtype) for t in needs_grad]
+        # Drop every reference of ours: what stays alive now is what the unit itself keeps.
+        del output, outputs, new_outputs, needs_grad, args, kwargs, inputs
+        holds_inputs = tuple(ref() is not None for ref in input_refs)
+        holds_outputs = tuple(ref() is not None for ref in output_refs)
+        grads = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
         tracker.begin_phase("bwd")
-        if outputs:
-            torch.autograd.backward(outputs, grads)
+        if edges:
+            torch.autograd.backward(edges, grads)
         fwd, bwd = tracker.phases()[-2:]
-        del output, outputs, new_outputs, grads, args, kwargs
+        del edges, grads
     for param in module.parameters():
         param.grad = None
-    if choice.checkpointed:
-        held += call.unheld_input_bytes  # checkpoint keeps its inputs alive until backward
     return UnitCost(
         fwd_peak_bytes=fwd.peak_bytes - fwd.start_bytes,
         held_bytes=held,
@@ -159,6 +179,8 @@ def _measure_unit(
         bwd_time_s=bwd.time_s,
         fwd_flops=fwd.flops,
         bwd_flops=bwd.flops,
+        holds_inputs=holds_inputs,
+        holds_outputs=holds_outputs,
     )
 
 

@@ -19,7 +19,7 @@ from typing import Mapping
 
 import pulp
 
-from autoplan.memory import Point, delta, points, predict_peak
+from autoplan.memory import Point, alive_regardless, held_delta, holds, kept_flags, points, predict_peak, shared_bytes, shared_tensors, transient_delta
 from autoplan.plan import MODES, Choice
 from autoplan.profile import Profile
 
@@ -57,32 +57,64 @@ def _build(profile: Profile, allowed: list[list[Choice]], name: str):
     }
     for u, options in enumerate(allowed):
         problem += pulp.lpSum(x[u, c] for c in options) == 1, f"one_choice_unit_{u}"
+    held, corrections = _held_expressions(profile, allowed, x, problem)
     # prefix[i] = held-bytes change of the units that have finished their forward, in forward order
     forward_order = sorted(range(len(allowed)), key=lambda u: _forward_index(profile, u))
     prefix = [pulp.LpVariable(f"held_first_{i}", lowBound=None) for i in range(len(allowed) + 1)]
     problem += prefix[0] == 0, "held_first_0"
     for i, u in enumerate(forward_order):
-        held = pulp.lpSum(delta(profile.units[u], "held", c) / MIB * x[u, c] for c in allowed[u])
-        problem += prefix[i + 1] == prefix[i] + held, f"held_first_{i + 1}"
+        problem += prefix[i + 1] == prefix[i] + held[u], f"held_first_{i + 1}"
     position = {u: i for i, u in enumerate(forward_order)}
 
     def phase_bytes(point: Point):
-        held_units = sorted(position[u] for u, relation in point.relations if relation != "fwd")
-        if held_units == list(range(len(held_units))):
-            held = prefix[len(held_units)]
-        else:  # not a prefix of forward order (branches): sum the units themselves
-            held = pulp.lpSum(
-                delta(profile.units[u], "held", c) / MIB * x[u, c] for u, r in point.relations if r != "fwd" for c in allowed[u]
-            )
+        holding = [u for u, relation in point.relations if relation != "fwd"]
+        if sorted(position[u] for u in holding) == list(range(len(holding))):
+            held_now = prefix[len(holding)]
+        else:  # not a prefix of forward order (parallel branches): sum the units themselves
+            held_now = pulp.lpSum(held[u] for u in holding)
         own = pulp.lpSum(
-            (delta(profile.units[u], r, c) - (delta(profile.units[u], "held", c) if r == "bwd" else 0)) / MIB * x[u, c]
+            transient_delta(profile.units[u], r, c) / MIB * x[u, c]
             for u, r in point.relations
             if r != "held"
             for c in allowed[u]
         )
-        return point.base_bytes / MIB + held + own
+        return point.base_bytes / MIB + held_now + own + pulp.lpSum(corrections.get(point.index, []))
 
     return problem, x, phase_bytes
+
+
+def _held_expressions(profile: Profile, allowed, x, problem) -> list:
+    """Per unit, in MiB: its held-bytes change plus the passed-along tensors alive because of it.
+
+    A passed-along tensor is alive in holder j's window when any of holders 1..j keeps it:
+    kept[j] >= kept[j-1] and kept[j] >= holds_j(x), and holder j accounts for kept[j] - kept[j-1].
+    """
+    base_choices = [unit.base for unit in profile.units]
+    base = shared_bytes(profile, base_choices)
+    corrections: dict[int, list] = {}
+    held = [
+        pulp.lpSum(held_delta(profile.units[u], c) / MIB * x[u, c] for c in allowed[u]) - base[u] / MIB
+        for u in range(len(allowed))
+    ]
+    for t, tensor in enumerate(shared_tensors(profile)):
+        previous = 0
+        kept_by = []
+        for j, holder in enumerate(tensor.holders):
+            keeps = pulp.lpSum(x[holder.unit, c] for c in allowed[holder.unit] if holds(profile, holder, c))
+            if j == 0:
+                kept = keeps
+            else:
+                kept = pulp.LpVariable(f"kept_{t}_{j}", lowBound=0, upBound=1)
+                problem += kept >= previous, f"kept_{t}_{j}_after_earlier"
+                problem += kept >= keeps, f"kept_{t}_{j}_by_unit_{holder.unit}"
+            held[holder.unit] = held[holder.unit] + tensor.bytes / MIB * (kept - previous)
+            kept_by.append(kept)
+            previous = kept
+        # between its making and its last consumer's forward it is alive anyway: undo the credit
+        kept_base = kept_flags(profile, tensor, base_choices)
+        for index, last in alive_regardless(profile, tensor).items():
+            corrections.setdefault(index, []).append(tensor.bytes / MIB * (kept_base[last] - kept_by[last]))
+    return held, corrections
 
 
 def _forward_index(profile: Profile, unit: int) -> int:

@@ -45,11 +45,29 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class UnitCall:
-    """How a unit was called during the simulated forward."""
+    """How a unit was called during the simulated forward, and where its tensors came from.
+
+    Tensors are named by storage keys (one per distinct storage in the step), so the memory model
+    can tell which unit's output is which unit's input, and count each such tensor once.
+    """
 
     name: str
     inputs: Any  # (args, kwargs) with TensorSpec leaves in place of tensors
-    unheld_input_bytes: int  # bytes of its inputs that nothing kept after the forward
+    input_keys: tuple[int, ...]  # storage key of each tensor leaf of the inputs, in flattening order
+    input_bytes: tuple[int, ...]
+    output_keys: tuple[int, ...]  # storage key of each tensor leaf of the output
+    output_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A tensor one unit hands another (or the rest of the model hands a unit)."""
+
+    key: int
+    bytes: int
+    producer: tuple[str, int] | None  # (unit, output leaf), None when made outside the units
+    consumers: tuple[tuple[str, int], ...]  # (unit, input leaf) in forward order
+    held_by_rest: bool  # the batch itself, or saved for backward by an op outside the units
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,7 @@ class Timeline:
     peak_bytes: int
     unit_calls: tuple[UnitCall, ...]  # forward order
     static: StaticBytes
+    boundaries: tuple[Boundary, ...] = ()
 
     @property
     def step_time_s(self) -> float:
@@ -96,8 +115,11 @@ class _UnitRecorder:
         self.params = list(model.parameters())
         self.recording = False
         self.grad_bytes: list[int] = []
-        self.calls: dict[str, Any] = {}
-        self._input_refs: dict[str, list[tuple[weakref.ref, int]]] = {}
+        self.calls: dict[str, UnitCall] = {}
+        self.in_rest = False
+        self.rest_saved: set[int] = set()
+        self._keys: dict[int, tuple[weakref.ref, int]] = {}
+        self._last_key = 0
         self._handles = []
         self.in_forward = False  # recomputation in backward calls the unit's layers again: not a new call
         for name in units:
@@ -105,9 +127,26 @@ class _UnitRecorder:
             self._handles.append(first.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._handles.append(last.register_forward_hook(self._post_hook(name), with_kwargs=True))
 
+    def key(self, tensor: torch.Tensor) -> int:
+        """A number for this tensor's storage, the same for every tensor sharing it, never reused."""
+        storage = tensor.untyped_storage()
+        known = self._keys.get(id(storage))
+        if known is not None and known[0]() is storage:
+            return known[1]
+        self._last_key += 1
+        key = self._last_key
+        self._keys[id(storage)] = (weakref.ref(storage), key)
+        return key
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.recording and self.in_forward and self.in_rest:
+            self.rest_saved.add(self.key(tensor))
+        return tensor
+
     def begin(self, name: str) -> None:
         if not self.recording:
             return
+        self.in_rest = name.startswith(("fwd:start", "fwd:after "))
         grads = [p.grad for p in self.params if p.grad is not None]
         self.grad_bytes.append(unique_storage_bytes(grads))
         self.tracker.begin_phase(name)
@@ -133,16 +172,19 @@ class _UnitRecorder:
                 )
             self.begin(f"fwd:{name}")
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            self.calls[name] = tree_map_only(
+            spec = tree_map_only(
                 torch.Tensor,
                 lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad),
                 (args, kwargs),
             )
-            unique = {id(t.untyped_storage()): t for t in tensors}
-            self._input_refs[name] = [(weakref.ref(t.untyped_storage()), storage_bytes(t)) for t in unique.values()]
+            keys = tuple(self.key(t) for t in tensors)
+            self.calls[name] = UnitCall(name, spec, keys, tuple(storage_bytes(t) for t in tensors), (), ())
             end_hook = self._once(f"bwd:after {name}")
-            for tensor in tensors:
-                if tensor.requires_grad:
+            unit_outputs = {key for call in self.calls.values() for key in call.output_keys}
+            for tensor, key in zip(tensors, keys):
+                # A unit's output already opens its producer's backward phase, at the same moment;
+                # a second hook there would fire after that one and mislabel the producer's phase.
+                if tensor.requires_grad and key not in unit_outputs:
                     tensor.register_hook(end_hook)
             return None
 
@@ -153,21 +195,32 @@ class _UnitRecorder:
             if not (self.recording and self.in_forward):
                 return None
             start_hook = self._once(f"bwd:{name}")
-            for tensor in _tensors_of(output):
+            outputs = _tensors_of(output)
+            for tensor in outputs:
                 if tensor.requires_grad:
                     tensor.register_hook(start_hook)
+            call = self.calls[name]
+            self.calls[name] = UnitCall(
+                name, call.inputs, call.input_keys, call.input_bytes,
+                tuple(self.key(t) for t in outputs), tuple(storage_bytes(t) for t in outputs),
+            )
             self.begin(f"fwd:after {name}")
             return None
 
         return hook
 
-    def unit_calls(self) -> tuple[UnitCall, ...]:
-        """Call this at the end of forward: whatever input storage is dead by then was not held."""
-        calls = []
-        for name, inputs in self.calls.items():
-            unheld = sum(nbytes for ref, nbytes in self._input_refs[name] if ref() is None)
-            calls.append(UnitCall(name, inputs, unheld))
-        return tuple(calls)
+    def boundaries(self, batch_keys: set[int]) -> tuple[Boundary, ...]:
+        """Every tensor a unit receives, with who made it and who else keeps it."""
+        produced = {key: (call.name, leaf) for call in self.calls.values() for leaf, key in enumerate(call.output_keys)}
+        found: dict[int, Boundary] = {}
+        for call in self.calls.values():
+            for leaf, (key, nbytes) in enumerate(zip(call.input_keys, call.input_bytes)):
+                known = found.get(key)
+                consumers = (known.consumers if known else ()) + ((call.name, leaf),)
+                found[key] = Boundary(
+                    key, nbytes, produced.get(key), consumers, key in batch_keys or key in self.rest_saved
+                )
+        return tuple(found.values())
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -207,21 +260,25 @@ def simulate_training(
     try:
         with fake_mode, tracker:
             args, kwargs = fake_tree(example_inputs, fake_mode)
-            input_bytes = unique_storage_bytes(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+            batch = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            input_bytes = unique_storage_bytes(batch)
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
             opt = make_optimizer(optimizer, trainable, device)
             first_phase = 0
             for step in range(steps):
                 recorder.recording = step == steps - 1
                 recorder.calls.clear()
+                recorder.rest_saved.clear()
                 if recorder.recording:
                     first_phase = tracker.phase_count
                 recorder.begin("fwd:start")
                 recorder.in_forward = True
-                output = model(*args, **kwargs)
-                loss = loss_fn(output)
+                with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _identity):
+                    output = model(*args, **kwargs)
+                    loss = loss_fn(output)
                 recorder.in_forward = False
-                calls = recorder.unit_calls()
+                calls = tuple(recorder.calls.values())
+                boundaries = recorder.boundaries({recorder.key(t) for t in batch})
                 recorder.begin("bwd:start")
                 loss.backward()
                 del output, loss
@@ -244,4 +301,8 @@ def simulate_training(
     missing = [name for name in units if name not in {call.name for call in calls}]
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
-    return Timeline(phases, max(p.peak_bytes for p in phases), calls, static)
+    return Timeline(phases, max(p.peak_bytes for p in phases), calls, static, boundaries)
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
