@@ -89,15 +89,13 @@ class PlannedForward:
             function = self._forward_in_precision
             if _has_running_stats(self.module):
                 function = _without_second_stats_update(self.module, function)
-            context_fn = _selective_context if self.choice.mode == "selective" else _no_context
-            output = checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            # Only selective mode passes a context_fn: torch.compile rejects a custom one that
+            # returns no dispatch modes, so full mode keeps checkpoint's default.
+            extra = {"context_fn": _selective_context} if self.choice.mode == "selective" else {}
+            output = checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
         if self.cast_outputs and self.choice.precision != "fp32":
             output = _cast_like_inputs(output, args, kwargs, self.module)
         return output
-
-
-def _no_context():
-    return contextlib.nullcontext(), contextlib.nullcontext()
 
 
 def _without_second_stats_update(module: torch.nn.Module, function):

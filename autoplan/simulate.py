@@ -104,6 +104,13 @@ class LiveBytesTracker(TorchDispatchMode):
             self._charge_time(func, args, kwargs, out, inputs, outputs)
         return out
 
+    def adopt(self, tensors) -> None:
+        """Count tensors made before tracking began (the model's parameters and buffers) as live."""
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if id(storage) not in self._finalizers:
+                self._count(storage, id(storage))
+
     def _count(self, storage: torch.UntypedStorage, key: int) -> None:
         nbytes = rounded_bytes(storage.nbytes())
         self.live_bytes += nbytes

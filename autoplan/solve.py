@@ -51,7 +51,7 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
 def _build(profile: Profile, allowed: list[list[Choice]], name: str):
     problem = pulp.LpProblem(name, pulp.LpMinimize)
     x = {
-        (u, c): pulp.LpVariable(f"x_{u}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
+        (u, c): problem.add_variable(f"x_{u}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
         for u, options in enumerate(allowed)
         for c in options
     }
@@ -60,7 +60,7 @@ def _build(profile: Profile, allowed: list[list[Choice]], name: str):
     held, corrections = _held_expressions(profile, allowed, x, problem)
     # prefix[i] = held-bytes change of the units that have finished their forward, in forward order
     forward_order = sorted(range(len(allowed)), key=lambda u: _forward_index(profile, u))
-    prefix = [pulp.LpVariable(f"held_first_{i}", lowBound=None) for i in range(len(allowed) + 1)]
+    prefix = [problem.add_variable(f"held_first_{i}") for i in range(len(allowed) + 1)]
     problem += prefix[0] == 0, "held_first_0"
     for i, u in enumerate(forward_order):
         problem += prefix[i + 1] == prefix[i] + held[u], f"held_first_{i + 1}"
@@ -104,7 +104,7 @@ def _held_expressions(profile: Profile, allowed, x, problem) -> list:
             if j == 0:
                 kept = keeps
             else:
-                kept = pulp.LpVariable(f"kept_{t}_{j}", lowBound=0, upBound=1)
+                kept = problem.add_variable(f"kept_{t}_{j}", lowBound=0, upBound=1)
                 problem += kept >= previous, f"kept_{t}_{j}_after_earlier"
                 problem += kept >= keeps, f"kept_{t}_{j}_by_unit_{holder.unit}"
             held[holder.unit] = held[holder.unit] + tensor.bytes / MIB * (kept - previous)
@@ -127,8 +127,25 @@ def _tie_break(choice: Choice) -> float:
     return 1e-12 * (MODES.index(choice.mode) + (choice.precision != "fp32"))
 
 
-def _solver(time_limit_s: float) -> pulp.LpSolver:
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-4)
+def _run(problem: pulp.LpProblem, time_limit_s: float) -> None:
+    try:
+        problem.solve(_solver(time_limit_s))
+    except pulp.PulpSolverError:
+        # CBC without preprocessing has crashed on some infeasible programs: ask again with defaults
+        problem.solve(_solver(time_limit_s, preprocess=True))
+
+
+def _solver(time_limit_s: float, preprocess: bool = False) -> pulp.LpSolver:
+    """CBC: a `cbc` on PATH (pulp[cbc]) if there is one, else the binary that ships inside pulp.
+
+    Preprocessing is off: CBC 2.10's preprocessing fixed variables of these programs wrongly and
+    reported a slower plan as optimal (tests/test_solve.py checks against brute force).
+    """
+    options = {"msg": False, "timeLimit": time_limit_s, "gapRel": 1e-4, "options": [] if preprocess else ["preprocess off"]}
+    solver = pulp.COIN_CMD(**options)
+    if not solver.available():
+        solver = pulp.COIN_CMD(**options, path=pulp.PULP_CBC_CMD.pulp_cbc_path)
+    return solver
 
 
 def _read_choices(profile: Profile, allowed, x) -> dict[str, Choice]:
@@ -151,13 +168,32 @@ def solve(
     for point in points(profile):
         problem += phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
     problem += pulp.lpSum((profile.units[u].options[c].time_s + _tie_break(c)) * x[u, c] for (u, c) in x), "step_time"
-    problem.solve(_solver(time_limit_s))
+    _run(problem, time_limit_s)
     status = pulp.LpStatus[problem.status]
     has_solution = problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     elapsed = time.perf_counter() - started
     if not has_solution:
         return Solution({}, status, False, elapsed)
-    return Solution(_read_choices(profile, allowed, x), status, True, elapsed)
+    choices = _prefer_less_rewriting(profile, allowed, _read_choices(profile, allowed, x), usable_bytes)
+    return Solution(choices, status, True, time.perf_counter() - started)
+
+
+def _prefer_less_rewriting(profile: Profile, allowed, choices: dict[str, Choice], usable_bytes: int) -> dict[str, Choice]:
+    """Swap in a choice of no more time and less rewriting wherever the budget still holds.
+
+    The solver's optimality gap is far larger than the objective's tie-break, so ties are settled here.
+    """
+    for u, unit in enumerate(profile.units):
+        current = choices[unit.name]
+        for option in sorted(allowed[u], key=_tie_break):
+            if _tie_break(option) >= _tie_break(current):
+                break
+            if unit.options[option].time_s <= unit.options[current].time_s:
+                trial = {**choices, unit.name: option}
+                if predict_peak(profile, trial).bytes <= usable_bytes:
+                    choices, current = trial, option
+                    break
+    return choices
 
 
 def minimum_peak(
@@ -167,12 +203,12 @@ def minimum_peak(
     started = time.perf_counter()
     allowed = allowed_choices(profile, pins)
     problem, x, phase_bytes = _build(profile, allowed, "autoplan_lowest_peak")
-    peak = pulp.LpVariable("peak_mib", lowBound=None)
+    peak = problem.add_variable("peak_mib")
     for point in points(profile):
         problem += phase_bytes(point) <= peak, f"peak_at_{point.index}"
     # among the lowest-peak choices prefer fast ones: time is tiny next to MiB
     problem += peak + 1e-6 * pulp.lpSum(profile.units[u].options[c].time_s * x[u, c] for (u, c) in x), "peak"
-    problem.solve(_solver(time_limit_s))
+    _run(problem, time_limit_s)
     if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         # cannot happen for a well-formed profile (every unit has a choice); fall back to the base
         return {u.name: u.base for u in profile.units}, time.perf_counter() - started

@@ -259,6 +259,7 @@ def simulate_training(
     loss_fn = loss_fn or default_loss
     try:
         with fake_mode, tracker:
+            tracker.adopt(list(model.parameters()) + list(model.buffers()))
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             input_bytes = unique_storage_bytes(batch)
