@@ -209,7 +209,7 @@ def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     for name in choices:
         try:
             unit_endpoints(model, name)
-        except (AttributeError, IndexError, TypeError) as error:
+        except (AttributeError, IndexError, KeyError, TypeError) as error:
             raise ValueError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
     return apply_choices(model, choices, rest_precision=plan.rest_precision)
 
