@@ -79,11 +79,6 @@ def transient_delta(unit: UnitProfile, relation: Relation, choice: Choice) -> in
     return 0
 
 
-def held_delta(unit: UnitProfile, choice: Choice) -> int:
-    """How much `choice` changes what the unit keeps beyond its inputs and outputs."""
-    return unit.delta_held(choice)
-
-
 @dataclass(frozen=True)
 class Holder:
     unit: int  # index in profile.units
@@ -144,7 +139,7 @@ def held_changes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
     base = [unit.base for unit in profile.units]
     tensors = shared_tensors(profile)
     extra, base_extra = shared_bytes(profile, chosen, tensors), shared_bytes(profile, base, tensors)
-    return [held_delta(unit, c) + e - b for unit, c, e, b in zip(profile.units, chosen, extra, base_extra)]
+    return [unit.delta_held(c) + e - b for unit, c, e, b in zip(profile.units, chosen, extra, base_extra)]
 
 
 def kept_flags(profile: Profile, tensor: SharedTensor, chosen: list[Choice]) -> list[bool]:
@@ -156,13 +151,12 @@ def kept_flags(profile: Profile, tensor: SharedTensor, chosen: list[Choice]) -> 
     return flags
 
 
-def alive_regardless(profile: Profile, tensor: SharedTensor) -> dict[int, int]:
+def alive_regardless(tensor: SharedTensor, windows: list[tuple[int, int]]) -> dict[int, int]:
     """Forward phases where the tensor is alive anyway (made, not yet used by its last consumer).
 
     Maps phase index -> the last holder (index into tensor.holders) whose forward has finished
     there; the prefix sums credit that holder's kept-flag to these phases, which must not count.
     """
-    windows = unit_windows(profile)
     starts = [windows[h.unit][0] for h in tensor.holders]
     result = {}
     for index in range(starts[0] + 1, starts[-1] + 1):
@@ -181,9 +175,10 @@ def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
         + sum((held[u] if relation != "fwd" else 0) + transient_delta(profile.units[u], relation, chosen[u]) for u, relation in point.relations)
         for point in points(profile)
     ]
+    windows = unit_windows(profile)
     for tensor in shared_tensors(profile):
         kept, kept_base = kept_flags(profile, tensor, chosen), kept_flags(profile, tensor, base)
-        for index, last in alive_regardless(profile, tensor).items():
+        for index, last in alive_regardless(tensor, windows).items():
             live[index] += tensor.bytes * (kept_base[last] - kept[last])
     return live
 

@@ -105,11 +105,10 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["units"] = [
-            {**dataclasses.asdict(unit), "choice": None, "mode": unit.choice.mode, "precision": unit.choice.precision}
+            {"name": unit.name, "mode": unit.choice.mode, "precision": unit.choice.precision}
+            | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice")}
             for unit in self.units
         ]
-        for unit in data["units"]:
-            del unit["choice"]
         data["notes"] = list(self.notes)
         data["breakdown"]["total"] = self.breakdown.total
         return data

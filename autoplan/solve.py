@@ -19,7 +19,18 @@ from typing import Mapping
 
 import pulp
 
-from autoplan.memory import Point, alive_regardless, held_delta, holds, kept_flags, points, predict_peak, shared_bytes, shared_tensors, transient_delta
+from autoplan.memory import (
+    Point,
+    alive_regardless,
+    holds,
+    kept_flags,
+    points,
+    predict_peak,
+    shared_bytes,
+    shared_tensors,
+    transient_delta,
+    unit_windows,
+)
 from autoplan.plan import MODES, Choice
 from autoplan.profile import Profile
 
@@ -59,7 +70,8 @@ def _build(profile: Profile, allowed: list[list[Choice]], name: str):
         problem += pulp.lpSum(x[u, c] for c in options) == 1, f"one_choice_unit_{u}"
     held, corrections = _held_expressions(profile, allowed, x, problem)
     # prefix[i] = held-bytes change of the units that have finished their forward, in forward order
-    forward_order = sorted(range(len(allowed)), key=lambda u: _forward_index(profile, u))
+    windows = unit_windows(profile)
+    forward_order = sorted(range(len(allowed)), key=lambda u: windows[u][0])
     prefix = [problem.add_variable(f"held_first_{i}") for i in range(len(allowed) + 1)]
     problem += prefix[0] == 0, "held_first_0"
     for i, u in enumerate(forward_order):
@@ -89,11 +101,12 @@ def _held_expressions(profile: Profile, allowed, x, problem) -> list:
     A passed-along tensor is alive in holder j's window when any of holders 1..j keeps it:
     kept[j] >= kept[j-1] and kept[j] >= holds_j(x), and holder j accounts for kept[j] - kept[j-1].
     """
+    windows = unit_windows(profile)
     base_choices = [unit.base for unit in profile.units]
     base = shared_bytes(profile, base_choices)
     corrections: dict[int, list] = {}
     held = [
-        pulp.lpSum(held_delta(profile.units[u], c) / MIB * x[u, c] for c in allowed[u]) - base[u] / MIB
+        pulp.lpSum(profile.units[u].delta_held(c) / MIB * x[u, c] for c in allowed[u]) - base[u] / MIB
         for u in range(len(allowed))
     ]
     for t, tensor in enumerate(shared_tensors(profile)):
@@ -112,14 +125,9 @@ def _held_expressions(profile: Profile, allowed, x, problem) -> list:
             previous = kept
         # between its making and its last consumer's forward it is alive anyway: undo the credit
         kept_base = kept_flags(profile, tensor, base_choices)
-        for index, last in alive_regardless(profile, tensor).items():
+        for index, last in alive_regardless(tensor, windows).items():
             corrections.setdefault(index, []).append(tensor.bytes / MIB * (kept_base[last] - kept_by[last]))
     return held, corrections
-
-
-def _forward_index(profile: Profile, unit: int) -> int:
-    names = [phase.name for phase in profile.timeline.phases]
-    return names.index(f"fwd:{profile.units[unit].name}")
 
 
 def _tie_break(choice: Choice) -> float:
