@@ -92,22 +92,53 @@ class SharedTensor:
 
     bytes: int
     holders: tuple[Holder, ...]
+    last_use: int = -1  # index of the last forward phase that reads it (-1: unknown)
+    rest_until: int = -1  # index of the last phase in which an op outside the units keeps it (-1: none)
 
 
 def shared_tensors(profile: Profile) -> list[SharedTensor]:
-    """Tensors between units whose lifetime depends on the units' choices (not kept by the rest)."""
+    """Tensors between units whose lifetime depends on the units' choices (not the batch or output)."""
     index = {unit.name: i for i, unit in enumerate(profile.units)}
+    phase_index = {phase.name: i for i, phase in enumerate(profile.timeline.phases)}
     result = []
     for boundary in profile.timeline.boundaries:
         if boundary.held_by_rest:
-            continue  # the batch, or saved by an op outside the units: alive whatever units choose
+            continue  # the batch or the model's output: alive whatever the units choose
         holders = [Holder(index[name], "in", leaf) for name, leaf in boundary.consumers if name in index]
         if boundary.producer and boundary.producer[0] in index:
             holders.insert(0, Holder(index[boundary.producer[0]], "out", boundary.producer[1]))
         holders.sort(key=lambda h: h.unit)
         if holders:
-            result.append(SharedTensor(boundary.bytes, tuple(holders)))
+            rest_until = _rest_backward_end(profile, boundary.rest_saved_in, phase_index) if boundary.rest_saved_in else -1
+            result.append(
+                SharedTensor(boundary.bytes, tuple(holders), phase_index.get(boundary.last_forward_use, -1), rest_until)
+            )
     return result
+
+
+def _rest_backward_end(profile: Profile, forward_phase: str, phase_index: dict[str, int]) -> int:
+    """The last phase in which the backward of the rest-of-model ops run in `forward_phase` runs.
+
+    Ops between unit X and the next unit Y run their backward after Y's ("bwd:after Y") and before
+    X's; those after the last unit run first ("bwd:start"); those before the first unit, last.
+    """
+    names = [unit.name for unit in profile.units]
+    end = phase_index["optimizer"] - 1
+    if forward_phase.startswith("fwd:after "):
+        position = names.index(forward_phase[len("fwd:after "):]) + 1
+    elif forward_phase == "fwd:start":
+        position = 0
+    else:
+        return end
+    if position == len(names):
+        backward = "bwd:start"
+    else:
+        backward = f"bwd:after {names[position]}"
+    if backward not in phase_index:
+        return end
+    # the rest's backward runs until the next unit's backward begins
+    following = [i for i in range(phase_index[backward] + 1, end + 1) if profile.timeline.phases[i].kind == "bwd" and profile.timeline.phases[i].unit]
+    return following[0] - 1 if following else end
 
 
 def holds(profile: Profile, holder: Holder, choice: Choice) -> bool:
@@ -152,16 +183,30 @@ def kept_flags(profile: Profile, tensor: SharedTensor, chosen: list[Choice]) -> 
 
 
 def alive_regardless(tensor: SharedTensor, windows: list[tuple[int, int]]) -> dict[int, int]:
-    """Forward phases where the tensor is alive anyway (made, not yet used by its last consumer).
+    """Phases where the tensor is alive whatever its holders choose.
 
-    Maps phase index -> the last holder (index into tensor.holders) whose forward has finished
-    there; the prefix sums credit that holder's kept-flag to these phases, which must not count.
+    That is from its making until it is read for the last time in forward, and, when an op outside
+    the units saved it, until that op's backward. Maps phase index -> the last holder (index into
+    tensor.holders) whose window holds the phase; the held changes credit that holder's kept-flag
+    to the phase, which must not count there.
     """
     starts = [windows[h.unit][0] for h in tensor.holders]
+    end = max(starts[-1], tensor.last_use)
+    if tensor.last_use > starts[-1]:
+        # Read last by the rest of the model, it is usually still named by a Python variable there
+        # (`y = self.up(y); y = self.block(cat(y, skip))`) until the next unit returns.
+        later = [forward for forward, _ in windows if forward > tensor.last_use]
+        end = min(later) if later else end
+    consumed = [start for start, h in zip(starts, tensor.holders) if h.side == "in"]
+    if consumed:
+        end = max(end, consumed[-1] + 1)  # the caller still holds a unit's arguments as the unit returns
+    end = max(end, tensor.rest_until)
     result = {}
-    for index in range(starts[0] + 1, starts[-1] + 1):
-        finished = [j for j, start in enumerate(starts) if start < index]
-        result[index] = finished[-1]
+    for index in range(starts[0] + 1, end + 1):
+        # the holders credited here are those whose window holds this phase: a prefix of them
+        containing = [j for j, h in enumerate(tensor.holders) if windows[h.unit][0] < index <= windows[h.unit][1]]
+        if containing:
+            result[index] = containing[-1]
     return result
 
 

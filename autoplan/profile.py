@@ -19,7 +19,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoplan.devices import Device
@@ -136,6 +135,26 @@ def _materialize(spec: TensorSpec) -> torch.Tensor:
     return spec.materialize().clone()
 
 
+class _OutputGradients(torch.autograd.Function):
+    """A root for a unit's backward that hands it fresh output gradients, as the next layer would.
+
+    Gradients we held ourselves would stay alive through the whole backward; made here, autograd
+    frees each once the unit has consumed it, as in the real step. The backward phase begins when
+    they exist, like a unit's phase in the whole step begins when its output gradient is ready.
+    """
+
+    @staticmethod
+    def forward(ctx, on_backward: Callable[[], None], shapes: tuple, *outputs: torch.Tensor) -> torch.Tensor:
+        ctx.on_backward, ctx.shapes = on_backward, shapes
+        return outputs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        grads = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes)
+        ctx.on_backward()
+        return (None, None, *grads)
+
+
 def _measure_unit(
     module: torch.nn.Module, call: UnitCall, choice: Choice, rest: str, device: Device, fake_mode: FakeTensorMode
 ) -> UnitCost:
@@ -157,18 +176,18 @@ def _measure_unit(
         held = tracker.live_bytes - tracker.phases()[-1].start_bytes - unique_storage_bytes(new_outputs)
         output_refs = [weakref.ref(t.untyped_storage()) for t in outputs]
         needs_grad = [t for t in outputs if t.requires_grad]
-        edges = [get_gradient_edge(t) for t in needs_grad]
-        shapes = [(t.shape, t.dtype) for t in needs_grad]
+        shapes = tuple((t.shape, t.dtype, t.device) for t in needs_grad)
+        root = _OutputGradients.apply(lambda: tracker.begin_phase("bwd"), shapes, *needs_grad) if needs_grad else None
         # Drop every reference of ours: what stays alive now is what the unit itself keeps.
         del output, outputs, new_outputs, needs_grad, args, kwargs, inputs
         holds_inputs = tuple(ref() is not None for ref in input_refs)
         holds_outputs = tuple(ref() is not None for ref in output_refs)
-        grads = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
-        tracker.begin_phase("bwd")
-        if edges:
-            torch.autograd.backward(edges, grads)
+        if root is None:
+            tracker.begin_phase("bwd")
+        else:
+            root.backward()
+            del root
         fwd, bwd = tracker.phases()[-2:]
-        del edges, grads
     for param in module.parameters():
         param.grad = None
     return UnitCost(

@@ -72,6 +72,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self.live_bytes = 0
         self._finalizers: dict[int, weakref.finalize] = {}
         self._phases: list[_PhaseRecord] = [_PhaseRecord("start", 0, 0)]
+        self._watched: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (storage, caller's key)
+        self.last_use: dict[int, int] = {}  # caller's key -> index of the last phase an op read it in
 
     # -- phases ---------------------------------------------------------------------------
     def begin_phase(self, name: str) -> None:
@@ -81,8 +83,18 @@ class LiveBytesTracker(TorchDispatchMode):
         return [Phase(p.name, p.start_bytes, p.peak_bytes, p.time_s, p.flops) for p in self._phases[since:]]
 
     @property
+    def current_phase(self) -> str:
+        return self._phases[-1].name
+
+    @property
     def phase_count(self) -> int:
         return len(self._phases)
+
+    def watch(self, tensor: torch.Tensor, key: int) -> None:
+        """Record in `last_use[key]` the last phase in which any op reads this tensor's storage."""
+        storage = tensor.untyped_storage()
+        self._watched[id(storage)] = (weakref.ref(storage), key)
+        self.last_use[key] = len(self._phases) - 1
 
     # -- dispatch -------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -91,6 +103,10 @@ class LiveBytesTracker(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         input_storages = {id(t.untyped_storage()) for t in inputs}
+        for storage_id in input_storages & self._watched.keys():
+            ref, key = self._watched[storage_id]
+            if ref() is not None:
+                self.last_use[key] = len(self._phases) - 1
         created = False
         for tensor in outputs:
             storage = tensor.untyped_storage()

@@ -67,7 +67,9 @@ class Boundary:
     bytes: int
     producer: tuple[str, int] | None  # (unit, output leaf), None when made outside the units
     consumers: tuple[tuple[str, int], ...]  # (unit, input leaf) in forward order
-    held_by_rest: bool  # the batch itself, or saved for backward by an op outside the units
+    held_by_rest: bool  # the batch or the model's output: alive through the whole step
+    last_forward_use: str = ""  # the last forward phase in which any op read it
+    rest_saved_in: str = ""  # the last forward phase in which an op outside the units saved it for backward
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class _UnitRecorder:
         self.grad_bytes: list[int] = []
         self.calls: dict[str, UnitCall] = {}
         self.in_rest = False
-        self.rest_saved: set[int] = set()
+        self.rest_saved: dict[int, str] = {}  # storage key -> the forward phase that saved it
         self._keys: dict[int, tuple[weakref.ref, int]] = {}
         self._last_key = 0
         self._handles = []
@@ -140,7 +142,7 @@ class _UnitRecorder:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.recording and self.in_forward and self.in_rest:
-            self.rest_saved.add(self.key(tensor))
+            self.rest_saved[self.key(tensor)] = self.tracker.current_phase
         return tensor
 
     def begin(self, name: str) -> None:
@@ -178,6 +180,8 @@ class _UnitRecorder:
                 (args, kwargs),
             )
             keys = tuple(self.key(t) for t in tensors)
+            for tensor, key in zip(tensors, keys):
+                self.tracker.watch(tensor, key)
             self.calls[name] = UnitCall(name, spec, keys, tuple(storage_bytes(t) for t in tensors), (), ())
             end_hook = self._once(f"bwd:after {name}")
             unit_outputs = {key for call in self.calls.values() for key in call.output_keys}
@@ -205,22 +209,38 @@ class _UnitRecorder:
                 tuple(self.key(t) for t in outputs), tuple(storage_bytes(t) for t in outputs),
             )
             self.begin(f"fwd:after {name}")
+            for tensor, key in zip(outputs, self.calls[name].output_keys):
+                self.tracker.watch(tensor, key)
             return None
 
         return hook
 
-    def boundaries(self, batch_keys: set[int]) -> tuple[Boundary, ...]:
-        """Every tensor a unit receives, with who made it and who else keeps it."""
+    def boundaries(self, held_keys: set[int]) -> tuple[Boundary, ...]:
+        """Every tensor a unit receives or returns, with who made it, who uses it and who else keeps it.
+
+        held_keys: tensors alive through the whole step whatever the units choose (the batch, the
+        model's output).
+        """
         produced = {key: (call.name, leaf) for call in self.calls.values() for leaf, key in enumerate(call.output_keys)}
-        found: dict[int, Boundary] = {}
+        sizes = {key: n for call in self.calls.values() for key, n in zip(call.output_keys, call.output_bytes)}
+        consumers: dict[int, tuple[tuple[str, int], ...]] = {key: () for key in produced}
         for call in self.calls.values():
             for leaf, (key, nbytes) in enumerate(zip(call.input_keys, call.input_bytes)):
-                known = found.get(key)
-                consumers = (known.consumers if known else ()) + ((call.name, leaf),)
-                found[key] = Boundary(
-                    key, nbytes, produced.get(key), consumers, key in batch_keys or key in self.rest_saved
-                )
-        return tuple(found.values())
+                consumers[key] = consumers.get(key, ()) + ((call.name, leaf),)
+                sizes[key] = nbytes
+        names = [phase.name for phase in self.tracker.phases()]
+        return tuple(
+            Boundary(
+                key,
+                sizes[key],
+                produced.get(key),
+                used_by,
+                key in held_keys,
+                names[self.tracker.last_use[key]] if key in self.tracker.last_use else "",
+                self.rest_saved.get(key, ""),
+            )
+            for key, used_by in consumers.items()
+        )
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -279,7 +299,8 @@ def simulate_training(
                     loss = loss_fn(output)
                 recorder.in_forward = False
                 calls = tuple(recorder.calls.values())
-                boundaries = recorder.boundaries({recorder.key(t) for t in batch})
+                held = batch + _tensors_of(output)
+                boundaries = recorder.boundaries({recorder.key(t) for t in held})
                 recorder.begin("bwd:start")
                 loss.backward()
                 del output, loss
