@@ -18,6 +18,7 @@ import torch
 from autoplan.budget import budget_needed_for, make_budget
 from autoplan.devices import Device, get_device
 from autoplan.memory import predict_peak, predict_step_time
+from autoplan.partition import is_graph_unit
 from autoplan.plan import MODES, Choice, Plan, UnitDecision
 from autoplan.profile import Profile, precision_options, profile
 from autoplan.rewrite import apply_choices
@@ -207,6 +208,8 @@ def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     from autoplan.trace import unit_endpoints
 
     for name in choices:
+        if is_graph_unit(name):
+            continue  # checked when the graph is split: split_by_units names the graph's units
         try:
             unit_endpoints(model, name)
         except (AttributeError, IndexError, KeyError, TypeError) as error:

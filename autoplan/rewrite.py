@@ -11,6 +11,7 @@ methods stay as they were, `copy.deepcopy` copies the wrappers with the model, a
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -20,6 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autoplan.partition import is_graph_unit, split_by_units
 from autoplan.plan import Choice
 from autoplan.trace import RANGE_UNIT
 
@@ -171,19 +173,51 @@ class PlannedSequential:
         return input
 
 
+@dataclass
+class PlannedGraph:
+    """A model's forward through its graph units: a GraphModule of the model's own layers, one
+    submodule per unit, each with its PlannedForward. Held here, not registered, so `state_dict()`
+    keys and `model.modules()` are unchanged."""
+
+    module: torch.nn.Module
+    split: torch.fx.GraphModule
+    choices: Mapping[str, Choice]
+    original: Any = None
+
+    def __call__(self, *args, **kwargs):
+        return self.split(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # GraphModule's own deepcopy rebuilds its submodules and drops their instance forwards:
+        # copy the split (its layers via memo, so they are the model copy's), then plan it again.
+        split = copy.deepcopy(self.split, memo)
+        remove_plan(split)
+        apply_choices(split, self.choices)
+        return PlannedGraph(copy.deepcopy(self.module, memo), split, dict(self.choices), copy.deepcopy(self.original, memo))
+
+
+def _has_submodule(model: torch.nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
 def _is_planned(forward: Any) -> bool:
-    return isinstance(forward, (PlannedForward, PlannedSequential))
+    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph))
 
 
 def remove_plan(model: torch.nn.Module) -> torch.nn.Module:
     """Put back the forward each module had before a plan was applied."""
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        if _is_planned(forward):
-            if forward.original is None:
-                del module.forward
-            else:
-                module.forward = forward.original
+        while _is_planned(forward):
+            forward = forward.original
+        if forward is None:
+            module.__dict__.pop("forward", None)
+        elif module.__dict__.get("forward") is not forward:
+            module.forward = forward
     return model
 
 
@@ -199,8 +233,16 @@ def apply_choices(
     forward runs under autocast, and units chosen fp32 switch it off for themselves.
     """
     remove_plan(model)
+    # graph units of the user's model; on the planner's split GraphModule they are submodules
+    graph_choices = {name: c for name, c in choices.items() if is_graph_unit(name) and not _has_submodule(model, name)}
+    if graph_choices:
+        split = split_by_units(model, list(graph_choices))
+        apply_choices(split, graph_choices)
+        model.forward = PlannedGraph(model, split, graph_choices, original=model.__dict__.get("forward"))
     runs: dict[str, list[tuple[int, int, PlannedForward]]] = {}
     for name, choice in choices.items():
+        if name in graph_choices:
+            continue
         match = RANGE_UNIT.match(name)
         if match is None:
             module = model.get_submodule(name)
@@ -224,7 +266,11 @@ def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
     choices: dict[str, Choice] = {}
     for name, module in model.named_modules():
         forward = module.__dict__.get("forward")
-        if isinstance(forward, PlannedSequential):
+        while isinstance(forward, PlannedForward) and not name and forward.original is not None:
+            forward = forward.original  # the root's autocast around a graph plan
+        if isinstance(forward, PlannedGraph):
+            choices.update(planned_choices(forward.split))
+        elif isinstance(forward, PlannedSequential):
             choices.update({f"{name}[{start}:{stop}]": run.choice for start, stop, run in forward.runs})
         elif isinstance(forward, PlannedForward) and name:
             choices[name] = forward.choice

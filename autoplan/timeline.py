@@ -299,7 +299,9 @@ def simulate_training(
                     loss = loss_fn(output)
                 recorder.in_forward = False
                 calls = tuple(recorder.calls.values())
-                held = batch + _tensors_of(output)
+                # alive whatever the units choose: the batch, the output, and parameters a unit
+                # is handed as an argument (a graph unit of `x * self.scale`)
+                held = batch + _tensors_of(output) + list(model.parameters()) + list(model.buffers())
                 boundaries = recorder.boundaries({recorder.key(t) for t in held})
                 recorder.begin("bwd:start")
                 loss.backward()

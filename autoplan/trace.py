@@ -6,7 +6,10 @@ Units are what the plan decides about. Found in this order:
    ResNet blocks, U-Net conv blocks);
 3. a model with no repeated class but an `nn.Sequential` backbone: runs of its children cut at
    the articulation points of their dataflow graph, one parametric layer per unit
-   (named like `"net[0:2]"`).
+   (named like `"net[0:2]"`);
+4. otherwise, runs of the fx graph's nodes between articulation points (`partition.py`, named
+   like `"graph[fc1:relu]"`); the planner then works on a GraphModule that calls one submodule
+   per run, made of the model's own layers.
 
 The model is traced with `torch.fx.symbolic_trace` (units kept as leaf calls), else with
 `torch.export.export(strict=False)`, whose graph is fx too. The unit graph (networkx) says which
@@ -26,6 +29,8 @@ import networkx as nx
 import torch
 import torch.fx
 
+from autoplan.partition import graph_units, is_graph_unit, split_by_units
+
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 RANGE_UNIT = re.compile(r"^(?P<parent>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 
@@ -38,7 +43,7 @@ class TraceError(ValueError):
 class Traced:
     """A model, its example inputs, its units and the graph between them."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module  # the model; for graph units, a GraphModule of its layers, one submodule per unit
     example_inputs: tuple[tuple, dict]  # (args, kwargs)
     units: tuple[str, ...]  # qualified names, in execution order when the graph is known
     graph: torch.fx.Graph | None  # None only when tracing failed and the person named the units
@@ -155,11 +160,11 @@ def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> lis
                 f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
             )
         return _outermost(names)
-    units = _repeated_class_units(model) or _sequential_units(model)
+    units = _repeated_class_units(model) or _sequential_units(model) or graph_units(model)
     if not units:
         raise TraceError(
-            f"{type(model).__name__} has no repeated submodule and no nn.Sequential to split into units; "
-            "pass units=['name.pattern', ...] naming the submodules to plan (e.g. its blocks)."
+            f"{type(model).__name__} has no repeated submodule, no nn.Sequential, and no fx graph that cuts "
+            "into two or more parametric runs; pass units=['name.pattern', ...] naming the submodules to plan."
         )
     return units
 
@@ -234,6 +239,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None =
     """Find the units of `model` and trace how data flows between them."""
     inputs = normalize_inputs(example_inputs)
     unit_names = find_units(model, units)
+    if all(is_graph_unit(name) for name in unit_names):
+        model = split_by_units(model, unit_names)  # the same layers, one submodule per unit
     leaves = {u for u in unit_names if not is_range_unit(u)}
     errors: list[str] = []
     graph, method = None, "none"

@@ -235,6 +235,35 @@ def make_lora() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return LoRANet(), (torch.randn(4, 32),)
 
 
+# --- A flat model: distinct layers, no repeated block, no Sequential -----------
+# Its units are runs of graph nodes between articulation points (autoplan/partition.py); it
+# uses a parameter directly in forward and has a residual inside one run.
+
+
+class FlatNet(nn.Module):
+    def __init__(self, d_in: int = 16, width: int = 64, n_out: int = 4):
+        super().__init__()
+        self.fc_in = nn.Linear(d_in, width)
+        self.norm = nn.LayerNorm(width)
+        self.gain = nn.Parameter(torch.ones(width))
+        self.fc_mid = nn.Linear(width, width)
+        self.fc_wide = nn.Linear(width, 2 * width)
+        self.drop = nn.Dropout(0.1)
+        self.fc_out = nn.Linear(2 * width, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc_in(x))
+        h = self.norm(h) * self.gain
+        h = h + F.relu(self.fc_mid(h))
+        h = self.drop(torch.tanh(self.fc_wide(h)))
+        return self.fc_out(h)
+
+
+def make_flat() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(SEED)
+    return FlatNet(), (torch.randn(8, 16),)
+
+
 ALL_MODELS: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "mlp": make_mlp,
     "residual_mlp": make_residual_mlp,
@@ -244,4 +273,5 @@ ALL_MODELS: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "small_resnet": make_small_resnet,
     "skipnet": make_skipnet,
     "lora": make_lora,
+    "flat": make_flat,
 }

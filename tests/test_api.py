@@ -6,6 +6,7 @@ usable bytes are the budget itself. Plans that several tests read are made once 
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 
@@ -462,3 +463,28 @@ def test_apply_rejects_what_is_not_a_plan_or_a_plan_for_another_model() -> None:
     other, _ = make_small_resnet()
     with pytest.raises(ValueError, match="transformer.h.0"):
         autoplan.apply(other, cached_plan())
+
+
+def test_plan_and_apply_graph_units_of_a_flat_model():
+    # No repeated block, no Sequential: units are runs of fx nodes; the plan fits, the rewrite is
+    # the caller's model (same class, same state_dict keys) and trains to the original's loss.
+    from tests.models import make_flat
+
+    model, (x,) = make_flat()
+    x = x.repeat(64, 1)
+    reference = copy.deepcopy(model)
+    free = autoplan.plan(model, "1GB", example_inputs=(x,), device="h100-80gb", precision="fp32", reserve=0)
+    assert all(u.name.startswith("graph[") for u in free.units)
+    budget = (free.baseline_peak_bytes + free.minimum_peak_bytes) // 2
+    tight = autoplan.plan(model, budget, example_inputs=(x,), device="h100-80gb", precision="fp32", reserve=0)
+    assert tight.feasible and tight.simulated_peak_bytes <= budget
+    assert any(u.choice.mode != "keep" for u in tight.units)
+    assert autoplan.apply(model, tight) is model
+    assert type(model) is type(reference) and list(model.state_dict()) == list(reference.state_dict())
+    for m in (model, reference):
+        torch.manual_seed(3)
+        m(x).pow(2).mean().backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    autoplan.remove_plan(model)
+    assert "forward" not in model.__dict__

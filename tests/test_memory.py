@@ -42,7 +42,7 @@ def errors(name: str, trials: int = 4) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "name", ["mlp", "residual_mlp", "tiny_gpt", "tiny_gpt_eager", "tiny_gpt_dropout", "small_resnet", "skipnet", "lora"]
+    "name", ["mlp", "residual_mlp", "tiny_gpt", "tiny_gpt_eager", "tiny_gpt_dropout", "small_resnet", "skipnet", "lora", "flat"]
 )
 def test_prediction_within_5_percent_of_simulation(name):
     result = errors(name, trials=8 if name == "skipnet" else 4)

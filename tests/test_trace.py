@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from autoplan.partition import split_by_units
 from autoplan.trace import (
     TraceError,
     Traced,
@@ -21,6 +22,7 @@ from tests.models import (
     BasicBlock,
     ConvBlock,
     LoRABlock,
+    make_flat,
     make_lora,
     make_mlp,
     make_skipnet,
@@ -202,12 +204,49 @@ class _TwoDifferentChildren(nn.Module):
         return self.decoder(self.encoder(x))
 
 
-def test_find_units_without_repeats_or_sequential_suggests_units() -> None:
+def test_find_units_cuts_a_model_without_repeats_at_articulation_points() -> None:
+    assert find_units(_TwoDifferentChildren()) == ["graph[encoder_fc:relu]", "graph[decoder_fc:decoder_fc]"]
+
+
+def test_graph_units_start_at_parametric_layers_and_never_cut_a_residual() -> None:
+    model, _ = make_flat()
+    # fc_mid's residual (h + relu(fc_mid(h))) stays whole: nothing inside it separates input from output
+    assert find_units(model) == [
+        "graph[fc_in:gelu]",
+        "graph[norm:norm]",
+        "graph[mul:mul]",  # multiplies by the parameter `gain`
+        "graph[fc_mid:add]",
+        "graph[fc_wide:drop]",
+        "graph[fc_out:fc_out]",
+    ]
+
+
+def test_split_by_units_computes_the_model_with_its_own_layers() -> None:
+    model, (x,) = make_flat()
+    model.eval()
+    split = split_by_units(model, find_units(model))
+    assert type(split).__name__ == "FlatNet"
+    assert split.get_submodule("graph[fc_mid:add]").run.fc_mid is model.fc_mid
+    torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="graph units are"):
+        split_by_units(model, ["graph[fc_in:nowhere]"])
+
+
+class _OneLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) * 2
+
+
+def test_find_units_with_nothing_to_cut_suggests_units() -> None:
     with pytest.raises(TraceError) as info:
-        find_units(_TwoDifferentChildren())
+        find_units(_OneLayer())
     message = str(info.value)
     assert "units=" in message
-    assert "_TwoDifferentChildren" in message
+    assert "_OneLayer" in message
 
 
 def test_find_units_named_units_work_where_automatic_fails() -> None:
@@ -229,7 +268,10 @@ def test_trace_zoo_models_use_symbolic_trace(name: str) -> None:
     assert traced.method == "symbolic_trace"
     assert traced.trace_errors == ()
     assert isinstance(traced.graph, torch.fx.Graph)
-    assert traced.model is model
+    if name == "flat":  # graph units: planned on a GraphModule made of the model's own layers
+        assert {id(p) for p in traced.model.parameters()} == {id(p) for p in model.parameters()}
+    else:
+        assert traced.model is model
     assert sorted(traced.units) == sorted(find_units(model))
     args, kwargs = traced.example_inputs
     assert isinstance(args, tuple) and isinstance(kwargs, dict)
