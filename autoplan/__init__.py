@@ -3,11 +3,13 @@
     import autoplan
     plan = autoplan.plan(model, "20GB", example_inputs=(batch,))   # decide, change nothing
     model = autoplan.optimize(model, "20GB", example_inputs=(batch,))  # decide and rewrite
+    result = autoplan.verify(model, plan, example_inputs=(batch,))     # real steps: did it hold?
 """
 
 from autoplan.api import InfeasibleBudgetError, apply, optimize, plan
 from autoplan.budget import Budget, make_budget, parse_bytes
 from autoplan.devices import DEVICES, Device, get_device, list_devices
+from autoplan.measure import Verification, verify
 from autoplan.plan import Choice, MemoryBreakdown, Plan, UnitDecision
 from autoplan.rewrite import planned_choices, remove_plan
 from autoplan.trace import TraceError
@@ -22,6 +24,7 @@ __all__ = [
     "Plan",
     "TraceError",
     "UnitDecision",
+    "Verification",
     "apply",
     "get_device",
     "list_devices",
@@ -31,5 +34,6 @@ __all__ = [
     "plan",
     "planned_choices",
     "remove_plan",
+    "verify",
 ]
 __version__ = "0.1.0"

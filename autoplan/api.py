@@ -17,10 +17,12 @@ import torch
 
 from autoplan.budget import budget_needed_for, make_budget
 from autoplan.devices import Device, get_device
+from autoplan.measure import measure_times, model_device
 from autoplan.memory import predict_peak, predict_step_time
 from autoplan.partition import is_graph_unit
 from autoplan.plan import MODES, Choice, Plan, UnitDecision
-from autoplan.profile import Profile, precision_options, profile
+from autoplan.profile import Profile, precision_options
+from autoplan.profile import profile as profile_units
 from autoplan.rewrite import apply_choices
 from autoplan.simulate import optimizer_name
 from autoplan.solve import fastest, minimum_peak, solve
@@ -89,6 +91,7 @@ def plan(
     reserve: str | int | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     time_limit_s: float = 10.0,
+    profile: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
@@ -104,7 +107,12 @@ def plan(
         (full), or {pattern: mode}.
     reserve: bytes held back from the budget (default: CUDA context + 5% fragmentation).
     loss_fn: output -> scalar loss for profiling (default: the output's .loss, else a sum).
+    profile: where unit times come from: "roofline" (FLOPs and bytes over the device's rates),
+        "measure" (real runs on the device the model is on: CUDA events, or the CPU clock), or
+        "auto" (measure when the model is on a CUDA device and that device is the target).
     """
+    if profile not in ("auto", "measure", "roofline"):
+        raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
     target = get_device(device)
     memory = make_budget(budget, target, reserve)
     precisions = precision_options(precision, target)
@@ -114,7 +122,9 @@ def plan(
     say = progress or (lambda message: None)
     say("tracing")
     traced = trace(model, example_inputs, units)
-    measured = profile(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
+    measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
+    if _should_measure(profile, model, target):
+        measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
     allowed_precisions = precision_options(precision, target)
     pins = _pins(list(traced.units), allowed_precisions, keep_fp32, checkpoint)
 
@@ -146,6 +156,22 @@ def plan(
     return _assemble(
         measured, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced
     )
+
+
+def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:
+    device = model_device(model)
+    if profile == "roofline":
+        return False
+    if profile == "auto":
+        return device.type == "cuda" and target.kind == "cuda" and target.name == get_device(None).name
+    if device.type == "meta":
+        raise ValueError("profile='measure' needs real weights; this model is on the meta device. Use profile='roofline'.")
+    if device.type != target.kind:
+        raise ValueError(
+            f"profile='measure' times the model where it is ({device.type}), but the plan is for {target.name} "
+            f"({target.kind}); move the model there first, or use profile='roofline'"
+        )
+    return True
 
 
 def _assemble(
@@ -186,7 +212,7 @@ def _assemble(
         minimum_peak_bytes=lowest_peak,
         minimum_budget_bytes=budget_needed_for(lowest_peak, target, reserve),
         predicted_step_time_s=predict_step_time(measured, chosen),
-        baseline_step_time_s=measured.reference.step_time_s,
+        baseline_step_time_s=measured.reference_step_time_s or measured.reference.step_time_s,
         fastest_step_time_s=predict_step_time(measured, fastest(measured, pins)),
         time_source=measured.time_source,
         breakdown=prediction.breakdown,

@@ -103,7 +103,7 @@ def shared_tensors(profile: Profile) -> list[SharedTensor]:
     result = []
     for boundary in profile.timeline.boundaries:
         if boundary.held_by_rest:
-            continue  # the batch or the model's output: alive whatever the units choose
+            continue  # the batch or a parameter: alive whatever the units choose
         holders = [Holder(index[name], "in", leaf) for name, leaf in boundary.consumers if name in index]
         if boundary.producer and boundary.producer[0] in index:
             holders.insert(0, Holder(index[boundary.producer[0]], "out", boundary.producer[1]))
@@ -255,7 +255,8 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice]) -> PeakPredict
 
 
 def predict_step_time(profile: Profile, choices: Mapping[str, Choice]) -> float:
-    """Roofline step time: the timeline's, with each unit's time swapped for its chosen one."""
+    """Step time: the base step's (roofline, or measured), with each unit's time swapped for its chosen one."""
     chosen = _choices_list(profile, choices)
     change = sum(unit.options[c].time_s - unit.options[unit.base].time_s for unit, c in zip(profile.units, chosen))
-    return profile.timeline.step_time_s + change
+    base = profile.base_step_time_s if profile.base_step_time_s is not None else profile.timeline.step_time_s
+    return base + change

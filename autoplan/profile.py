@@ -74,6 +74,8 @@ class Profile:
     trace_method: str
     skip_edges: tuple[tuple[str, str], ...]
     time_source: str = "roofline"
+    base_step_time_s: float | None = None  # measured whole step at the base choices (None: the timeline's roofline)
+    reference_step_time_s: float | None = None  # measured whole step with no plan
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)

@@ -67,7 +67,7 @@ class Boundary:
     bytes: int
     producer: tuple[str, int] | None  # (unit, output leaf), None when made outside the units
     consumers: tuple[tuple[str, int], ...]  # (unit, input leaf) in forward order
-    held_by_rest: bool  # the batch or the model's output: alive through the whole step
+    held_by_rest: bool  # the batch, or a parameter: alive through the whole step
     last_forward_use: str = ""  # the last forward phase in which any op read it
     rest_saved_in: str = ""  # the last forward phase in which an op outside the units saved it for backward
 
@@ -219,7 +219,7 @@ class _UnitRecorder:
         """Every tensor a unit receives or returns, with who made it, who uses it and who else keeps it.
 
         held_keys: tensors alive through the whole step whatever the units choose (the batch, the
-        model's output).
+        parameters).
         """
         produced = {key: (call.name, leaf) for call in self.calls.values() for leaf, key in enumerate(call.output_keys)}
         sizes = {key: n for call in self.calls.values() for key, n in zip(call.output_keys, call.output_bytes)}
@@ -299,13 +299,16 @@ def simulate_training(
                     loss = loss_fn(output)
                 recorder.in_forward = False
                 calls = tuple(recorder.calls.values())
-                # alive whatever the units choose: the batch, the output, and parameters a unit
-                # is handed as an argument (a graph unit of `x * self.scale`)
-                held = batch + _tensors_of(output) + list(model.parameters()) + list(model.buffers())
-                boundaries = recorder.boundaries({recorder.key(t) for t in held})
+                # alive whatever the units choose: the batch, and parameters a unit is handed as an
+                # argument (a graph unit of `x * self.scale`)
+                held = {recorder.key(t) for t in batch + list(model.parameters()) + list(model.buffers())}
+                boundaries = recorder.boundaries(held)
+                # as in a training loop (`loss = model(x).loss`), the output lives on only if the
+                # loss saved it for backward
+                del output
                 recorder.begin("bwd:start")
                 loss.backward()
-                del output, loss
+                del loss
                 recorder.begin("optimizer")
                 opt.step()
                 recorder.begin("zero_grad")

@@ -1,0 +1,112 @@
+"""Real runs: measured unit times in the plan, and `autoplan.verify` against the prediction.
+
+On the CPU the verified peak is the live tensor bytes of a real training step, counted by the
+same tracker as the simulation; it must equal the fake-tensor prediction. CUDA tests skip
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autoplan
+from autoplan.plan import Choice
+from tests.models import ALL_MODELS
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def batch_of(name: str, repeat: int = 4):
+    model, inputs = ALL_MODELS[name]()
+    return model, tuple(t.repeat(repeat, *[1] * (t.dim() - 1)) for t in inputs)
+
+
+def tight_plan(model, inputs, **options):
+    free = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
+    budget = (free.baseline_peak_bytes + free.minimum_peak_bytes) // 2
+    return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "small_resnet", "skipnet", "flat", "lora"])
+def test_verify_on_cpu_measures_the_predicted_peak(name):
+    model, inputs = batch_of(name, repeat=64 if name == "flat" else 4)  # flat: activations must matter
+    plan = tight_plan(model, inputs)
+    assert plan.feasible and any(u.choice.mode != "keep" for u in plan.units)
+    params = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
+    result = autoplan.verify(model, plan, example_inputs=inputs, steps=3)
+    assert result.peak_source == "live tensor bytes (CPU)" and result.device == "cpu"
+    assert not result.out_of_memory and result.held
+    assert abs(result.peak_error) <= 0.01, (result.measured_peak_bytes, result.predicted_peak_bytes)
+    assert result.measured_step_time_s > 0
+    assert autoplan.planned_choices(model) == plan.choices()  # verify applied the plan
+    # verify trained real steps, then put the model back
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+
+
+def test_verify_runs_the_plan_and_judges_it_against_the_usable_budget():
+    model, inputs = batch_of("tiny_gpt")
+    plan = tight_plan(model, inputs)
+    autoplan.rewrite.apply_choices(model, {u.name: Choice("keep", "fp32") for u in plan.units})  # not the plan
+    result = autoplan.verify(model, plan, example_inputs=inputs)
+    assert autoplan.planned_choices(model) == plan.choices()
+    assert result.held and abs(result.peak_error) <= 0.01
+    short = dataclasses.replace(plan, usable_bytes=result.measured_peak_bytes - 1)
+    assert not autoplan.verify(model, short, example_inputs=inputs).held
+
+
+def test_verify_rejects_bad_input():
+    model, inputs = batch_of("mlp")
+    plan = tight_plan(model, inputs)
+    with pytest.raises(TypeError, match="Plan"):
+        autoplan.verify(model, {"units": []}, example_inputs=inputs)
+    with pytest.raises(ValueError, match="at least 2"):
+        autoplan.verify(model, plan, example_inputs=inputs, steps=1)
+    meta = ALL_MODELS["mlp"]()[0].to("meta")
+    with pytest.raises(ValueError, match="meta device"):
+        autoplan.verify(meta, plan, example_inputs=inputs)
+
+
+def test_measured_profile_times_units_for_real_and_leaves_the_model_alone():
+    model, inputs = batch_of("small_resnet")  # BatchNorm: real forwards would move its statistics
+    buffers = [b.clone() for b in model.buffers()]
+    measured = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", profile="measure")
+    roofline = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", profile="roofline")
+    assert measured.time_source == "measured (CPU wall clock)" and roofline.time_source == "roofline"
+    assert all(u.step_time_s > 0 for u in measured.units)
+    assert [u.step_time_s for u in measured.units] != [u.step_time_s for u in roofline.units]
+    assert measured.baseline_step_time_s != roofline.baseline_step_time_s
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_measure_needs_the_model_on_the_target_device():
+    model, inputs = batch_of("mlp")
+    with pytest.raises(ValueError, match="move the model there"):
+        autoplan.plan(model, "4GB", example_inputs=inputs, device="h100-80gb", profile="measure")
+    with pytest.raises(ValueError, match="profile must be"):
+        autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", profile="fast")
+
+
+@CUDA
+def test_cuda_verify_measures_allocator_peak_within_5_percent():
+    model, inputs = batch_of("tiny_gpt", repeat=64)
+    model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)
+    plan = autoplan.plan(model, "80%", example_inputs=inputs, precision="bf16")
+    result = autoplan.verify(model, plan, example_inputs=inputs, steps=4)
+    assert result.peak_source == "torch.cuda.max_memory_allocated"
+    assert result.held and abs(result.peak_error) <= 0.05, result
+
+
+@CUDA
+def test_cuda_verify_reports_out_of_memory_instead_of_raising():
+    model, inputs = batch_of("tiny_gpt", repeat=256)
+    model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)
+    plan = autoplan.plan(model, "80%", example_inputs=inputs)
+    small = autoplan.plan(model, plan.minimum_peak_bytes // 2, example_inputs=inputs, reserve=0)
+    result = autoplan.verify(model, small, example_inputs=inputs)
+    assert result.out_of_memory and not result.held
