@@ -89,6 +89,7 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     time_limit_s: float = 10.0,
     progress: Callable[[str], None] | None = None,
+    on_profile: Callable[[Profile], None] | None = None,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -103,6 +104,8 @@ def plan(
         (full), or {pattern: mode}.
     reserve: bytes held back from the budget (default: CUDA context + 5% fragmentation).
     loss_fn: output -> scalar loss for profiling (default: the output's .loss, else a sum).
+    progress: called with a short message as each stage starts. on_profile: called with the
+        Profile once measured (autoplan.advise needs it; the CLI uses this).
     """
     target = get_device(device)
     memory = make_budget(budget, target, reserve)
@@ -114,6 +117,8 @@ def plan(
     say("tracing")
     traced = trace(model, example_inputs, units)
     measured = profile(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
+    if on_profile is not None:
+        on_profile(measured)
     allowed_precisions = precision_options(precision, target)
     pins = _pins(list(traced.units), allowed_precisions, keep_fp32, checkpoint)
 
