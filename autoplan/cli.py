@@ -7,7 +7,10 @@ error: the report and the advice are printed and the exit code says "does not fi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import re
 import sys
 import traceback
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console, Group
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -89,8 +92,8 @@ class _StageProgress:
 
     def __init__(self, console: Console) -> None:
         self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True,
-                            disable=not console.is_terminal)  # no bar in logs and pipes
+                            TimeElapsedColumn(), console=console, transient=True, redirect_stderr=False,
+                            redirect_stdout=False, disable=not console.is_terminal)  # no bar in logs and pipes
         self.task = self.bar.add_task("loading the model", total=None)
 
     def __call__(self, message: str) -> None:
@@ -132,7 +135,8 @@ def _plan(target: Target, budget: str, options: dict, progress, inputs=None, mod
         plan = autoplan.plan(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
                              progress=progress, on_profile=profiles.append, **options)
     except TraceError as error:
-        raise CliError(ExitCode.CANNOT_PLAN, f"cannot trace {type(target.model).__name__}: {error}") from error
+        usage = options.get("units") and "matched no" in str(error)  # --units named nothing: a bad option
+        raise CliError(ExitCode.USAGE if usage else ExitCode.CANNOT_PLAN, str(error)) from error
     except ValueError as error:
         if "matched no unit" in str(error):
             raise CliError(ExitCode.USAGE, str(error)) from error
@@ -190,13 +194,17 @@ def plan_command(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
-    out, err = Console(highlight=False), Console(stderr=True)
+    out, err = Console(highlight=False), Console(file=sys.stderr)  # bound now: planning may swap sys.stderr
+    # torch.export prints and logs the graph of a failed trace; the one-line error says what failed.
+    quiet = contextlib.nullcontext() if debug else contextlib.redirect_stderr(io.StringIO())
+    if not debug:
+        logging.getLogger("torch").setLevel(logging.ERROR)
     try:
         _check_options(budget, device, reserve, world_size, plot)
         options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units),
                        reserve=reserve)
         progress = _StageProgress(err)
-        with progress.bar:
+        with progress.bar, quiet:
             try:
                 loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
             except TargetError as error:
@@ -212,9 +220,9 @@ def plan_command(
 
             advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=world_size,
                             parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
-        from autoplan.report import report_renderables
+        from autoplan.report import render, report_renderables
 
-        out.print(Group(*report_renderables(plan, advice, budget_text=budget)))
+        render(out, report_renderables(plan, advice, budget_text=budget))
         if json_path is not None:
             _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n")
             err.print(f"wrote {json_path}")
@@ -250,11 +258,15 @@ def devices_command() -> None:
     Console(highlight=False).print(table)
 
 
-@app.callback()
-def main(
-    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
-) -> None:
-    """autoplan: make a PyTorch training step fit a memory budget."""
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         typer.echo(f"autoplan {autoplan.__version__}")
         raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                 callback=_print_version),
+) -> None:
+    """autoplan: make a PyTorch training step fit a memory budget."""

@@ -134,6 +134,10 @@ def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
     return code
 
 
+def _code(code: str) -> Text:
+    return Text(code, style="cyan", no_wrap=True, overflow="ignore")  # never wrapped: it is copied and pasted
+
+
 def _sharded(peak: "ShardedPeak", usable: int) -> Text:
     verdict = "fits" if peak.total <= usable else "does not fit"
     return Text(
@@ -176,21 +180,28 @@ def report_renderables(
     plan: "Plan", advice: "Advice | None" = None, *, budget_text: str | None = None
 ) -> list[RenderableType]:
     parts: list[RenderableType] = [_verdict(plan), _breakdown(plan), _units(plan), _times(plan)]
-    parts.append(Text("apply it:\n", style="bold") + Text(apply_code(plan, budget_text), style="cyan"))
+    parts.append(Text("apply it:", style="bold"))
+    parts.append(_code(apply_code(plan, budget_text)))
     if advice is not None and advice.requested is not None:
         parts.append(_sharded(advice.requested, plan.usable_bytes))
     if advice is not None:
         parts.append(_advice(advice))
         fix = next((s for s in advice.steps if s.key == advice.first_fix), None)
         if fix is not None and fix.code:
-            parts.append(Text(f"{fix.title}:\n", style="bold") + Text(fix.code, style="cyan"))
+            parts.extend([Text(f"{fix.title}:", style="bold"), _code(fix.code)])
     parts.extend(Text(f"note: {note}", style="italic") for note in plan.notes)
     return parts
+
+
+def render(console: Console, parts: list[RenderableType]) -> None:
+    """Write the report's parts to `console`; code lines are never wrapped, so they paste as code."""
+    for part in parts:
+        console.print(part, soft_wrap=isinstance(part, Text) and bool(part.no_wrap))
 
 
 def format_report(plan: "Plan", advice: "Advice | None" = None, *, width: int = 110, budget_text: str | None = None) -> str:
     """The report as plain text (no colour, no terminal codes)."""
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
-    console.print(Group(*report_renderables(plan, advice, budget_text=budget_text)))
+    render(console, report_renderables(plan, advice, budget_text=budget_text))
     return buffer.getvalue().rstrip() + "\n"
