@@ -129,12 +129,13 @@ def _tf32(plan: Plan, profile: Profile) -> Step:
     return Step("tf32", "TF32 matmuls", "try", detail, 0, -saves_s, code)
 
 
-def held_attention(plan: Plan, profile: Profile, phase_index: int) -> int:
+def held_attention(profile: Profile, choices: dict[str, Choice], phase_index: int) -> int:
     """Bytes of T×T attention matrices that keep-mode units hold at a phase of the step."""
     total = 0
-    for unit, decision, (forward, backward) in zip(profile.units, plan.units, unit_windows(profile)):
-        if decision.choice.mode == "keep" and forward < phase_index <= backward:
-            total += unit.options[decision.choice].attention_bytes
+    for unit, (forward, backward) in zip(profile.units, unit_windows(profile)):
+        choice = choices[unit.name]
+        if choice.mode == "keep" and forward < phase_index <= backward:
+            total += unit.options[choice].attention_bytes
     return total
 
 
@@ -144,7 +145,7 @@ def _sdpa(plan: Plan, profile: Profile, peak_index: int) -> Step:
     materialised = sum(cost.attention_bytes for cost in per_unit if cost is not None)
     if materialised == 0:
         return Step("sdpa", title, "n/a", "the profile shows no saved T×T attention matrices (fused attention already, or none)")
-    at_peak = held_attention(plan, profile, peak_index)
+    at_peak = held_attention(profile, plan.choices(), peak_index)
     worst = max(cost.attention_bytes for cost in per_unit if cost is not None)
     held = (f"at the peak the plan keeps {format_bytes(at_peak)} of them, which SDPA would not save" if at_peak
             else "the plan keeps none of them at the peak (those units are checkpointed), but recomputing one rebuilds "
@@ -227,7 +228,7 @@ def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan)
     return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s, code)
 
 
-def _shorter_sequences(plan: Plan, profile: Profile, phases, seq_len) -> Step:
+def _shorter_sequences(plan: Plan, profile: Profile, phases, seq_len, choices) -> Step:
     title, key = "shorter sequences", "shorter_sequences"
     if not seq_len:
         return Step(key, title, "n/a", "sequence length unknown: pass --seq-len (to hf: targets or a factory taking seq_len)")
@@ -239,7 +240,7 @@ def _shorter_sequences(plan: Plan, profile: Profile, phases, seq_len) -> Step:
             break
         r = shorter / seq_len
         # Activations scale with T, the T×T attention matrices with T².
-        peak = _scaled_peak(phases, lambda i, p: (p.activation_bytes - (a := held_attention(plan, profile, i))) * r + a * r * r)
+        peak = _scaled_peak(phases, lambda i, p: (p.activation_bytes - (a := held_attention(profile, choices, i))) * r + a * r * r)
         if peak <= plan.usable_bytes:
             step_time = (plan.predicted_step_time_s - optimizer_s) * r + optimizer_s
             detail = (f"sequences of {shorter} instead of {seq_len}: peak about {format_bytes(peak)} (activations ∝ T, "
@@ -272,6 +273,19 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
     return [eight_bit, qlora]
 
 
+def least_activation_choices(profile: Profile) -> dict[str, Choice]:
+    """Per unit, the choice that keeps the fewest bytes (and peaks lowest in backward), fastest on ties.
+
+    When the single-GPU peak is elsewhere (optimizer.step() of a huge model), the solver's
+    lowest-peak choices may keep activations they do not need to; estimates for sharding and smaller
+    batches start from the choices that keep least.
+    """
+    return {
+        unit.name: min(unit.options, key=lambda c: (unit.options[c].held_bytes + unit.options[c].bwd_peak_bytes, unit.options[c].time_s))
+        for unit in profile.units
+    }
+
+
 def smallest_world_size(profile: Profile, choices, usable_bytes: int) -> ShardedPeak | None:
     """The fewest GPUs whose per-GPU FSDP estimate fits `usable_bytes` (the estimate falls as N grows)."""
     if sharded_peak(profile, choices, MAX_GPUS).total > usable_bytes:
@@ -286,10 +300,17 @@ def smallest_world_size(profile: Profile, choices, usable_bytes: int) -> Sharded
     return sharded_peak(profile, choices, low)
 
 
-def _fsdp(plan: Plan, profile: Profile, found: ShardedPeak | None) -> Step:
+def _least(plan: Plan, choices: dict[str, Choice]) -> str:
+    if choices == plan.choices():
+        return "with the plan's choices"
+    modes = sorted({str(c) for c in choices.values()})
+    return f"with every unit at the choice that keeps least ({', '.join(modes)}); more GPUs leave room to recompute less"
+
+
+def _fsdp(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: dict[str, Choice]) -> Step:
     title = "FSDP (shard parameters, gradients, optimizer state)"
     if found is None:
-        limit = sharded_peak(profile, plan.choices(), MAX_GPUS)
+        limit = sharded_peak(profile, choices, MAX_GPUS)
         return Step("fsdp", title, "n/a", f"sharding alone cannot fit: the unsharded part (gathered parameters "
                     f"{format_bytes(limit.gathered_parameters)}, activations {format_bytes(limit.activations)}) stays over "
                     f"{format_bytes(plan.usable_bytes)}; lower the batch or sequence first")
@@ -301,7 +322,7 @@ def _fsdp(plan: Plan, profile: Profile, found: ShardedPeak | None) -> Step:
               f"{format_bytes(found.optimizer)} + gathered parameters of the running and prefetched unit "
               f"{format_bytes(found.gathered_parameters)} + one unit's unsharded gradient {format_bytes(found.unsharded_gradients)} "
               f"+ activations {format_bytes(found.activations)} (at {found.phase}); on {n - 1} the estimate is "
-              f"{format_bytes(sharded_peak(profile, plan.choices(), n - 1).total)}. Estimate: the all-gathers and "
+              f"{format_bytes(sharded_peak(profile, choices, n - 1).total)}; {_least(plan, choices)}. Estimate: the all-gathers and "
               f"reduce-scatter move about {format_bytes(3 * profile.timeline.static.parameters * (n - 1) // n)} per GPU per "
               "step, not in the step time")
     code = ("from torch.distributed.fsdp import fully_shard\nfor name in plan.choices():  # the units\n"
@@ -330,8 +351,10 @@ def advise(
         raise TypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
     names = [phase.name for phase in profile.timeline.phases]
     peak_index = names.index(plan.peak_phase) if plan.peak_phase in names else 0
-    phases = phase_bytes(profile, plan.choices())
-    found = smallest_world_size(profile, plan.choices(), plan.usable_bytes)
+    # A plan that fits is the starting point; one that does not, the choices that keep least.
+    least = plan.choices() if plan.feasible else least_activation_choices(profile)
+    phases = phase_bytes(profile, least)
+    found = smallest_world_size(profile, least, plan.usable_bytes)
     steps = [
         _low_precision(plan, profile),
         _tf32(plan, profile),
@@ -339,13 +362,13 @@ def advise(
         _compile(plan, profile),
         _checkpointing(plan, profile),
         _grad_accumulation(plan, profile, phases, batch_size, replan),
-        _shorter_sequences(plan, profile, phases, seq_len),
+        _shorter_sequences(plan, profile, phases, seq_len, least),
         *_optimizer_state(plan, profile, parameter_count),
-        _fsdp(plan, profile, found),
+        _fsdp(plan, profile, found, least),
     ]
     first_fix = None
     if not plan.feasible:
         first_fix = next((s.key for s in steps if s.status == "try" and s.saves_bytes is not None
                           and plan.predicted_peak_bytes - s.saves_bytes <= plan.usable_bytes), None)
-    requested = sharded_peak(profile, plan.choices(), world_size) if world_size else None
+    requested = sharded_peak(profile, least, world_size) if world_size else None
     return Advice(plan.feasible, plan.predicted_peak_bytes, plan.usable_bytes, tuple(steps), first_fix, found, requested)

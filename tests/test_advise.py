@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import autoplan
-from autoplan.advise import Advice, advise, held_attention, smallest_world_size
+from autoplan.advise import Advice, advise, held_attention, least_activation_choices, smallest_world_size
 from autoplan.memory import phase_bytes, predict_peak, sharded_peak, unit_windows
 from autoplan.plan import Choice, UnitDecision
 from autoplan.plot import PlotUnavailable, memory_curves, plot_memory
@@ -81,9 +81,18 @@ def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
 
 def test_smallest_world_size_is_the_smallest(tight) -> None:
     _, plan, profile = tight
-    found = smallest_world_size(profile, plan.choices(), plan.usable_bytes)
+    least = least_activation_choices(profile)
+    found = smallest_world_size(profile, least, plan.usable_bytes)
     assert found.world_size >= 2 and found.total <= plan.usable_bytes
-    assert sharded_peak(profile, plan.choices(), found.world_size - 1).total > plan.usable_bytes
+    assert sharded_peak(profile, least, found.world_size - 1).total > plan.usable_bytes
+    assert advise(plan, profile).fsdp == found  # what the advice recommends
+
+
+def test_least_activation_choices_keep_no_more_than_any_other(loose) -> None:
+    _, _, profile = loose
+    least = least_activation_choices(profile)
+    for unit in profile.units:
+        assert unit.options[least[unit.name]].held_bytes == min(cost.held_bytes for cost in unit.options.values())
 
 
 # -- advice ---------------------------------------------------------------------------------------
@@ -100,7 +109,7 @@ def test_advice_for_a_plan_that_fits(loose) -> None:
     assert advice.step("optimizer_8bit").saves_bytes == state - state // 4
     sdpa = advice.step("sdpa")
     names = [phase.name for phase in profile.timeline.phases]
-    assert sdpa.status == "try" and sdpa.saves_bytes == held_attention(plan, profile, names.index(plan.peak_phase))
+    assert sdpa.status == "try" and sdpa.saves_bytes == held_attention(profile, plan.choices(), names.index(plan.peak_phase))
     json.dumps(advice.to_dict())  # plain data
 
 
@@ -110,8 +119,8 @@ def test_held_attention_counts_keep_units_alive_at_a_phase(loose) -> None:
     first_backward = windows[-1][1]  # the last unit's backward: every unit's saved tensors are alive
     assert all(d.choice.mode == "keep" for d in plan.units)  # 1 GB: nothing needs checkpointing
     expected = sum(u.options[d.choice].attention_bytes for u, d in zip(profile.units, plan.units))
-    assert held_attention(plan, profile, first_backward) == expected > 0
-    assert held_attention(plan, profile, 0) == 0  # before any forward
+    assert held_attention(profile, plan.choices(), first_backward) == expected > 0
+    assert held_attention(profile, plan.choices(), 0) == 0  # before any forward
 
 
 def test_checkpointing_step_is_measured_against_keeping_everything(tight) -> None:
