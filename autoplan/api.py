@@ -93,6 +93,7 @@ def plan(
     time_limit_s: float = 10.0,
     profile: str = "auto",
     progress: Callable[[str], None] | None = None,
+    on_profile: Callable[[Profile], None] | None = None,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -110,6 +111,8 @@ def plan(
     profile: where unit times come from: "roofline" (FLOPs and bytes over the device's rates),
         "measure" (real runs on the device the model is on: CUDA events, or the CPU clock), or
         "auto" (measure when the model is on a CUDA device and that device is the target).
+    progress: called with a short message as each stage starts. on_profile: called with the
+        Profile once measured (autoplan.advise needs it; the CLI uses this).
     """
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
@@ -125,6 +128,8 @@ def plan(
     measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
     if _should_measure(profile, model, target):
         measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
+    if on_profile is not None:
+        on_profile(measured)
     allowed_precisions = precision_options(precision, target)
     pins = _pins(list(traced.units), allowed_precisions, keep_fp32, checkpoint)
 

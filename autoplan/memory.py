@@ -260,3 +260,91 @@ def predict_step_time(profile: Profile, choices: Mapping[str, Choice]) -> float:
     change = sum(unit.options[c].time_s - unit.options[unit.base].time_s for unit, c in zip(profile.units, chosen))
     base = profile.base_step_time_s if profile.base_step_time_s is not None else profile.timeline.step_time_s
     return base + change
+
+
+# -- per-phase split and sharding (for the report's curve and the advice) ----------------------
+
+
+@dataclass(frozen=True)
+class PhaseBytes:
+    """One phase of the step under some choices: its predicted peak, and how much of it is static."""
+
+    name: str  # the timeline's phase name, e.g. "fwd:layers.3", "bwd:layers.3", "optimizer"
+    kind: str  # "fwd", "bwd" or "step" (optimizer.step / zero_grad)
+    live_bytes: int  # predicted peak of the phase (what the solver constrains)
+    static_bytes: int  # parameters + optimizer state + gradients alive when the phase began
+
+    @property
+    def activation_bytes(self) -> int:
+        """Everything else: the batch, saved activations, temporaries (optimizer temporaries in "step")."""
+        return self.live_bytes - self.static_bytes
+
+
+def phase_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[PhaseBytes]:
+    """The memory model's prediction for every phase, split into static and batch-dependent bytes."""
+    static = profile.timeline.static
+    return [
+        PhaseBytes(phase.name, phase.kind, live, static.parameters + static.optimizer + phase.grad_bytes)
+        for phase, live in zip(profile.timeline.phases, live_bytes(profile, choices))
+    ]
+
+
+@dataclass(frozen=True)
+class ShardedPeak:
+    """Estimated per-GPU peak of FSDP (ZeRO-3) on `world_size` GPUs, each with the profiled batch."""
+
+    world_size: int
+    phase: str  # the moment of the step where this rank peaks
+    parameters: int  # this rank's shard of parameters and buffers: 1/N
+    gradients: int  # its shard of the gradients alive at that moment: 1/N
+    optimizer: int  # its shard of the optimizer state: 1/N
+    gathered_parameters: int  # unsharded parameters of the unit being computed and of the prefetched one
+    unsharded_gradients: int  # the gradient of the unit being computed, before its reduce-scatter
+    activations: int  # the plan's batch-dependent bytes at that moment (not sharded; optimizer temporaries in "step", 1/N)
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters + self.gradients + self.optimizer
+            + self.gathered_parameters + self.unsharded_gradients + self.activations
+        )
+
+
+def sharded_peak(profile: Profile, choices: Mapping[str, Choice], world_size: int) -> ShardedPeak:
+    """Per-GPU peak when parameters, gradients and optimizer state are sharded over `world_size` GPUs.
+
+    Per phase of the step: 1/N of the parameters, optimizer state and the gradients alive then;
+    during forward and backward FSDP also holds the full parameters of the unit it runs and of the
+    one it prefetches (the two largest parameter groups: the units, and the rest of the model as
+    one group), and in backward one unit's full gradient before its reduce-scatter. Activations are
+    not sharded: every rank runs its own batch under the same choices; optimizer.step()'s
+    temporaries are, being per-parameter. The peak is the max over phases. With one GPU nothing is
+    gathered and this is exactly `predict_peak`. An estimate: no collective buffers, no allocator
+    fragmentation from resharding.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1; got {world_size}")
+    shard = lambda nbytes: -(-nbytes // world_size)  # noqa: E731 — ceil: one rank holds the remainder
+    static = profile.timeline.static
+    gathered = unsharded_grad = 0
+    if world_size > 1:
+        unit_params = [unit.param_bytes for unit in profile.units]
+        rest = max(0, static.parameters - sum(unit_params))  # repeated units have distinct parameters
+        gathered = sum(sorted(unit_params + [rest], reverse=True)[:2])
+        unsharded_grad = max(unit_params, default=0)
+    candidates = []
+    for phase, split in zip(profile.timeline.phases, phase_bytes(profile, choices)):
+        stepping = split.kind == "step"
+        candidates.append(
+            ShardedPeak(
+                world_size=world_size,
+                phase=split.name,
+                parameters=shard(static.parameters),
+                gradients=shard(phase.grad_bytes),
+                optimizer=shard(static.optimizer),
+                gathered_parameters=0 if stepping else gathered,
+                unsharded_gradients=unsharded_grad if split.kind == "bwd" else 0,
+                activations=shard(split.activation_bytes) if stepping else split.activation_bytes,
+            )
+        )
+    return max(candidates, key=lambda peak: peak.total)

@@ -42,6 +42,7 @@ class UnitCost:
     bwd_flops: int
     holds_inputs: tuple[bool, ...] = ()  # per tensor leaf of its inputs: still alive after forward
     holds_outputs: tuple[bool, ...] = ()  # per tensor leaf of its output: saved by itself for backward
+    attention_bytes: int = 0  # T×T attention matrices (softmax outputs and same-shaped dropout/views) it saves; keep mode only
 
     @property
     def time_s(self) -> float:
@@ -53,6 +54,7 @@ class UnitProfile:
     name: str
     options: Mapping[Choice, UnitCost]  # every choice this unit may take
     base: Choice  # the choice it had in the timeline
+    param_bytes: int = 0  # its parameters (what FSDP gathers to run it), tied weights once
 
     def delta_held(self, choice: Choice) -> int:
         return self.options[choice].held_bytes - self.options[self.base].held_bytes
@@ -157,6 +159,31 @@ class _OutputGradients(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _AttentionSaved(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes of T×T attention matrices saved for backward: what SDPA/FlashAttention would not keep.
+
+    A saved tensor counts when its last two dims are equal and it has the shape of a saved softmax
+    output (the probabilities) or as many elements laid out T×T (dropout's mask and output, the
+    view `probs @ v` saves). Each storage counts once.
+    """
+
+    def __init__(self) -> None:
+        self.saved: list[torch.Tensor] = []
+        self.total_bytes = 0
+        super().__init__(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() >= 3 and tensor.shape[-1] == tensor.shape[-2] > 1:
+            self.saved.append(tensor)
+        return tensor
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        softmax = {(t.shape[-1], t.numel()) for t in self.saved if "Softmax" in type(t.grad_fn).__name__}
+        self.total_bytes = unique_storage_bytes([t for t in self.saved if (t.shape[-1], t.numel()) in softmax])
+        self.saved = []  # hold no tensors: the unit's own references decide what stays alive
+
+
 def _measure_unit(
     module: torch.nn.Module, call: UnitCall, choice: Choice, rest: str, device: Device, fake_mode: FakeTensorMode
 ) -> UnitCost:
@@ -171,7 +198,10 @@ def _measure_unit(
         input_refs = [weakref.ref(t.untyped_storage()) for t in inputs]
         input_storages = {id(t.untyped_storage()) for t in inputs}
         tracker.begin_phase("fwd")
-        with outer:
+        # Checkpointed units save through torch.utils.checkpoint's own hooks, which hide their
+        # tensors from ours; only keep mode shows what the unit's ops save.
+        attention = _AttentionSaved() if choice.mode == "keep" else contextlib.nullcontext()
+        with outer, attention:
             output = planned(*args, **kwargs)
         outputs = _tensors_of(output)
         new_outputs = [t for t in outputs if id(t.untyped_storage()) not in input_storages]
@@ -202,6 +232,7 @@ def _measure_unit(
         bwd_flops=bwd.flops,
         holds_inputs=holds_inputs,
         holds_outputs=holds_outputs,
+        attention_bytes=attention.total_bytes if isinstance(attention, _AttentionSaved) else 0,
     )
 
 
@@ -246,7 +277,8 @@ def profile(
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
             costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
             measured[key] = MappingProxyType(costs)
-        units.append(UnitProfile(call.name, measured[key], base[call.name]))
+        param_bytes = unique_storage_bytes(list(module.parameters()))
+        units.append(UnitProfile(call.name, measured[key], base[call.name], param_bytes))
     return Profile(
         model_name=type(traced.model).__name__,
         device=device,

@@ -1,36 +1,207 @@
-"""Report: a plan as text a person reads in a terminal."""
+"""Report: a plan (and its advice) as a rich document a person reads in a terminal.
+
+`report_renderables` builds it — verdict first, then the memory breakdown, the units (repeated
+identical units folded into one row: `layers.0–31 ×32`), step times, the code that applies the
+plan, an FSDP estimate when asked, and the advice. `format_report` renders the same to plain text
+without colour, which is what `Plan.report()` returns. Nothing here prints: the CLI does.
+"""
 
 from __future__ import annotations
 
+import io
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from rich.console import Console, Group, RenderableType
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
 
 from autoplan.budget import format_bytes
 
 if TYPE_CHECKING:
-    from autoplan.plan import Plan
+    from autoplan.advise import Advice
+    from autoplan.memory import ShardedPeak
+    from autoplan.plan import Plan, UnitDecision
+
+_NUMBERED = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
 
 
-def format_report(plan: "Plan") -> str:
-    verdict = "fits" if plan.feasible else "does NOT fit"
-    lines = [
-        f"{plan.model_name} on {plan.device}: {verdict} — predicted peak {format_bytes(plan.predicted_peak_bytes)} "
-        f"(simulated {format_bytes(plan.simulated_peak_bytes)}) of {format_bytes(plan.usable_bytes)} usable "
-        f"({format_bytes(plan.budget_bytes)} budget)",
-        f"no plan: {format_bytes(plan.baseline_peak_bytes)}; lowest reachable: {format_bytes(plan.minimum_peak_bytes)} "
-        f"(needs a {format_bytes(plan.minimum_budget_bytes)} budget)",
-        f"step time ({plan.time_source}): {plan.predicted_step_time_s * 1e3:.3f} ms planned, "
-        f"{plan.baseline_step_time_s * 1e3:.3f} ms no plan, {plan.fastest_step_time_s * 1e3:.3f} ms fastest",
-    ]
+@dataclass(frozen=True)
+class UnitRow:
+    """Consecutive units with the same decision and costs, shown as one row."""
+
+    label: str  # "transformer.h.0–31 ×32", or the unit's own name
+    first: "UnitDecision"
+    count: int
+
+
+def fold_units(units: tuple["UnitDecision", ...]) -> list[UnitRow]:
+    """Fold runs of units numbered stem0, stem1, ... whose choice and costs are identical."""
+    rows: list[list[UnitDecision]] = []
+    for unit in units:
+        last = rows[-1][-1] if rows else None
+        if last is not None and _continues(last, unit):
+            rows[-1].append(unit)
+        else:
+            rows.append([unit])
+    folded = []
+    for run in rows:
+        label = run[0].name
+        if len(run) > 1:
+            label = f"{run[0].name}–{_NUMBERED.match(run[-1].name)['index']} ×{len(run)}"
+        folded.append(UnitRow(label, run[0], len(run)))
+    return folded
+
+
+def _continues(previous: "UnitDecision", unit: "UnitDecision") -> bool:
+    a, b = _NUMBERED.match(previous.name), _NUMBERED.match(unit.name)
+    same_cost = (previous.choice, previous.saved_bytes, previous.recompute_flops) == (unit.choice, unit.saved_bytes, unit.recompute_flops)
+    return bool(a and b and a["stem"] == b["stem"] and int(b["index"]) == int(a["index"]) + 1 and same_cost)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _verdict(plan: "Plan") -> Text:
+    usable = format_bytes(plan.usable_bytes)
+    if plan.feasible:
+        text = Text("FITS", style="bold green")
+        text.append(f"  {plan.model_name} on {plan.device}: predicted peak {format_bytes(plan.predicted_peak_bytes)} "
+                    f"of {usable} usable ({format_bytes(plan.budget_bytes)} budget)", style="bold")
+    else:
+        text = Text("DOES NOT FIT", style="bold red")
+        text.append(f"  {plan.model_name} on {plan.device}: the lowest peak autoplan reaches is "
+                    f"{format_bytes(plan.minimum_peak_bytes)}, over the {usable} usable ({format_bytes(plan.budget_bytes)} "
+                    f"budget) by {format_bytes(plan.minimum_peak_bytes - plan.usable_bytes)}; it needs a "
+                    f"{format_bytes(plan.minimum_budget_bytes)} budget", style="bold")
+    text.append(f"\nsimulated training step: {format_bytes(plan.simulated_peak_bytes)}; no plan (all keep/fp32): "
+                f"{format_bytes(plan.baseline_peak_bytes)}")
+    return text
+
+
+def _breakdown(plan: "Plan") -> Table:
     b = plan.breakdown
-    lines.append(
-        f"at the peak ({plan.peak_phase}): parameters {format_bytes(b.parameters)}, gradients {format_bytes(b.gradients)}, "
-        f"optimizer {format_bytes(b.optimizer)}, activations {format_bytes(b.activations)}, transient {format_bytes(b.transient)}"
+    table = Table(title=f"memory at the peak ({plan.peak_phase})", title_justify="left", show_edge=False)
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    rows = [
+        ("parameters (and buffers)", b.parameters),
+        ("gradients", b.gradients),
+        (f"optimizer state ({plan.optimizer})", b.optimizer),
+        ("activations", b.activations),
+        ("transient", b.transient),
+    ]
+    for name, nbytes in rows:
+        table.add_row(name, format_bytes(nbytes), f"{nbytes / max(1, b.total):.0%}")
+    table.add_row("= predicted peak", format_bytes(b.total), "", style="bold")
+    table.add_row("reserve (CUDA context, fragmentation)", format_bytes(plan.budget_bytes - plan.usable_bytes), "")
+    table.add_row("budget", format_bytes(plan.budget_bytes), "")
+    return table
+
+
+def _units(plan: "Plan") -> Table:
+    title = "units" + ("" if plan.feasible else " (the lowest-peak choices)")
+    table = Table(title=title, title_justify="left", show_edge=False)
+    for name, justify in (("unit", "left"), ("mode", "left"), ("precision", "left"), ("saved each", "right"),
+                          ("recompute GFLOP each", "right"), ("time each", "right")):
+        table.add_column(name, justify=justify, no_wrap=name == "unit")
+    for row in fold_units(plan.units):
+        unit = row.first
+        table.add_row(row.label, unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes),
+                      f"{unit.recompute_flops / 1e9:,.2f}", _ms(unit.step_time_s))
+    return table
+
+
+def _times(plan: "Plan") -> Text:
+    slower = plan.predicted_step_time_s / plan.fastest_step_time_s - 1 if plan.fastest_step_time_s else 0.0
+    return Text(f"step time ({plan.time_source}): {_ms(plan.predicted_step_time_s)} planned, "
+                f"{_ms(plan.fastest_step_time_s)} for the fastest plan ignoring memory ({slower:+.1%}), "
+                f"{_ms(plan.baseline_step_time_s)} with no plan")
+
+
+def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
+    budget = budget_text or format_bytes(plan.budget_bytes).replace(" ", "")
+    extra = ""
+    if plan.rest_precision != "fp32":
+        extra = f', precision="{plan.rest_precision}"'
+    code = f'model = autoplan.optimize(model, "{budget}", example_inputs=batch, device="{plan.device}"{extra})'
+    if plan.needs_grad_scaler:
+        code += "\nscaler = torch.amp.GradScaler()  # fp16 units: scale the loss"
+    return code
+
+
+def _code(code: str) -> Text:
+    return Text(code, style="cyan", no_wrap=True, overflow="ignore")  # never wrapped: it is copied and pasted
+
+
+def _sharded(peak: "ShardedPeak", usable: int) -> Text:
+    verdict = "fits" if peak.total <= usable else "does not fit"
+    return Text(
+        f"FSDP estimate on {peak.world_size} GPUs (sharding parameters, gradients and optimizer state; an estimate, "
+        f"not a plan): {format_bytes(peak.total)} per GPU, {verdict} in {format_bytes(usable)} — shards: parameters "
+        f"{format_bytes(peak.parameters)}, gradients {format_bytes(peak.gradients)}, optimizer {format_bytes(peak.optimizer)}; "
+        f"gathered parameters {format_bytes(peak.gathered_parameters)}, unsharded unit gradient "
+        f"{format_bytes(peak.unsharded_gradients)}, activations {format_bytes(peak.activations)} (at {peak.phase})"
     )
-    lines.append(f"{'unit':<32} {'mode':<10} {'precision':<9} {'saved':>10} {'recompute FLOPs':>16}")
-    for unit in plan.units:
-        lines.append(
-            f"{unit.name:<32} {unit.choice.mode:<10} {unit.choice.precision:<9} "
-            f"{format_bytes(unit.saved_bytes):>10} {unit.recompute_flops:>16,}"
-        )
-    lines.extend(f"note: {note}" for note in plan.notes)
-    return "\n".join(lines)
+
+
+def _signed_bytes(saves: int | None) -> str:
+    if saves is None:
+        return "peak: not predicted"
+    if saves == 0:
+        return "peak: no change"
+    return f"peak {'−' if saves > 0 else '+'}{format_bytes(abs(saves))}"
+
+
+def _signed_time(change: float | None) -> str:
+    return "time: not predicted" if change is None else f"time {change * 1e3:+.3g} ms"
+
+
+def _advice(advice: "Advice") -> Group:
+    styles = {"chosen": "green", "try": "yellow", "n/a": "dim"}
+    lines: list[RenderableType] = [Text("what to change, in order", style="bold")]
+    for index, step in enumerate(advice.steps, 1):
+        head = Text(f"{index:>2}. {step.title} ", style="bold" if step.key == advice.first_fix else "")
+        head.append(f"[{step.status}]", style=styles.get(step.status, ""))
+        if step.status != "n/a":
+            head.append(f"  {_signed_bytes(step.saves_bytes)}, {_signed_time(step.time_change_s)}")
+        if step.key == advice.first_fix:
+            head.append("  ← the first step that fits on its own", style="bold")
+        lines.append(head)
+        lines.append(Padding(Text(step.detail, style="dim" if step.status == "n/a" else ""), (0, 0, 0, 4)))
+    return Group(*lines)
+
+
+def report_renderables(
+    plan: "Plan", advice: "Advice | None" = None, *, budget_text: str | None = None
+) -> list[RenderableType]:
+    parts: list[RenderableType] = [_verdict(plan), _breakdown(plan), _units(plan), _times(plan)]
+    parts.append(Text("apply it:", style="bold"))
+    parts.append(_code(apply_code(plan, budget_text)))
+    if advice is not None and advice.requested is not None:
+        parts.append(_sharded(advice.requested, plan.usable_bytes))
+    if advice is not None:
+        parts.append(_advice(advice))
+        fix = next((s for s in advice.steps if s.key == advice.first_fix), None)
+        if fix is not None and fix.code:
+            parts.extend([Text(f"{fix.title}:", style="bold"), _code(fix.code)])
+    parts.extend(Text(f"note: {note}", style="italic") for note in plan.notes)
+    return parts
+
+
+def render(console: Console, parts: list[RenderableType]) -> None:
+    """Write the report's parts to `console`; code lines are never wrapped, so they paste as code."""
+    for part in parts:
+        console.print(part, soft_wrap=isinstance(part, Text) and bool(part.no_wrap))
+
+
+def format_report(plan: "Plan", advice: "Advice | None" = None, *, width: int = 110, budget_text: str | None = None) -> str:
+    """The report as plain text (no colour, no terminal codes)."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
+    render(console, report_renderables(plan, advice, budget_text=budget_text))
+    return buffer.getvalue().rstrip() + "\n"

@@ -1,0 +1,374 @@
+"""Advise stage: what to change next, in a practitioner's order, with this model's numbers.
+
+`advise(plan, profile)` walks the usual escalation — low-precision autocast, TF32, fused attention,
+torch.compile, activation checkpointing, gradient accumulation, shorter sequences, 8-bit optimizer
+state / QLoRA, FSDP — and says for each what it would save or cost *here*, computed from the
+profile and the memory model (`memory.py`), or why it does not apply. Estimates say how they were
+made; the micro-batch for gradient accumulation is checked by planning again when `replan` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from autoplan.budget import format_bytes
+from autoplan.memory import PhaseBytes, ShardedPeak, phase_bytes, predict_peak, predict_step_time, sharded_peak, unit_windows
+from autoplan.plan import Choice, Plan
+from autoplan.profile import Profile
+from autoplan.rewrite import DTYPES
+
+MAX_GPUS = 65536  # FSDP search limit; beyond this the advice says sharding alone cannot fit
+QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One piece of advice."""
+
+    key: str  # stable identifier: bf16/fp16, tf32, sdpa, compile, checkpointing, grad_accumulation, ...
+    title: str
+    status: str  # "chosen" (the plan already does it), "try" (would help), "n/a" (does not apply here)
+    detail: str  # what it does for this model, with the numbers, or why it does not apply
+    saves_bytes: int | None = None  # estimated drop of the peak (negative: it costs memory); None: not predicted
+    time_change_s: float | None = None  # estimated change of the step time (positive: slower); None: not predicted
+    code: str = ""  # how to do it
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Everything `advise` found, in the order a person should try it."""
+
+    fits: bool
+    peak_bytes: int  # the plan's predicted peak (the lowest reachable one when it does not fit)
+    usable_bytes: int
+    steps: tuple[Step, ...]
+    first_fix: str | None  # key of the first "try" step whose estimate alone fits the budget
+    fsdp: ShardedPeak | None  # per-GPU estimate on the smallest GPU count that fits, if any
+    requested: ShardedPeak | None  # per-GPU estimate for the world size the person asked about
+
+    @property
+    def over_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.usable_bytes)
+
+    def step(self, key: str) -> Step:
+        return next(s for s in self.steps if s.key == key)
+
+    def to_dict(self) -> dict[str, Any]:
+        def sharded(peak: ShardedPeak | None):
+            return None if peak is None else dataclasses.asdict(peak) | {"total": peak.total}
+
+        return {
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "usable_bytes": self.usable_bytes,
+            "over_bytes": self.over_bytes,
+            "first_fix": self.first_fix,
+            "steps": [dataclasses.asdict(step) for step in self.steps],
+            "fsdp": sharded(self.fsdp),
+            "requested_world_size": sharded(self.requested),
+        }
+
+
+def _count(n: int) -> str:
+    return next((f"{n / scale:.3g}{unit}" for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= scale), str(n))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _all(profile: Profile, mode: str, precision: str) -> dict[str, Choice] | None:
+    choice = Choice(mode, precision)
+    if any(choice not in unit.options for unit in profile.units):
+        return None
+    return {unit.name: choice for unit in profile.units}
+
+
+def _low_precision(plan: Plan, profile: Profile) -> Step:
+    low = plan.low_precision
+    key, scaler = low, " with torch.amp.GradScaler" if low == "fp16" else ""
+    title = f"{low} autocast{scaler}"
+    code = f'autoplan.optimize(model, budget, example_inputs=batch, precision="{low}")  # every unit and the rest'
+    if profile.rest_precision != "fp32":
+        saves = profile.reference.peak_bytes - profile.timeline.peak_bytes
+        faster = profile.reference.step_time_s - profile.timeline.step_time_s
+        detail = (f"chosen (--precision {profile.rest_precision}): the whole model under autocast peaks at "
+                  f"{format_bytes(profile.timeline.peak_bytes)} with no checkpointing, against "
+                  f"{format_bytes(profile.reference.peak_bytes)} in fp32; step {_ms(profile.timeline.step_time_s)} vs "
+                  f"{_ms(profile.reference.step_time_s)}")
+        return Step(key, title, "chosen", detail, saves, -faster, code)
+    fp32, lowered = _all(profile, "keep", "fp32"), _all(profile, "keep", low)
+    if lowered is None:
+        return Step(key, title, "n/a", f"not measured: precision was forced to fp32; plan with --precision auto to measure {low}")
+    saves = predict_peak(profile, fp32).bytes - predict_peak(profile, lowered).bytes
+    change = predict_step_time(profile, lowered) - predict_step_time(profile, fp32)
+    used = sum(1 for unit in plan.units if unit.choice.precision == low)
+    detail = (f"every unit in {low} (no checkpointing) peaks {format_bytes(saves)} lower than in fp32 and the step "
+              f"is {_ms(-change)} faster; the plan runs {used} of {len(plan.units)} units in {low}, the rest of "
+              f"the model in fp32 (--precision {low} puts all of it under autocast)")
+    return Step(key, title, "chosen" if used else "try", detail, saves, change, code)
+
+
+def _tf32(plan: Plan, profile: Profile) -> Step:
+    device = profile.device
+    code = 'torch.set_float32_matmul_precision("high")  # TF32 matmuls and convolutions'
+    if "tf32" not in device.peak_flops or device.kind != "cuda":
+        return Step("tf32", "TF32 matmuls", "n/a", f"{device.name} has no TF32 tensor cores")
+    units = {unit.name: unit for unit in profile.units}
+    fp32_flops = sum(units[d.name].options[d.choice].fwd_flops + units[d.name].options[d.choice].bwd_flops
+                     for d in plan.units if d.choice.precision == "fp32")
+    if profile.rest_precision == "fp32":
+        fp32_flops += sum(phase.flops for phase in profile.timeline.phases if phase.unit is None)
+    if fp32_flops == 0:
+        return Step("tf32", "TF32 matmuls", "n/a", "no matmul of this plan runs in fp32")
+    saves_s = fp32_flops / device.peak_flops["fp32"] - fp32_flops / device.peak_flops["tf32"]
+    detail = (f"{fp32_flops / 1e9:,.1f} GFLOP per step still run in fp32; at {device.name}'s TF32 rate they take up to "
+              f"{_ms(saves_s)} less (roofline; memory-bound ops do not speed up). No memory change")
+    return Step("tf32", "TF32 matmuls", "try", detail, 0, -saves_s, code)
+
+
+def held_attention(profile: Profile, choices: dict[str, Choice], phase_index: int) -> int:
+    """Bytes of T×T attention matrices that keep-mode units hold at a phase of the step."""
+    total = 0
+    for unit, (forward, backward) in zip(profile.units, unit_windows(profile)):
+        choice = choices[unit.name]
+        if choice.mode == "keep" and forward < phase_index <= backward:
+            total += unit.options[choice].attention_bytes
+    return total
+
+
+def _sdpa(plan: Plan, profile: Profile, peak_index: int) -> Step:
+    title = "fused attention (SDPA / FlashAttention)"
+    per_unit = [unit.options.get(Choice("keep", d.choice.precision)) for unit, d in zip(profile.units, plan.units)]
+    materialised = sum(cost.attention_bytes for cost in per_unit if cost is not None)
+    if materialised == 0:
+        return Step("sdpa", title, "n/a", "the profile shows no saved T×T attention matrices (fused attention already, or none)")
+    at_peak = held_attention(profile, plan.choices(), peak_index)
+    worst = max(cost.attention_bytes for cost in per_unit if cost is not None)
+    held = (f"at the peak the plan keeps {format_bytes(at_peak)} of them, which SDPA would not save" if at_peak
+            else "the plan keeps none of them at the peak (those units are checkpointed), but recomputing one rebuilds "
+                 f"up to {format_bytes(worst)}")
+    detail = (f"in keep mode the units save {format_bytes(materialised)} of T×T attention probabilities "
+              f"(up to {format_bytes(worst)} per unit); {held}. F.scaled_dot_product_attention saves only its output "
+              "and a log-sum-exp, and with less to save fewer units need checkpointing")
+    code = 'y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # HF: attn_implementation="sdpa"'
+    return Step("sdpa", title, "try", detail, at_peak, None, code)
+
+
+def _compile(plan: Plan, profile: Profile) -> Step:
+    device = profile.device
+    units = {unit.name: unit for unit in profile.units}
+    compute_s = sum(phase.flops for phase in profile.timeline.phases if phase.unit is None) / device.flops_for(DTYPES[profile.rest_precision])
+    for d in plan.units:
+        cost = units[d.name].options[d.choice]
+        compute_s += (cost.fwd_flops + cost.bwd_flops) / device.flops_for(DTYPES[d.choice.precision])
+    bound = max(0.0, plan.predicted_step_time_s - compute_s)
+    detail = (f"{_ms(bound)} of the {_ms(plan.predicted_step_time_s)} roofline step is memory traffic of ops that are not "
+              "compute-bound (elementwise, norms, casts): what Inductor's fusion attacks. autoplan does not predict how "
+              "much it recovers, nor compile's memory effect; the planned model compiles as is")
+    return Step("compile", "torch.compile", "try", detail, None, None, "model = torch.compile(autoplan.optimize(model, ...))")
+
+
+def _checkpointing(plan: Plan, profile: Profile) -> Step:
+    title = "activation checkpointing (autoplan's choice per unit)"
+    modes = {mode: sum(1 for d in plan.units if d.choice.mode == mode) for mode in ("keep", "selective", "full")}
+    kept = {d.name: Choice("keep", d.choice.precision) for d in plan.units}
+    saves = predict_peak(profile, kept).bytes - plan.predicted_peak_bytes
+    cost = plan.predicted_step_time_s - predict_step_time(profile, kept)
+    flops = sum(d.recompute_flops for d in plan.units)
+    counts = ", ".join(f"{n} {mode}" for mode, n in modes.items() if n)
+    detail = (f"units: {counts}; the same precisions without checkpointing peak {format_bytes(saves)} higher; "
+              f"recomputing {flops / 1e9:,.1f} GFLOP costs {_ms(cost)} per step")
+    status = "chosen" if modes["selective"] + modes["full"] else "n/a"
+    if status == "n/a":
+        detail = "not needed: every unit keeps its activations" + ("" if plan.feasible else " (nothing to gain)")
+    return Step("checkpointing", title, status, detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")
+
+
+def _scaled_peak(phases: list[PhaseBytes], scale: Callable[[int, PhaseBytes], float]) -> int:
+    """Peak if each phase's batch-dependent bytes were scaled; optimizer.step() does not scale."""
+    return max(p.static_bytes + (p.activation_bytes if p.kind == "step" else int(scale(i, p))) for i, p in enumerate(phases))
+
+
+def _optimizer_time(profile: Profile) -> float:
+    return sum(phase.time_s for phase in profile.timeline.phases if phase.kind == "step")
+
+
+def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan) -> Step:
+    title, key = "gradient accumulation", "grad_accumulation"
+    if plan.feasible:
+        return Step(key, title, "n/a", f"not needed: batch {batch_size or '(as given)'} fits")
+    if not batch_size or batch_size < 2:
+        return Step(key, title, "n/a", "batch size unknown or 1: pass --batch-size to a factory that takes batch_size")
+    divisors = [b for b in range(batch_size - 1, 0, -1) if batch_size % b == 0]
+    estimate = {b: _scaled_peak(phases, lambda i, p, b=b: p.activation_bytes * b / batch_size) for b in divisors}
+    fitting = [b for b in divisors if estimate[b] <= plan.usable_bytes]
+    if not fitting:
+        return Step(key, title, "n/a", f"even a micro-batch of 1 would peak at about {format_bytes(estimate[1])} "
+                    f"(activations scaled linearly): parameters, gradients and optimizer state alone do not fit")
+    micro, how = fitting[0], "estimated: activations scale linearly with the batch"
+    peak, micro_time = estimate[micro], None
+    for candidate in fitting[:2] if replan else []:
+        checked = replan(candidate)
+        micro, peak, micro_time = candidate, checked.predicted_peak_bytes, checked.predicted_step_time_s
+        how = f"verified by planning batch {candidate} again: {'fits' if checked.feasible else 'does not fit'}"
+        if checked.feasible:
+            break
+    steps = batch_size // micro
+    optimizer_s = _optimizer_time(profile)
+    if micro_time is None:
+        micro_time = (plan.predicted_step_time_s - optimizer_s) * micro / batch_size + optimizer_s
+    global_time = steps * (micro_time - optimizer_s) + optimizer_s
+    detail = (f"micro-batch {micro} × {steps} accumulation steps keeps the global batch of {batch_size}; peak about "
+              f"{format_bytes(peak)} ({how}); {_ms(global_time)} per global batch vs {_ms(plan.predicted_step_time_s)}")
+    code = (f"for micro in batch.split({micro}):  # {steps} steps\n    (model(micro).loss / {steps}).backward()\n"
+            "optimizer.step(); optimizer.zero_grad(set_to_none=True)")
+    return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s, code)
+
+
+def _shorter_sequences(plan: Plan, profile: Profile, phases, seq_len, choices) -> Step:
+    title, key = "shorter sequences", "shorter_sequences"
+    if not seq_len:
+        return Step(key, title, "n/a", "sequence length unknown: pass --seq-len (to hf: targets or a factory taking seq_len)")
+    if plan.feasible:
+        return Step(key, title, "n/a", f"not needed: sequences of {seq_len} fit")
+    optimizer_s = _optimizer_time(profile)
+    for shorter in (seq_len // 2, seq_len // 4, seq_len // 8):
+        if shorter < 1:
+            break
+        r = shorter / seq_len
+        # Activations scale with T, the T×T attention matrices with T².
+        peak = _scaled_peak(phases, lambda i, p: (p.activation_bytes - (a := held_attention(profile, choices, i))) * r + a * r * r)
+        if peak <= plan.usable_bytes:
+            step_time = (plan.predicted_step_time_s - optimizer_s) * r + optimizer_s
+            detail = (f"sequences of {shorter} instead of {seq_len}: peak about {format_bytes(peak)} (activations ∝ T, "
+                      f"attention matrices ∝ T²); {_ms(step_time)} per step for {r:.0%} of the tokens; the model sees less context")
+            return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, step_time - plan.predicted_step_time_s)
+    return Step(key, title, "n/a", f"even sequences of {max(1, seq_len // 8)} would not fit: the peak is not in the activations")
+
+
+def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) -> list[Step]:
+    state = profile.timeline.static.optimizer
+    if state == 0:
+        eight_bit = Step("optimizer_8bit", "8-bit optimizer state", "n/a", f"{profile.optimizer} keeps no state")
+    else:
+        saves = state - state // 4  # 32-bit moments to 8-bit (block-wise quantised; constants ignored)
+        eight_bit = Step("optimizer_8bit", "8-bit optimizer state", "try",
+                         f"{profile.optimizer}'s {format_bytes(state)} of fp32 state become {format_bytes(state // 4)}: "
+                         f"saves {format_bytes(saves)}; the step's time change is not modelled",
+                         saves, None, "import bitsandbytes as bnb; optimizer = bnb.optim.AdamW8bit(model.parameters())")
+    static = profile.timeline.static
+    count = parameter_count if parameter_count is not None else static.gradients // 4
+    quantised = int(count * QLORA_BITS_PER_PARAMETER / 8)
+    saves = static.parameters + static.gradients + state - quantised
+    qlora = Step("qlora", "4-bit QLoRA (fine-tuning only)", "try",
+                 f"frozen {_count(count)} parameters in NF4 take about {format_bytes(quantised)} instead of "
+                 f"{format_bytes(static.parameters)} with {format_bytes(static.gradients + state)} of gradients and optimizer "
+                 f"state: saves about {format_bytes(saves)} before the LoRA adapters (usually under 1% of the parameters). "
+                 "It trains adapters, not the model: for fine-tuning, not pre-training",
+                 saves, None, "peft.prepare_model_for_kbit_training(AutoModel.from_pretrained(..., quantization_config="
+                 "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')))")
+    return [eight_bit, qlora]
+
+
+def least_activation_choices(profile: Profile) -> dict[str, Choice]:
+    """Per unit, the choice that keeps the fewest bytes (and peaks lowest in backward), fastest on ties.
+
+    When the single-GPU peak is elsewhere (optimizer.step() of a huge model), the solver's
+    lowest-peak choices may keep activations they do not need to; estimates for sharding and smaller
+    batches start from the choices that keep least.
+    """
+    return {
+        unit.name: min(unit.options, key=lambda c: (unit.options[c].held_bytes + unit.options[c].bwd_peak_bytes, unit.options[c].time_s))
+        for unit in profile.units
+    }
+
+
+def smallest_world_size(profile: Profile, choices, usable_bytes: int) -> ShardedPeak | None:
+    """The fewest GPUs whose per-GPU FSDP estimate fits `usable_bytes` (the estimate falls as N grows)."""
+    if sharded_peak(profile, choices, MAX_GPUS).total > usable_bytes:
+        return None
+    low, high = 1, MAX_GPUS
+    while low < high:
+        middle = (low + high) // 2
+        if sharded_peak(profile, choices, middle).total <= usable_bytes:
+            high = middle
+        else:
+            low = middle + 1
+    return sharded_peak(profile, choices, low)
+
+
+def _least(plan: Plan, choices: dict[str, Choice]) -> str:
+    if choices == plan.choices():
+        return "with the plan's choices"
+    modes = sorted({str(c) for c in choices.values()})
+    return f"with every unit at the choice that keeps least ({', '.join(modes)}); more GPUs leave room to recompute less"
+
+
+def _fsdp(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: dict[str, Choice]) -> Step:
+    title = "FSDP (shard parameters, gradients, optimizer state)"
+    if found is None:
+        limit = sharded_peak(profile, choices, MAX_GPUS)
+        return Step("fsdp", title, "n/a", f"sharding alone cannot fit: the unsharded part (gathered parameters "
+                    f"{format_bytes(limit.gathered_parameters)}, activations {format_bytes(limit.activations)}) stays over "
+                    f"{format_bytes(plan.usable_bytes)}; lower the batch or sequence first")
+    if found.world_size == 1:
+        return Step("fsdp", title, "n/a", "not needed: the plan fits one GPU")
+    n = found.world_size
+    detail = (f"{n} × {plan.device}: per GPU {format_bytes(found.total)} ≤ {format_bytes(plan.usable_bytes)} usable = "
+              f"1/{n} of parameters {format_bytes(found.parameters)} + gradients {format_bytes(found.gradients)} + optimizer "
+              f"{format_bytes(found.optimizer)} + gathered parameters of the running and prefetched unit "
+              f"{format_bytes(found.gathered_parameters)} + one unit's unsharded gradient {format_bytes(found.unsharded_gradients)} "
+              f"+ activations {format_bytes(found.activations)} (at {found.phase}); on {n - 1} the estimate is "
+              f"{format_bytes(sharded_peak(profile, choices, n - 1).total)}; {_least(plan, choices)}. Estimate: the all-gathers and "
+              f"reduce-scatter move about {format_bytes(3 * profile.timeline.static.parameters * (n - 1) // n)} per GPU per "
+              "step, not in the step time")
+    code = ("from torch.distributed.fsdp import fully_shard\nfor name in plan.choices():  # the units\n"
+            "    fully_shard(model.get_submodule(name))\nfully_shard(model)")
+    return Step("fsdp", title, "try", detail, plan.predicted_peak_bytes - found.total, None, code)
+
+
+def advise(
+    plan: Plan,
+    profile: Profile,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    world_size: int | None = None,
+    parameter_count: int | None = None,
+    replan: Callable[[int], Plan] | None = None,
+) -> Advice:
+    """Escalation advice for `plan` (from `profile`), each step with what it saves and costs here.
+
+    batch_size, seq_len: what was planned, for gradient accumulation and shorter sequences.
+    world_size: also estimate the per-GPU FSDP peak on this many GPUs. parameter_count: for QLoRA
+    (default: from the gradients' bytes, assuming fp32). replan(micro_batch) -> Plan: plan again at a
+    smaller batch, to verify the gradient-accumulation estimate (skipped when None).
+    """
+    if not isinstance(plan, Plan) or not isinstance(profile, Profile):
+        raise TypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
+    names = [phase.name for phase in profile.timeline.phases]
+    peak_index = names.index(plan.peak_phase) if plan.peak_phase in names else 0
+    # A plan that fits is the starting point; one that does not, the choices that keep least.
+    least = plan.choices() if plan.feasible else least_activation_choices(profile)
+    phases = phase_bytes(profile, least)
+    found = smallest_world_size(profile, least, plan.usable_bytes)
+    steps = [
+        _low_precision(plan, profile),
+        _tf32(plan, profile),
+        _sdpa(plan, profile, peak_index),
+        _compile(plan, profile),
+        _checkpointing(plan, profile),
+        _grad_accumulation(plan, profile, phases, batch_size, replan),
+        _shorter_sequences(plan, profile, phases, seq_len, least),
+        *_optimizer_state(plan, profile, parameter_count),
+        _fsdp(plan, profile, found, least),
+    ]
+    first_fix = None
+    if not plan.feasible:
+        first_fix = next((s.key for s in steps if s.status == "try" and s.saves_bytes is not None
+                          and plan.predicted_peak_bytes - s.saves_bytes <= plan.usable_bytes), None)
+    requested = sharded_peak(profile, least, world_size) if world_size else None
+    return Advice(plan.feasible, plan.predicted_peak_bytes, plan.usable_bytes, tuple(steps), first_fix, found, requested)

@@ -1,0 +1,272 @@
+"""The command line: `autoplan plan TARGET --budget 24GB` and `autoplan devices`.
+
+The only module that prints or exits. Errors are one line on stderr with an exit code (the table
+in README.md and `ExitCode`); `--debug` adds the traceback. A plan that does not fit is not an
+error: the report and the advice are printed and the exit code says "does not fit".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import re
+import sys
+import traceback
+from enum import Enum, IntEnum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import autoplan
+from autoplan.budget import format_bytes, make_budget
+from autoplan.devices import get_device, list_devices
+from autoplan.targets import Target, TargetError, load_target
+from autoplan.trace import TraceError
+
+JSON_SCHEMA = "autoplan.plan/1"  # bump when a key of the --json document changes meaning or goes away
+
+
+class ExitCode(IntEnum):
+    FITS = 0  # the plan fits the budget
+    ERROR = 1  # an unexpected error (a bug): rerun with --debug and report it
+    USAGE = 2  # a bad option value: budget, reserve, device, units, --batch-size a factory does not take
+    DOES_NOT_FIT = 3  # no plan fits: the report and advice say what to change
+    NOT_FOUND = 4  # the target's file, module, function or HF config does not exist
+    FACTORY_FAILED = 5  # importing the target or calling its factory raised, or it returned no (model, inputs)
+    CANNOT_PLAN = 6  # the model could not be traced or profiled
+    MISSING_EXTRA = 7  # an optional dependency is missing (matplotlib for --plot, transformers for hf:)
+    OUTPUT_FAILED = 8  # --json or --plot could not be written
+
+
+class Precision(str, Enum):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Optimizer(str, Enum):
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+    sgd_momentum = "sgd-momentum"
+
+
+class CliError(Exception):
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_TARGET_CODES = {"usage": ExitCode.USAGE, "not_found": ExitCode.NOT_FOUND, "factory": ExitCode.FACTORY_FAILED,
+                 "missing_extra": ExitCode.MISSING_EXTRA}
+
+app = typer.Typer(
+    help="Make a PyTorch training step fit a memory budget: plan checkpointing and precision per block, "
+    "and say what to change when it does not fit.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _fail(error: CliError, debug: bool) -> None:
+    if debug:
+        traceback.print_exception(error.__cause__ or error, file=sys.stderr)
+    message = str(error).replace("\n", " ")
+    typer.echo(f"autoplan: error: {message}" + ("" if debug else "  (--debug for the traceback)" if error.code == ExitCode.ERROR else ""), err=True)
+    raise typer.Exit(int(error.code))
+
+
+class _StageProgress:
+    """A rich progress bar fed by api.plan's progress messages ("profiling unit 3/12: ...")."""
+
+    _UNIT = re.compile(r"profiling unit (\d+)/(\d+)")
+
+    def __init__(self, console: Console) -> None:
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=True, redirect_stderr=False,
+                            redirect_stdout=False, disable=not console.is_terminal)  # no bar in logs and pipes
+        self.task = self.bar.add_task("loading the model", total=None)
+
+    def __call__(self, message: str) -> None:
+        found = self._UNIT.match(message)
+        if found:
+            self.bar.update(self.task, description=message, completed=int(found[1]) - 1, total=int(found[2]))
+        else:
+            self.bar.update(self.task, description=message)
+
+
+def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[int], plot: Optional[Path]):
+    try:
+        target_device = get_device(device)
+        make_budget(budget, target_device, reserve)
+    except (ValueError, TypeError) as error:
+        raise CliError(ExitCode.USAGE, str(error)) from error
+    if world_size is not None and world_size < 1:
+        raise CliError(ExitCode.USAGE, f"--world-size must be at least 1; got {world_size}")
+    if plot is not None:
+        from autoplan.plot import FORMATS, PlotUnavailable, _pyplot
+
+        if plot.suffix.lower() not in FORMATS:
+            raise CliError(ExitCode.USAGE, f"--plot file must end in {', '.join(FORMATS)}; got {plot.name!r}")
+        try:
+            _pyplot()  # fail before minutes of planning, not after
+        except PlotUnavailable as error:
+            raise CliError(ExitCode.MISSING_EXTRA, str(error)) from error
+
+
+def _units(values: Optional[list[str]]) -> Optional[list[str]]:
+    if not values:
+        return None
+    return [pattern.strip() for value in values for pattern in value.split(",") if pattern.strip()]
+
+
+def _plan(target: Target, budget: str, options: dict, progress, inputs=None, model=None):
+    profiles = []
+    try:
+        plan = autoplan.plan(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
+                             progress=progress, on_profile=profiles.append, **options)
+    except TraceError as error:
+        usage = options.get("units") and "matched no" in str(error)  # --units named nothing: a bad option
+        raise CliError(ExitCode.USAGE if usage else ExitCode.CANNOT_PLAN, str(error)) from error
+    except ValueError as error:
+        if "matched no unit" in str(error):
+            raise CliError(ExitCode.USAGE, str(error)) from error
+        raise CliError(ExitCode.CANNOT_PLAN, f"cannot profile {type(target.model).__name__}: {error}") from error
+    except Exception as error:
+        raise CliError(ExitCode.CANNOT_PLAN, f"cannot profile {type(target.model).__name__}: {type(error).__name__}: {error}") from error
+    return plan, profiles[0]
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as error:
+        raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {path}: {error.strerror or error}") from error
+
+
+def json_document(target: Target, plan, advice, budget: str) -> dict:
+    """What --json writes: the schema the README documents."""
+    return {
+        "schema": JSON_SCHEMA,
+        "autoplan_version": autoplan.__version__,
+        "target": target.spec,
+        "budget": budget,
+        "inputs": {"batch_size": target.batch_size, "seq_len": target.seq_len, "parameter_count": target.parameter_count},
+        "plan": plan.to_dict(),
+        "advice": advice.to_dict(),
+    }
+
+
+@app.command("plan")
+def plan_command(
+    target: str = typer.Argument(..., help="path/to/file.py:factory, package.module:factory, or hf:CONFIG "
+                                 "(a preset such as gpt2, llama-3-8b, or a path to config.json). A factory returns "
+                                 "(model, example_inputs) and may take batch_size and seq_len."),
+    budget: str = typer.Option(..., "--budget", "-b", help='Memory for the training step: "24GB", "24 GiB", "80%" of the device.'),
+    device: Optional[str] = typer.Option(None, "--device", "-d", help="Device profile to plan for (see `autoplan devices`). "
+                                         "Default: this machine's GPU, else the cpu profile."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Batch size, passed to the factory "
+                                             f"(hf: default {1})."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory (hf: default 1024, "
+                                          "capped at the model's maximum)."),
+    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer whose state is counted."),
+    precision: Precision = typer.Option(Precision.auto, "--precision", help="auto: per unit fp32 or the device's bf16/fp16; "
+                                        "or force one for the whole model."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Also estimate the per-GPU peak of FSDP sharding "
+                                             "on this many GPUs (an estimate, not a plan)."),
+    units: Optional[list[str]] = typer.Option(None, "--units", help='Name patterns of the blocks to plan, e.g. "layers.*" '
+                                              "(repeat or comma-separate). Default: the blocks the model repeats."),
+    reserve: Optional[str] = typer.Option(None, "--reserve", help='Bytes held back from the budget, e.g. "1GB" or 0. '
+                                          "Default: CUDA context + 5% fragmentation."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and advice as JSON to this file."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write memory over the training step, before and after the "
+                                        "plan, to this .png/.svg/.pdf (needs matplotlib)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Plan TARGET for a budget: will it train, with what, and what to change if not."""
+    out, err = Console(highlight=False), Console(file=sys.stderr)  # bound now: planning may swap sys.stderr
+    # torch.export prints and logs the graph of a failed trace; the one-line error says what failed.
+    quiet = contextlib.nullcontext() if debug else contextlib.redirect_stderr(io.StringIO())
+    if not debug:
+        logging.getLogger("torch").setLevel(logging.ERROR)
+    try:
+        _check_options(budget, device, reserve, world_size, plot)
+        options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units),
+                       reserve=reserve)
+        progress = _StageProgress(err)
+        with progress.bar, quiet:
+            try:
+                loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
+            except TargetError as error:
+                raise CliError(_TARGET_CODES[error.kind], str(error)) from error
+            plan, profile = _plan(loaded, budget, options, progress)
+
+            def replan(micro: int):
+                progress(f"checking micro-batch {micro}: planning again")
+                model, inputs = loaded.rebuild(micro)
+                return _plan(loaded, budget, options, progress, inputs=inputs, model=model)[0]
+
+            from autoplan.advise import advise
+
+            advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=world_size,
+                            parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
+        from autoplan.report import render, report_renderables
+
+        render(out, report_renderables(plan, advice, budget_text=budget))
+        if json_path is not None:
+            _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n")
+            err.print(f"wrote {json_path}")
+        if plot is not None:
+            from autoplan.plot import plot_memory
+
+            try:
+                plot_memory(plan, profile, plot)
+            except OSError as error:
+                raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {plot}: {error.strerror or error}") from error
+            err.print(f"wrote {plot}")
+    except CliError as error:
+        _fail(error, debug)
+    except typer.Exit:
+        raise
+    except Exception as error:  # a bug: one line, the traceback with --debug
+        _fail(CliError(ExitCode.ERROR, f"{type(error).__name__}: {error}").with_traceback(error.__traceback__), debug)
+    raise typer.Exit(int(ExitCode.FITS if plan.feasible else ExitCode.DOES_NOT_FIT))
+
+
+@app.command("devices")
+def devices_command() -> None:
+    """List the device profiles a plan can target (--device NAME)."""
+    table = Table(title="device profiles (datasheet rates; memory in GiB as vendors count it)")
+    for column, justify in (("name", "left"), ("memory", "right"), ("fp32 TFLOP/s", "right"), ("bf16/fp16 TFLOP/s", "right"),
+                            ("bandwidth", "right"), ("low precision", "left"), ("description", "left")):
+        table.add_column(column, justify=justify)
+    for device in list_devices():
+        low = device.peak_flops.get(device.low_precision_name, device.peak_flops["fp32"])
+        table.add_row(device.name, f"{device.memory_bytes / 2**30:.0f} GiB", f"{device.peak_flops['fp32'] / 1e12:g}",
+                      f"{low / 1e12:g}", f"{format_bytes(int(device.memory_bandwidth))}/s", device.low_precision_name,
+                      device.description)
+    Console(highlight=False).print(table)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"autoplan {autoplan.__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                 callback=_print_version),
+) -> None:
+    """autoplan: make a PyTorch training step fit a memory budget."""

@@ -1,0 +1,190 @@
+"""Targets: what `autoplan plan TARGET` names, loaded into a model and one batch of example inputs.
+
+    path/to/file.py:factory     a function in a file
+    package.module:factory      a function in an importable module
+    hf:gpt2 | hf:path/config.json   a Hugging Face preset or config, built on the meta device
+
+A factory returns a model and its example inputs (`(model, inputs)`); it may take `batch_size`
+and `seq_len` keyword arguments, which the CLI's options are passed to. Loading never prints or
+exits; failures are `TargetError`s whose `kind` the CLI maps to an exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+HF_DEFAULT_BATCH = 1
+HF_DEFAULT_SEQ = 1024
+
+
+class TargetError(Exception):
+    """The target could not be loaded; `kind` is "usage", "not_found", "factory", "missing_extra"."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Target:
+    spec: str  # as given on the command line
+    model: torch.nn.Module
+    example_inputs: Any
+    batch_size: int | None  # the batch the inputs hold, when known
+    seq_len: int | None  # their sequence length, when known
+    parameter_count: int  # tied parameters once
+    rebuild: Callable[[int], tuple[torch.nn.Module, Any]] | None  # micro-batch -> (model, inputs), for re-planning
+
+
+def load_target(spec: str, *, batch_size: int | None = None, seq_len: int | None = None) -> Target:
+    if spec.startswith("hf:"):
+        return _load_hf(spec, spec[3:], batch_size, seq_len)
+    if ":" not in spec:
+        raise TargetError("usage", f"target {spec!r} names no factory: write path/to/file.py:factory, package.module:factory or hf:CONFIG")
+    where, _, name = spec.rpartition(":")
+    module = _load_file(where) if where.endswith(".py") or "/" in where else _load_module(where)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise TargetError("not_found", f"{where} has no function {name!r}")
+    return _call_factory(spec, factory, name, batch_size, seq_len)
+
+
+def _load_file(path_text: str):
+    path = Path(path_text)
+    if not path.is_file():
+        raise TargetError("not_found", f"no such file: {path_text}")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # like `python file.py` run from here: sibling packages import
+    unique = f"autoplan_target_{abs(hash(str(path.resolve())))}"
+    loader = importlib.util.spec_from_file_location(unique, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[unique] = module  # dataclasses and pickling look their module up here
+    try:
+        loader.loader.exec_module(module)
+    except Exception as error:
+        raise TargetError("factory", f"importing {path_text} raised {type(error).__name__}: {_first_line(error)}") from error
+    return module
+
+
+def _load_module(name: str):
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name and name.startswith(error.name):
+            raise TargetError("not_found", f"no module named {name!r}") from error
+        raise TargetError("factory", f"importing {name} raised {type(error).__name__}: {_first_line(error)}") from error
+    except Exception as error:
+        raise TargetError("factory", f"importing {name} raised {type(error).__name__}: {_first_line(error)}") from error
+
+
+def _accepts(factory: Callable, parameter: str) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    return parameter in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _default(factory: Callable, parameter: str) -> Any:
+    try:
+        found = inspect.signature(factory).parameters.get(parameter)
+    except (TypeError, ValueError):
+        return None
+    return None if found is None or found.default is inspect.Parameter.empty else found.default
+
+
+def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | None, seq_len: int | None) -> Target:
+    sizes = {}
+    for option, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None:
+            if not _accepts(factory, option):
+                flag = "--" + option.replace("_", "-")
+                raise TargetError("usage", f"{name}() takes no {option} argument: drop {flag} or add the parameter")
+            sizes[option] = value
+
+    def build(**sizes_now) -> tuple[torch.nn.Module, Any]:
+        try:
+            result = factory(**sizes_now)
+        except Exception as error:
+            raise TargetError("factory", f"{name}() raised {type(error).__name__}: {_first_line(error)}") from error
+        if isinstance(result, torch.nn.Module):
+            raise TargetError("factory", f"{name}() returned a model but no example inputs: return (model, example_inputs)")
+        if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+            raise TargetError("factory", f"{name}() must return (model, example_inputs); it returned {type(result).__name__}")
+        return result[0], result[1]
+
+    model, inputs = build(**sizes)
+    batch = batch_size or _default(factory, "batch_size") or _leading_dim(inputs)
+    seq = seq_len or _default(factory, "seq_len")
+    rebuild = None
+    if _accepts(factory, "batch_size"):
+        rebuild = lambda micro: build(**(sizes | {"batch_size": micro}))  # noqa: E731
+    elif batch:
+        rebuild = lambda micro: (model, _slice_batch(inputs, batch, micro))  # noqa: E731
+    return Target(spec, model, inputs, batch, seq, _parameter_count(model), rebuild)
+
+
+def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None) -> Target:
+    try:
+        hf = importlib.import_module("autoplan.hf")  # needs transformers; only hf: targets pay for importing it
+    except ModuleNotFoundError as error:
+        if error.name == "transformers":
+            raise TargetError("missing_extra", 'hf: targets need transformers: pip install "autoplan[hf]"') from error
+        raise TargetError("missing_extra", f"hf: targets need autoplan.hf, which failed to import: {error}") from error
+    try:
+        model = hf.model_from_config(config, meta=True)
+    except (FileNotFoundError, KeyError, ValueError, OSError) as error:
+        presets = ", ".join(sorted(hf.PRESETS))
+        raise TargetError("not_found", f"hf:{config}: {_first_line(error)} (presets: {presets}, or a path to config.json)") from error
+    batch = batch_size or HF_DEFAULT_BATCH
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    seq = seq_len or (min(HF_DEFAULT_SEQ, limit) if limit else HF_DEFAULT_SEQ)
+    inputs = hf.example_inputs_for(model, batch, seq)
+    rebuild = lambda micro: (model, hf.example_inputs_for(model, micro, seq))  # noqa: E731
+    return Target(spec, model, inputs, batch, seq, _parameter_count(model), rebuild)
+
+
+def _leading_dim(inputs: Any) -> int | None:
+    tensors = [t for t in _flat(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return int(tensors[0].shape[0]) if tensors else None
+
+
+def _slice_batch(inputs: Any, batch: int, micro: int) -> Any:
+    """The first `micro` rows of every input tensor whose leading dim is the batch."""
+    def cut(value):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+            return value[:micro]
+        if isinstance(value, (tuple, list)):
+            return type(value)(cut(v) for v in value)
+        if isinstance(value, dict):
+            return {k: cut(v) for k, v in value.items()}
+        return value
+
+    return cut(inputs)
+
+
+def _flat(value: Any) -> list:
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _flat(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _flat(v)]
+    return [value]
+
+
+def _parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,75 @@
+"""Factories the CLI tests plan: `autoplan plan tests/cli_factories.py:tiny_gpt ...`.
+
+Each returns (model, example_inputs) like examples/gpt.py's build(); some are broken on purpose.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from examples.gpt import GPT, GPTConfig, build  # noqa: E402
+
+
+def tiny_gpt(batch_size: int = 4, seq_len: int = 32, attention: str = "eager"):
+    """Two blocks, eager attention (materialised T×T probabilities)."""
+    return build(n_layer=2, n_embd=32, n_head=2, block_size=64, vocab_size=64,
+                 batch_size=batch_size, seq_len=seq_len, attention=attention)
+
+
+def tiny_gpt_sdpa(batch_size: int = 4, seq_len: int = 32):
+    return tiny_gpt(batch_size, seq_len, attention="sdpa")
+
+
+def wide_gpt_on_meta():
+    """About 1B parameters on the meta device: too big for one small GPU, planned without memory."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=4, n_embd=4096, n_head=32, block_size=256, vocab_size=50257))
+    return model, (torch.zeros(2, 256, dtype=torch.long, device="meta"),)
+
+
+def no_sizes():
+    """Takes neither batch_size nor seq_len."""
+    model, inputs = tiny_gpt()
+    return model, inputs
+
+
+def raises():
+    raise RuntimeError("the dataset is not downloaded")
+
+
+def model_only():
+    return nn.Linear(4, 4)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class _DataDependent(nn.Module):
+    """Python control flow on a tensor's value: neither fx nor torch.export can trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) if x.sum() > 0 else -block(x)
+        return x
+
+
+def untraceable():
+    return _DataDependent(), (torch.randn(2, 8),)

@@ -1,0 +1,223 @@
+"""Advice, the per-rank FSDP estimate, the attention measure, the report and the memory plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+import autoplan
+from autoplan.advise import Advice, advise, held_attention, least_activation_choices, smallest_world_size
+from autoplan.memory import phase_bytes, predict_peak, sharded_peak, unit_windows
+from autoplan.plan import Choice, UnitDecision
+from autoplan.plot import PlotUnavailable, memory_curves, plot_memory
+from autoplan.report import fold_units, format_report
+from autoplan.simulate import unique_storage_bytes
+from autoplan.trace import unit_module
+from tests.cli_factories import tiny_gpt, tiny_gpt_sdpa
+
+BATCH, SEQ, HEADS = 4, 32, 2
+
+
+def planned(factory=tiny_gpt, budget="1GB", **options):
+    model, inputs = factory(batch_size=BATCH, seq_len=SEQ)
+    profiles = []
+    plan = autoplan.plan(model, budget, example_inputs=inputs, on_profile=profiles.append,
+                         **({"device": "h100", "reserve": 0} | options))
+    return model, plan, profiles[0]
+
+
+@pytest.fixture(scope="module")
+def loose():
+    return planned()
+
+
+@pytest.fixture(scope="module")
+def tight(loose):
+    _, plan, _ = loose
+    return planned(budget=f"{plan.minimum_peak_bytes - 2**16}B")
+
+
+# -- what profile.py and memory.py add ----------------------------------------------------------
+
+
+def test_attention_bytes_are_the_saved_softmax_probabilities(loose) -> None:
+    model, _, profile = loose
+    probabilities = BATCH * HEADS * SEQ * SEQ  # elements of one (B, heads, T, T) matrix
+    unit = profile.units[0]
+    assert unit.options[Choice("keep", "fp32")].attention_bytes == probabilities * 4
+    assert unit.options[Choice("keep", "bf16")].attention_bytes == probabilities * 2
+    assert unit.options[Choice("full", "fp32")].attention_bytes == 0
+    _, _, fused = planned(tiny_gpt_sdpa)
+    assert all(cost.attention_bytes == 0 for unit in fused.units for cost in unit.options.values())
+
+
+def test_unit_parameter_bytes(loose) -> None:
+    model, _, profile = loose
+    for unit in profile.units:
+        assert unit.param_bytes == unique_storage_bytes(list(unit_module(model, unit.name).parameters())) > 0
+
+
+def test_sharded_peak_on_one_gpu_is_the_single_gpu_prediction(loose, tight) -> None:
+    for _, plan, profile in (loose, tight):
+        assert sharded_peak(profile, plan.choices(), 1).total == predict_peak(profile, plan.choices()).bytes
+
+
+def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
+    _, plan, profile = loose
+    static = profile.timeline.static
+    totals = [sharded_peak(profile, plan.choices(), n).total for n in range(1, 9)]
+    assert all(later <= earlier for earlier, later in zip(totals[1:], totals[2:]))
+    four = sharded_peak(profile, plan.choices(), 4)
+    assert four.parameters == math.ceil(static.parameters / 4) and four.optimizer == math.ceil(static.optimizer / 4)
+    unit_params = [u.param_bytes for u in profile.units]
+    rest = static.parameters - sum(unit_params)
+    assert four.gathered_parameters == sum(sorted(unit_params + [rest], reverse=True)[:2])
+    with pytest.raises(ValueError):
+        sharded_peak(profile, plan.choices(), 0)
+
+
+def test_smallest_world_size_is_the_smallest(tight) -> None:
+    _, plan, profile = tight
+    least = least_activation_choices(profile)
+    found = smallest_world_size(profile, least, plan.usable_bytes)
+    assert found.world_size >= 2 and found.total <= plan.usable_bytes
+    assert sharded_peak(profile, least, found.world_size - 1).total > plan.usable_bytes
+    assert advise(plan, profile).fsdp == found  # what the advice recommends
+
+
+def test_least_activation_choices_keep_no_more_than_any_other(loose) -> None:
+    _, _, profile = loose
+    least = least_activation_choices(profile)
+    for unit in profile.units:
+        assert unit.options[least[unit.name]].held_bytes == min(cost.held_bytes for cost in unit.options.values())
+
+
+# -- advice ---------------------------------------------------------------------------------------
+
+
+def test_advice_for_a_plan_that_fits(loose) -> None:
+    _, plan, profile = loose
+    advice = advise(plan, profile, batch_size=BATCH, seq_len=SEQ)
+    assert [s.key for s in advice.steps] == ["bf16", "tf32", "sdpa", "compile", "checkpointing", "grad_accumulation",
+                                              "shorter_sequences", "optimizer_8bit", "qlora", "fsdp"]
+    assert advice.fits and advice.first_fix is None and advice.fsdp.world_size == 1
+    assert advice.step("grad_accumulation").status == "n/a" and advice.step("fsdp").status == "n/a"
+    state = profile.timeline.static.optimizer
+    assert advice.step("optimizer_8bit").saves_bytes == state - state // 4
+    sdpa = advice.step("sdpa")
+    names = [phase.name for phase in profile.timeline.phases]
+    assert sdpa.status == "try" and sdpa.saves_bytes == held_attention(profile, plan.choices(), names.index(plan.peak_phase))
+    json.dumps(advice.to_dict())  # plain data
+
+
+def test_held_attention_counts_keep_units_alive_at_a_phase(loose) -> None:
+    _, plan, profile = loose
+    windows = unit_windows(profile)
+    first_backward = windows[-1][1]  # the last unit's backward: every unit's saved tensors are alive
+    assert all(d.choice.mode == "keep" for d in plan.units)  # 1 GB: nothing needs checkpointing
+    expected = sum(u.options[d.choice].attention_bytes for u, d in zip(profile.units, plan.units))
+    assert held_attention(profile, plan.choices(), first_backward) == expected > 0
+    assert held_attention(profile, plan.choices(), 0) == 0  # before any forward
+
+
+def test_checkpointing_step_is_measured_against_keeping_everything(tight) -> None:
+    _, plan, profile = tight
+    advice = advise(plan, profile)
+    step = advice.step("checkpointing")
+    kept = {d.name: Choice("keep", d.choice.precision) for d in plan.units}
+    assert step.status == "chosen" and step.saves_bytes == predict_peak(profile, kept).bytes - plan.predicted_peak_bytes > 0
+
+
+def test_gradient_accumulation_is_verified_by_replanning(tight) -> None:
+    _, plan, profile = tight
+    calls = []
+
+    def replan(micro):
+        calls.append(micro)
+        model, inputs = tiny_gpt(batch_size=micro, seq_len=SEQ)
+        return autoplan.plan(model, plan.budget_bytes, example_inputs=inputs, device="h100", reserve=0)
+
+    advice = advise(plan, profile, batch_size=BATCH, seq_len=SEQ, replan=replan)
+    step = advice.step("grad_accumulation")
+    assert calls and all(BATCH % micro == 0 for micro in calls)
+    assert step.status == "try" and f"verified by planning batch {calls[-1]} again: fits" in step.detail
+    estimated = advise(plan, profile, batch_size=BATCH, seq_len=SEQ).step("grad_accumulation")
+    assert "estimated: activations scale linearly" in estimated.detail
+    assert advise(plan, profile, batch_size=1).step("grad_accumulation").status == "n/a"
+    assert advice.first_fix is not None and plan.predicted_peak_bytes - advice.step(advice.first_fix).saves_bytes <= plan.usable_bytes
+
+
+def test_shorter_sequences_needs_a_length(tight) -> None:
+    _, plan, profile = tight
+    assert advise(plan, profile).step("shorter_sequences").status == "n/a"
+    shorter = advise(plan, profile, seq_len=SEQ).step("shorter_sequences")
+    assert shorter.status == "try" and f"instead of {SEQ}" in shorter.detail and shorter.saves_bytes > plan.predicted_peak_bytes - plan.usable_bytes
+
+
+def test_device_dependent_steps() -> None:
+    _, plan, profile = planned(device="t4", budget="1GB")
+    advice = advise(plan, profile)
+    assert advice.steps[0].key == "fp16" and "GradScaler" in advice.steps[0].title
+    assert advice.step("tf32").status == "n/a" and "no TF32" in advice.step("tf32").detail
+    _, plan, profile = planned(precision="fp32", optimizer="sgd")
+    advice = advise(plan, profile)
+    assert advice.steps[0].status == "n/a" and "--precision auto" in advice.steps[0].detail
+    assert advice.step("optimizer_8bit").status == "n/a"
+
+
+def test_advise_wants_a_plan_and_its_profile(loose) -> None:
+    _, plan, _ = loose
+    with pytest.raises(TypeError, match="autoplan.plan"):
+        advise(plan, None)
+
+
+def test_requested_world_size(loose) -> None:
+    _, plan, profile = loose
+    advice = advise(plan, profile, world_size=3)
+    assert isinstance(advice, Advice) and advice.requested == sharded_peak(profile, plan.choices(), 3)
+    assert "FSDP estimate on 3 GPUs" in " ".join(format_report(plan, advice).split())
+
+
+# -- report and plot -----------------------------------------------------------------------------
+
+
+def test_plain_report_has_no_terminal_codes(loose) -> None:
+    _, plan, _ = loose
+    text = plan.report()
+    assert "\x1b" not in text and text.startswith("FITS") and plan.model_name in text
+
+
+def test_fold_units_folds_only_identical_numbered_runs() -> None:
+    def unit(name, mode="keep"):
+        return UnitDecision(name, Choice(mode, "bf16"), 10, 0, 1e-3)
+
+    rows = fold_units((unit("layers.0"), unit("layers.1"), unit("layers.2"), unit("layers.3", "full"), unit("head")))
+    assert [(r.label, r.count) for r in rows] == [("layers.0–2 ×3", 3), ("layers.3", 1), ("head", 1)]
+
+
+def test_memory_curves_are_the_solvers_numbers(tight) -> None:
+    _, plan, profile = tight
+    curves = memory_curves(plan, profile)
+    assert max(curves.after) == plan.predicted_peak_bytes
+    assert list(curves.after) == [p.live_bytes for p in phase_bytes(profile, plan.choices())]
+    assert max(curves.before) == plan.baseline_peak_bytes
+    assert len(curves.before) == len(curves.after) == len(curves.phases)
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path, tight) -> None:
+    _, plan, profile = tight
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(PlotUnavailable, match=r'pip install "autoplan\[plot\]"'):
+        plot_memory(plan, profile, tmp_path / "m.png")
+
+
+def test_plot_writes_png(tmp_path, tight) -> None:
+    pytest.importorskip("matplotlib")
+    _, plan, profile = tight
+    path = plot_memory(plan, profile, tmp_path / "m.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=".png"):
+        plot_memory(plan, profile, tmp_path / "m.txt")

@@ -1,0 +1,277 @@
+"""The command line, driven through typer's CliRunner: options, JSON schema, errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import autoplan
+from autoplan.advise import least_activation_choices
+from autoplan.budget import format_bytes
+from autoplan.cli import JSON_SCHEMA, ExitCode, app
+from autoplan.devices import DEVICES
+from autoplan.memory import sharded_peak
+from tests.cli_factories import tiny_gpt, wide_gpt_on_meta
+
+FACTORY = "tests/cli_factories.py:tiny_gpt"
+STEP_KEYS = ["bf16", "tf32", "sdpa", "compile", "checkpointing", "grad_accumulation", "shorter_sequences",
+             "optimizer_8bit", "qlora", "fsdp"]
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def words(text: str) -> str:
+    """The report with its line wrapping undone (CliRunner's terminal is 80 columns)."""
+    return " ".join(text.split())
+
+
+def run_json(tmp_path, *args: str):
+    path = tmp_path / "plan.json"
+    result = run(*args, "--json", str(path))
+    assert path.exists(), result.output
+    return result, json.loads(path.read_text())
+
+
+def assert_one_line_error(result, code: ExitCode, *fragments: str) -> None:
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("autoplan: error: "), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.fixture(scope="module")
+def lowest_peak() -> int:
+    """The lowest peak any plan reaches for the tiny GPT at batch 4, from the API."""
+    model, inputs = tiny_gpt()
+    return autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
+
+
+# -- help and devices --------------------------------------------------------------------------
+
+
+def test_help_lists_commands_and_every_plan_option() -> None:
+    top = run("--help")
+    assert top.exit_code == 0 and "plan" in top.output and "devices" in top.output
+    plan_help = run("plan", "--help")
+    assert plan_help.exit_code == 0
+    for option in ("--budget", "--device", "--batch-size", "--seq-len", "--optimizer", "--precision", "--world-size",
+                   "--json", "--plot", "--units", "--reserve", "--debug", "hf:CONFIG"):
+        assert option in plan_help.output, option
+    assert run("devices", "--help").exit_code == 0
+    assert run("--version").output.strip() == f"autoplan {autoplan.__version__}"
+
+
+def test_devices_lists_every_profile_with_its_memory() -> None:
+    result = run("devices")
+    assert result.exit_code == 0
+    for name, device in DEVICES.items():
+        assert name in result.output
+    assert f"{DEVICES['h100-80gb'].memory_bytes / 2**30:.0f} GiB" in result.output
+
+
+# -- plan: report, JSON, options -----------------------------------------------------------------
+
+
+def test_plan_that_fits_report_and_json_schema(tmp_path) -> None:
+    result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", "1GB", "--device", "h100-80gb")
+    assert result.exit_code == ExitCode.FITS, result.output
+    assert set(doc) == {"schema", "autoplan_version", "target", "budget", "inputs", "plan", "advice"}
+    assert doc["schema"] == JSON_SCHEMA and doc["target"] == FACTORY and doc["budget"] == "1GB"
+    assert doc["inputs"] == {"batch_size": 4, "seq_len": 32, "parameter_count": tiny_gpt()[0].num_params()}
+    plan = doc["plan"]
+    for key in ("feasible", "budget_bytes", "usable_bytes", "predicted_peak_bytes", "simulated_peak_bytes",
+                "baseline_peak_bytes", "minimum_peak_bytes", "predicted_step_time_s", "fastest_step_time_s",
+                "breakdown", "peak_phase", "units", "device", "optimizer"):
+        assert key in plan, key
+    assert plan["feasible"] is True and plan["budget_bytes"] == 10**9 and plan["device"] == "h100-80gb"
+    assert [u["name"] for u in plan["units"]] == ["transformer.h.0", "transformer.h.1"]
+    assert set(plan["units"][0]) >= {"name", "mode", "precision", "saved_bytes", "recompute_flops", "step_time_s"}
+    advice = doc["advice"]
+    assert set(advice) == {"fits", "peak_bytes", "usable_bytes", "over_bytes", "first_fix", "steps", "fsdp", "requested_world_size"}
+    assert [s["key"] for s in advice["steps"]] == STEP_KEYS
+    for step in advice["steps"]:
+        assert set(step) == {"key", "title", "status", "detail", "saves_bytes", "time_change_s", "code"}
+        assert step["status"] in ("chosen", "try", "n/a") and step["detail"]
+    assert advice["fits"] is True and advice["over_bytes"] == 0 and advice["first_fix"] is None
+    assert advice["fsdp"]["world_size"] == 1  # fits one GPU
+    # The report says the same numbers, verdict first.
+    out = words(result.stdout)
+    assert out.startswith("FITS")
+    assert format_bytes(plan["predicted_peak_bytes"]) in out and format_bytes(plan["usable_bytes"]) in out
+    assert format_bytes(plan["breakdown"]["optimizer"]) in out
+    assert "transformer.h.0–1 ×2" in out  # identical blocks folded into one row
+    assert 'autoplan.optimize(model, "1GB", example_inputs=batch, device="h100-80gb")' in out
+    assert "what to change, in order" in out
+
+
+def test_plan_that_does_not_fit_exits_3_with_advice(tmp_path, lowest_peak) -> None:
+    budget = str(lowest_peak - 2**16)  # bytes just under the lowest reachable peak
+    result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", f"{budget}B", "--device", "h100", "--reserve", "0")
+    assert result.exit_code == ExitCode.DOES_NOT_FIT, result.output
+    assert result.stdout.lstrip().startswith("DOES NOT FIT")
+    advice = doc["advice"]
+    assert advice["fits"] is False and advice["over_bytes"] == lowest_peak - int(budget)
+    steps = {s["key"]: s for s in advice["steps"]}
+    accumulation = steps["grad_accumulation"]
+    assert accumulation["status"] == "try" and "verified by planning batch 2 again: fits" in accumulation["detail"]
+    assert "micro-batch 2 × 2 accumulation steps" in accumulation["detail"]
+    # the first fix's own estimate brings the peak under the budget
+    first = steps[advice["first_fix"]]
+    assert doc["plan"]["predicted_peak_bytes"] - first["saves_bytes"] <= int(budget)
+    # FSDP: the smallest GPU count whose per-GPU estimate fits, and it adds up
+    fsdp = advice["fsdp"]
+    parts = ("parameters", "gradients", "optimizer", "gathered_parameters", "unsharded_gradients", "activations")
+    assert fsdp["world_size"] >= 2 and fsdp["total"] == sum(fsdp[p] for p in parts) <= int(budget)
+    assert f"{fsdp['world_size']} × h100-80gb" in steps["fsdp"]["detail"]
+
+
+def test_options_reach_the_plan(tmp_path) -> None:
+    result, doc = run_json(
+        tmp_path, "plan", "tests.cli_factories:tiny_gpt", "--budget", "2GB", "--device", "a100-80gb",
+        "--batch-size", "2", "--seq-len", "16", "--optimizer", "sgd", "--precision", "fp32",
+        "--units", "transformer.h.0", "--reserve", "0", "--world-size", "4",
+    )
+    assert result.exit_code == ExitCode.FITS, result.output
+    plan = doc["plan"]
+    assert plan["device"] == "a100-80gb" and plan["optimizer"] == "sgd" and plan["usable_bytes"] == plan["budget_bytes"]
+    assert [u["name"] for u in plan["units"]] == ["transformer.h.0"]
+    assert all(u["precision"] == "fp32" for u in plan["units"]) and plan["breakdown"]["optimizer"] == 0
+    assert doc["inputs"]["batch_size"] == 2 and doc["inputs"]["seq_len"] == 16
+    model, inputs = tiny_gpt(batch_size=2, seq_len=16)
+    same = autoplan.plan(model, "2GB", example_inputs=inputs, device="a100-80gb", optimizer="sgd", precision="fp32",
+                         units=["transformer.h.0"], reserve=0)
+    assert plan["predicted_peak_bytes"] == same.predicted_peak_bytes  # the sizes reached the factory
+    requested = doc["advice"]["requested_world_size"]
+    assert requested["world_size"] == 4 and requested["parameters"] == math.ceil(requested["parameters"] * 4 / 4)
+    assert "FSDP estimate on 4 GPUs" in words(result.stdout) and "an estimate" in words(result.stdout)
+    steps = {s["key"]: s for s in doc["advice"]["steps"]}
+    assert steps["bf16"]["status"] == "n/a" and "--precision auto" in steps["bf16"]["detail"]
+    assert steps["optimizer_8bit"]["status"] == "n/a"  # plain SGD keeps no state
+
+
+def test_precision_bf16_puts_every_unit_in_bf16(tmp_path) -> None:
+    result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", "1GB", "--device", "h100", "--precision", "bf16")
+    assert result.exit_code == ExitCode.FITS
+    assert {u["precision"] for u in doc["plan"]["units"]} == {"bf16"} and doc["plan"]["rest_precision"] == "bf16"
+    assert doc["advice"]["steps"][0]["status"] == "chosen"
+
+
+def test_wide_model_on_meta_recommends_the_smallest_fsdp_size(tmp_path) -> None:
+    result, doc = run_json(tmp_path, "plan", "tests/cli_factories.py:wide_gpt_on_meta", "--budget", "8GB", "--device", "rtx-4090")
+    assert result.exit_code == ExitCode.DOES_NOT_FIT, result.output
+    fsdp = doc["advice"]["fsdp"]
+    usable = doc["plan"]["usable_bytes"]
+    # Recompute with the API: N fits, N - 1 does not.
+    model, inputs = wide_gpt_on_meta()
+    profiles = []
+    autoplan.plan(model, "8GB", example_inputs=inputs, device="rtx-4090", on_profile=profiles.append)
+    least = least_activation_choices(profiles[0])
+    n = fsdp["world_size"]
+    assert sharded_peak(profiles[0], least, n).total == fsdp["total"] <= usable
+    assert sharded_peak(profiles[0], least, n - 1).total > usable
+    assert f"{n} × rtx-4090: per GPU {format_bytes(fsdp['total'])}" in words(result.stdout)
+
+
+def test_plot_writes_an_image(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.svg"
+    result = run("plan", FACTORY, "--budget", "1GB", "--device", "h100", "--plot", str(path))
+    assert result.exit_code == ExitCode.FITS, result.output
+    assert path.read_text().lstrip().startswith(("<?xml", "<svg")) and "memory over one training step" in path.read_text()
+
+
+# -- errors: one line on stderr, documented exit codes --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, code, fragment",
+    [
+        (["--budget", "20"], ExitCode.USAGE, "needs a unit"),
+        (["--budget", "-1GB"], ExitCode.USAGE, "positive"),
+        (["--budget", "1GB", "--device", "h900"], ExitCode.USAGE, "unknown device 'h900'"),
+        (["--budget", "1GB", "--reserve", "lots"], ExitCode.USAGE, "invalid reserve"),
+        (["--budget", "1GB", "--world-size", "0"], ExitCode.USAGE, "--world-size"),
+        (["--budget", "1GB", "--plot", "memory.txt"], ExitCode.USAGE, ".png"),
+    ],
+)
+def test_bad_option_values(args, code, fragment) -> None:
+    assert_one_line_error(run("plan", FACTORY, *args), code, fragment)
+
+
+@pytest.mark.parametrize(
+    "target, code, fragment",
+    [
+        ("missing/model.py:build", ExitCode.NOT_FOUND, "no such file: missing/model.py"),
+        ("tests/cli_factories.py:nope", ExitCode.NOT_FOUND, "no function 'nope'"),
+        ("no_such_package.models:build", ExitCode.NOT_FOUND, "no module named 'no_such_package.models'"),
+        ("tests/cli_factories.py", ExitCode.USAGE, "names no factory"),
+        ("tests/cli_factories.py:raises", ExitCode.FACTORY_FAILED, "raises() raised RuntimeError: the dataset is not downloaded"),
+        ("tests/cli_factories.py:model_only", ExitCode.FACTORY_FAILED, "return (model, example_inputs)"),
+        ("tests/cli_factories.py:untraceable", ExitCode.CANNOT_PLAN, "could not trace _DataDependent"),
+    ],
+)
+def test_bad_targets(target, code, fragment) -> None:
+    assert_one_line_error(run("plan", target, "--budget", "1GB"), code, fragment)
+
+
+def test_option_a_factory_does_not_take() -> None:
+    result = run("plan", "tests/cli_factories.py:no_sizes", "--budget", "1GB", "--batch-size", "2")
+    assert_one_line_error(result, ExitCode.USAGE, "no_sizes() takes no batch_size", "--batch-size")
+
+
+def test_units_matching_nothing() -> None:
+    result = run("plan", FACTORY, "--budget", "1GB", "--units", "layers.*")
+    assert_one_line_error(result, ExitCode.USAGE, "layers.*")
+
+
+def test_debug_shows_the_traceback() -> None:
+    result = run("plan", "tests/cli_factories.py:raises", "--budget", "1GB", "--debug")
+    assert result.exit_code == ExitCode.FACTORY_FAILED
+    assert "Traceback" in result.stderr and "the dataset is not downloaded" in result.stderr
+
+
+def test_unwritable_json(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = run("plan", FACTORY, "--budget", "1GB", "--json", str(blocker / "plan.json"))
+    assert result.exit_code == ExitCode.OUTPUT_FAILED and "cannot write" in result.stderr
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    result = run("plan", FACTORY, "--budget", "1GB", "--plot", str(tmp_path / "m.png"))
+    assert_one_line_error(result, ExitCode.MISSING_EXTRA, 'pip install "autoplan[plot]"')
+    assert not (tmp_path / "m.png").exists()
+
+
+# -- hf: targets (need autoplan.hf from the hf branch) ------------------------------------------
+
+
+def test_hf_preset_planned_on_meta(tmp_path) -> None:
+    result, doc = run_json(tmp_path, "plan", "hf:gpt2", "--budget", "80GB", "--device", "h100",
+                           "--batch-size", "1", "--seq-len", "32")
+    assert result.exit_code == ExitCode.FITS, result.output
+    assert len(doc["plan"]["units"]) == 12 and doc["inputs"]["seq_len"] == 32
+    assert doc["inputs"]["parameter_count"] > 100_000_000
+
+
+def test_hf_local_config(tmp_path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64,
+                                  "n_head": 2, "n_positions": 64, "vocab_size": 128}))
+    result, doc = run_json(tmp_path, "plan", f"hf:{config}", "--budget", "1GB", "--device", "h100", "--seq-len", "16")
+    assert result.exit_code == ExitCode.FITS, result.output
+    assert len(doc["plan"]["units"]) == 2
+
+
+def test_hf_unknown_preset() -> None:
+    assert_one_line_error(run("plan", "hf:no-such-model", "--budget", "1GB"), ExitCode.NOT_FOUND, "no-such-model")
