@@ -1,4 +1,4 @@
-"""The command line: `autoplan plan TARGET --budget 24GB` and `autoplan devices`.
+"""The command line: `autoplan plan TARGET --budget 24GB`, `autoplan verify ...`, `autoplan devices`.
 
 The only module that prints or exits. Errors are one line on stderr with an exit code (the table
 in README.md and `ExitCode`); `--debug` adds the traceback. A plan that does not fit is not an
@@ -42,6 +42,7 @@ class ExitCode(IntEnum):
     CANNOT_PLAN = 6  # the model could not be traced or profiled
     MISSING_EXTRA = 7  # an optional dependency is missing (matplotlib for --plot, transformers for hf:)
     OUTPUT_FAILED = 8  # --json or --plot could not be written
+    DID_NOT_HOLD = 9  # verify: the real run went out of memory or beyond the usable budget
 
 
 class Precision(str, Enum):
@@ -241,6 +242,76 @@ def plan_command(
     except Exception as error:  # a bug: one line, the traceback with --debug
         _fail(CliError(ExitCode.ERROR, f"{type(error).__name__}: {error}").with_traceback(error.__traceback__), debug)
     raise typer.Exit(int(ExitCode.FITS if plan.feasible else ExitCode.DOES_NOT_FIT))
+
+
+@app.command("verify")
+def verify_command(
+    target: str = typer.Argument(..., help="As for `autoplan plan`; hf: models are built with random weights."),
+    budget: str = typer.Option(..., "--budget", "-b", help='Memory for the training step: "24GB", "80%" of the device.'),
+    steps: int = typer.Option(3, "--steps", min=2, help="Real training steps to run (the first warms up)."),
+    on: Optional[str] = typer.Option(None, "--on", help="Where to run: cuda or cpu. Default: cuda if there is a GPU."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Batch size, passed to the factory."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory."),
+    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer to count and to train with."),
+    precision: Precision = typer.Option(Precision.auto, "--precision", help="As for `autoplan plan`."),
+    units: Optional[list[str]] = typer.Option(None, "--units", help="As for `autoplan plan`."),
+    reserve: Optional[str] = typer.Option(None, "--reserve", help="As for `autoplan plan`."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and the measurement as JSON to this file."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Plan TARGET, then train real steps of the planned model and measure whether the plan held.
+
+    On a GPU the budget is enforced and the peak is torch.cuda.max_memory_allocated; on the CPU it is
+    the live tensor bytes of the real run. Exit code 0 when it held, 9 when it did not.
+    """
+    out, err = Console(highlight=False), Console(file=sys.stderr)
+    try:
+        import torch
+
+        where = on or ("cuda" if torch.cuda.is_available() else "cpu")
+        if where not in ("cuda", "cpu"):
+            raise CliError(ExitCode.USAGE, f"--on must be cuda or cpu; got {where!r}")
+        if where == "cuda" and not torch.cuda.is_available():
+            raise CliError(ExitCode.USAGE, "--on cuda: this machine has no CUDA device; use --on cpu")
+        device = None if where == "cuda" else "cpu"  # plan for the device the steps run on
+        _check_options(budget, device, reserve, None, None)
+        progress = _StageProgress(err)
+        with progress.bar:
+            try:
+                loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
+            except TargetError as error:
+                raise CliError(_TARGET_CODES[error.kind], str(error)) from error
+            model = loaded.model.to(where)
+            inputs = _to_device(loaded.example_inputs, where)
+            options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units), reserve=reserve)
+            plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
+            if not plan.feasible:
+                out.print(plan.report())
+                raise typer.Exit(int(ExitCode.DOES_NOT_FIT))
+            progress(f"training {steps} real steps on {where}")
+            result = autoplan.verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
+        from autoplan.report import verification_table
+
+        out.print(verification_table(result))
+        if json_path is not None:
+            document = {"schema": "autoplan.verify/1", "target": target, "budget": budget,
+                        "plan": plan.to_dict(), "verification": result.to_dict()}
+            _write(json_path, json.dumps(document, indent=2) + "\n")
+            err.print(f"wrote {json_path}")
+    except CliError as error:
+        _fail(error, debug)
+    except typer.Exit:
+        raise
+    except Exception as error:  # a bug: one line, the traceback with --debug
+        _fail(CliError(ExitCode.ERROR, f"{type(error).__name__}: {error}").with_traceback(error.__traceback__), debug)
+    raise typer.Exit(int(ExitCode.FITS if result.held else ExitCode.DID_NOT_HOLD))
+
+
+def _to_device(inputs, where: str):
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(where), inputs)
 
 
 @app.command("devices")

@@ -22,6 +22,7 @@ from autoplan.budget import format_bytes
 
 if TYPE_CHECKING:
     from autoplan.advise import Advice
+    from autoplan.measure import Verification
     from autoplan.memory import ShardedPeak
     from autoplan.plan import Plan, UnitDecision
 
@@ -205,3 +206,23 @@ def format_report(plan: "Plan", advice: "Advice | None" = None, *, width: int = 
     console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
     render(console, report_renderables(plan, advice, budget_text=budget_text))
     return buffer.getvalue().rstrip() + "\n"
+
+
+def verification_table(result: "Verification") -> Table:
+    """What `autoplan verify` measured, next to what the plan predicted."""
+    held = "[green]held[/green]" if result.held else "[red]did not hold[/red]"
+    if result.out_of_memory:
+        held += " (out of memory)"
+    table = Table(title=f"{result.steps} real training steps on {result.device}: the plan {held}")
+    for column in ("", "measured", "predicted", "simulated", "error"):
+        table.add_column(column, justify="right" if column else "left")
+    measured = format_bytes(result.measured_peak_bytes) if result.measured_peak_bytes is not None else "—"
+    error = f"{result.peak_error:+.1%}" if result.peak_error is not None else "—"
+    table.add_row(f"peak ({result.peak_source})", measured, format_bytes(result.predicted_peak_bytes),
+                  format_bytes(result.simulated_peak_bytes), error)
+    if result.measured_reserved_bytes is not None:
+        table.add_row("reserved by the allocator", format_bytes(result.measured_reserved_bytes), "", "", "")
+    table.add_row("usable budget", format_bytes(result.usable_bytes), "", "", "")
+    step = _ms(result.measured_step_time_s) if result.measured_step_time_s is not None else "—"
+    table.add_row("step time", step, _ms(result.predicted_step_time_s), "", "")
+    return table

@@ -44,9 +44,10 @@ class Target:
     rebuild: Callable[[int], tuple[torch.nn.Module, Any]] | None  # micro-batch -> (model, inputs), for re-planning
 
 
-def load_target(spec: str, *, batch_size: int | None = None, seq_len: int | None = None) -> Target:
+def load_target(spec: str, *, batch_size: int | None = None, seq_len: int | None = None, meta: bool = True) -> Target:
+    """Load TARGET; `meta=False` builds hf: models with real (random) weights, to run them."""
     if spec.startswith("hf:"):
-        return _load_hf(spec, spec[3:], batch_size, seq_len)
+        return _load_hf(spec, spec[3:], batch_size, seq_len, meta)
     if ":" not in spec:
         raise TargetError("usage", f"target {spec!r} names no factory: write path/to/file.py:factory, package.module:factory or hf:CONFIG")
     where, _, name = spec.rpartition(":")
@@ -134,7 +135,7 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
     return Target(spec, model, inputs, batch, seq, _parameter_count(model), rebuild)
 
 
-def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None) -> Target:
+def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None, meta: bool = True) -> Target:
     try:
         hf = importlib.import_module("autoplan.hf")  # needs transformers; only hf: targets pay for importing it
     except ModuleNotFoundError as error:
@@ -142,7 +143,7 @@ def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None
             raise TargetError("missing_extra", 'hf: targets need transformers: pip install "autoplan[hf]"') from error
         raise TargetError("missing_extra", f"hf: targets need autoplan.hf, which failed to import: {error}") from error
     try:
-        model = hf.model_from_config(config, meta=True)
+        model = hf.model_from_config(config, meta=meta)
     except (FileNotFoundError, KeyError, ValueError, OSError) as error:
         presets = ", ".join(sorted(hf.PRESETS))
         raise TargetError("not_found", f"hf:{config}: {_first_line(error)} (presets: {presets}, or a path to config.json)") from error

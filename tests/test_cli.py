@@ -275,3 +275,32 @@ def test_hf_local_config(tmp_path) -> None:
 
 def test_hf_unknown_preset() -> None:
     assert_one_line_error(run("plan", "hf:no-such-model", "--budget", "1GB"), ExitCode.NOT_FOUND, "no-such-model")
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+
+def test_verify_on_cpu_runs_real_steps_and_reports_the_measured_peak(tmp_path):
+    path = tmp_path / "verify.json"
+    result = run("verify", FACTORY, "--budget", "200MB", "--on", "cpu", "--steps", "2", "--json", str(path))
+    assert result.exit_code == ExitCode.FITS, result.output
+    assert "the plan held" in words(result.stdout)
+    document = json.loads(path.read_text())
+    assert document["schema"] == "autoplan.verify/1"
+    verification = document["verification"]
+    assert verification["steps"] == 2 and verification["peak_source"] == "live tensor bytes (CPU)"
+    assert verification["held"] is True and verification["measured_peak_bytes"] > 0
+    assert abs(verification["peak_error"]) <= 0.01
+    assert document["plan"]["predicted_peak_bytes"] == verification["predicted_peak_bytes"]
+
+
+def test_verify_exits_does_not_fit_when_no_plan_fits(lowest_peak):
+    result = run("verify", FACTORY, "--budget", f"{lowest_peak // 2}B", "--on", "cpu", "--reserve", "0")
+    assert result.exit_code == ExitCode.DOES_NOT_FIT, result.output
+
+
+def test_verify_option_errors():
+    assert run("verify", FACTORY, "--budget", "200MB", "--steps", "1").exit_code == ExitCode.USAGE
+    assert_one_line_error(run("verify", FACTORY, "--budget", "200MB", "--on", "tpu"), ExitCode.USAGE, "--on")
+    if not __import__("torch").cuda.is_available():
+        assert_one_line_error(run("verify", FACTORY, "--budget", "200MB", "--on", "cuda"), ExitCode.USAGE, "no CUDA")
