@@ -90,6 +90,7 @@ def llama(cpu: bool) -> Workload | None:
 class Measured:
     peak_bytes: int | None
     step_s: float
+    reserved_bytes: int | None = None  # the caching allocator's reserved peak (CUDA): fragmentation = reserved / peak
 
 
 def loss_of(output) -> torch.Tensor:
@@ -134,8 +135,9 @@ def measure(model: torch.nn.Module, batch: dict, steps: int, autocast: bool) -> 
                 step()
             times.append(time.perf_counter() - started)
     peak = torch.cuda.max_memory_allocated() if cuda else max(p.peak_bytes for p in tracker.phases())
+    reserved = torch.cuda.max_memory_reserved() if cuda else None
     del opt
-    return Measured(peak, statistics.median(times))
+    return Measured(peak, statistics.median(times), reserved)
 
 
 def fresh(workload: Workload, device: torch.device) -> torch.nn.Module:
@@ -220,13 +222,17 @@ def machine(device: torch.device) -> str:
     where = f"{platform.node()} · {platform.processor() or platform.machine()} · Python {platform.python_version()} · torch {torch.__version__}"
     if device.type != "cuda":
         return where + " · CPU mode (live tensor bytes, wall clock)"
+    free, total = torch.cuda.mem_get_info(device)  # after CUDA initialised: what the context took
+    context = total - free - torch.cuda.memory_reserved(device)
     driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    return where + f" · {torch.cuda.get_device_name(device)} · driver {driver or '?'} · CUDA {torch.version.cuda}"
+    return where + (f" · {torch.cuda.get_device_name(device)} · driver {driver or '?'} · CUDA {torch.version.cuda}"
+                    f" · CUDA context + other processes: {format_bytes(context)}")
 
 
 def print_table(title: str, rows: list, reference_s: float) -> None:
     print(f"\n{title}")
     print(f"{'configuration':<42} {'budget':>10} {'peak':>10} {'step':>10} {'slowdown':>9} {'fits':>5}  note")
+    reserved = [r[2].reserved_bytes / r[2].peak_bytes for r in rows if r[2] is not None and r[2].reserved_bytes]
     for config, budget, result, note in rows:
         if result is None:
             print(f"{config:<42} {format_bytes(budget) if budget else '':>10} {'—':>10} {'—':>10} {'':>9} {'no':>5}  {note}")
@@ -234,6 +240,8 @@ def print_table(title: str, rows: list, reference_s: float) -> None:
         fits = "" if budget is None else ("yes" if result.peak_bytes <= budget else "no")
         print(f"{config:<42} {format_bytes(budget) if budget else '—':>10} {format_bytes(result.peak_bytes):>10} "
               f"{result.step_s * 1e3:>8.1f}ms {result.step_s / reference_s - 1:>+8.1%} {fits:>5}  {note}")
+    if reserved:  # what calibrates autoplan's fragmentation allowance
+        print(f"allocator reserved / allocated peak: median {statistics.median(reserved):.3f}, max {max(reserved):.3f}")
 
 
 def main() -> None:
