@@ -11,6 +11,7 @@ is tightened by the difference and the program solved again.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from typing import Any, Callable, Mapping
 
 import torch
@@ -242,7 +243,14 @@ def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     from autoplan.trace import unit_endpoints
 
     _refuse_meta(model)
-
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+        warnings.warn(
+            "gradient checkpointing turned on by gradient_checkpointing_enable() (or activation_checkpointing_enable()) "
+            "is ignored on the planned layers: the plan decides which layers recompute, never twice. "
+            "autoplan.remove_plan(model) gives it back.",
+            UserWarning,
+            stacklevel=2,
+        )
     for name in choices:
         try:
             unit_endpoints(model, name)

@@ -52,7 +52,7 @@ _DECODER = dict(
     num_key_value_heads=2, max_position_embeddings=128,
 )
 FAMILIES: tuple[Family, ...] = (
-    Family("GPT-2", "GPT2Config", "GPT2LMHeadModel", dict(**_COMMON, n_embd=32, n_layer=4, n_head=2, n_positions=128)),
+    Family("GPT-2", "GPT2Config", "GPT2LMHeadModel", dict(**_COMMON, n_embd=32, n_layer=4, n_head=2, n_positions=128, bos_token_id=0, eos_token_id=0)),
     Family("Llama", "LlamaConfig", "LlamaForCausalLM", _DECODER),
     Family("Mistral", "MistralConfig", "MistralForCausalLM", dict(_DECODER, sliding_window=8)),
     Family("Qwen2", "Qwen2Config", "Qwen2ForCausalLM", _DECODER),
