@@ -59,9 +59,8 @@ def main() -> None:
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="a100-40gb", reserve=0)
     print(plan.report())
     print(f"planned twice in {time.perf_counter() - start:.1f} s")
-    for what in ("gradients", "optimizer"):
-        print(f"{what}: {format_bytes(getattr(plan.breakdown, what))} with LoRA, "
-              f"{format_bytes(getattr(full.breakdown, what))} for full fine-tuning")
+    print(f"optimizer state: {format_bytes(plan.breakdown.optimizer)} with LoRA, "
+          f"{format_bytes(full.breakdown.optimizer)} for full fine-tuning")
     print()
 
     autoplan.apply(model, plan)
