@@ -183,10 +183,10 @@ def test_a_model_without_labels_backpropagates_the_sum_of_its_outputs_and_loss_f
     config = transformers.BertConfig(**families.BY_NAME["BERT"].config)
     model = transformers.BertModel(config)  # no head, no labels: no loss of its own
     assert "labels" not in example_inputs_for(model, 2, 16)
-    plan = autoplan.plan(model, "1GB", batch_size=2, seq_len=16, device="cpu")
+    plan = autoplan.plan(model, "1GB", batch_size=2, seq_len=16, device="cpu", precision="fp32")
     assert plan.feasible
     seen = []
-    autoplan.plan(model, "1GB", batch_size=2, seq_len=16, device="cpu", loss_fn=lambda out: seen.append(type(out)) or out.last_hidden_state.mean())
+    autoplan.plan(model, "1GB", batch_size=2, seq_len=16, device="cpu", precision="fp32", loss_fn=lambda out: seen.append(type(out)) or out.last_hidden_state.mean())
     assert seen and all(issubclass(t, transformers.modeling_outputs.ModelOutput) for t in seen)
 
 
@@ -227,7 +227,7 @@ def test_a_meta_model_plans_exactly_like_the_same_model_with_weights(tmp_path) -
     spec = _tiny_llama_json(tmp_path)
     meta, real = model_from_config(spec), model_from_config(spec, meta=False)
     assert type(meta).__name__ == "LlamaForCausalLM" and all(p.is_meta for p in meta.parameters())
-    plans = [autoplan.plan(m, "1GB", batch_size=BATCH, seq_len=SEQ, device="h100-80gb") for m in (meta, real)]
+    plans = [autoplan.plan(m, "1GB", batch_size=BATCH, seq_len=SEQ, device="h100-80gb", precision="bf16") for m in (meta, real)]
     assert plans[0].to_dict() | {"solve_time_s": 0} == plans[1].to_dict() | {"solve_time_s": 0}
     with pytest.raises(ValueError, match="meta device"):
         autoplan.optimize(meta, "1GB", batch_size=BATCH, seq_len=SEQ)
