@@ -11,12 +11,14 @@ is tightened by the difference and the program solved again.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from typing import Any, Callable, Mapping
 
 import torch
 
 from autoplan.budget import budget_needed_for, make_budget
 from autoplan.devices import Device, get_device
+from autoplan.hf import default_seq_len, example_inputs_for, is_hf_model, training_inputs
 from autoplan.measure import measure_times, model_device
 from autoplan.memory import predict_peak, predict_step_time
 from autoplan.partition import is_graph_unit
@@ -26,7 +28,7 @@ from autoplan.profile import profile as profile_units
 from autoplan.rewrite import apply_choices
 from autoplan.simulate import optimizer_name
 from autoplan.solve import fastest, minimum_peak, solve
-from autoplan.trace import trace
+from autoplan.trace import normalize_inputs, trace
 from autoplan.verify import simulate_plan
 
 MAX_RESOLVES = 4
@@ -77,11 +79,33 @@ def _pins(
     return pins
 
 
+def training_batch(model: torch.nn.Module, example_inputs: Any, batch_size: int | None, seq_len: int | None):
+    """The (args, kwargs) a training step is profiled with: the caller's, or one built for a HF model."""
+    if example_inputs is None:
+        if not is_hf_model(model):
+            raise ValueError(
+                f"example_inputs is required for {type(model).__name__}: pass one batch, e.g. "
+                "example_inputs=(x,) or example_inputs={'input_ids': ids}. batch_size= and seq_len= "
+                "build a batch only for Hugging Face transformers models."
+            )
+        batch = 1 if batch_size is None else batch_size
+        length = default_seq_len(model) if seq_len is None else seq_len
+        example_inputs = example_inputs_for(model, batch, length)
+    elif batch_size is not None or seq_len is not None:
+        raise ValueError(
+            "batch_size= and seq_len= build example inputs when example_inputs is omitted; "
+            "pass either them or example_inputs, not both"
+        )
+    return training_inputs(model, normalize_inputs(example_inputs))
+
+
 def plan(
     model: torch.nn.Module,
     budget: str | int,
     *,
-    example_inputs: Any,
+    example_inputs: Any = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     device: str | Device | None = None,
     optimizer: str | torch.optim.Optimizer = "adamw",
     precision: str = "auto",
@@ -99,6 +123,9 @@ def plan(
 
     budget: "20GB", "20 GiB", "80%" (of the device), or an int of bytes.
     example_inputs: a tuple of positional args, a dict of kwargs, or (args, kwargs); one batch.
+        Optional for a Hugging Face model: omitted, a batch of `batch_size` (default 1) ×
+        `seq_len` (default: the config's max positions, at most 2048) is built from its config
+        (autoplan.hf.example_inputs_for). A HF forward that takes `use_cache` gets False.
     device: a device profile name ("h100-80gb", see autoplan.devices), None for the current GPU (or
         "cpu" without one).
     optimizer: "adamw" (default), "adam", "sgd", "sgd-momentum" or an optimizer instance.
@@ -124,7 +151,7 @@ def plan(
     rest = "fp32" if precision == "auto" else precision
     say = progress or (lambda message: None)
     say("tracing")
-    traced = trace(model, example_inputs, units)
+    traced = trace(model, training_batch(model, example_inputs, batch_size, seq_len), units)
     measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
     if _should_measure(profile, model, target):
         measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
@@ -231,6 +258,15 @@ def _assemble(
     )
 
 
+def _refuse_meta(model: torch.nn.Module) -> None:
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device (shapes, no data): it can be planned, "
+            "not rewritten or trained. Build it with real weights (e.g. autoplan.hf.model_from_config(..., "
+            "meta=False) or from_pretrained), then autoplan.apply(model, plan)."
+        )
+
+
 def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     """Rewrite `model` in place to run as `plan` says; returns the same object."""
     if not isinstance(plan, Plan):
@@ -238,6 +274,15 @@ def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     choices = plan.choices()
     from autoplan.trace import unit_endpoints
 
+    _refuse_meta(model)
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+        warnings.warn(
+            "gradient checkpointing turned on by gradient_checkpointing_enable() (or activation_checkpointing_enable()) "
+            "is ignored on the planned layers: the plan decides which layers recompute, never twice. "
+            "autoplan.remove_plan(model) gives it back.",
+            UserWarning,
+            stacklevel=2,
+        )
     for name in choices:
         if is_graph_unit(name):
             continue  # checked when the graph is split: split_by_units names the graph's units
@@ -254,6 +299,7 @@ def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch
     Takes the same arguments as `plan`. Raises InfeasibleBudgetError (with `.plan`) when no plan
     fits, rather than returning a model that would run out of memory.
     """
+    _refuse_meta(model)
     decided = plan(model, budget, **options)
     if not decided.feasible:
         raise InfeasibleBudgetError(decided)

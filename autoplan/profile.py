@@ -1,8 +1,9 @@
 """Profile stage: what every unit costs, in bytes and time, under every choice it can take.
 
 Two kinds of measurement, both under fake tensors (no real memory, any machine):
-- the *timeline*: two full training steps of a fake twin of the model with every unit at its base
-  choice (keep, in the base precision), split into phases at unit boundaries;
+- the *timeline*: training step 2 (after an optimizer-only step 1) of a fake twin of the model
+  with every unit at its base choice (keep, in the base precision), split into phases at unit
+  boundaries;
 - each *unit alone*, called with inputs shaped like the ones it received in the timeline, under
   each choice: the peak of its forward, the bytes it keeps for backward, the peak of its backward
   (recomputation included), and roofline time and FLOPs of both.

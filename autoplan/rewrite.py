@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -68,7 +69,14 @@ class PlannedForward:
     def _run(self, *args, **kwargs):
         if self.original is not None:
             return self.original(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+        return _class_forward(type(self.module))(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # Libraries read forward's parameters (transformers' generate() does): show the real ones.
+        if self.original is not None:
+            return inspect.signature(self.original)
+        return inspect.signature(_class_forward(type(self.module)).__get__(self.module))
 
     def _precision_context(self, args, kwargs) -> contextlib.AbstractContextManager:
         device_type = _device_type(self.module, args, kwargs)
@@ -94,10 +102,56 @@ class PlannedForward:
             # Only selective mode passes a context_fn: torch.compile rejects a custom one that
             # returns no dispatch modes, so full mode keeps checkpoint's default.
             extra = {"context_fn": _selective_context} if self.choice.mode == "selective" else {}
+            args, kwargs = _without_cache_writes(self.module, args, kwargs)
             output = checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
         if self.cast_outputs and self.choice.precision != "fp32":
             output = _cast_like_inputs(output, args, kwargs, self.module)
         return output
+
+
+def _class_forward(cls: type) -> Any:
+    """The class's forward, minus transformers' own checkpointing wrapper.
+
+    transformers v5 wraps every `GradientCheckpointingLayer.forward` in a function that checkpoints
+    it when `gradient_checkpointing_enable()` has set the layer's flag. A planned unit already runs
+    under the plan's checkpoint mode, so the plan wins: the wrapper is skipped (never checkpointing
+    twice), whether the flag was set before or after the rewrite.
+    """
+    forward = cls.forward
+    code = getattr(forward, "__code__", None)
+    if code is not None and code.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
+        return forward.__wrapped__
+    return forward
+
+
+_CACHE_KWARGS = ("past_key_values", "layer_past")
+
+
+def _without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A transformers layer checkpointed in training must not write its KV cache.
+
+    Recomputation would append the keys and values a second time (and the replay would no longer
+    match the forward). This is what transformers' own checkpointing wrapper does, which the plan
+    replaces: no cache for checkpointed layers, unless the layer says it only reads it. The cache
+    may come positionally (GPT-2 passes it so), hence binding to forward's signature.
+    """
+    if not hasattr(module, "_can_checkpoint_with_cache") or module._can_checkpoint_with_cache:
+        return args, kwargs
+    try:
+        bound = inspect.signature(_class_forward(type(module))).bind(module, *args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    extra = next(
+        (bound.arguments[p.name] for p in bound.signature.parameters.values() if p.kind is p.VAR_KEYWORD and p.name in bound.arguments),
+        {},
+    )
+    for values in (bound.arguments, extra):
+        if values.get("use_cache"):
+            values["use_cache"] = False
+        for name in _CACHE_KWARGS:
+            if values.get(name) is not None:
+                values[name] = None
+    return bound.args[1:], bound.kwargs
 
 
 def _without_second_stats_update(module: torch.nn.Module, function):

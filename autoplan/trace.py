@@ -2,7 +2,8 @@
 
 Units are what the plan decides about. Found in this order:
 1. `units=["layers.*"]`: modules whose qualified names match the patterns (outermost wins);
-2. the submodule class a model repeats that covers the most parameters (transformer blocks,
+2. a Hugging Face model's layers (its `GradientCheckpointingLayer`s: encoder and decoder layers);
+   else the submodule class a model repeats that covers the most parameters (transformer blocks,
    ResNet blocks, U-Net conv blocks);
 3. a model with no repeated class but an `nn.Sequential` backbone: runs of its children cut at
    the articulation points of their dataflow graph, one parametric layer per unit
@@ -12,7 +13,8 @@ Units are what the plan decides about. Found in this order:
    per run, made of the model's own layers.
 
 The model is traced with `torch.fx.symbolic_trace` (units kept as leaf calls), else with
-`torch.export.export(strict=False)`, whose graph is fx too. The unit graph (networkx) says which
+`torch.export.export(strict=False)`, whose graph is fx too, else by running it once on fake tensors
+with hooks on the units (`dataflow.py`; first for Hugging Face models). The unit graph (networkx) says which
 unit feeds which; edges between non-neighbours are skip connections whose tensors stay alive
 across units.
 """
@@ -46,8 +48,8 @@ class Traced:
     model: torch.nn.Module  # the model; for graph units, a GraphModule of its layers, one submodule per unit
     example_inputs: tuple[tuple, dict]  # (args, kwargs)
     units: tuple[str, ...]  # qualified names, in execution order when the graph is known
-    graph: torch.fx.Graph | None  # None only when tracing failed and the person named the units
-    method: str  # "symbolic_trace", "export" or "none"
+    graph: torch.fx.Graph | None  # None when the units were found by running the model ("hooks")
+    method: str  # "symbolic_trace", "export" or "hooks"
     unit_graph: nx.DiGraph  # unit -> unit dataflow ("input" and "output" included)
     skip_edges: tuple[tuple[str, str], ...]  # dataflow between units that are not neighbours
     trace_errors: tuple[str, ...] = ()  # what each tracer tripped on, when one did
@@ -131,6 +133,21 @@ def _repeated_class_units(model: torch.nn.Module) -> list[str]:
     return candidates[best]
 
 
+def _checkpointing_layer_units(model: torch.nn.Module) -> list[str]:
+    """A transformers model's own layers: what it would checkpoint itself (`GradientCheckpointingLayer`).
+
+    Covers encoder and decoder layers of different classes (Whisper) and both stacks of T5.
+    Recognised by class name in the MRO, so transformers need not be installed.
+    """
+    names = [
+        name
+        for name, module in model.named_modules()
+        if name and any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__[1:])
+    ]
+    outer = _outermost(names)
+    return outer if len(outer) >= 2 else []
+
+
 def _sequential_units(model: torch.nn.Module) -> list[str]:
     """Cut the longest Sequential into runs that each start at a layer with parameters."""
     sequentials = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Sequential) and len(m) >= 2]
@@ -160,7 +177,7 @@ def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> lis
                 f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
             )
         return _outermost(names)
-    units = _repeated_class_units(model) or _sequential_units(model) or graph_units(model)
+    units = _checkpointing_layer_units(model) or _repeated_class_units(model) or _sequential_units(model) or graph_units(model)
     if not units:
         raise TraceError(
             f"{type(model).__name__} has no repeated submodule, no nn.Sequential, and no fx graph that cuts "
@@ -236,32 +253,52 @@ def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.
 
 
 def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None) -> Traced:
-    """Find the units of `model` and trace how data flows between them."""
+    """Find the units of `model` and trace how data flows between them.
+
+    Tracers are tried in order: `torch.fx.symbolic_trace`, `torch.export(strict=False)`, then a
+    forward on fake tensors with hooks (`dataflow.py`, method "hooks", no fx graph). Hugging Face
+    models start with the hooks: export of a large one takes seconds per layer, and symbolic_trace
+    cannot follow their keyword-only forwards.
+    """
+    from autoplan.dataflow import runtime_unit_graph
+    from autoplan.hf import is_hf_model
+
     inputs = normalize_inputs(example_inputs)
     unit_names = find_units(model, units)
     if all(is_graph_unit(name) for name in unit_names):
         model = split_by_units(model, unit_names)  # the same layers, one submodule per unit
     leaves = {u for u in unit_names if not is_range_unit(u)}
+    tracers = {
+        "symbolic_trace": ("torch.fx.symbolic_trace", lambda: _symbolic_trace(model, leaves)),
+        "export": ("torch.export(strict=False)", lambda: _export(model, inputs)),
+        "hooks": ("a forward on fake tensors", lambda: runtime_unit_graph(model, inputs, unit_names)),
+    }
+    order = ("hooks", "export") if is_hf_model(model) else ("symbolic_trace", "export", "hooks")
     errors: list[str] = []
-    graph, method = None, "none"
-    try:
-        graph, method = _symbolic_trace(model, leaves), "symbolic_trace"
-    except Exception as error:  # noqa: BLE001 - any failure means: try the next tracer
-        errors.append(f"torch.fx.symbolic_trace: {type(error).__name__}: {_first_line(error)}")
+    for method in order:
+        label, run = tracers[method]
         try:
-            graph, method = _export(model, inputs), "export"
-        except Exception as error2:  # noqa: BLE001
-            errors.append(f"torch.export(strict=False): {type(error2).__name__}: {_first_line(error2)}")
-    if graph is None and not units:
-        raise TraceError(
-            f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n"
-            "Pass units=['pattern', ...] to name the submodules to plan; autoplan can then plan "
-            "without a graph. Or make the forward traceable (avoid Python control flow on tensor values)."
-        )
-    if graph is None:
-        return Traced(model, inputs, tuple(unit_names), None, method, nx.DiGraph(), (), tuple(errors))
-    order, dataflow = _unit_graph(graph, unit_names)
-    ordered = order + [u for u in unit_names if u not in order]
+            result = run()
+        except Exception as error:  # noqa: BLE001 - any failure means: try the next tracer
+            errors.append(f"{label}: {_first_line(error)}" if method == "hooks" else f"{label}: {type(error).__name__}: {_first_line(error)}")
+            continue
+        if method == "hooks":
+            graph, (executed, dataflow) = None, result
+        else:
+            graph = result
+            executed, dataflow = _unit_graph(graph, unit_names)
+        return _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors)
+    raise TraceError(
+        f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n"
+        "autoplan runs the forward on fake tensors, which have shapes but no values: code that needs a "
+        "tensor's value (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run there. Compute it with "
+        "tensor ops (torch.where) or move it out of forward. If the units were the problem, pass "
+        "units=['pattern', ...] naming the submodules to plan (e.g. its blocks)."
+    )
+
+
+def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors) -> Traced:
+    ordered = executed + [u for u in unit_names if u not in executed]
     neighbours = {(a, b) for a, b in zip(["input", *ordered], [*ordered, "output"])}
     skips = tuple(sorted((a, b) for a, b in dataflow.edges if (a, b) not in neighbours and a != "input" and b != "output"))
     return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors))

@@ -421,17 +421,48 @@ def test_untraceable_model_without_units_raises_trace_error() -> None:
     assert "units=" in message
 
 
-def test_untraceable_model_with_units_plans_without_a_graph() -> None:
-    model = _DataDependent()
-    traced = trace(model, (torch.randn(3, 8),), units=["blocks.*"])
-    assert traced.method == "none"
+def test_untraceable_model_with_units_raises_naming_the_line_and_each_tracer() -> None:
+    # Naming the units does not help a forward that needs tensor values: the simulation cannot
+    # run it either, so the error says which line did it and what each tracer tripped on.
+    with pytest.raises(TraceError) as info:
+        trace(_DataDependent(), (torch.randn(3, 8),), units=["blocks.*"])
+    message = str(info.value)
+    assert "symbolic_trace" in message and "torch.export" in message and "fake tensors" in message
+    assert "test_trace.py" in message and "if x.sum() > 0" in message
+    assert "torch.where" in message and "units=" in message
+
+
+def test_a_model_no_tracer_follows_is_traced_by_running_it() -> None:
+    class Unflattenable(nn.Module):
+        """A keyword-only forward returning an object no tracer can build as an output."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_Encoder() for _ in range(3)])
+
+        def forward(self, *, x: torch.Tensor, flags: dict) -> "Unflattenable.Out":
+            a = self.blocks[0](x)
+            b = self.blocks[1](a)
+            if flags["skip"]:
+                b = b + a
+            out = Unflattenable.Out()
+            out.value = self.blocks[2](b)
+            return out
+
+        class Out:
+            value: torch.Tensor
+
+    model = Unflattenable()
+    traced = trace(model, {"x": torch.randn(3, 8), "flags": {"skip": True}})
+    assert traced.method == "hooks"
     assert traced.graph is None
-    assert traced.units == ("blocks.0", "blocks.1")
     assert len(traced.trace_errors) == 2
-    assert "symbolic_trace" in traced.trace_errors[0]
-    assert "export" in traced.trace_errors[1]
-    assert traced.skip_edges == ()
-    assert isinstance(traced.unit_graph, nx.DiGraph)
+    assert traced.units == ("blocks.0", "blocks.1", "blocks.2")
+    assert traced.skip_edges == (("blocks.0", "blocks.2"),)
+    assert traced.unit_graph.has_edge("input", "blocks.0")
+    assert traced.unit_graph.has_edge("blocks.2", "output")
+    without_skip = trace(model, {"x": torch.randn(3, 8), "flags": {"skip": False}})
+    assert without_skip.skip_edges == ()
 
 
 def test_shape_dependent_model_falls_back_to_export() -> None:

@@ -1,0 +1,142 @@
+"""Runtime dataflow: which unit feeds which, recorded by running the forward once on fake tensors.
+
+The third way `trace.py` learns the unit graph, for models neither `torch.fx.symbolic_trace` nor
+`torch.export` can trace (and first for Hugging Face models, where export is slow and their
+caches and kwargs trip both tracers). A forward of a FakeTensor twin runs with hooks on the units
+that say which unit is running, and a dispatch mode that labels every tensor an op creates with
+where its data came from: the unit it was made in, or, outside the units, everything its inputs
+came from. A unit reading a tensor labelled with another unit (or with "input") is an edge. Python
+control flow on shapes or config flags, keyword-only forwards, dict/dataclass outputs and caches are
+all just Python here; what cannot run is code that needs a tensor's *values* (`if x.sum() > 0`),
+and the error says where that is.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import weakref
+from typing import Any
+
+import networkx as nx
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autoplan.simulate import fake_copy, fake_tree
+
+
+class _Provenance(TorchDispatchMode):
+    """Labels each storage with the units (or "input") its data came from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._labels: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
+        self.running: list[str] = []  # the unit whose forward is running (a stack, for safety)
+        self.edges: set[tuple[str, str]] = set()
+
+    def label(self, tensor: torch.Tensor, sources: frozenset[str]) -> None:
+        storage = tensor.untyped_storage()
+        self._labels[id(storage)] = (weakref.ref(storage), sources)
+
+    def sources(self, tensor: torch.Tensor) -> frozenset[str]:
+        storage = tensor.untyped_storage()
+        entry = self._labels.get(id(storage))
+        # ids are reused once a storage dies; the weak reference tells a stale entry apart
+        return entry[1] if entry is not None and entry[0]() is storage else frozenset()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        incoming = frozenset().union(*(self.sources(t) for t in _tensor_leaves((args, kwargs))))
+        if self.running:
+            unit = self.running[-1]
+            self.edges.update((source, unit) for source in incoming if source != unit)
+            made = frozenset((unit,))
+        else:
+            made = incoming
+        if made:
+            for tensor in _tensor_leaves(out):
+                self.label(tensor, made)
+        return out
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    if not isinstance(tree, (torch.Tensor, dict, list, tuple)) and hasattr(tree, "__dict__"):
+        tree = dict(vars(tree))  # dataclass outputs that are not registered pytrees
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def runtime_unit_graph(
+    model: torch.nn.Module, inputs: tuple[tuple, dict], units: list[str]
+) -> tuple[list[str], nx.DiGraph]:
+    """Run `model` once on fake tensors; return its units in call order and the unit dataflow graph.
+
+    Raises RuntimeError naming the failing line of the model's code when the forward cannot run
+    on fake tensors.
+    """
+    from autoplan.rewrite import remove_plan
+    from autoplan.trace import unit_endpoints
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    twin = remove_plan(fake_copy(model, fake_mode))
+    twin.train()  # the step being planned is a training step: dropout and friends as in training
+    provenance = _Provenance()
+    order: list[str] = []
+    handles = []
+
+    def enter(name: str):
+        def hook(module, args):
+            if name not in order:
+                order.append(name)
+            provenance.running.append(name)
+
+        return hook
+
+    def leave(name: str):
+        def hook(module, args, output):
+            if provenance.running and provenance.running[-1] == name:
+                provenance.running.pop()
+
+        return hook
+
+    for name in units:
+        first, last = unit_endpoints(twin, name)
+        handles.append(first.register_forward_pre_hook(enter(name)))
+        handles.append(last.register_forward_hook(leave(name)))
+    try:
+        with fake_mode, provenance, torch.no_grad():
+            args, kwargs = fake_tree(inputs, fake_mode)
+            for tensor in _tensor_leaves((args, kwargs)):
+                provenance.label(tensor, frozenset(("input",)))
+            output = twin(*args, **kwargs)
+            finished = frozenset().union(*(provenance.sources(t) for t in _tensor_leaves(output)))
+    except Exception as error:  # noqa: BLE001 - reported with where it happened
+        raise RuntimeError(f"{type(error).__name__}: {_first_line(error)}{_user_frame(error)}") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(["input", *order, "output"])
+    graph.add_edges_from(provenance.edges)
+    graph.add_edges_from((source, "output") for source in finished)
+    return order, graph
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(module.__file__) + os.sep for module in (torch,) if getattr(module, "__file__", None)
+) + (os.path.dirname(__file__) + os.sep,)
+
+
+def _user_frame(error: Exception) -> str:
+    """`, at file:line: code` for the innermost frame outside torch and autoplan, if any."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f", at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""

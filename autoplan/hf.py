@@ -1,0 +1,226 @@
+"""Hugging Face transformers models: build them from configs, make their example batches.
+
+    model = autoplan.hf.model_from_config("llama-3-70b")            # on the meta device: no memory
+    inputs = autoplan.hf.example_inputs_for(model, batch_size=1, seq_len=2048)
+    plan = autoplan.plan(model, "80GB", device="h100-80gb", batch_size=1, seq_len=2048)
+
+`PRESETS` holds the published configs of popular checkpoints (their public config.json values), so
+a model can be planned without downloading anything. transformers is an optional dependency
+(`pip install autoplan[hf]`): this module imports it only when a function needs it, and the rest of
+autoplan recognises a Hugging Face model by duck typing (`config` + `main_input_name`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# name -> (transformers config class, the checkpoint's public config.json values)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("GPT2Config", dict(
+        architectures=["GPT2LMHeadModel"], vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True)),
+    "gpt2-xl": ("GPT2Config", dict(
+        architectures=["GPT2LMHeadModel"], vocab_size=50257, n_positions=1024, n_embd=1600, n_layer=48, n_head=25,
+        activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True)),
+    "llama-3-8b": ("LlamaConfig", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False)),
+    "llama-3-70b": ("LlamaConfig", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False)),
+    "mistral-7b": ("MistralConfig", dict(
+        architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        sliding_window=4096, rope_theta=10000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False)),
+    "qwen2-7b": ("Qwen2Config", dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False,
+        tie_word_embeddings=False)),
+    "bert-base": ("BertConfig", dict(
+        architectures=["BertForMaskedLM"], vocab_size=30522, hidden_size=768, num_hidden_layers=12,
+        num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2,
+        hidden_act="gelu", layer_norm_eps=1e-12)),
+    "t5-base": ("T5Config", dict(
+        architectures=["T5ForConditionalGeneration"], vocab_size=32128, d_model=768, d_kv=64, d_ff=3072,
+        num_layers=12, num_heads=12, relative_attention_num_buckets=32, feed_forward_proj="relu",
+        tie_word_embeddings=True)),
+    "vit-base": ("ViTConfig", dict(
+        architectures=["ViTForImageClassification"], hidden_size=768, num_hidden_layers=12,
+        num_attention_heads=12, intermediate_size=3072, image_size=224, patch_size=16, num_channels=3,
+        num_labels=1000)),
+}
+
+# Task heads tried, in order, for a config that names no architecture.
+_AUTO_HEADS = (
+    "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForSpeechSeq2Seq",
+    "AutoModelForMaskedLM",
+    "AutoModelForImageClassification",
+    "AutoModel",
+)
+DEFAULT_SEQ_LEN_CAP = 2048  # seq_len when not given: the config's max positions, at most this
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "Hugging Face models need the transformers package: pip install 'autoplan[hf]'"
+        ) from None
+    return transformers
+
+
+def is_hf_model(model: torch.nn.Module) -> bool:
+    """A transformers PreTrainedModel, recognised without importing transformers."""
+    return hasattr(model, "config") and hasattr(model, "main_input_name") and hasattr(model, "save_pretrained")
+
+
+def _config_from_spec(spec: str):
+    transformers = _transformers()
+    if spec in PRESETS:
+        class_name, values = PRESETS[spec]
+        return getattr(transformers, class_name)(**values)
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
+        values = json.loads(path.read_text())
+        model_type = values.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"{path} has no 'model_type'; it is not a transformers config.json")
+        try:
+            return transformers.AutoConfig.for_model(model_type, **values)
+        except ValueError as error:
+            raise ValueError(f"{path}: transformers {transformers.__version__} does not know it: {error}") from None
+    raise ValueError(
+        f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}) or the path of a local config.json"
+    )
+
+
+def _model_class(config):
+    transformers = _transformers()
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    for head in _AUTO_HEADS:
+        try:
+            getattr(transformers, head)._model_mapping[type(config)]
+        except KeyError:
+            continue
+        return getattr(transformers, head).from_config
+    raise ValueError(f"transformers has no model for config {type(config).__name__}")
+
+
+def model_from_config(spec: str, *, meta: bool = True) -> torch.nn.Module:
+    """A model with random weights from a preset name or a local config.json; nothing is downloaded.
+
+    meta=True builds it on the meta device: parameters have shapes but no memory, which is all
+    planning needs (a 70B model takes seconds and no RAM). Such a model can be planned, not trained.
+    """
+    config = _config_from_spec(spec)
+    build = _model_class(config)
+    context = torch.device("meta") if meta else torch.device("cpu")
+    with context:
+        model = build(config)
+    return model
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters
+
+
+def default_seq_len(model: torch.nn.Module) -> int:
+    """The config's maximum positions, capped at DEFAULT_SEQ_LEN_CAP (512 when the config has none)."""
+    config = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_target_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return min(value, DEFAULT_SEQ_LEN_CAP)
+    return 512
+
+
+def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """One training batch for a Hugging Face model, as forward's keyword arguments.
+
+    Text models get `input_ids` (batch_size × seq_len, random tokens), an all-ones `attention_mask`
+    and `labels` (the same tokens, so the model computes its own loss); image models get
+    `pixel_values` at the config's image size and a class label per image (seq_len is unused);
+    speech models get `input_features` of the length the encoder requires and seq_len decoder
+    labels. Encoder-decoder text models (T5) get labels of seq_len tokens, from which they make
+    their decoder inputs. `labels` are left out when forward takes none.
+    """
+    if not is_hf_model(model):
+        raise TypeError(f"example_inputs_for() takes a transformers model; got {type(model).__name__}")
+    if not (isinstance(batch_size, int) and batch_size > 0 and isinstance(seq_len, int) and seq_len > 0):
+        raise ValueError(f"batch_size and seq_len must be positive ints; got {batch_size!r}, {seq_len!r}")
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 2
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(length: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (batch_size, length), generator=generator)
+
+    main = model.main_input_name
+    inputs: dict[str, torch.Tensor] = {}
+    if main == "input_ids":
+        inputs["input_ids"] = tokens(seq_len)
+        if _accepts(model, "attention_mask"):
+            inputs["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long)
+        labels = inputs["input_ids"]
+        if getattr(config, "is_encoder_decoder", False):
+            labels = tokens(seq_len)
+        if getattr(config, "problem_type", None) is not None or _is_sequence_classifier(model):
+            labels = torch.randint(0, max(getattr(config, "num_labels", 2), 1), (batch_size,), generator=generator)
+    elif main == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        channels = getattr(config, "num_channels", 3)
+        inputs["pixel_values"] = torch.randn(batch_size, channels, *size, generator=generator)
+        labels = torch.randint(0, max(getattr(config, "num_labels", 2), 1), (batch_size,), generator=generator)
+    elif main == "input_features":
+        frames = 2 * getattr(config, "max_source_positions", 1500)  # the encoder's two convolutions halve it
+        inputs["input_features"] = torch.randn(batch_size, config.num_mel_bins, frames, generator=generator)
+        length = min(seq_len, getattr(config, "max_target_positions", seq_len))
+        labels = tokens(length)
+    else:
+        raise ValueError(
+            f"autoplan cannot make inputs for {type(model).__name__} (main input {main!r}); pass example_inputs="
+        )
+    if _accepts(model, "labels"):
+        inputs["labels"] = labels
+    elif getattr(config, "is_encoder_decoder", False) and _accepts(model, "decoder_input_ids"):
+        inputs["decoder_input_ids"] = labels
+    return inputs
+
+
+def _is_sequence_classifier(model: torch.nn.Module) -> bool:
+    return type(model).__name__.endswith(("ForSequenceClassification", "ForImageClassification"))
+
+
+def training_inputs(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """The batch as a training step passes it: no KV cache (training never reads one back).
+
+    A causal LM returns its cache by default, which holds every layer's keys and values until the
+    step ends and which torch.export cannot trace; `use_cache=False` is what HF's own Trainer gets
+    under gradient checkpointing. Only added when forward takes it and the caller did not set it.
+    """
+    args, kwargs = inputs
+    if is_hf_model(model) and "use_cache" not in kwargs and _accepts(model, "use_cache"):
+        kwargs = {**kwargs, "use_cache": False}
+    return args, kwargs

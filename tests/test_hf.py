@@ -1,0 +1,235 @@
+"""Hugging Face models: every family in tests/families.py plans, rewrites, trains, generates, saves.
+
+Models are built from tiny configs with random weights (no downloads). Each family is planned
+once (cached) at a budget of its static memory plus half its no-plan activation memory, and the
+tests share that plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import autoplan  # noqa: E402
+import autoplan.rewrite  # noqa: E402
+from autoplan.hf import PRESETS, default_seq_len, example_inputs_for, model_from_config, training_inputs  # noqa: E402
+from tests import families  # noqa: E402
+from tests.families import BATCH, FAMILIES, SEQ  # noqa: E402
+
+NAMES = [family.name for family in FAMILIES]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@functools.cache
+def _planned(name: str) -> families.PlanCheck:
+    return families.plan_at_half_activations(families.BY_NAME[name])
+
+
+def _layer_names(model: torch.nn.Module) -> list[str]:
+    return [
+        n for n, m in model.named_modules()
+        if any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__[1:])
+    ]
+
+
+# -- every family ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plans_at_half_the_activation_memory_with_its_layers_as_units(name: str) -> None:
+    checked = _planned(name)
+    plan = checked.plan
+    model = families.BY_NAME[name].build()
+    assert plan.feasible
+    assert plan.simulated_peak_bytes <= checked.budget
+    assert plan.trace_method == "hooks"
+    assert [u.name for u in plan.units] == _layer_names(model)
+    assert any(u.choice.mode != "keep" for u in plan.units)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_predicted_peak_is_within_5_percent_of_the_simulated_peak(name: str) -> None:
+    plan = _planned(name).plan
+    assert abs(plan.predicted_peak_bytes - plan.simulated_peak_bytes) <= 0.05 * plan.simulated_peak_bytes
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rewritten_model_trains_one_step_like_the_original(name: str) -> None:
+    plan = _planned(name).plan
+    trained = families.train_original_and_rewritten(families.BY_NAME[name], plan)
+    assert any(mode != "keep" for mode in trained.modes)  # something is recomputed
+    assert trained.state_dict_keys[0] == trained.state_dict_keys[1]
+    torch.testing.assert_close(trained.rewritten_loss, trained.loss)
+    for original, rewritten in (trained.grads, trained.params, trained.buffers):
+        assert original.keys() == rewritten.keys()
+        torch.testing.assert_close(rewritten, original)
+    assert trained.grads[0], "no gradients were compared"
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.generates])
+def test_generate_after_rewrite_gives_the_same_tokens_and_recomputes_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real_checkpoint = autoplan.rewrite.checkpoint
+    monkeypatch.setattr(autoplan.rewrite, "checkpoint", lambda *a, **k: calls.append(1) or real_checkpoint(*a, **k))
+    before, after = families.generate_after_rewrite(families.BY_NAME[name], _planned(name).plan)
+    assert after.shape[-1] > 1
+    assert torch.equal(before, after)
+    assert calls == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_save_pretrained_round_trips(name: str) -> None:
+    saved, reloaded = families.save_and_reload(families.BY_NAME[name], _planned(name).plan)
+    assert saved.keys() == reloaded.keys()
+    torch.testing.assert_close(reloaded, saved)
+
+
+# -- gradient_checkpointing_enable() ----------------------------------------------------------
+
+def _count_hf_checkpointing(model: torch.nn.Module) -> list:
+    calls: list = []
+    for module in model.modules():
+        function = module.__dict__.get("_gradient_checkpointing_func")
+        if function is not None:
+            module._gradient_checkpointing_func = functools.partial(
+                lambda f, *a, **k: calls.append(1) or f(*a, **k), function
+            )
+    return calls
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    family = families.BY_NAME["Llama"]
+    plan = _planned("Llama").plan
+    original = family.build()
+    inputs = family.inputs(original)
+    rewritten = copy.deepcopy(original)
+    if when == "before":
+        rewritten.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with pytest.warns(UserWarning, match="gradient checkpointing"):
+            autoplan.apply(rewritten, plan)
+    else:
+        autoplan.apply(rewritten, plan)
+        rewritten.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_calls = _count_hf_checkpointing(rewritten)
+    ours = []
+    real_checkpoint = autoplan.rewrite.checkpoint
+    monkeypatch.setattr(autoplan.rewrite, "checkpoint", lambda *a, **k: ours.append(1) or real_checkpoint(*a, **k))
+    loss, grads, _, _ = families._train_step(original, inputs)
+    loss2, grads2, _, _ = families._train_step(rewritten, inputs)
+    assert hf_calls == []  # never checkpointed twice
+    assert len(ours) == sum(u.choice.mode != "keep" for u in plan.units)
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(grads2, grads)
+
+
+# -- inferred inputs, loss ------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("Llama", {"input_ids": (BATCH, SEQ), "attention_mask": (BATCH, SEQ), "labels": (BATCH, SEQ)}),
+        ("T5", {"input_ids": (BATCH, SEQ), "attention_mask": (BATCH, SEQ), "labels": (BATCH, SEQ)}),
+        ("ViT", {"pixel_values": (BATCH, 3, 64, 64), "labels": (BATCH,)}),
+        ("Whisper", {"input_features": (BATCH, 8, 128), "labels": (BATCH, SEQ)}),
+    ],
+)
+def test_example_inputs_follow_the_config(name: str, expected: dict) -> None:
+    model = families.BY_NAME[name].build()
+    inputs = example_inputs_for(model, BATCH, SEQ)
+    assert {k: tuple(v.shape) for k, v in inputs.items()} == expected
+    if "input_ids" in inputs:
+        assert inputs["input_ids"].dtype == torch.long and int(inputs["input_ids"].max()) < model.config.vocab_size
+    assert model(**inputs).loss is not None  # the model computes its own loss from them
+
+
+def test_training_inputs_turn_the_cache_off_unless_the_caller_set_it() -> None:
+    model = families.BY_NAME["Llama"].build()
+    assert training_inputs(model, ((), {"input_ids": 1}))[1]["use_cache"] is False
+    assert training_inputs(model, ((), {"input_ids": 1, "use_cache": True}))[1]["use_cache"] is True
+    vit = families.BY_NAME["ViT"].build()
+    assert "use_cache" not in training_inputs(vit, ((), {"pixel_values": 1}))[1]
+
+
+def test_default_seq_len_is_the_config_maximum_capped() -> None:
+    assert default_seq_len(families.BY_NAME["Llama"].build()) == 128
+    assert default_seq_len(model_from_config("llama-3-8b")) == 2048
+    assert default_seq_len(model_from_config("gpt2")) == 1024
+
+
+def test_plan_without_inputs_needs_a_hf_model_and_not_both_ways() -> None:
+    with pytest.raises(ValueError, match="example_inputs is required"):
+        autoplan.plan(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), "1GB", batch_size=2)
+    model = families.BY_NAME["Llama"].build()
+    with pytest.raises(ValueError, match="not both"):
+        autoplan.plan(model, "1GB", example_inputs=example_inputs_for(model, 1, 8), seq_len=8)
+
+
+def test_a_model_without_labels_backpropagates_the_sum_of_its_outputs_and_loss_fn_overrides() -> None:
+    import transformers
+
+    config = transformers.BertConfig(**families.BY_NAME["BERT"].config)
+    model = transformers.BertModel(config)  # no head, no labels: no loss of its own
+    assert "labels" not in example_inputs_for(model, 2, 16)
+    plan = autoplan.plan(model, "1GB", batch_size=2, seq_len=16, device="cpu", precision="fp32")
+    assert plan.feasible
+    seen = []
+    autoplan.plan(model, "1GB", batch_size=2, seq_len=16, device="cpu", precision="fp32", loss_fn=lambda out: seen.append(type(out)) or out.last_hidden_state.mean())
+    assert seen and all(issubclass(t, transformers.modeling_outputs.ModelOutput) for t in seen)
+
+
+# -- presets, configs, meta models ------------------------------------------------------------
+
+PUBLISHED_PARAMETERS = {  # the checkpoints' own parameter counts
+    "gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "bert-base": 109_514_298, "t5-base": 222_903_552,
+    "vit-base": 86_567_656,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_build_on_meta_with_the_published_parameter_count(preset: str) -> None:
+    model = model_from_config(preset)
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[preset]
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="llama-3-8b"):
+        model_from_config("llama-9")
+
+
+def test_missing_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"autoplan\[hf\]"):
+        model_from_config("gpt2")
+
+
+def _tiny_llama_json(tmp_path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], **families.BY_NAME["Llama"].config}))
+    return str(path)
+
+
+def test_a_meta_model_plans_exactly_like_the_same_model_with_weights(tmp_path) -> None:
+    spec = _tiny_llama_json(tmp_path)
+    meta, real = model_from_config(spec), model_from_config(spec, meta=False)
+    assert type(meta).__name__ == "LlamaForCausalLM" and all(p.is_meta for p in meta.parameters())
+    plans = [autoplan.plan(m, "1GB", batch_size=BATCH, seq_len=SEQ, device="h100-80gb", precision="bf16") for m in (meta, real)]
+    assert plans[0].to_dict() | {"solve_time_s": 0} == plans[1].to_dict() | {"solve_time_s": 0}
+    with pytest.raises(ValueError, match="meta device"):
+        autoplan.optimize(meta, "1GB", batch_size=BATCH, seq_len=SEQ)
+    with pytest.raises(ValueError, match="meta device"):
+        autoplan.apply(meta, plans[0])
