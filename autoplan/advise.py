@@ -274,14 +274,15 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
 
 
 def least_activation_choices(profile: Profile) -> dict[str, Choice]:
-    """Per unit, the choice that keeps the fewest bytes (and peaks lowest in backward), fastest on ties.
+    """Per unit, the choice that keeps the fewest bytes (then peaks lowest in backward), fastest on ties.
 
     When the single-GPU peak is elsewhere (optimizer.step() of a huge model), the solver's
     lowest-peak choices may keep activations they do not need to; estimates for sharding and smaller
-    batches start from the choices that keep least.
+    batches start from the choices that keep least. Kept bytes come first: they add up over every
+    unit, while a backward peak happens once.
     """
     return {
-        unit.name: min(unit.options, key=lambda c: (unit.options[c].held_bytes + unit.options[c].bwd_peak_bytes, unit.options[c].time_s))
+        unit.name: min(unit.options, key=lambda c: (unit.options[c].held_bytes, unit.options[c].bwd_peak_bytes, unit.options[c].time_s))
         for unit in profile.units
     }
 

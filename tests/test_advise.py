@@ -221,3 +221,19 @@ def test_plot_writes_png(tmp_path, tight) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match=".png"):
         plot_memory(plan, profile, tmp_path / "m.txt")
+
+
+def test_least_activation_choices_put_kept_bytes_first():
+    # keep and full tie on kept + backward-peak bytes (as a 70B layer's do); full keeps nothing, and
+    # kept bytes add up over every unit, so full must win though keep is faster.
+    from types import SimpleNamespace
+
+    from autoplan.profile import UnitCost, UnitProfile
+
+    def cost(held, bwd, time_s):
+        return UnitCost(fwd_peak_bytes=0, held_bytes=held, bwd_peak_bytes=bwd, fwd_time_s=time_s, bwd_time_s=0.0,
+                        fwd_flops=0, bwd_flops=0)
+
+    keep, full = Choice("keep", "fp32"), Choice("full", "fp32")
+    unit = UnitProfile("layers.0", {keep: cost(776, 2810, 1.0), full: cost(0, 3586, 2.0)}, keep)
+    assert least_activation_choices(SimpleNamespace(units=(unit,))) == {"layers.0": full}
