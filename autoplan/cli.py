@@ -78,6 +78,19 @@ app = typer.Typer(
 )
 
 
+@contextlib.contextmanager
+def _reported(debug: bool):
+    """Errors become one line and an exit code; anything unexpected is a bug (ExitCode.ERROR)."""
+    try:
+        yield
+    except CliError as error:
+        _fail(error, debug)
+    except typer.Exit:
+        raise
+    except Exception as error:  # a bug: one line, the traceback with --debug
+        _fail(CliError(ExitCode.ERROR, f"{type(error).__name__}: {error}").with_traceback(error.__traceback__), debug)
+
+
 def _fail(error: CliError, debug: bool) -> None:
     if debug:
         traceback.print_exception(error.__cause__ or error, file=sys.stderr)
@@ -200,7 +213,7 @@ def plan_command(
     quiet = contextlib.nullcontext() if debug else contextlib.redirect_stderr(io.StringIO())
     if not debug:
         logging.getLogger("torch").setLevel(logging.ERROR)
-    try:
+    with _reported(debug):
         _check_options(budget, device, reserve, world_size, plot)
         options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units),
                        reserve=reserve)
@@ -235,12 +248,6 @@ def plan_command(
             except OSError as error:
                 raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {plot}: {error.strerror or error}") from error
             err.print(f"wrote {plot}")
-    except CliError as error:
-        _fail(error, debug)
-    except typer.Exit:
-        raise
-    except Exception as error:  # a bug: one line, the traceback with --debug
-        _fail(CliError(ExitCode.ERROR, f"{type(error).__name__}: {error}").with_traceback(error.__traceback__), debug)
     raise typer.Exit(int(ExitCode.FITS if plan.feasible else ExitCode.DOES_NOT_FIT))
 
 
@@ -265,7 +272,7 @@ def verify_command(
     the live tensor bytes of the real run. Exit code 0 when it held, 9 when it did not.
     """
     out, err = Console(highlight=False), Console(file=sys.stderr)
-    try:
+    with _reported(debug):
         import torch
 
         where = on or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -298,12 +305,6 @@ def verify_command(
                         "plan": plan.to_dict(), "verification": result.to_dict()}
             _write(json_path, json.dumps(document, indent=2) + "\n")
             err.print(f"wrote {json_path}")
-    except CliError as error:
-        _fail(error, debug)
-    except typer.Exit:
-        raise
-    except Exception as error:  # a bug: one line, the traceback with --debug
-        _fail(CliError(ExitCode.ERROR, f"{type(error).__name__}: {error}").with_traceback(error.__traceback__), debug)
     raise typer.Exit(int(ExitCode.FITS if result.held else ExitCode.DID_NOT_HOLD))
 
 
