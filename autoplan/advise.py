@@ -288,17 +288,27 @@ def least_activation_choices(profile: Profile) -> dict[str, Choice]:
 
 
 def smallest_world_size(profile: Profile, choices, usable_bytes: int) -> ShardedPeak | None:
-    """The fewest GPUs whose per-GPU FSDP estimate fits `usable_bytes` (the estimate falls as N grows)."""
-    if sharded_peak(profile, choices, MAX_GPUS).total > usable_bytes:
+    """The fewest GPUs whose per-GPU FSDP estimate fits `usable_bytes`.
+
+    Doubling from 1 while the estimate still falls (FSDP pads every parameter to a multiple of N
+    rows, so past some N more GPUs hold more, not less), then bisection below the first that fits.
+    """
+    high, best = 1, sharded_peak(profile, choices, 1)
+    while best.total > usable_bytes and high < MAX_GPUS:
+        doubled = sharded_peak(profile, choices, 2 * high)
+        if doubled.total >= best.total:
+            return None
+        high, best = 2 * high, doubled
+    if best.total > usable_bytes:
         return None
-    low, high = 1, MAX_GPUS
+    low = high // 2 + 1 if high > 1 else 1
     while low < high:
         middle = (low + high) // 2
         if sharded_peak(profile, choices, middle).total <= usable_bytes:
             high = middle
         else:
             low = middle + 1
-    return sharded_peak(profile, choices, low)
+    return sharded_peak(profile, choices, high)
 
 
 def _least(plan: Plan, choices: dict[str, Choice]) -> str:
@@ -311,7 +321,7 @@ def _least(plan: Plan, choices: dict[str, Choice]) -> str:
 def _fsdp(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: dict[str, Choice]) -> Step:
     title = "FSDP (shard parameters, gradients, optimizer state)"
     if found is None:
-        limit = sharded_peak(profile, choices, MAX_GPUS)
+        limit = min((sharded_peak(profile, choices, 2**k) for k in range(13)), key=lambda peak: peak.total)
         return Step("fsdp", title, "n/a", f"sharding alone cannot fit: the unsharded part (gathered parameters "
                     f"{format_bytes(limit.gathered_parameters)}, activations {format_bytes(limit.activations)}) stays over "
                     f"{format_bytes(plan.usable_bytes)}; lower the batch or sequence first")
@@ -320,14 +330,14 @@ def _fsdp(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: dict
     n = found.world_size
     detail = (f"{n} × {plan.device}: per GPU {format_bytes(found.total)} ≤ {format_bytes(plan.usable_bytes)} usable = "
               f"1/{n} of parameters {format_bytes(found.parameters)} + gradients {format_bytes(found.gradients)} + optimizer "
-              f"{format_bytes(found.optimizer)} + gathered parameters of the running and prefetched unit "
-              f"{format_bytes(found.gathered_parameters)} + one unit's unsharded gradient {format_bytes(found.unsharded_gradients)} "
+              f"{format_bytes(found.optimizer)} + gathered parameters of the root, the running and the prefetched unit "
+              f"{format_bytes(found.gathered_parameters)} + all-gather/reduce-scatter buffers {format_bytes(found.communication_buffers)} "
               f"+ activations {format_bytes(found.activations)} (at {found.phase}); on {n - 1} the estimate is "
               f"{format_bytes(sharded_peak(profile, choices, n - 1).total)}; {_least(plan, choices)}. Estimate: the all-gathers and "
               f"reduce-scatter move about {format_bytes(3 * profile.timeline.static.parameters * (n - 1) // n)} per GPU per "
               "step, not in the step time")
-    code = ("from torch.distributed.fsdp import fully_shard\nfor name in plan.choices():  # the units\n"
-            "    fully_shard(model.get_submodule(name))\nfully_shard(model)")
+    code = (f"# in every rank of torchrun --nproc_per_node={n}, after torch.distributed.init_process_group()\n"
+            f"model = autoplan.optimize(model, budget, example_inputs=batch, world_size={n})  # or world_size=\"auto\"")
     return Step("fsdp", title, "try", detail, plan.predicted_peak_bytes - found.total, None, code)
 
 

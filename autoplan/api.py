@@ -10,6 +10,7 @@ is tightened by the difference and the program solved again.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import warnings
 from typing import Any, Callable, Mapping
@@ -20,9 +21,9 @@ from autoplan.budget import budget_needed_for, make_budget
 from autoplan.devices import Device, get_device
 from autoplan.hf import default_seq_len, example_inputs_for, is_hf_model, training_inputs
 from autoplan.measure import measure_times, model_device
-from autoplan.memory import predict_peak, predict_step_time
+from autoplan.memory import check_world_size, predict_peak, predict_step_time, rank_offsets
 from autoplan.partition import is_graph_unit
-from autoplan.plan import MODES, Choice, Plan, UnitDecision
+from autoplan.plan import MODES, Choice, Plan, UnitDecision, WorldSizePoint
 from autoplan.profile import Profile, precision_options
 from autoplan.profile import profile as profile_units
 from autoplan.rewrite import apply_choices
@@ -30,6 +31,7 @@ from autoplan.simulate import optimizer_name
 from autoplan.solve import fastest, minimum_peak, solve
 from autoplan.trace import normalize_inputs, trace
 from autoplan.verify import simulate_plan
+from autoplan.worlds import fewest_gpus, parameter_count
 
 MAX_RESOLVES = 4
 
@@ -118,6 +120,7 @@ def plan(
     profile: str = "auto",
     progress: Callable[[str], None] | None = None,
     on_profile: Callable[[Profile], None] | None = None,
+    world_size: int | str = 1,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -140,7 +143,13 @@ def plan(
         "auto" (measure when the model is on a CUDA device and that device is the target).
     progress: called with a short message as each stage starts. on_profile: called with the
         Profile once measured (autoplan.advise needs it; the CLI uses this).
+    world_size: GPUs to shard over with FSDP2 (parameters, gradients and optimizer state 1/N each;
+        see memory.rank_offsets): every constraint and every byte of the plan is then per rank.
+        "auto": the fewest GPUs whose lowest per-rank peak fits, with the curve in
+        plan.world_size_curve. 1 (default): one GPU, no FSDP.
     """
+    if world_size != "auto":
+        check_world_size(world_size)
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
     target = get_device(device)
@@ -160,34 +169,51 @@ def plan(
     allowed_precisions = precision_options(precision, target)
     pins = _pins(list(traced.units), allowed_precisions, keep_fp32, checkpoint)
 
+    usable = memory.usable_bytes
+    curve: tuple[WorldSizePoint, ...] = ()
+    if world_size == "auto":
+        say("finding the smallest number of GPUs")
+        world, curve = fewest_gpus(measured, pins, usable, time_limit_s)
+    else:
+        world = check_world_size(world_size)
+    offsets = dict(zip((phase.name for phase in measured.timeline.phases), rank_offsets(measured, world)))
+
     def simulate(choices):
-        return simulate_plan(traced, choices, device=target, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn)
+        return simulate_plan(
+            traced, choices, device=target, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, rank_offsets=offsets
+        )
 
     say("solving")
-    lowest, solve_time = minimum_peak(measured, pins=pins, time_limit_s=time_limit_s)
-    lowest_simulated = simulate(lowest).peak_bytes
-    lowest_peak = max(predict_peak(measured, lowest).bytes, lowest_simulated)
+    lowest, solve_time = minimum_peak(measured, pins=pins, time_limit_s=time_limit_s, world_size=world)
+    lowest_peak = predict_peak(measured, lowest, world).bytes
+    lowest_simulated = None  # a whole-step simulation is the slow part at scale: run it when it decides something
+    if lowest_peak > usable:
+        lowest_simulated = simulate(lowest).peak_bytes
+        lowest_peak = max(lowest_peak, lowest_simulated)
 
-    usable = memory.usable_bytes
     margin, resolves, status = 0, 0, "Infeasible"
     chosen, simulated, feasible = lowest, lowest_simulated, False
     while lowest_peak <= usable and resolves <= MAX_RESOLVES:
-        solution = solve(measured, usable - margin, pins=pins, time_limit_s=time_limit_s)
+        solution = solve(measured, usable - margin, pins=pins, time_limit_s=time_limit_s, world_size=world)
         solve_time += solution.solve_time_s
         status = solution.status
         if not solution.feasible:
             break
         say("verifying the plan with a simulated training step")
         result = simulate(solution.choices)
-        predicted = predict_peak(measured, solution.choices).bytes
+        predicted = predict_peak(measured, solution.choices, world).bytes
         if result.peak_bytes <= usable and predicted <= usable:
             chosen, simulated, feasible = solution.choices, result.peak_bytes, True
             break
         margin += max(result.peak_bytes, predicted) - usable + 2**20
         resolves += 1
-    return _assemble(
-        measured, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced
+    if simulated is None:  # nothing fitted after all: report the lowest-peak choices as simulated
+        simulated = simulate(lowest).peak_bytes
+        lowest_peak = max(lowest_peak, simulated)
+    decided = _assemble(
+        measured, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced, world
     )
+    return dataclasses.replace(decided, world_size_curve=curve)
 
 
 def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:
@@ -207,10 +233,11 @@ def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> boo
 
 
 def _assemble(
-    measured: Profile, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced
+    measured: Profile, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced,
+    world: int = 1,
 ) -> Plan:
     rest = measured.rest_precision
-    prediction = predict_peak(measured, chosen)
+    prediction = predict_peak(measured, chosen, world)
     notes = []
     if not feasible:
         notes.append("no choice fits the budget; the units show the lowest-peak choices")
@@ -240,7 +267,7 @@ def _assemble(
         usable_bytes=memory.usable_bytes,
         predicted_peak_bytes=prediction.bytes,
         simulated_peak_bytes=simulated,
-        baseline_peak_bytes=measured.reference.peak_bytes,
+        baseline_peak_bytes=_per_rank_peak(measured.reference, measured, world),
         minimum_peak_bytes=lowest_peak,
         minimum_budget_bytes=budget_needed_for(lowest_peak, target, reserve),
         predicted_step_time_s=predict_step_time(measured, chosen),
@@ -255,6 +282,10 @@ def _assemble(
         resolves=resolves,
         trace_method=traced.method,
         notes=tuple(notes),
+        world_size=world,
+        fsdp=prediction.rank,
+        parameter_count=parameter_count(measured),
+        state_bytes=sum(getattr(measured.timeline.static, part) for part in ("parameters", "gradients", "optimizer")),
     )
 
 
@@ -265,6 +296,12 @@ def _refuse_meta(model: torch.nn.Module) -> None:
             "not rewritten or trained. Build it with real weights (e.g. autoplan.hf.model_from_config(..., "
             "meta=False) or from_pretrained), then autoplan.apply(model, plan)."
         )
+
+
+def _per_rank_peak(timeline, measured: Profile, world: int) -> int:
+    """A simulated timeline's peak on one of `world` ranks (its own peak on one GPU)."""
+    offsets = rank_offsets(measured, world)
+    return max(phase.peak_bytes + offset for phase, offset in zip(timeline.phases, offsets))
 
 
 def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
@@ -290,6 +327,10 @@ def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
             unit_endpoints(model, name)
         except (AttributeError, IndexError, KeyError, TypeError) as error:
             raise ValueError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
+    if plan.world_size > 1:
+        from autoplan.shard import apply_fsdp
+
+        return apply_fsdp(model, plan)
     return apply_choices(model, choices, rest_precision=plan.rest_precision)
 
 
@@ -297,9 +338,18 @@ def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch
     """Plan for `budget` and rewrite `model` in place; returns the same model object.
 
     Takes the same arguments as `plan`. Raises InfeasibleBudgetError (with `.plan`) when no plan
-    fits, rather than returning a model that would run out of memory.
+    fits, rather than returning a model that would run out of memory. With world_size > 1 (or
+    "auto") it must run in every rank of an initialised process group (torchrun): the model comes
+    back FSDP2-sharded (`shard.apply_fsdp`), and the budget is per GPU.
     """
     _refuse_meta(model)
+    from autoplan.shard import process_group_world_size, require_process_group
+
+    world_size = options.get("world_size", 1)
+    if world_size == "auto" and process_group_world_size() is None:
+        require_process_group(0)  # says how to start one
+    if world_size != "auto" and check_world_size(world_size) > 1:
+        require_process_group(world_size)  # before minutes of planning, not after
     decided = plan(model, budget, **options)
     if not decided.feasible:
         raise InfeasibleBudgetError(decided)

@@ -29,7 +29,7 @@ from autoplan.devices import get_device, list_devices
 from autoplan.targets import Target, TargetError, load_target
 from autoplan.trace import TraceError
 
-JSON_SCHEMA = "autoplan.plan/1"  # bump when a key of the --json document changes meaning or goes away
+JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
 
 
 class ExitCode(IntEnum):
@@ -118,14 +118,22 @@ class _StageProgress:
             self.bar.update(self.task, description=message)
 
 
-def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[int], plot: Optional[Path]):
+def _world_size(text: Optional[str]) -> int | str | None:
+    """--world-size N or auto: the plan's FSDP world size (None: one GPU, no FSDP)."""
+    if text is None or text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise CliError(ExitCode.USAGE, f"--world-size must be a whole number of GPUs, at least 1, or auto; got {text}")
+    return int(text)
+
+
+def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path]):
     try:
         target_device = get_device(device)
         make_budget(budget, target_device, reserve)
     except (ValueError, TypeError) as error:
         raise CliError(ExitCode.USAGE, str(error)) from error
-    if world_size is not None and world_size < 1:
-        raise CliError(ExitCode.USAGE, f"--world-size must be at least 1; got {world_size}")
+    _world_size(world_size)
     if plot is not None:
         from autoplan.plot import FORMATS, PlotUnavailable, _pyplot
 
@@ -196,8 +204,9 @@ def plan_command(
     optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer whose state is counted."),
     precision: Precision = typer.Option(Precision.auto, "--precision", help="auto: per unit fp32 or the device's bf16/fp16; "
                                         "or force one for the whole model."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", help="Also estimate the per-GPU peak of FSDP sharding "
-                                             "on this many GPUs (an estimate, not a plan)."),
+    world_size: Optional[str] = typer.Option(None, "--world-size", help="Plan per GPU for FSDP sharding over N GPUs "
+                                             "(parameters, gradients, optimizer state 1/N each), or auto: the fewest GPUs "
+                                             "that fit, with the per-GPU peak against N."),
     units: Optional[list[str]] = typer.Option(None, "--units", help='Name patterns of the blocks to plan, e.g. "layers.*" '
                                               "(repeat or comma-separate). Default: the blocks the model repeats."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help='Bytes held back from the budget, e.g. "1GB" or 0. '
@@ -217,6 +226,8 @@ def plan_command(
         _check_options(budget, device, reserve, world_size, plot)
         options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units),
                        reserve=reserve)
+        if world_size is not None:
+            options["world_size"] = _world_size(world_size)
         progress = _StageProgress(err)
         with progress.bar, quiet:
             try:
@@ -232,7 +243,7 @@ def plan_command(
 
             from autoplan.advise import advise
 
-            advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=world_size,
+            advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
                             parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
         from autoplan.report import render, report_renderables
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from autoplan.plan import Choice, MemoryBreakdown
+from autoplan.plan import Choice, MemoryBreakdown, ShardedPeak
 from autoplan.profile import Profile, UnitProfile
+from autoplan.sharding import rank_terms
 
 Relation = Literal["fwd", "held", "bwd"]
 
@@ -53,8 +54,10 @@ def unit_windows(profile: Profile) -> list[tuple[int, int]]:
     return windows
 
 
-def points(profile: Profile) -> list[Point]:
+def points(profile: Profile, world_size: int = 1) -> list[Point]:
+    """One constraint per phase; with world_size > 1, rank 0's bytes under FSDP (see `rank_offsets`)."""
     windows = unit_windows(profile)
+    offsets = rank_offsets(profile, world_size)
     result = []
     for index, phase in enumerate(profile.timeline.phases):
         relations: list[tuple[int, Relation]] = []
@@ -65,7 +68,7 @@ def points(profile: Profile) -> list[Point]:
                 relations.append((unit_index, "bwd"))
             elif forward < index < backward:
                 relations.append((unit_index, "held"))
-        result.append(Point(index, phase.name, phase.peak_bytes, tuple(relations)))
+        result.append(Point(index, phase.name, phase.peak_bytes + offsets[index], tuple(relations)))
     return result
 
 
@@ -210,15 +213,15 @@ def alive_regardless(tensor: SharedTensor, windows: list[tuple[int, int]]) -> di
     return result
 
 
-def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
-    """Predicted peak bytes of every phase of the step."""
+def live_bytes(profile: Profile, choices: Mapping[str, Choice], world_size: int = 1) -> list[int]:
+    """Predicted peak bytes of every phase of the step (on rank 0 of `world_size` FSDP ranks)."""
     chosen = _choices_list(profile, choices)
     base = [unit.base for unit in profile.units]
     held = held_changes(profile, choices)
     live = [
         point.base_bytes
         + sum((held[u] if relation != "fwd" else 0) + transient_delta(profile.units[u], relation, chosen[u]) for u, relation in point.relations)
-        for point in points(profile)
+        for point in points(profile, world_size)
     ]
     windows = unit_windows(profile)
     for tensor in shared_tensors(profile):
@@ -233,11 +236,16 @@ class PeakPrediction:
     bytes: int
     phase: str
     breakdown: MemoryBreakdown
+    rank: ShardedPeak | None = None  # with world_size > 1: the same peak in FSDP's terms
 
 
-def predict_peak(profile: Profile, choices: Mapping[str, Choice]) -> PeakPrediction:
-    """The predicted peak of a training step under `choices`, where it happens, and what it is made of."""
-    live = live_bytes(profile, choices)
+def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: int = 1) -> PeakPrediction:
+    """The predicted peak of a training step under `choices`, where it happens, and what it is made of.
+
+    With world_size > 1 it is rank 0's peak under FSDP: parameters are its shards plus the gathered
+    ones, transient includes FSDP's communication buffers.
+    """
+    live = live_bytes(profile, choices, world_size)
     index = max(range(len(live)), key=live.__getitem__)
     phase = profile.timeline.phases[index]
     held = held_changes(profile, choices)
@@ -249,9 +257,21 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice]) -> PeakPredict
         gradients=phase.grad_bytes,
         optimizer=static.optimizer,
         activations=activations,
-        transient=live[index] - start,
+        transient=live[index] - rank_offsets(profile, world_size)[index] - start,  # one GPU's transient
     )
-    return PeakPrediction(live[index], phase.name, breakdown)
+    if world_size == 1:
+        return PeakPrediction(live[index], phase.name, breakdown)
+    rank = _rank_peak(profile, index, live[index], world_size)
+    # outside the optimizer step activations and transients are a single GPU's; in it, 1/N of them
+    transient = breakdown.transient if phase.kind != "step" else 0
+    sharded = MemoryBreakdown(
+        parameters=rank.parameters + rank.gathered_parameters,
+        gradients=rank.gradients,
+        optimizer=rank.optimizer,
+        activations=rank.activations - transient,
+        transient=rank.communication_buffers + transient,
+    )
+    return PeakPrediction(live[index], phase.name, sharded, rank)
 
 
 def predict_step_time(profile: Profile, choices: Mapping[str, Choice]) -> float:
@@ -289,62 +309,49 @@ def phase_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[PhaseBy
     ]
 
 
-@dataclass(frozen=True)
-class ShardedPeak:
-    """Estimated per-GPU peak of FSDP (ZeRO-3) on `world_size` GPUs, each with the profiled batch."""
+def check_world_size(world_size: object) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
+    return world_size
 
-    world_size: int
-    phase: str  # the moment of the step where this rank peaks
-    parameters: int  # this rank's shard of parameters and buffers: 1/N
-    gradients: int  # its shard of the gradients alive at that moment: 1/N
-    optimizer: int  # its shard of the optimizer state: 1/N
-    gathered_parameters: int  # unsharded parameters of the unit being computed and of the prefetched one
-    unsharded_gradients: int  # the gradient of the unit being computed, before its reduce-scatter
-    activations: int  # the plan's batch-dependent bytes at that moment (not sharded; optimizer temporaries in "step", 1/N)
 
-    @property
-    def total(self) -> int:
-        return (
-            self.parameters + self.gradients + self.optimizer
-            + self.gathered_parameters + self.unsharded_gradients + self.activations
-        )
+def rank_offsets(profile: Profile, world_size: int) -> list[int]:
+    """Per phase: rank 0's bytes under FSDP minus one GPU's, whatever the units choose.
+
+    FSDP replaces the full parameters, gradients and optimizer state by this rank's shards and adds
+    gathered parameters and communication buffers (`sharding.rank_terms`); activations are the
+    same on every rank (each runs its own batch), except the optimizer step's temporaries, which
+    are per parameter and so sharded. Zero everywhere for one GPU: no FSDP.
+    """
+    check_world_size(world_size)
+    if world_size == 1:
+        return [0] * len(profile.timeline.phases)
+    static = profile.timeline.static
+    offsets = []
+    live = [phase.peak_bytes for phase in profile.timeline.phases]
+    for phase, terms, peak in zip(profile.timeline.phases, rank_terms(profile, world_size), live):
+        single_static = static.parameters + static.optimizer + phase.grad_bytes
+        activations = peak - single_static
+        sharded_activations = -(-int(activations * terms.step_share) // 1) if phase.kind == "step" else activations
+        rank = terms.parameters + terms.gradients + terms.optimizer + terms.gathered + terms.buffers + sharded_activations
+        offsets.append(rank - peak)
+    return offsets
+
+
+def _rank_peak(profile: Profile, index: int, live: int, world_size: int) -> ShardedPeak:
+    phase = profile.timeline.phases[index]
+    terms = rank_terms(profile, world_size)[index]
+    fsdp = terms.parameters + terms.gradients + terms.optimizer + terms.gathered + terms.buffers
+    return ShardedPeak(
+        world_size, phase.name, terms.parameters, terms.gradients, terms.optimizer, terms.gathered, terms.buffers,
+        activations=live - fsdp,
+    )
 
 
 def sharded_peak(profile: Profile, choices: Mapping[str, Choice], world_size: int) -> ShardedPeak:
-    """Per-GPU peak when parameters, gradients and optimizer state are sharded over `world_size` GPUs.
-
-    Per phase of the step: 1/N of the parameters, optimizer state and the gradients alive then;
-    during forward and backward FSDP also holds the full parameters of the unit it runs and of the
-    one it prefetches (the two largest parameter groups: the units, and the rest of the model as
-    one group), and in backward one unit's full gradient before its reduce-scatter. Activations are
-    not sharded: every rank runs its own batch under the same choices; optimizer.step()'s
-    temporaries are, being per-parameter. The peak is the max over phases. With one GPU nothing is
-    gathered and this is exactly `predict_peak`. An estimate: no collective buffers, no allocator
-    fragmentation from resharding.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1; got {world_size}")
-    shard = lambda nbytes: -(-nbytes // world_size)  # noqa: E731 — ceil: one rank holds the remainder
-    static = profile.timeline.static
-    gathered = unsharded_grad = 0
-    if world_size > 1:
-        unit_params = [unit.param_bytes for unit in profile.units]
-        rest = max(0, static.parameters - sum(unit_params))  # repeated units have distinct parameters
-        gathered = sum(sorted(unit_params + [rest], reverse=True)[:2])
-        unsharded_grad = max(unit_params, default=0)
-    candidates = []
-    for phase, split in zip(profile.timeline.phases, phase_bytes(profile, choices)):
-        stepping = split.kind == "step"
-        candidates.append(
-            ShardedPeak(
-                world_size=world_size,
-                phase=split.name,
-                parameters=shard(static.parameters),
-                gradients=shard(phase.grad_bytes),
-                optimizer=shard(static.optimizer),
-                gathered_parameters=0 if stepping else gathered,
-                unsharded_gradients=unsharded_grad if split.kind == "bwd" else 0,
-                activations=shard(split.activation_bytes) if stepping else split.activation_bytes,
-            )
-        )
-    return max(candidates, key=lambda peak: peak.total)
+    """Rank 0's peak under FSDP on `world_size` ranks with `choices` (with 1, exactly `predict_peak`)."""
+    prediction = predict_peak(profile, choices, world_size)
+    if prediction.rank is not None:
+        return prediction.rank
+    b = prediction.breakdown
+    return ShardedPeak(1, prediction.phase, b.parameters, b.gradients, b.optimizer, 0, 0, b.activations + b.transient)

@@ -69,6 +69,40 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
+class ShardedPeak:
+    """Rank 0's peak under FSDP2 on `world_size` ranks, each training its own batch with the same choices."""
+
+    world_size: int
+    phase: str  # the moment of the step where this rank peaks
+    parameters: int  # this rank's shards of the parameters (1/N, padded), and the buffers
+    gradients: int  # gradients alive at that moment: shards of reduced units, the root's still unsharded
+    optimizer: int  # this rank's shard of the optimizer state (1/N)
+    gathered_parameters: int  # unsharded parameters: the root, the running unit and the prefetched one
+    communication_buffers: int  # FSDP's flat all-gather outputs / reduce-scatter inputs alive then
+    activations: int  # everything else: batch-dependent bytes, not sharded (optimizer temporaries in "step", 1/N)
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters + self.gradients + self.optimizer
+            + self.gathered_parameters + self.communication_buffers + self.activations
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"total": self.total}
+
+
+@dataclass(frozen=True)
+class WorldSizePoint:
+    """One point of the per-rank peak against the number of GPUs."""
+
+    world_size: int
+    lowest_peak_bytes: int  # per rank, with the choices that keep least (everything turned on)
+    no_plan_peak_bytes: int  # per rank, every unit keep/fp32
+    fits: bool  # lowest_peak_bytes within the usable budget
+
+
+@dataclass(frozen=True)
 class Plan:
     """What autoplan decided for one model, budget and device, and why it believes it fits."""
 
@@ -98,6 +132,11 @@ class Plan:
     resolves: int  # how often verification tightened the budget and solved again
     trace_method: str  # "symbolic_trace", "export", or "none" when units were named and tracing failed
     notes: tuple[str, ...] = field(default=())  # anything the person should know about this plan
+    world_size: int = 1  # GPUs the plan is for; above 1 every byte above is per rank under FSDP2
+    fsdp: ShardedPeak | None = None  # with world_size > 1: the predicted per-rank peak in FSDP's terms
+    world_size_curve: tuple[WorldSizePoint, ...] = ()  # per-rank peak against N (world_size="auto" searched it)
+    parameter_count: int = 0  # trainable and frozen parameters, tied weights once
+    state_bytes: int = 0  # parameters + gradients + optimizer state on one GPU, before sharding
 
     def choices(self) -> dict[str, Choice]:
         return {unit.name: unit.choice for unit in self.units}
@@ -111,6 +150,8 @@ class Plan:
         ]
         data["notes"] = list(self.notes)
         data["breakdown"]["total"] = self.breakdown.total
+        data["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
+        data["world_size_curve"] = [dataclasses.asdict(point) for point in self.world_size_curve]
         return data
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from autoplan.devices import Device
 from autoplan.plan import MODES, Choice
 from autoplan.rewrite import DTYPES, PlannedForward, apply_choices, remove_plan
+from autoplan.sharding import ParamShape, layout_of
 from autoplan.simulate import LiveBytesTracker, fake_copy, optimizer_name, unique_storage_bytes
 from autoplan.timeline import TensorSpec, Timeline, UnitCall, _tensors_of, simulate_training
 from autoplan.trace import Traced, unit_module
@@ -56,6 +57,7 @@ class UnitProfile:
     options: Mapping[Choice, UnitCost]  # every choice this unit may take
     base: Choice  # the choice it had in the timeline
     param_bytes: int = 0  # its parameters (what FSDP gathers to run it), tied weights once
+    param_layout: tuple[ParamShape, ...] = ()  # its parameters' shapes, as FSDP shards them
 
     def delta_held(self, choice: Choice) -> int:
         return self.options[choice].held_bytes - self.options[self.base].held_bytes
@@ -79,6 +81,8 @@ class Profile:
     time_source: str = "roofline"
     base_step_time_s: float | None = None  # measured whole step at the base choices (None: the timeline's roofline)
     reference_step_time_s: float | None = None  # measured whole step with no plan
+    rest_param_layout: tuple[ParamShape, ...] = ()  # parameters outside the units: FSDP's root group
+    buffer_bytes: int = 0  # buffers (FSDP does not shard them)
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
@@ -271,6 +275,7 @@ def profile(
     model = _simulation_model(traced, fake_mode, {}, "fp32")
     measured: dict[tuple, Mapping[Choice, UnitCost]] = {}
     units = []
+    in_units: set[int] = set()
     for index, call in enumerate(timeline.unit_calls):
         module = unit_module(model, call.name)
         key = _signature(module, call)
@@ -278,8 +283,9 @@ def profile(
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
             costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
             measured[key] = MappingProxyType(costs)
-        param_bytes = unique_storage_bytes(list(module.parameters()))
-        units.append(UnitProfile(call.name, measured[key], base[call.name], param_bytes))
+        params = list(module.parameters())
+        units.append(UnitProfile(call.name, measured[key], base[call.name], unique_storage_bytes(params), layout_of(params)))
+        in_units.update(id(p) for p in params)
     return Profile(
         model_name=type(traced.model).__name__,
         device=device,
@@ -290,4 +296,6 @@ def profile(
         units=tuple(units),
         trace_method=traced.method,
         skip_edges=traced.skip_edges,
+        rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
+        buffer_bytes=unique_storage_bytes(list(model.buffers())),
     )

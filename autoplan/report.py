@@ -68,13 +68,14 @@ def _ms(seconds: float) -> str:
 
 def _verdict(plan: "Plan") -> Text:
     usable = format_bytes(plan.usable_bytes)
+    on = plan.device if plan.world_size == 1 else f"{plan.world_size} × {plan.device} (per GPU, FSDP)"
     if plan.feasible:
         text = Text("FITS", style="bold green")
-        text.append(f"  {plan.model_name} on {plan.device}: predicted peak {format_bytes(plan.predicted_peak_bytes)} "
+        text.append(f"  {plan.model_name} on {on}: predicted peak {format_bytes(plan.predicted_peak_bytes)} "
                     f"of {usable} usable ({format_bytes(plan.budget_bytes)} budget)", style="bold")
     else:
         text = Text("DOES NOT FIT", style="bold red")
-        text.append(f"  {plan.model_name} on {plan.device}: the lowest peak autoplan reaches is "
+        text.append(f"  {plan.model_name} on {on}: the lowest peak autoplan reaches is "
                     f"{format_bytes(plan.minimum_peak_bytes)}, over the {usable} usable ({format_bytes(plan.budget_bytes)} "
                     f"budget) by {format_bytes(plan.minimum_peak_bytes - plan.usable_bytes)}; it needs a "
                     f"{format_bytes(plan.minimum_budget_bytes)} budget", style="bold")
@@ -129,6 +130,8 @@ def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
     extra = ""
     if plan.rest_precision != "fp32":
         extra = f', precision="{plan.rest_precision}"'
+    if plan.world_size > 1:
+        extra += f", world_size={plan.world_size}"
     code = f'model = autoplan.optimize(model, "{budget}", example_inputs=batch, device="{plan.device}"{extra})'
     if plan.needs_grad_scaler:
         code += "\nscaler = torch.amp.GradScaler()  # fp16 units: scale the loss"
@@ -145,9 +148,46 @@ def _sharded(peak: "ShardedPeak", usable: int) -> Text:
         f"FSDP estimate on {peak.world_size} GPUs (sharding parameters, gradients and optimizer state; an estimate, "
         f"not a plan): {format_bytes(peak.total)} per GPU, {verdict} in {format_bytes(usable)} — shards: parameters "
         f"{format_bytes(peak.parameters)}, gradients {format_bytes(peak.gradients)}, optimizer {format_bytes(peak.optimizer)}; "
-        f"gathered parameters {format_bytes(peak.gathered_parameters)}, unsharded unit gradient "
-        f"{format_bytes(peak.unsharded_gradients)}, activations {format_bytes(peak.activations)} (at {peak.phase})"
+        f"gathered parameters {format_bytes(peak.gathered_parameters)}, all-gather/reduce-scatter buffers "
+        f"{format_bytes(peak.communication_buffers)}, activations {format_bytes(peak.activations)} (at {peak.phase})"
     )
+
+
+def _count(n: int) -> str:
+    return next((f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= scale), str(n))
+
+
+def _world_sizes(plan: "Plan") -> list[RenderableType]:
+    """The per-rank arithmetic of an FSDP plan, and the curve of per-rank peak against N."""
+    parts: list[RenderableType] = []
+    usable = plan.usable_bytes
+    if plan.parameter_count:
+        per_param = plan.state_bytes / plan.parameter_count
+        floor = -(-plan.state_bytes // max(usable, 1))
+        parts.append(Text(
+            f"before sharding: {_count(plan.parameter_count)} parameters × {per_param:.1f} bytes each (weights, gradients, "
+            f"{plan.optimizer} state; the rule of thumb for AdamW is 16) = {format_bytes(plan.state_bytes)}; over "
+            f"{format_bytes(usable)} usable that is at least {floor} GPU(s) for the state alone, before activations"
+        ))
+    peak = plan.fsdp
+    if peak is not None:
+        parts.append(Text(
+            f"per rank on {peak.world_size} GPUs (FSDP2, at {peak.phase}): shards of parameters {format_bytes(peak.parameters)} "
+            f"+ gradients {format_bytes(peak.gradients)} + optimizer {format_bytes(peak.optimizer)} + gathered parameters "
+            f"(root, running and prefetched unit) {format_bytes(peak.gathered_parameters)} + all-gather/reduce-scatter buffers "
+            f"{format_bytes(peak.communication_buffers)} + activations {format_bytes(peak.activations)} = {format_bytes(peak.total)}"
+        ))
+    if plan.world_size_curve:
+        table = Table(title="per-rank peak against the number of GPUs (world_size=\"auto\")", title_justify="left", show_edge=False)
+        for column in ("GPUs", "lowest peak per rank", "no checkpointing", "fits"):
+            table.add_column(column, justify="left" if column == "fits" else "right")
+        for point in plan.world_size_curve:
+            mark = "yes" if point.fits else "no"
+            if point.world_size == plan.world_size:
+                mark += "  ← chosen: the fewest that fit" if point.fits else "  ← the most tried: none fits"
+            table.add_row(str(point.world_size), format_bytes(point.lowest_peak_bytes), format_bytes(point.no_plan_peak_bytes), mark)
+        parts.append(table)
+    return parts
 
 
 def _signed_bytes(saves: int | None) -> str:
@@ -180,10 +220,13 @@ def _advice(advice: "Advice") -> Group:
 def report_renderables(
     plan: "Plan", advice: "Advice | None" = None, *, budget_text: str | None = None
 ) -> list[RenderableType]:
-    parts: list[RenderableType] = [_verdict(plan), _breakdown(plan), _units(plan), _times(plan)]
+    parts: list[RenderableType] = [_verdict(plan), _breakdown(plan)]
+    if plan.world_size > 1 or plan.world_size_curve:
+        parts.extend(_world_sizes(plan))
+    parts.extend([_units(plan), _times(plan)])
     parts.append(Text("apply it:", style="bold"))
     parts.append(_code(apply_code(plan, budget_text)))
-    if advice is not None and advice.requested is not None:
+    if advice is not None and advice.requested is not None and plan.world_size == 1:
         parts.append(_sharded(advice.requested, plan.usable_bytes))
     if advice is not None:
         parts.append(_advice(advice))

@@ -59,7 +59,7 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
     return result
 
 
-def _build(profile: Profile, allowed: list[list[Choice]], name: str):
+def _build(profile: Profile, allowed: list[list[Choice]], name: str, world_size: int = 1):
     problem = pulp.LpProblem(name, pulp.LpMinimize)
     x = {
         (u, c): problem.add_variable(f"x_{u}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
@@ -92,7 +92,7 @@ def _build(profile: Profile, allowed: list[list[Choice]], name: str):
         )
         return point.base_bytes / MIB + held_now + own + pulp.lpSum(corrections.get(point.index, []))
 
-    return problem, x, phase_bytes
+    return problem, x, phase_bytes, points(profile, world_size)
 
 
 def _held_expressions(profile: Profile, allowed, x, problem) -> list:
@@ -168,12 +168,13 @@ def solve(
     *,
     pins: Mapping[str, tuple[Choice, ...]] | None = None,
     time_limit_s: float = 10.0,
+    world_size: int = 1,
 ) -> Solution:
-    """The fastest choices whose predicted peak fits `usable_bytes`."""
+    """The fastest choices whose predicted peak fits `usable_bytes` (per rank, on `world_size` FSDP ranks)."""
     started = time.perf_counter()
     allowed = allowed_choices(profile, pins)
-    problem, x, phase_bytes = _build(profile, allowed, "autoplan_fastest")
-    for point in points(profile):
+    problem, x, phase_bytes, constraints = _build(profile, allowed, "autoplan_fastest", world_size)
+    for point in constraints:
         problem += phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
     problem += pulp.lpSum((profile.units[u].options[c].time_s + _tie_break(c)) * x[u, c] for (u, c) in x), "step_time"
     _run(problem, time_limit_s)
@@ -182,11 +183,13 @@ def solve(
     elapsed = time.perf_counter() - started
     if not has_solution:
         return Solution({}, status, False, elapsed)
-    choices = _prefer_less_rewriting(profile, allowed, _read_choices(profile, allowed, x), usable_bytes)
+    choices = _prefer_less_rewriting(profile, allowed, _read_choices(profile, allowed, x), usable_bytes, world_size)
     return Solution(choices, status, True, time.perf_counter() - started)
 
 
-def _prefer_less_rewriting(profile: Profile, allowed, choices: dict[str, Choice], usable_bytes: int) -> dict[str, Choice]:
+def _prefer_less_rewriting(
+    profile: Profile, allowed, choices: dict[str, Choice], usable_bytes: int, world_size: int = 1
+) -> dict[str, Choice]:
     """Swap in a choice of no more time and less rewriting wherever the budget still holds.
 
     The solver's optimality gap is far larger than the objective's tie-break, so ties are settled here.
@@ -198,21 +201,25 @@ def _prefer_less_rewriting(profile: Profile, allowed, choices: dict[str, Choice]
                 break
             if unit.options[option].time_s <= unit.options[current].time_s:
                 trial = {**choices, unit.name: option}
-                if predict_peak(profile, trial).bytes <= usable_bytes:
+                if predict_peak(profile, trial, world_size).bytes <= usable_bytes:
                     choices, current = trial, option
                     break
     return choices
 
 
 def minimum_peak(
-    profile: Profile, *, pins: Mapping[str, tuple[Choice, ...]] | None = None, time_limit_s: float = 10.0
+    profile: Profile,
+    *,
+    pins: Mapping[str, tuple[Choice, ...]] | None = None,
+    time_limit_s: float = 10.0,
+    world_size: int = 1,
 ) -> tuple[dict[str, Choice], float]:
-    """The choices with the lowest predicted peak (everything turned on), and the solve time."""
+    """The choices with the lowest predicted peak (per rank on `world_size` ranks), and the solve time."""
     started = time.perf_counter()
     allowed = allowed_choices(profile, pins)
-    problem, x, phase_bytes = _build(profile, allowed, "autoplan_lowest_peak")
+    problem, x, phase_bytes, constraints = _build(profile, allowed, "autoplan_lowest_peak", world_size)
     peak = problem.add_variable("peak_mib")
-    for point in points(profile):
+    for point in constraints:
         problem += phase_bytes(point) <= peak, f"peak_at_{point.index}"
     # among the lowest-peak choices prefer fast ones: time is tiny next to MiB
     problem += peak + 1e-6 * pulp.lpSum(profile.units[u].options[c].time_s * x[u, c] for (u, c) in x), "peak"
@@ -232,5 +239,5 @@ def fastest(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = No
     }
 
 
-def check(profile: Profile, choices: Mapping[str, Choice], usable_bytes: int) -> bool:
-    return predict_peak(profile, choices).bytes <= usable_bytes
+def check(profile: Profile, choices: Mapping[str, Choice], usable_bytes: int, world_size: int = 1) -> bool:
+    return predict_peak(profile, choices, world_size).bytes <= usable_bytes

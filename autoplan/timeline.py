@@ -289,14 +289,8 @@ def simulate_training(
             input_bytes = unique_storage_bytes(batch)
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
             opt = make_optimizer(optimizer, trainable, device)
-            # The steps before the recorded one only leave the optimizer's state behind (gradients are
-            # set to None again): an optimizer step on stand-in gradients leaves the same, at a third
-            # of the cost of a forward and backward.
             for _ in range(steps - 1):
-                for param in trainable:
-                    param.grad = torch.zeros_like(param)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                _warm_up_optimizer(opt, trainable)
             recorder.recording = True
             first_phase = tracker.phase_count
             recorder.begin("fwd:start")
@@ -336,6 +330,19 @@ def simulate_training(
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
     return Timeline(phases, max(p.peak_bytes for p in phases), calls, static, boundaries)
+
+
+def _warm_up_optimizer(opt: torch.optim.Optimizer, trainable: list[torch.Tensor]) -> None:
+    """What a first training step leaves behind for the second: the optimizer's state, no gradients.
+
+    Under fake tensors the values do not matter, so gradients made here stand in for a forward and
+    backward; the steady-state step that follows sees exactly what it would after a real first
+    step, at a fraction of the simulation's cost (the forward and backward are most of it).
+    """
+    for param in trainable:
+        param.grad = torch.empty_like(param)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

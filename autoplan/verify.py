@@ -34,10 +34,16 @@ def simulate_plan(
     optimizer: str | torch.optim.Optimizer,
     rest_precision: str,
     loss_fn: Callable | None = None,
+    rank_offsets: Mapping[str, int] | None = None,
 ) -> Simulation:
-    """Simulate a training step of `traced.model` rewritten with `choices`."""
+    """Simulate a training step of `traced.model` rewritten with `choices`.
+
+    rank_offsets: per phase name, what FSDP changes on one rank (`memory.rank_offsets`): the
+    simulated activations with FSDP's shards, gathered parameters and buffers, for a per-rank peak.
+    """
     timeline = run_timeline(
         traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn
     )
-    peak = max(timeline.phases, key=lambda phase: phase.peak_bytes)
-    return Simulation(peak.peak_bytes, peak.name, timeline.step_time_s)
+    offsets = rank_offsets or {}
+    peak = max(timeline.phases, key=lambda phase: phase.peak_bytes + offsets.get(phase.name, 0))
+    return Simulation(peak.peak_bytes + offsets.get(peak.name, 0), peak.name, timeline.step_time_s)

@@ -129,7 +129,7 @@ def test_plan_that_does_not_fit_exits_3_with_advice(tmp_path, lowest_peak) -> No
     assert doc["plan"]["predicted_peak_bytes"] - first["saves_bytes"] <= int(budget)
     # FSDP: the smallest GPU count whose per-GPU estimate fits, and it adds up
     fsdp = advice["fsdp"]
-    parts = ("parameters", "gradients", "optimizer", "gathered_parameters", "unsharded_gradients", "activations")
+    parts = ("parameters", "gradients", "optimizer", "gathered_parameters", "communication_buffers", "activations")
     assert fsdp["world_size"] >= 2 and fsdp["total"] == sum(fsdp[p] for p in parts) <= int(budget)
     assert f"{fsdp['world_size']} × h100-80gb" in steps["fsdp"]["detail"]
 
@@ -148,11 +148,12 @@ def test_options_reach_the_plan(tmp_path) -> None:
     assert doc["inputs"]["batch_size"] == 2 and doc["inputs"]["seq_len"] == 16
     model, inputs = tiny_gpt(batch_size=2, seq_len=16)
     same = autoplan.plan(model, "2GB", example_inputs=inputs, device="a100-80gb", optimizer="sgd", precision="fp32",
-                         units=["transformer.h.0"], reserve=0)
-    assert plan["predicted_peak_bytes"] == same.predicted_peak_bytes  # the sizes reached the factory
+                         units=["transformer.h.0"], reserve=0, world_size=4)
+    assert plan["predicted_peak_bytes"] == same.predicted_peak_bytes  # the sizes and the world size reached the plan
+    assert plan["world_size"] == 4 and plan["fsdp"]["total"] == plan["predicted_peak_bytes"]
     requested = doc["advice"]["requested_world_size"]
     assert requested["world_size"] == 4 and requested["parameters"] == math.ceil(requested["parameters"] * 4 / 4)
-    assert "FSDP estimate on 4 GPUs" in words(result.stdout) and "an estimate" in words(result.stdout)
+    assert "per rank on 4 GPUs (FSDP2" in words(result.stdout)
     steps = {s["key"]: s for s in doc["advice"]["steps"]}
     assert steps["bf16"]["status"] == "n/a" and "--precision auto" in steps["bf16"]["detail"]
     assert steps["optimizer_8bit"]["status"] == "n/a"  # plain SGD keeps no state

@@ -1,0 +1,156 @@
+"""What FSDP2 adds to, and takes from, one rank's memory: the arithmetic behind the per-rank model.
+
+`memory.py` turns a single-GPU prediction into a per-rank one with these terms; this module only
+knows FSDP2's buffers (torch.distributed.fsdp.fully_shard, read from its source in torch 2.13):
+
+- every parameter is sharded on dim 0, padded to a multiple of N rows: each rank keeps
+  ceil(rows / N) rows of it, one storage per parameter;
+- to run a group (a unit, or the root: everything outside the units) FSDP all-gathers it into
+  one flat buffer of N shards, then copies out into one padded, unsharded storage per parameter;
+  in forward the flat buffer is kept until the next group's copy-out;
+- the root stays unsharded from its forward until the end of its backward (FSDP2 does not reshard
+  the root after forward);
+- in backward each group's gradients are made unsharded by autograd, copied into one flat
+  reduce-scatter input (kept until the next group's reduce-scatter) and reduced into one flat
+  shard per rank, which holds that rank's gradients of the group until zero_grad;
+- buffers are not sharded.
+
+Sizes are rounded like the caching allocator (512 bytes per storage). Rank 0 holds the largest
+shards (the ceiling), so these are its bytes: the rank that peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from autoplan.simulate import rounded_bytes
+
+if TYPE_CHECKING:
+    from autoplan.profile import Profile
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter as FSDP2 shards it."""
+
+    rows: int  # size of dim 0, the dim FSDP2 shards
+    row_numel: int  # elements per row (1 for a vector)
+    itemsize: int  # bytes per element
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> "ParamShape":
+        rows = tensor.shape[0] if tensor.dim() else 1
+        return ParamShape(rows, tensor.numel() // max(rows, 1), tensor.element_size())
+
+    def shard_bytes(self, world_size: int) -> int:
+        return -(-self.rows // world_size) * self.row_numel * self.itemsize
+
+
+def layout_of(params) -> tuple[ParamShape, ...]:
+    """Shapes of the distinct parameters among `params` (tied weights once)."""
+    seen: dict[int, ParamShape] = {}
+    for param in params:
+        seen.setdefault(id(param.untyped_storage()), ParamShape.of(param))
+    return tuple(seen.values())
+
+
+@dataclass(frozen=True)
+class GroupBytes:
+    """One FSDP group on one rank of `world_size`."""
+
+    full: int  # its parameters unsharded and unpadded: what one GPU holds, and its gradients' size
+    sharded: int  # this rank's padded shards, one storage per parameter (alive all the time)
+    unsharded: int  # the gathered, padded parameters while the group runs
+    flat: int  # one flat all-gather output, or one flat reduce-scatter input: N shards
+    grad_shard: int  # the flat reduce-scatter output: this rank's gradients of the group
+
+    @staticmethod
+    def of(layout: tuple[ParamShape, ...], world_size: int) -> "GroupBytes":
+        shards = [p.shard_bytes(world_size) for p in layout]
+        return GroupBytes(
+            full=sum(rounded_bytes(p.rows * p.row_numel * p.itemsize) for p in layout),
+            sharded=sum(rounded_bytes(s) for s in shards),
+            unsharded=sum(rounded_bytes(s * world_size) for s in shards),
+            flat=rounded_bytes(sum(shards) * world_size) if shards else 0,
+            grad_shard=rounded_bytes(sum(shards)) if shards else 0,
+        )
+
+
+@dataclass(frozen=True)
+class RankTerms:
+    """FSDP's part of one phase on one rank; what the single-GPU timeline had instead is replaced."""
+
+    parameters: int  # this rank's shards of every group, plus the (unsharded) buffers
+    gradients: int  # gradients alive as the phase begins: shards of reduced groups, the root's unsharded
+    optimizer: int  # this rank's optimizer state
+    gathered: int  # unsharded parameters: the root, the running unit and the prefetched one
+    buffers: int  # all-gather outputs and reduce-scatter inputs alive in the phase
+    step_share: float  # the fraction of the optimizer step's temporaries on this rank (1.0 outside "step")
+
+
+def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
+    """Per phase of the profiled step: FSDP's terms on rank 0 of `world_size` ranks.
+
+    Units are FSDP groups in forward order; in backward the group before the running one is
+    prefetched (FSDP2's default), in forward the previous group's flat all-gather output is still
+    alive while the next is gathered. The root's unsharded gradients are reduced at the end of
+    backward. Each term is a constant of the phase, whatever the units choose, so the solver's
+    per-rank constraints are its single-GPU ones with a different constant.
+    """
+    units = [GroupBytes.of(unit.param_layout, world_size) for unit in profile.units]
+    root = GroupBytes.of(profile.rest_param_layout, world_size)
+    groups = units + [root]
+    names = [phase.name for phase in profile.timeline.phases]
+    position = {unit.name: i for i, unit in enumerate(profile.units)}  # forward order
+    phase_index = {name: i for i, name in enumerate(names)}
+    # (index of the unit's backward phase, unit) in the order backward finishes them
+    backward_order = sorted((phase_index.get(f"bwd:{u.name}", len(names)), i) for i, u in enumerate(profile.units))
+    last_backward = max((i for i, phase in enumerate(profile.timeline.phases) if phase.kind == "bwd"), default=-1)
+    static = profile.timeline.static
+    full = sum(g.full for g in groups)
+    sharded = sum(g.sharded for g in groups)
+    share = sharded / full if full else 1.0
+    parameters = sharded + profile.buffer_bytes
+    # state shaped like each parameter (AdamW: two) is sharded; the rest (AdamW's step counters) is not
+    per_parameter = static.optimizer // full if full else 0
+    shaped_like = min(static.optimizer, per_parameter * full)
+    optimizer = per_parameter * sharded + static.optimizer - shaped_like
+    result = []
+    last_forward_group = root  # whose flat all-gather output is still alive in forward
+    done: list[int] = []  # units whose backward has finished, in the order they finished
+    done_full = done_shards = 0
+    for index, phase in enumerate(profile.timeline.phases):
+        running = position.get(phase.unit) if phase.unit is not None else None
+        while len(done) < len(units) and backward_order[len(done)][0] < index:
+            unit = backward_order[len(done)][1]
+            done.append(unit)
+            done_full, done_shards = done_full + units[unit].full, done_shards + units[unit].grad_shard
+        if phase.kind == "step":
+            gradients = sum(g.grad_shard for g in groups) if phase.grad_bytes else 0
+            result.append(RankTerms(parameters, gradients, optimizer, 0, 0, share))
+            continue
+        if phase.kind == "fwd":
+            gathered = root.unsharded + (units[running].unsharded if running is not None else 0)
+            buffers = last_forward_group.flat
+            if running is not None:
+                buffers += units[running].flat  # the previous group's output lives until this copy-out
+                last_forward_group = units[running]
+            result.append(RankTerms(parameters, 0, optimizer, gathered, buffers, 1.0))
+            continue
+        # backward: the running unit and the one before it (prefetched) are gathered; between
+        # units, the next unit to run backward (prefetched by the one that just finished)
+        remaining = len(units) - len(done)  # units at positions < remaining have not finished backward
+        if running is not None:
+            gathered = root.unsharded + units[running].unsharded + (units[running - 1].unsharded if running > 0 else 0)
+        else:
+            gathered = root.unsharded + (units[remaining - 1].unsharded if remaining > 0 else 0)
+        buffers = max(units[done[-1]].flat if done else 0, units[running].flat if running is not None else 0)
+        if index == last_backward:
+            buffers = max(buffers, root.flat - root.unsharded)  # the root's reduce-scatter, once it is resharded
+        gradients = done_shards + max(0, phase.grad_bytes - done_full)  # the root's stay unsharded until the end
+        result.append(RankTerms(parameters, gradients, optimizer, gathered, buffers, 1.0))
+    return result

@@ -1,0 +1,78 @@
+"""Planning time and peak RAM for Llama-style models built on the meta device (no weights).
+
+    python benchmarks/scale.py                 # 1b, 8b and 70b, batch 1 × 8192, 8 × h100-80gb
+    python benchmarks/scale.py 70b --world-size auto
+
+Each configuration is planned in a fresh process, timed with /usr/bin/time -v (wall clock and
+maximum resident set size) when it is there, else with the process's own clock and ru_maxrss.
+It prints one row per model and the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, {root!r})
+import torch, autoplan
+from examples.llama import LlamaConfig, build_on_meta
+model, batch = build_on_meta(LlamaConfig.preset({preset!r}), {batch}, {seq})
+world = {world!r}
+started = time.perf_counter()
+plan = autoplan.plan(model, {budget!r}, example_inputs=batch, device={device!r}, world_size=world)
+print(json.dumps({{"seconds": time.perf_counter() - started, "parameters": plan.parameter_count,
+    "world_size": plan.world_size, "feasible": plan.feasible, "peak": plan.predicted_peak_bytes,
+    "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
+"""
+
+
+def run(preset: str, args) -> dict:
+    world = args.world_size if args.world_size == "auto" else int(args.world_size)
+    code = CHILD.format(root=ROOT, preset=preset, batch=args.batch_size, seq=args.seq_len, world=world,
+                        budget=args.budget, device=args.device)
+    command = [sys.executable, "-c", code]
+    timed = os.path.exists("/usr/bin/time")
+    started = time.perf_counter()
+    result = subprocess.run((["/usr/bin/time", "-v"] if timed else []) + command, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"{preset}: planning failed:\n{result.stderr[-3000:]}")
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    row["wall_s"] = wall
+    if timed:
+        row["maxrss_kb"] = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)[1])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("presets", nargs="*", default=["1b", "8b", "70b"])
+    parser.add_argument("--world-size", default="8")
+    parser.add_argument("--budget", default="80GB")
+    parser.add_argument("--device", default="h100-80gb")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=8192)
+    args = parser.parse_args()
+    import torch
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}; "
+          f"planning batch {args.batch_size} × {args.seq_len} for {args.world_size} × {args.device}, budget {args.budget} per GPU")
+    print(f"{'model':>6} {'parameters':>11} {'world size':>10} {'fits':>5} {'peak/GPU':>9} {'plan s':>7} {'wall s':>7} {'max RSS':>8}")
+    for preset in args.presets:
+        row = run(preset, args)
+        print(f"{preset:>6} {row['parameters'] / 1e9:>10.2f}B {row['world_size']:>10} {'yes' if row['feasible'] else 'no':>5} "
+              f"{row['peak'] / 1e9:>7.1f}GB {row['seconds']:>7.1f} {row['wall_s']:>7.1f} {row['maxrss_kb'] / 2**20:>6.2f}GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""The model and batches tests/test_fsdp.py trains, shared by the test and its torchrun worker."""
+
+from __future__ import annotations
+
+import torch
+
+from examples.llama import Llama, LlamaConfig, example_batch
+
+BATCH, SEQ, STEPS = 2, 32, 3  # per rank; three steps so the last is a steady-state one
+
+
+def tiny_llama() -> tuple[Llama, LlamaConfig]:
+    config = LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768)
+    torch.manual_seed(0)
+    return Llama(config), config
+
+
+def rank_batch(config: LlamaConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return example_batch(config, BATCH, SEQ, seed=100 + rank)

@@ -1,0 +1,38 @@
+"""One rank of tests/test_fsdp.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
+
+Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autoplan  # noqa: E402
+from autoplan.shard import measure_rank_peak  # noqa: E402
+from tests.fsdp_model import BATCH, SEQ, STEPS, rank_batch, tiny_llama  # noqa: E402
+
+
+def main(out: str, budget: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, config = tiny_llama()
+    batch = rank_batch(config, rank)
+    plan = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, world_size=world, profile="roofline")
+    autoplan.apply(model, plan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    measured = measure_rank_peak(model, (batch, {}), optimizer, steps=STEPS)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+        json.dump({"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "losses": measured.losses,
+                   "batch": [BATCH, SEQ]}, file)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

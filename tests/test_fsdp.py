@@ -1,0 +1,146 @@
+"""FSDP: the per-rank plan, world_size="auto", and a real 2-process gloo run against the plan.
+
+The distributed tests launch `torch.distributed.run` with two CPU processes (gloo); they skip when
+torch.distributed or gloo is missing. The planned, FSDP2-sharded model must train to the same
+losses as one process on both ranks' batches, and each rank's measured peak (live tensor bytes of
+the real run) must be within 5% of the plan's per-rank prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoplan
+from autoplan.plan import Choice
+from autoplan.shard import DistributedSetupError
+from examples.llama import build
+from tests.fsdp_model import STEPS, rank_batch, tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+distributed = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with the gloo backend",
+)
+
+
+@pytest.fixture(scope="module")
+def per_rank_plans():
+    model, config = tiny_llama()
+    batch = rank_batch(config, 0)
+    plans = {n: autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=n, profile="roofline")
+             for n in (1, 2, 4)}
+    return model, batch, plans
+
+
+def test_world_size_one_is_the_single_gpu_plan(per_rank_plans) -> None:
+    model, batch, plans = per_rank_plans
+    default = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, profile="roofline")
+    assert plans[1].predicted_peak_bytes == default.predicted_peak_bytes and plans[1].fsdp is None
+
+
+def test_per_rank_breakdown_adds_up_and_shrinks_with_more_gpus(per_rank_plans) -> None:
+    _, _, plans = per_rank_plans
+    for n in (2, 4):
+        plan = plans[n]
+        assert plan.world_size == n and plan.fsdp.world_size == n
+        assert plan.fsdp.total == plan.predicted_peak_bytes == plan.breakdown.total
+        assert plan.fsdp.optimizer < plans[1].breakdown.optimizer / n + 512 * 64  # sharded, not replicated
+        data = json.loads(plan.to_json())
+        assert data["world_size"] == n and data["fsdp"]["total"] == plan.predicted_peak_bytes
+    assert plans[4].predicted_peak_bytes < plans[2].predicted_peak_bytes < plans[1].predicted_peak_bytes
+    assert plans[4].fsdp.parameters < plans[2].fsdp.parameters
+
+
+def test_per_rank_budget_constrains_the_solver() -> None:
+    """A budget one GPU cannot meet without checkpointing is met on 4 ranks without it."""
+    model, config = tiny_llama()
+    batch = rank_batch(config, 0)
+    four = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=4, profile="roofline")
+    budget = four.predicted_peak_bytes + 4096  # fits 4 ranks keeping everything
+    one = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, profile="roofline")
+    sharded = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, world_size=4, profile="roofline")
+    assert sharded.feasible and all(u.choice.mode == "keep" for u in sharded.units)
+    assert one.predicted_peak_bytes > budget or not one.feasible or any(u.choice.mode != "keep" for u in one.units)
+
+
+def test_auto_finds_the_fewest_gpus_and_shows_the_curve() -> None:
+    model, batch = build("tiny", 2, 32)
+    plan = autoplan.plan(model, "12MB", example_inputs=batch, device="cpu", reserve=0, world_size="auto", profile="roofline")
+    curve = {point.world_size: point for point in plan.world_size_curve}
+    assert plan.feasible and plan.world_size >= 2 and curve[plan.world_size].fits
+    assert all(not point.fits for n, point in curve.items() if n < plan.world_size)
+    assert plan.world_size - 1 in curve  # the one below the answer was tried and did not fit
+    # the state alone (16 bytes per parameter for AdamW with fp32 master weights) sets a floor
+    assert plan.state_bytes / plan.parameter_count == pytest.approx(16, rel=0.02)
+    assert plan.world_size >= -(-plan.state_bytes // plan.usable_bytes)
+    report = plan.report()
+    assert "per-rank peak against the number of GPUs" in report and "← chosen" in report
+    assert f"per rank on {plan.world_size} GPUs" in report
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "two", True])
+def test_bad_world_size_is_a_clear_error(bad) -> None:
+    model, batch = build("tiny", 1, 8)
+    with pytest.raises(ValueError, match="world_size must be a whole number"):
+        autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", world_size=bad)
+
+
+def test_optimize_without_a_process_group_says_what_to_do() -> None:
+    model, batch = build("tiny", 1, 8)
+    for world_size in (2, "auto"):
+        with pytest.raises(DistributedSetupError, match="torchrun --nproc_per_node"):
+            autoplan.optimize(model, "1GB", example_inputs=batch, device="cpu", world_size=world_size)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    model, config = tiny_llama()
+    single = autoplan.plan(model, "1GB", example_inputs=rank_batch(config, 0), device="cpu", reserve=0, world_size=2,
+                           profile="roofline")
+    budget = f"{single.predicted_peak_bytes - 2**20}B"  # below the all-keep peak: some unit must checkpoint
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "tests" / "fsdp_worker.py"), str(out), budget]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@distributed
+def test_fsdp_trains_like_one_process_on_both_batches(two_ranks) -> None:
+    plan = two_ranks[0]["plan"]
+    assert any(unit["mode"] != "keep" for unit in plan["units"])  # FSDP composed with checkpointing
+    model, config = tiny_llama()
+    autoplan.apply(model, autoplan.plan(model, "1GB", example_inputs=rank_batch(config, 0), device="cpu", reserve=0,
+                                        checkpoint={u["name"]: u["mode"] for u in plan["units"] if u["mode"] != "keep"},
+                                        precision="fp32", profile="roofline"))
+    batches = [rank_batch(config, rank) for rank in (0, 1)]
+    tokens, targets = (torch.cat(parts) for parts in zip(*batches))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference = []
+    for _ in range(STEPS):
+        loss = model(tokens, targets)
+        reference.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    # each rank's loss is the mean over its half; FSDP averages gradients, i.e. the full batch's mean
+    sharded = [(a + b) / 2 for a, b in zip(two_ranks[0]["losses"], two_ranks[1]["losses"])]
+    assert sharded == pytest.approx(reference, rel=1e-4)
+    assert reference[-1] < reference[0]  # and it learns
+
+
+@distributed
+def test_measured_rank_peak_matches_the_plan(two_ranks) -> None:
+    for rank in two_ranks:
+        predicted = rank["plan"]["predicted_peak_bytes"]
+        assert rank["plan"]["feasible"] and rank["plan"]["world_size"] == 2
+        assert abs(rank["peak_bytes"] - predicted) <= 0.05 * predicted, (rank["peak_bytes"], predicted)
