@@ -165,11 +165,20 @@ def compiled_with_budget(model: torch.nn.Module, fraction: float) -> torch.nn.Mo
     return torch.compile(model)
 
 
-def rows_for(workload: Workload, device: torch.device, steps: int, with_compile: bool) -> tuple[list, int, Measured]:
-    rows = []
+@dataclass(frozen=True)
+class Row:
+    config: str
+    budget: int | None  # None: a configuration that ignores memory
+    result: Measured | None  # None: nothing fits
+    note: str = ""
+    predicted_bytes: int | None = None  # autoplan's predicted peak, for its own rows
 
-    def add(config: str, budget: int | None, result: Measured | None, note: str = "") -> None:
-        rows.append((config, budget, result, note))
+
+def rows_for(workload: Workload, device: torch.device, steps: int, with_compile: bool) -> tuple[list[Row], int, Measured]:
+    rows: list[Row] = []
+
+    def add(config: str, budget: int | None, result: Measured | None, note: str = "", predicted: int | None = None) -> None:
+        rows.append(Row(config, budget, result, note, predicted))
 
     fp32 = measure(fresh(workload, device), workload.batch(device), steps, autocast=False)
     add("fp32 eager", None, fp32)
@@ -194,7 +203,8 @@ def rows_for(workload: Workload, device: torch.device, steps: int, with_compile:
             continue
         autoplan.apply(model, plan)
         result = measure(model, workload.batch(device), steps, autocast=False)  # the plan applies autocast
-        add(f"autoplan @ {fraction:.0%}", budget, result, f"predicted {format_bytes(plan.predicted_peak_bytes)}")
+        add(f"autoplan @ {fraction:.0%}", budget, result, f"predicted {format_bytes(plan.predicted_peak_bytes)}",
+            plan.predicted_peak_bytes)
         if with_compile:
             add(f"autoplan + compile @ {fraction:.0%}", budget,
                 measure(compiled_with_budget(model, 1.0), workload.batch(device), steps, autocast=False))
@@ -232,8 +242,9 @@ def machine(device: torch.device) -> str:
 def print_table(title: str, rows: list, reference_s: float) -> None:
     print(f"\n{title}")
     print(f"{'configuration':<42} {'budget':>10} {'peak':>10} {'step':>10} {'slowdown':>9} {'fits':>5}  note")
-    reserved = [r[2].reserved_bytes / r[2].peak_bytes for r in rows if r[2] is not None and r[2].reserved_bytes]
-    for config, budget, result, note in rows:
+    reserved = [r.result.reserved_bytes / r.result.peak_bytes for r in rows if r.result is not None and r.result.reserved_bytes]
+    for row in rows:
+        config, budget, result, note = row.config, row.budget, row.result, row.note
         if result is None:
             print(f"{config:<42} {format_bytes(budget) if budget else '':>10} {'—':>10} {'—':>10} {'':>9} {'no':>5}  {note}")
             continue
@@ -257,7 +268,7 @@ def main() -> None:
     print("command: python benchmarks/compare.py" + (" --cpu" if args.cpu else "") + f" --steps {args.steps}")
     for workload in filter(None, (gpt2_medium(cpu), llama(cpu))):
         rows, static, bf16 = rows_for(workload, device, args.steps, with_compile=not cpu)
-        unconstrained = [r[2].step_s for r in rows if r[1] is None and r[2] is not None and "checkpoint" not in r[0]]
+        unconstrained = [r.result.step_s for r in rows if r.budget is None and r.result is not None and "checkpoint" not in r.config]
         print_table(f"{workload.name}: weights+grads+AdamW {format_bytes(static)}, bf16 activations "
                     f"{format_bytes(bf16.peak_bytes - static)}; budgets are static + a fraction of them", rows, min(unconstrained))
 
