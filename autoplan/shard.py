@@ -81,7 +81,13 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
     its backward with the next one prefetched); the root group holds everything else and, as
     FSDP2 does for the root, stays unsharded from forward until its backward.
     """
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as error:  # FSDP2 became public API in torch 2.6
+        raise RuntimeError(
+            f"applying an FSDP plan needs torch.distributed.fsdp.fully_shard (FSDP2, torch >= 2.6); this is torch "
+            f"{torch.__version__}. Upgrade torch, or plan with world_size=1."
+        ) from error
 
     require_process_group(plan.world_size)
     apply_choices(model, plan.choices(), rest_precision=plan.rest_precision)
