@@ -120,6 +120,15 @@ def format_bytes(n: int) -> str:
     return f"{value:.{decimals}f} {unit}"
 
 
+def format_count(n: int) -> str:
+    """Parameter and token counts as people say them: "70.6B", "919K", "12"."""
+    return next((f"{n / scale:.3g}{unit}" for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= scale), str(n))
+
+
+def format_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
 def _default_usable(total: int, device: Device) -> int:
     return max(0, total - default_reserve(total, device))
 

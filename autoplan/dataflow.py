@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoplan.simulate import fake_copy, fake_tree
+from autoplan.trace import first_line
 
 
 class _Provenance(TorchDispatchMode):
@@ -112,7 +113,7 @@ def runtime_unit_graph(
             output = twin(*args, **kwargs)
             finished = frozenset().union(*(provenance.sources(t) for t in _tensor_leaves(output)))
     except Exception as error:  # noqa: BLE001 - reported with where it happened
-        raise RuntimeError(f"{type(error).__name__}: {_first_line(error)}{_user_frame(error)}") from error
+        raise RuntimeError(f"{type(error).__name__}: {first_line(error)}{_user_frame(error)}") from error
     finally:
         for handle in handles:
             handle.remove()
@@ -135,8 +136,3 @@ def _user_frame(error: Exception) -> str:
         return ""
     frame = frames[-1]
     return f", at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else ""

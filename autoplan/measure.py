@@ -125,15 +125,8 @@ def _time_steps(model, example_inputs, optimizer, device: Device, loss_fn, warmu
     opt = make_optimizer(optimizer, params, device)
     timer = _Timer(model_device(model))
     times = []
-
-    def step() -> None:
-        loss = (loss_fn or default_loss)(model(*args, **kwargs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     for run in range(warmup + runs):
-        seconds, _ = timer(step)
+        seconds, _ = timer(lambda: train_step(model, args, kwargs, opt, loss_fn))
         if run >= warmup:
             times.append(seconds)
     return statistics.median(times)
@@ -265,7 +258,7 @@ def verify(
                 if step == 1:
                     _start_peak(tracker, device, model, opt, (args, kwargs))
                 with tracker if tracker is not None else contextlib.nullcontext():
-                    seconds, _ = timer(lambda: _train_step(model, args, kwargs, opt, loss_fn))
+                    seconds, _ = timer(lambda: train_step(model, args, kwargs, opt, loss_fn))
                 if step >= 1:
                     times.append(seconds)
             peak, reserved = _read_peak(tracker, device)
@@ -292,8 +285,14 @@ def verify(
     )
 
 
-def _train_step(model, args, kwargs, opt, loss_fn) -> None:
+def train_step(model, args, kwargs, opt, loss_fn=None, record_loss: Callable[[float], None] | None = None) -> None:
+    """One real training step as the plan models it: loss, backward, optimizer.step(), zero_grad.
+
+    The loss is dropped before the optimizer steps; `record_loss` gets its value first.
+    """
     loss = (loss_fn or default_loss)(model(*args, **kwargs))
+    if record_loss is not None:
+        record_loss(float(loss.detach()))
     loss.backward()
     del loss
     opt.step()

@@ -27,7 +27,7 @@ from typing import Literal, Mapping
 
 from autoplan.plan import Choice, MemoryBreakdown, ShardedPeak
 from autoplan.profile import Profile, UnitProfile
-from autoplan.sharding import rank_terms
+from autoplan.sharding import RankTerms, rank_terms
 
 Relation = Literal["fwd", "held", "bwd"]
 
@@ -213,15 +213,15 @@ def alive_regardless(tensor: SharedTensor, windows: list[tuple[int, int]]) -> di
     return result
 
 
-def live_bytes(profile: Profile, choices: Mapping[str, Choice], world_size: int = 1) -> list[int]:
-    """Predicted peak bytes of every phase of the step (on rank 0 of `world_size` FSDP ranks)."""
+def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
+    """Predicted peak bytes of every phase of the step on one GPU (add `rank_offsets` for FSDP)."""
     chosen = _choices_list(profile, choices)
     base = [unit.base for unit in profile.units]
     held = held_changes(profile, choices)
     live = [
         point.base_bytes
         + sum((held[u] if relation != "fwd" else 0) + transient_delta(profile.units[u], relation, chosen[u]) for u, relation in point.relations)
-        for point in points(profile, world_size)
+        for point in points(profile)
     ]
     windows = unit_windows(profile)
     for tensor in shared_tensors(profile):
@@ -245,7 +245,10 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: in
     With world_size > 1 it is rank 0's peak under FSDP: parameters are its shards plus the gathered
     ones, transient includes FSDP's communication buffers.
     """
-    live = live_bytes(profile, choices, world_size)
+    # FSDP's terms once: the per-rank constants and the breakdown at the peak both come from them
+    terms = rank_terms(profile, world_size) if check_world_size(world_size) > 1 else None
+    offsets = rank_offsets(profile, world_size, terms)
+    live = [single + offset for single, offset in zip(live_bytes(profile, choices), offsets)]
     index = max(range(len(live)), key=live.__getitem__)
     phase = profile.timeline.phases[index]
     held = held_changes(profile, choices)
@@ -257,11 +260,11 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: in
         gradients=phase.grad_bytes,
         optimizer=static.optimizer,
         activations=activations,
-        transient=live[index] - rank_offsets(profile, world_size)[index] - start,  # one GPU's transient
+        transient=live[index] - offsets[index] - start,  # one GPU's transient
     )
     if world_size == 1:
         return PeakPrediction(live[index], phase.name, breakdown)
-    rank = _rank_peak(profile, index, live[index], world_size)
+    rank = _rank_peak(phase.name, terms[index], live[index], world_size)
     # outside the optimizer step activations and transients are a single GPU's; in it, 1/N of them
     transient = breakdown.transient if phase.kind != "step" else 0
     sharded = MemoryBreakdown(
@@ -315,35 +318,32 @@ def check_world_size(world_size: object) -> int:
     return world_size
 
 
-def rank_offsets(profile: Profile, world_size: int) -> list[int]:
+def rank_offsets(profile: Profile, world_size: int, terms: list[RankTerms] | None = None) -> list[int]:
     """Per phase: rank 0's bytes under FSDP minus one GPU's, whatever the units choose.
 
     FSDP replaces the full parameters, gradients and optimizer state by this rank's shards and adds
     gathered parameters and communication buffers (`sharding.rank_terms`); activations are the
     same on every rank (each runs its own batch), except the optimizer step's temporaries, which
-    are per parameter and so sharded. Zero everywhere for one GPU: no FSDP.
+    are per parameter and so sharded. Zero everywhere for one GPU: no FSDP. `terms`: the
+    `rank_terms` of this profile and world size, when the caller has them already.
     """
     check_world_size(world_size)
     if world_size == 1:
         return [0] * len(profile.timeline.phases)
     static = profile.timeline.static
     offsets = []
-    live = [phase.peak_bytes for phase in profile.timeline.phases]
-    for phase, terms, peak in zip(profile.timeline.phases, rank_terms(profile, world_size), live):
-        single_static = static.parameters + static.optimizer + phase.grad_bytes
-        activations = peak - single_static
-        sharded_activations = -(-int(activations * terms.step_share) // 1) if phase.kind == "step" else activations
-        rank = terms.parameters + terms.gradients + terms.optimizer + terms.gathered + terms.buffers + sharded_activations
-        offsets.append(rank - peak)
+    for phase, term in zip(profile.timeline.phases, terms if terms is not None else rank_terms(profile, world_size)):
+        activations = phase.peak_bytes - (static.parameters + static.optimizer + phase.grad_bytes)
+        sharded_activations = int(activations * term.step_share) if phase.kind == "step" else activations
+        rank = term.parameters + term.gradients + term.optimizer + term.gathered + term.buffers + sharded_activations
+        offsets.append(rank - phase.peak_bytes)
     return offsets
 
 
-def _rank_peak(profile: Profile, index: int, live: int, world_size: int) -> ShardedPeak:
-    phase = profile.timeline.phases[index]
-    terms = rank_terms(profile, world_size)[index]
+def _rank_peak(phase: str, terms: RankTerms, live: int, world_size: int) -> ShardedPeak:
     fsdp = terms.parameters + terms.gradients + terms.optimizer + terms.gathered + terms.buffers
     return ShardedPeak(
-        world_size, phase.name, terms.parameters, terms.gradients, terms.optimizer, terms.gathered, terms.buffers,
+        world_size, phase, terms.parameters, terms.gradients, terms.optimizer, terms.gathered, terms.buffers,
         activations=live - fsdp,
     )
 

@@ -18,7 +18,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from autoplan.budget import format_bytes
+from autoplan.budget import format_bytes, format_count, format_ms
 
 if TYPE_CHECKING:
     from autoplan.advise import Advice
@@ -60,10 +60,6 @@ def _continues(previous: "UnitDecision", unit: "UnitDecision") -> bool:
     a, b = _NUMBERED.match(previous.name), _NUMBERED.match(unit.name)
     same_cost = (previous.choice, previous.saved_bytes, previous.recompute_flops) == (unit.choice, unit.saved_bytes, unit.recompute_flops)
     return bool(a and b and a["stem"] == b["stem"] and int(b["index"]) == int(a["index"]) + 1 and same_cost)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
 
 
 def _verdict(plan: "Plan") -> Text:
@@ -114,15 +110,15 @@ def _units(plan: "Plan") -> Table:
     for row in fold_units(plan.units):
         unit = row.first
         table.add_row(row.label, unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes),
-                      f"{unit.recompute_flops / 1e9:,.2f}", _ms(unit.step_time_s))
+                      f"{unit.recompute_flops / 1e9:,.2f}", format_ms(unit.step_time_s))
     return table
 
 
 def _times(plan: "Plan") -> Text:
     slower = plan.predicted_step_time_s / plan.fastest_step_time_s - 1 if plan.fastest_step_time_s else 0.0
-    return Text(f"step time ({plan.time_source}): {_ms(plan.predicted_step_time_s)} planned, "
-                f"{_ms(plan.fastest_step_time_s)} for the fastest plan ignoring memory ({slower:+.1%}), "
-                f"{_ms(plan.baseline_step_time_s)} with no plan")
+    return Text(f"step time ({plan.time_source}): {format_ms(plan.predicted_step_time_s)} planned, "
+                f"{format_ms(plan.fastest_step_time_s)} for the fastest plan ignoring memory ({slower:+.1%}), "
+                f"{format_ms(plan.baseline_step_time_s)} with no plan")
 
 
 def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
@@ -153,10 +149,6 @@ def _sharded(peak: "ShardedPeak", usable: int) -> Text:
     )
 
 
-def _count(n: int) -> str:
-    return next((f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= scale), str(n))
-
-
 def _world_sizes(plan: "Plan") -> list[RenderableType]:
     """The per-rank arithmetic of an FSDP plan, and the curve of per-rank peak against N."""
     parts: list[RenderableType] = []
@@ -165,7 +157,7 @@ def _world_sizes(plan: "Plan") -> list[RenderableType]:
         per_param = plan.state_bytes / plan.parameter_count
         floor = -(-plan.state_bytes // max(usable, 1))
         parts.append(Text(
-            f"before sharding: {_count(plan.parameter_count)} parameters × {per_param:.1f} bytes each (weights, gradients, "
+            f"before sharding: {format_count(plan.parameter_count)} parameters × {per_param:.1f} bytes each (weights, gradients, "
             f"{plan.optimizer} state; the rule of thumb for AdamW is 16) = {format_bytes(plan.state_bytes)}; over "
             f"{format_bytes(usable)} usable that is at least {floor} GPU(s) for the state alone, before activations"
         ))
@@ -266,6 +258,6 @@ def verification_table(result: "Verification") -> Table:
     if result.measured_reserved_bytes is not None:
         table.add_row("reserved by the allocator", format_bytes(result.measured_reserved_bytes), "", "", "")
     table.add_row("usable budget", format_bytes(result.usable_bytes), "", "", "")
-    step = _ms(result.measured_step_time_s) if result.measured_step_time_s is not None else "—"
-    table.add_row("step time", step, _ms(result.predicted_step_time_s), "", "")
+    step = format_ms(result.measured_step_time_s) if result.measured_step_time_s is not None else "—"
+    table.add_row("step time", step, format_ms(result.predicted_step_time_s), "", "")
     return table

@@ -24,10 +24,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from autoplan.measure import train_step
 from autoplan.partition import is_graph_unit
 from autoplan.plan import Plan
 from autoplan.rewrite import apply_choices
-from autoplan.simulate import LiveBytesTracker, default_loss, rounded_bytes
+from autoplan.simulate import LiveBytesTracker, rounded_bytes
 from autoplan.trace import RANGE_UNIT
 
 
@@ -194,7 +195,6 @@ def measure_rank_peak(
     """
     from autoplan.devices import get_device
 
-    loss_fn = loss_fn or default_loss
     args, kwargs = batch
     tracker = _ShardedBytesTracker(get_device("cpu"))
     losses = []
@@ -204,12 +204,7 @@ def measure_rank_peak(
                 _adopt_everything(tracker, model, optimizer, (args, kwargs))
                 tracker.begin_phase("steady")
             with tracker if step == steps - 1 else contextlib.nullcontext():
-                loss = loss_fn(model(*args, **kwargs))
-                losses.append(float(loss.detach()))
-                loss.backward()
-                del loss
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                train_step(model, args, kwargs, optimizer, loss_fn, record_loss=losses.append)
     return RankMeasurement(max(phase.peak_bytes for phase in tracker.phases()[1:]), tuple(losses))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 HF_DEFAULT_BATCH = 1
 HF_DEFAULT_SEQ = 1024
@@ -156,30 +157,13 @@ def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None
 
 
 def _leading_dim(inputs: Any) -> int | None:
-    tensors = [t for t in _flat(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
     return int(tensors[0].shape[0]) if tensors else None
 
 
 def _slice_batch(inputs: Any, batch: int, micro: int) -> Any:
     """The first `micro` rows of every input tensor whose leading dim is the batch."""
-    def cut(value):
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-            return value[:micro]
-        if isinstance(value, (tuple, list)):
-            return type(value)(cut(v) for v in value)
-        if isinstance(value, dict):
-            return {k: cut(v) for k, v in value.items()}
-        return value
-
-    return cut(inputs)
-
-
-def _flat(value: Any) -> list:
-    if isinstance(value, (tuple, list)):
-        return [leaf for v in value for leaf in _flat(v)]
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _flat(v)]
-    return [value]
+    return tree_map_only(torch.Tensor, lambda t: t[:micro] if t.dim() > 0 and t.shape[0] == batch else t, inputs)
 
 
 def _parameter_count(model: torch.nn.Module) -> int:

@@ -280,7 +280,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None =
         try:
             result = run()
         except Exception as error:  # noqa: BLE001 - any failure means: try the next tracer
-            errors.append(f"{label}: {_first_line(error)}" if method == "hooks" else f"{label}: {type(error).__name__}: {_first_line(error)}")
+            errors.append(f"{label}: {first_line(error)}" if method == "hooks" else f"{label}: {type(error).__name__}: {first_line(error)}")
             continue
         if method == "hooks":
             graph, (executed, dataflow) = None, result
@@ -304,6 +304,7 @@ def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors
     return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors))
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
+    """An error's first line, at most 300 characters: what a one-line message quotes of it."""
     text = str(error).strip().splitlines()
     return text[0][:300] if text else ""
