@@ -85,6 +85,10 @@ def is_hf_model(model: torch.nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model, "main_input_name") and hasattr(model, "save_pretrained")
 
 
+class UnknownModelError(ValueError):
+    """The spec is neither a preset nor a config.json; the message lists the presets."""
+
+
 def _config_from_spec(spec: str):
     transformers = _transformers()
     if spec in PRESETS:
@@ -102,7 +106,7 @@ def _config_from_spec(spec: str):
             return transformers.AutoConfig.for_model(model_type, **values)
         except ValueError as error:
             raise ValueError(f"{path}: transformers {transformers.__version__} does not know it: {error}") from None
-    raise ValueError(
+    raise UnknownModelError(
         f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}) or the path of a local config.json"
     )
 

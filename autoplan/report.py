@@ -216,8 +216,9 @@ def report_renderables(
     if plan.world_size > 1 or plan.world_size_curve:
         parts.extend(_world_sizes(plan))
     parts.extend([_units(plan), _times(plan)])
-    parts.append(Text("apply it:", style="bold"))
-    parts.append(_code(apply_code(plan, budget_text)))
+    if plan.feasible:  # for a plan that does not fit, optimize() would raise: the advice says what to change
+        parts.append(Text("apply it:", style="bold"))
+        parts.append(_code(apply_code(plan, budget_text)))
     if advice is not None and advice.requested is not None and plan.world_size == 1:
         parts.append(_sharded(advice.requested, plan.usable_bytes))
     if advice is not None:

@@ -146,8 +146,8 @@ def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None
     try:
         model = hf.model_from_config(config, meta=meta)
     except (FileNotFoundError, KeyError, ValueError, OSError) as error:
-        presets = ", ".join(sorted(hf.PRESETS))
-        raise TargetError("not_found", f"hf:{config}: {_first_line(error)} (presets: {presets}, or a path to config.json)") from error
+        hint = "" if isinstance(error, hf.UnknownModelError) else f" (presets: {', '.join(sorted(hf.PRESETS))}, or a path to config.json)"
+        raise TargetError("not_found", f"hf:{config}: {_first_line(error)}{hint}") from error
     batch = batch_size or HF_DEFAULT_BATCH
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     seq = seq_len or (min(HF_DEFAULT_SEQ, limit) if limit else HF_DEFAULT_SEQ)

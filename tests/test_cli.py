@@ -118,6 +118,7 @@ def test_plan_that_does_not_fit_exits_3_with_advice(tmp_path, lowest_peak) -> No
     result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", f"{budget}B", "--device", "h100", "--reserve", "0")
     assert result.exit_code == ExitCode.DOES_NOT_FIT, result.output
     assert result.stdout.lstrip().startswith("DOES NOT FIT")
+    assert "autoplan.optimize(" not in result.stdout  # it would raise InfeasibleBudgetError
     advice = doc["advice"]
     assert advice["fits"] is False and advice["over_bytes"] == lowest_peak - int(budget)
     steps = {s["key"]: s for s in advice["steps"]}
@@ -275,7 +276,9 @@ def test_hf_local_config(tmp_path) -> None:
 
 
 def test_hf_unknown_preset() -> None:
-    assert_one_line_error(run("plan", "hf:no-such-model", "--budget", "1GB"), ExitCode.NOT_FOUND, "no-such-model")
+    result = run("plan", "hf:no-such-model", "--budget", "1GB")
+    assert_one_line_error(result, ExitCode.NOT_FOUND, "no-such-model", "llama-3-70b", "config.json")
+    assert result.stderr.count("llama-3-70b") == 1  # the presets are listed once
 
 
 # -- verify ----------------------------------------------------------------------------------------
