@@ -4,15 +4,21 @@
     plan = autoplan.plan(model, "20GB", example_inputs=(batch,))   # decide, change nothing
     model = autoplan.optimize(model, "20GB", example_inputs=(batch,))  # decide and rewrite
     result = autoplan.verify(model, plan, example_inputs=(batch,))     # real steps: did it hold?
+
+The package is the pipeline, one sub-package per stage in order: inputs, trace, profile, memory,
+solve, verify, apply, report, cli; `plan.py` and `errors.py` are the vocabulary, `runtime/` the
+machinery they share, `api.py` the orchestration.
 """
 
-from autoplan.api import InfeasibleBudgetError, apply, optimize, plan
-from autoplan.budget import Budget, make_budget, parse_bytes
-from autoplan.devices import DEVICES, Device, get_device, list_devices
-from autoplan.measure import Verification, verify
+from autoplan.api import apply, optimize, plan
+from autoplan.errors import InfeasibleBudgetError, TraceError, UnitPatternError
+from autoplan.inputs.budget import Budget, make_budget, parse_bytes
+from autoplan.inputs.devices import DEVICES, Device, get_device, list_devices
+from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, MemoryBreakdown, Plan, UnitDecision
-from autoplan.rewrite import planned_choices, remove_plan
-from autoplan.trace import TraceError
+from autoplan.report.text import format_report
+from autoplan.runtime.planned import planned_choices, remove_plan
+from autoplan.verify.real import Verification, verify
 
 __all__ = [
     "Budget",
@@ -23,9 +29,12 @@ __all__ = [
     "MemoryBreakdown",
     "Plan",
     "TraceError",
+    "TrainingLoop",
     "UnitDecision",
+    "UnitPatternError",
     "Verification",
     "apply",
+    "format_report",
     "get_device",
     "list_devices",
     "make_budget",

@@ -11,94 +11,33 @@ is tightened by the difference and the program solved again.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import warnings
 from typing import Any, Callable, Mapping
 
 import torch
 
-from autoplan.budget import budget_needed_for, make_budget
-from autoplan.devices import Device, get_device
-from autoplan.hf import default_seq_len, example_inputs_for, is_hf_model, training_inputs
-from autoplan.measure import measure_times, model_device
-from autoplan.memory import check_world_size, predict_peak, predict_step_time, rank_offsets
-from autoplan.partition import is_graph_unit
-from autoplan.plan import MODES, Choice, Plan, UnitDecision, WorldSizePoint
-from autoplan.profile import Profile, precision_options
-from autoplan.profile import profile as profile_units
-from autoplan.rewrite import apply_choices
-from autoplan.simulate import optimizer_name
-from autoplan.solve import fastest, minimum_peak, solve
-from autoplan.trace import normalize_inputs, trace
-from autoplan.verify import simulate_plan
-from autoplan.worlds import fewest_gpus, parameter_count
-
-MAX_RESOLVES = 4
-
-
-class InfeasibleBudgetError(ValueError):
-    """`optimize` was asked for a budget no plan fits; `.plan` says how close it gets."""
-
-    def __init__(self, plan: Plan) -> None:
-        from autoplan.budget import format_bytes
-
-        super().__init__(
-            f"no plan fits {plan.device} in {format_bytes(plan.budget_bytes)} "
-            f"(usable {format_bytes(plan.usable_bytes)}): the lowest peak autoplan can reach is "
-            f"{format_bytes(plan.minimum_peak_bytes)}, which needs a budget of "
-            f"{format_bytes(plan.minimum_budget_bytes)}. Call autoplan.plan(...) to see the breakdown."
-        )
-        self.plan = plan
-
-
-def _matching(units: list[str], patterns, what: str) -> set[str]:
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    matched = {u for u in units if any(fnmatch.fnmatchcase(u, p) for p in patterns)}
-    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(u, p) for u in units)]
-    if unmatched:
-        raise ValueError(f"{what}={unmatched} matched no unit; the units are: {', '.join(units)}")
-    return matched
-
-
-def _pins(
-    units: list[str], precisions: tuple[str, ...], keep_fp32, checkpoint
-) -> dict[str, tuple[Choice, ...]]:
-    """Per unit, the choices the person allows (absent: any profiled choice)."""
-    modes: dict[str, tuple[str, ...]] = {}
-    if checkpoint:
-        requested = checkpoint if isinstance(checkpoint, Mapping) else {p: "full" for p in ([checkpoint] if isinstance(checkpoint, str) else checkpoint)}
-        for pattern, mode in requested.items():
-            if mode not in MODES:
-                raise ValueError(f"checkpoint mode for {pattern!r} must be one of {MODES}; got {mode!r}")
-            for unit in _matching(units, [pattern], "checkpoint"):
-                modes[unit] = (mode,)
-    fp32_units = _matching(units, keep_fp32, "keep_fp32") if keep_fp32 else set()
-    pins = {}
-    for unit in units:
-        unit_precisions = ("fp32",) if unit in fp32_units else precisions
-        pins[unit] = tuple(Choice(m, p) for p in unit_precisions for m in modes.get(unit, MODES))
-    return pins
-
-
-def training_batch(model: torch.nn.Module, example_inputs: Any, batch_size: int | None, seq_len: int | None):
-    """The (args, kwargs) a training step is profiled with: the caller's, or one built for a HF model."""
-    if example_inputs is None:
-        if not is_hf_model(model):
-            raise ValueError(
-                f"example_inputs is required for {type(model).__name__}: pass one batch, e.g. "
-                "example_inputs=(x,) or example_inputs={'input_ids': ids}. batch_size= and seq_len= "
-                "build a batch only for Hugging Face transformers models."
-            )
-        batch = 1 if batch_size is None else batch_size
-        length = default_seq_len(model) if seq_len is None else seq_len
-        example_inputs = example_inputs_for(model, batch, length)
-    elif batch_size is not None or seq_len is not None:
-        raise ValueError(
-            "batch_size= and seq_len= build example inputs when example_inputs is omitted; "
-            "pass either them or example_inputs, not both"
-        )
-    return training_inputs(model, normalize_inputs(example_inputs))
+from autoplan.inputs.budget import budget_needed_for, make_budget
+from autoplan.inputs.devices import Device, get_device
+from autoplan.profile.timing import measure_times
+from autoplan.runtime.training import model_device
+from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
+from autoplan.plan import Plan, UnitDecision, WorldSizePoint
+from autoplan.profile.units import Profile, precision_options
+from autoplan.profile.units import profile as profile_units
+from autoplan.solve.ilp import fastest
+from autoplan.trace.tracer import trace
+from autoplan.verify.simulate import simulate_plan
+from autoplan.solve.worlds import fewest_gpus, parameter_count
+from autoplan.errors import InfeasibleBudgetError
+from autoplan.inputs.batch import training_batch
+from autoplan.solve.search import SearchResult, pinned_choices, search
+from autoplan.inputs.budget import Budget
+from autoplan.plan import Choice
+from autoplan.trace.tracer import Traced
+from autoplan.runtime.formatting import format_bytes
+from autoplan.apply.fsdp import process_group_world_size
+from autoplan.apply.fsdp import require_process_group
+from autoplan.apply.rewrite import apply_plan
+from autoplan.apply.rewrite import refuse_meta
 
 
 def plan(
@@ -166,53 +105,23 @@ def plan(
         measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
     if on_profile is not None:
         on_profile(measured)
-    allowed_precisions = precision_options(precision, target)
-    pins = _pins(list(traced.units), allowed_precisions, keep_fp32, checkpoint)
+    pins = pinned_choices(list(traced.units), precision_options(precision, target), keep_fp32, checkpoint)
 
-    usable = memory.usable_bytes
     curve: tuple[WorldSizePoint, ...] = ()
     if world_size == "auto":
         say("finding the smallest number of GPUs")
-        world, curve = fewest_gpus(measured, pins, usable, time_limit_s)
+        world, curve = fewest_gpus(measured, pins, memory.usable_bytes, time_limit_s)
     else:
         world = check_world_size(world_size)
     offsets = dict(zip((phase.name for phase in measured.timeline.phases), rank_offsets(measured, world)))
 
-    def simulate(choices):
+    def simulate(choices: Mapping[str, Choice]) -> int:
         return simulate_plan(
             traced, choices, device=target, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, rank_offsets=offsets
-        )
+        ).peak_bytes
 
-    say("solving")
-    lowest, solve_time = minimum_peak(measured, pins=pins, time_limit_s=time_limit_s, world_size=world)
-    lowest_peak = predict_peak(measured, lowest, world).bytes
-    lowest_simulated = None  # a whole-step simulation is the slow part at scale: run it when it decides something
-    if lowest_peak > usable:
-        lowest_simulated = simulate(lowest).peak_bytes
-        lowest_peak = max(lowest_peak, lowest_simulated)
-
-    margin, resolves, status = 0, 0, "Infeasible"
-    chosen, simulated, feasible = lowest, lowest_simulated, False
-    while lowest_peak <= usable and resolves <= MAX_RESOLVES:
-        solution = solve(measured, usable - margin, pins=pins, time_limit_s=time_limit_s, world_size=world)
-        solve_time += solution.solve_time_s
-        status = solution.status
-        if not solution.feasible:
-            break
-        say("verifying the plan with a simulated training step")
-        result = simulate(solution.choices)
-        predicted = predict_peak(measured, solution.choices, world).bytes
-        if result.peak_bytes <= usable and predicted <= usable:
-            chosen, simulated, feasible = solution.choices, result.peak_bytes, True
-            break
-        margin += max(result.peak_bytes, predicted) - usable + 2**20
-        resolves += 1
-    if simulated is None:  # nothing fitted after all: report the lowest-peak choices as simulated
-        simulated = simulate(lowest).peak_bytes
-        lowest_peak = max(lowest_peak, simulated)
-    decided = _assemble(
-        measured, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced, world
-    )
+    found = search(measured, memory.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
+    decided = _assemble(measured, traced, found, budget=memory, reserve=reserve, target=target, pins=pins, world=world)
     return dataclasses.replace(decided, world_size_curve=curve)
 
 
@@ -233,10 +142,11 @@ def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> boo
 
 
 def _assemble(
-    measured: Profile, memory, reserve, target, chosen, simulated, feasible, lowest_peak, status, solve_time, resolves, pins, traced,
-    world: int = 1,
+    measured: Profile, traced: Traced, found: SearchResult, *, budget: Budget, reserve, target: Device, pins, world: int
 ) -> Plan:
+    """The Plan: the search's choices with what they cost, and the numbers a person checks them by."""
     rest = measured.rest_precision
+    chosen, feasible = found.choices, found.feasible
     prediction = predict_peak(measured, chosen, world)
     notes = []
     if not feasible:
@@ -263,13 +173,13 @@ def _assemble(
         needs_grad_scaler=any(c.precision == "fp16" for c in chosen.values()) or rest == "fp16",
         optimizer=measured.optimizer,
         feasible=feasible,
-        budget_bytes=memory.total_bytes,
-        usable_bytes=memory.usable_bytes,
+        budget_bytes=budget.total_bytes,
+        usable_bytes=budget.usable_bytes,
         predicted_peak_bytes=prediction.bytes,
-        simulated_peak_bytes=simulated,
+        simulated_peak_bytes=found.simulated_peak_bytes,
         baseline_peak_bytes=_per_rank_peak(measured.reference, measured, world),
-        minimum_peak_bytes=lowest_peak,
-        minimum_budget_bytes=budget_needed_for(lowest_peak, target, reserve),
+        minimum_peak_bytes=found.lowest_peak_bytes,
+        minimum_budget_bytes=budget_needed_for(found.lowest_peak_bytes, target, reserve),
         predicted_step_time_s=predict_step_time(measured, chosen),
         baseline_step_time_s=measured.reference_step_time_s or measured.reference.step_time_s,
         fastest_step_time_s=predict_step_time(measured, fastest(measured, pins)),
@@ -277,9 +187,9 @@ def _assemble(
         breakdown=prediction.breakdown,
         peak_phase=prediction.phase,
         units=decisions,
-        solver_status=status,
-        solve_time_s=solve_time,
-        resolves=resolves,
+        solver_status=found.solver_status,
+        solve_time_s=found.solve_time_s,
+        resolves=found.resolves,
         trace_method=traced.method,
         notes=tuple(notes),
         world_size=world,
@@ -289,13 +199,13 @@ def _assemble(
     )
 
 
-def _refuse_meta(model: torch.nn.Module) -> None:
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(
-            f"{type(model).__name__} has parameters on the meta device (shapes, no data): it can be planned, "
-            "not rewritten or trained. Build it with real weights (e.g. autoplan.hf.model_from_config(..., "
-            "meta=False) or from_pretrained), then autoplan.apply(model, plan)."
-        )
+def _infeasible_message(plan: Plan) -> str:
+    return (
+        f"no plan fits {plan.device} in {format_bytes(plan.budget_bytes)} "
+        f"(usable {format_bytes(plan.usable_bytes)}): the lowest peak autoplan can reach is "
+        f"{format_bytes(plan.minimum_peak_bytes)}, which needs a budget of "
+        f"{format_bytes(plan.minimum_budget_bytes)}. Call autoplan.plan(...) to see the breakdown."
+    )
 
 
 def _per_rank_peak(timeline, measured: Profile, world: int) -> int:
@@ -306,32 +216,7 @@ def _per_rank_peak(timeline, measured: Profile, world: int) -> int:
 
 def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     """Rewrite `model` in place to run as `plan` says; returns the same object."""
-    if not isinstance(plan, Plan):
-        raise TypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
-    choices = plan.choices()
-    from autoplan.trace import unit_endpoints
-
-    _refuse_meta(model)
-    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
-        warnings.warn(
-            "gradient checkpointing turned on by gradient_checkpointing_enable() (or activation_checkpointing_enable()) "
-            "is ignored on the planned layers: the plan decides which layers recompute, never twice. "
-            "autoplan.remove_plan(model) gives it back.",
-            UserWarning,
-            stacklevel=2,
-        )
-    for name in choices:
-        if is_graph_unit(name):
-            continue  # checked when the graph is split: split_by_units names the graph's units
-        try:
-            unit_endpoints(model, name)
-        except (AttributeError, IndexError, KeyError, TypeError) as error:
-            raise ValueError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
-    if plan.world_size > 1:
-        from autoplan.shard import apply_fsdp
-
-        return apply_fsdp(model, plan)
-    return apply_choices(model, choices, rest_precision=plan.rest_precision)
+    return apply_plan(model, plan)
 
 
 def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch.nn.Module:
@@ -340,10 +225,9 @@ def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch
     Takes the same arguments as `plan`. Raises InfeasibleBudgetError (with `.plan`) when no plan
     fits, rather than returning a model that would run out of memory. With world_size > 1 (or
     "auto") it must run in every rank of an initialised process group (torchrun): the model comes
-    back FSDP2-sharded (`shard.apply_fsdp`), and the budget is per GPU.
+    back FSDP2-sharded (`apply.fsdp.apply_fsdp`), and the budget is per GPU.
     """
-    _refuse_meta(model)
-    from autoplan.shard import process_group_world_size, require_process_group
+    refuse_meta(model)
 
     world_size = options.get("world_size", 1)
     if world_size == "auto" and process_group_world_size() is None:
@@ -352,5 +236,5 @@ def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch
         require_process_group(world_size)  # before minutes of planning, not after
     decided = plan(model, budget, **options)
     if not decided.feasible:
-        raise InfeasibleBudgetError(decided)
+        raise InfeasibleBudgetError(decided, _infeasible_message(decided))
     return apply(model, decided)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
+import torch
 
 Mode = Literal["keep", "selective", "full"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -158,6 +159,9 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def report(self) -> str:
-        from autoplan.report import format_report
+        from autoplan.report.text import format_report
 
         return format_report(self)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -38,11 +38,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
-from autoplan.budget import format_bytes  # noqa: E402
+from autoplan.runtime.formatting import format_bytes
 from autoplan.plan import Choice  # noqa: E402
-from autoplan.rewrite import apply_choices  # noqa: E402
-from autoplan.simulate import LiveBytesTracker  # noqa: E402
-from autoplan.trace import find_units  # noqa: E402
+from autoplan.runtime.planned import apply_choices
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.trace.units import find_units
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 FRACTIONS = (1.0, 0.75, 0.5, 0.35)

@@ -20,14 +20,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
-from autoplan.budget import format_bytes  # noqa: E402
-from autoplan.devices import get_device  # noqa: E402
-from autoplan.memory import predict_peak  # noqa: E402
+from autoplan.runtime.formatting import format_bytes
+from autoplan.inputs.devices import get_device
+from autoplan.memory.model import predict_peak
 from autoplan.plan import Choice  # noqa: E402
-from autoplan.profile import profile  # noqa: E402
-from autoplan.solve import minimum_peak, solve  # noqa: E402
-from autoplan.trace import trace  # noqa: E402
-from autoplan.verify import simulate_plan  # noqa: E402
+from autoplan.profile.units import profile
+from autoplan.solve.ilp import minimum_peak, solve
+from autoplan.trace.tracer import trace
+from autoplan.verify.simulate import simulate_plan
 from examples.gpt import build  # noqa: E402
 
 DEVICE = get_device("h100-80gb")

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 import autoplan
-import autoplan.api
+from autoplan.inputs.batch import training_batch
 from autoplan.hf import example_inputs_for
 
 BATCH, SEQ = 4, 64
@@ -89,12 +89,12 @@ class PlanCheck:
 
 def half_activation_budget(family: Family, precision: str = "fp32") -> int:
     """Static memory (parameters, gradients, AdamW state) plus half the no-plan activation memory."""
-    from autoplan.devices import get_device
-    from autoplan.profile import run_timeline
-    from autoplan.trace import trace
+    from autoplan.inputs.devices import get_device
+    from autoplan.profile.units import run_timeline
+    from autoplan.trace.tracer import trace
 
     model = family.build()
-    traced = trace(model, autoplan.api.training_batch(model, None, BATCH, SEQ), None)
+    traced = trace(model, training_batch(model, None, BATCH, SEQ), None)
     keep = {unit: autoplan.Choice("keep", precision) for unit in traced.units}
     timeline = run_timeline(traced, keep, device=get_device("cpu"), optimizer="adamw")
     static = timeline.static.parameters + timeline.static.gradients + timeline.static.optimizer

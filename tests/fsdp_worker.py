@@ -15,7 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autoplan  # noqa: E402
-from autoplan.shard import measure_rank_peak  # noqa: E402
+from autoplan.verify.fsdp import measure_rank_peak
 from tests.fsdp_model import BATCH, SEQ, STEPS, rank_batch, tiny_llama  # noqa: E402
 
 

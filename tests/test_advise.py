@@ -9,13 +9,14 @@ import sys
 import pytest
 
 import autoplan
-from autoplan.advise import Advice, advise, held_attention, least_activation_choices, smallest_world_size
-from autoplan.memory import phase_bytes, predict_peak, sharded_peak, unit_windows
+from autoplan.report.advice import Advice, advise, held_attention, least_activation_choices, smallest_world_size
+from autoplan.memory.model import phase_bytes, predict_peak, sharded_peak, unit_windows
 from autoplan.plan import Choice, UnitDecision
-from autoplan.plot import PlotUnavailable, memory_curves, plot_memory
-from autoplan.report import fold_units, format_report
-from autoplan.simulate import unique_storage_bytes
-from autoplan.trace import unit_module
+from autoplan.errors import PlotUnavailable
+from autoplan.report.plot import memory_curves, plot_memory
+from autoplan.report.text import fold_units, format_report
+from autoplan.runtime.tensors import unique_storage_bytes
+from autoplan.runtime.names import unit_module
 from tests.cli_factories import tiny_gpt, tiny_gpt_sdpa
 
 BATCH, SEQ, HEADS = 4, 32, 2
@@ -66,7 +67,7 @@ def test_sharded_peak_on_one_gpu_is_the_single_gpu_prediction(loose, tight) -> N
 
 
 def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
-    from autoplan.sharding import GroupBytes
+    from autoplan.memory.sharded import GroupBytes
 
     _, plan, profile = loose
     static = profile.timeline.static
@@ -238,7 +239,7 @@ def test_least_activation_choices_put_kept_bytes_first():
     # kept bytes add up over every unit, so full must win though keep is faster.
     from types import SimpleNamespace
 
-    from autoplan.profile import UnitCost, UnitProfile
+    from autoplan.profile.units import UnitCost, UnitProfile
 
     def cost(held, bwd, time_s):
         return UnitCost(fwd_peak_bytes=0, held_bytes=held, bwd_peak_bytes=bwd, fwd_time_s=time_s, bwd_time_s=0.0,

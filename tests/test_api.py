@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import autoplan
-import autoplan.timeline
+import autoplan.profile.timeline
 from autoplan import Choice, InfeasibleBudgetError, MemoryBreakdown, Plan, UnitDecision
-from autoplan.rewrite import planned_choices
-from autoplan.simulate import default_loss
+from autoplan.runtime.planned import planned_choices
+from autoplan.runtime.training import default_loss
 from examples.gpt import build as build_gpt
 from tests.models import make_lora, make_small_resnet, make_tiny_gpt
 
@@ -335,7 +335,7 @@ def test_example_inputs_as_args_and_kwargs_use_the_models_own_loss(monkeypatch: 
         used_own_loss.append(getattr(output, "loss", None) is loss)
         return loss
 
-    monkeypatch.setattr(autoplan.timeline, "default_loss", spy)
+    monkeypatch.setattr(autoplan.profile.timeline, "default_loss", spy)
     plan = autoplan.plan(model, "1GB", example_inputs=((idx,), {"targets": targets}), device=DEVICE, reserve=0)
     assert plan.feasible
     assert [u.name for u in plan.units] == GPT_UNITS

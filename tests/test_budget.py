@@ -9,16 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoplan.budget import (
-    DEFAULT_FRAGMENTATION,
-    Budget,
-    budget_needed_for,
-    default_reserve,
-    format_bytes,
-    make_budget,
-    parse_bytes,
-)
-from autoplan.devices import DEVICES, get_device
+from autoplan.inputs.budget import DEFAULT_FRAGMENTATION, Budget, budget_needed_for, default_reserve, make_budget, parse_bytes
+from autoplan.runtime.formatting import format_bytes
+from autoplan.inputs.devices import DEVICES, get_device
 
 UNITS = {
     "B": 1,

@@ -10,11 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 import autoplan
-from autoplan.advise import least_activation_choices
-from autoplan.budget import format_bytes
-from autoplan.cli import JSON_SCHEMA, ExitCode, app
-from autoplan.devices import DEVICES
-from autoplan.memory import sharded_peak
+from autoplan.report.advice import least_activation_choices
+from autoplan.runtime.formatting import format_bytes
+from autoplan.cli.app import JSON_SCHEMA, ExitCode, app
+from autoplan.inputs.devices import DEVICES
+from autoplan.memory.model import sharded_peak
 from tests.cli_factories import tiny_gpt, wide_gpt_on_meta
 
 FACTORY = "tests/cli_factories.py:tiny_gpt"

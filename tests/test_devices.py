@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from autoplan.devices import DEVICES, Device, get_device, list_devices
-from autoplan.devices import _match_gpu  # GPU-name matching, testable without a GPU
+from autoplan.inputs.devices import DEVICES, Device, get_device, list_devices
+from autoplan.inputs.devices import _match_gpu
 
 REQUIRED = (
     "a100-40gb", "a100-80gb", "h100-80gb", "h200", "rtx-3090", "rtx-4090",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autoplan
-from autoplan.simulate import rounded_bytes, unique_storage_bytes
+from autoplan.runtime.tensors import rounded_bytes, unique_storage_bytes
 from tests.models import make_lora
 
 STEP_BYTES = rounded_bytes(4)  # AdamW's per-parameter step counter, a float32 scalar
@@ -23,10 +23,10 @@ def _adamw_bytes(params) -> int:
 
 def _static(model, example_inputs=None, batch_size=None, seq_len=None):
     """The static bytes of one simulated training step (the profile stage's ground truth)."""
-    from autoplan.api import training_batch
-    from autoplan.devices import get_device
-    from autoplan.profile import run_timeline
-    from autoplan.trace import trace
+    from autoplan.inputs.batch import training_batch
+    from autoplan.inputs.devices import get_device
+    from autoplan.profile.units import run_timeline
+    from autoplan.trace.tracer import trace
 
     traced = trace(model, training_batch(model, example_inputs, batch_size, seq_len))
     keep = {unit: autoplan.Choice("keep", "fp32") for unit in traced.units}

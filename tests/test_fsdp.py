@@ -19,7 +19,7 @@ import torch
 
 import autoplan
 from autoplan.plan import Choice
-from autoplan.shard import DistributedSetupError
+from autoplan.errors import DistributedSetupError
 from examples.llama import build
 from tests.fsdp_model import STEPS, rank_batch, tiny_llama
 

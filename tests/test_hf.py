@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("transformers")
 
 import autoplan  # noqa: E402
-import autoplan.rewrite  # noqa: E402
-from autoplan.hf import PRESETS, default_seq_len, example_inputs_for, model_from_config, training_inputs  # noqa: E402
+import autoplan.runtime.wrappers  # noqa: E402
+from autoplan.hf import PRESETS, default_seq_len, example_inputs_for, model_from_config, training_inputs
 from tests import families  # noqa: E402
 from tests.families import BATCH, FAMILIES, SEQ  # noqa: E402
 
@@ -81,8 +81,8 @@ def test_generate_after_rewrite_gives_the_same_tokens_and_recomputes_nothing(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
-    real_checkpoint = autoplan.rewrite.checkpoint
-    monkeypatch.setattr(autoplan.rewrite, "checkpoint", lambda *a, **k: calls.append(1) or real_checkpoint(*a, **k))
+    real_checkpoint = autoplan.runtime.wrappers.checkpoint
+    monkeypatch.setattr(autoplan.runtime.wrappers, "checkpoint", lambda *a, **k: calls.append(1) or real_checkpoint(*a, **k))
     before, after = families.generate_after_rewrite(families.BY_NAME[name], _planned(name).plan)
     assert after.shape[-1] > 1
     assert torch.equal(before, after)
@@ -125,8 +125,8 @@ def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch
         rewritten.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_calls = _count_hf_checkpointing(rewritten)
     ours = []
-    real_checkpoint = autoplan.rewrite.checkpoint
-    monkeypatch.setattr(autoplan.rewrite, "checkpoint", lambda *a, **k: ours.append(1) or real_checkpoint(*a, **k))
+    real_checkpoint = autoplan.runtime.wrappers.checkpoint
+    monkeypatch.setattr(autoplan.runtime.wrappers, "checkpoint", lambda *a, **k: ours.append(1) or real_checkpoint(*a, **k))
     loss, grads, _, _ = families._train_step(original, inputs)
     loss2, grads2, _, _ = families._train_step(rewritten, inputs)
     assert hf_calls == []  # never checkpointed twice

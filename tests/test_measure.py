@@ -14,6 +14,7 @@ import torch
 
 import autoplan
 from autoplan.plan import Choice
+from autoplan.runtime.planned import apply_choices
 from tests.models import ALL_MODELS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -51,7 +52,7 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
 def test_verify_runs_the_plan_and_judges_it_against_the_usable_budget():
     model, inputs = batch_of("tiny_gpt")
     plan = tight_plan(model, inputs)
-    autoplan.rewrite.apply_choices(model, {u.name: Choice("keep", "fp32") for u in plan.units})  # not the plan
+    apply_choices(model, {u.name: Choice("keep", "fp32") for u in plan.units})  # not the plan
     result = autoplan.verify(model, plan, example_inputs=inputs)
     assert autoplan.planned_choices(model) == plan.choices()
     assert result.held and abs(result.peak_error) <= 0.01

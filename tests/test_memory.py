@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
-from autoplan.devices import get_device
-from autoplan.memory import predict_peak
+from autoplan.inputs.devices import get_device
+from autoplan.memory.model import predict_peak
 from autoplan.plan import MODES, Choice
-from autoplan.profile import profile
-from autoplan.trace import trace
-from autoplan.verify import simulate_plan
+from autoplan.profile.units import profile
+from autoplan.trace.tracer import trace
+from autoplan.verify.simulate import simulate_plan
 from tests.models import ALL_MODELS
 
 DEVICE = get_device("h100-80gb")

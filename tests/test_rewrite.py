@@ -30,16 +30,11 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import autoplan  # noqa: E402
-import autoplan.rewrite as rewrite  # noqa: E402
+import autoplan.runtime.wrappers as wrappers  # noqa: E402
 from autoplan.plan import Choice  # noqa: E402
-from autoplan.rewrite import (  # noqa: E402
-    PlannedForward,
-    PlannedSequential,
-    apply_choices,
-    planned_choices,
-    remove_plan,
-)
-from autoplan.trace import find_units  # noqa: E402
+from autoplan.runtime.wrappers import PlannedForward
+from autoplan.runtime.planned import PlannedSequential, apply_choices, planned_choices, remove_plan
+from autoplan.trace.units import find_units
 from tests.models import ALL_MODELS, make_mlp, make_small_resnet, make_tiny_gpt, make_tiny_gpt_dropout  # noqa: E402
 
 NAMES = sorted(ALL_MODELS)
@@ -373,13 +368,13 @@ def test_no_grad_runs_without_checkpoint_or_recompute(monkeypatch):
     planned = copy.deepcopy(original)
     apply_choices(planned, all_units(planned, Choice("full", "fp32")))
     calls = []
-    real_checkpoint = rewrite.checkpoint
+    real_checkpoint = wrappers.checkpoint
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real_checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(rewrite, "checkpoint", spy)
+    monkeypatch.setattr(wrappers, "checkpoint", spy)
     with torch.no_grad():
         expected = output_tensor(original(*inputs))
         with FlopCounterMode(display=False) as counter:

@@ -16,12 +16,12 @@ from typing import Sequence
 
 import pytest
 
-from autoplan.devices import get_device
-from autoplan.memory import live_bytes, points, predict_peak, predict_step_time
+from autoplan.inputs.devices import get_device
+from autoplan.memory.model import live_bytes, points, predict_peak, predict_step_time
 from autoplan.plan import Choice
-from autoplan.profile import Profile, UnitCost, UnitProfile
-from autoplan.solve import Solution, allowed_choices, check, fastest, minimum_peak, solve
-from autoplan.timeline import Boundary, PhaseSample, StaticBytes, Timeline
+from autoplan.profile.units import Profile, UnitCost, UnitProfile
+from autoplan.solve.ilp import Solution, allowed_choices, check, fastest, minimum_peak, solve
+from autoplan.profile.timeline import Boundary, PhaseSample, StaticBytes, Timeline
 
 MIB = 2**20
 HALF = MIB // 2

@@ -24,10 +24,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 import autoplan
-from autoplan.budget import format_bytes, make_budget
-from autoplan.devices import get_device, list_devices
-from autoplan.targets import Target, TargetError, load_target
-from autoplan.trace import TraceError
+from autoplan.runtime.formatting import format_bytes
+from autoplan.inputs.budget import make_budget
+from autoplan.inputs.devices import get_device, list_devices
+from autoplan.inputs.targets import Target, load_target
+from autoplan.report.advice import advise
+from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
+from autoplan.report.text import render, report_renderables, verification_table
+from autoplan.errors import (
+    FactoryError,
+    MissingExtraError,
+    TargetNotFoundError,
+    TargetUsageError,
+    TraceError,
+    UnitPatternError,
+)
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
 
@@ -65,8 +76,18 @@ class CliError(Exception):
         self.code = code
 
 
-_TARGET_CODES = {"usage": ExitCode.USAGE, "not_found": ExitCode.NOT_FOUND, "factory": ExitCode.FACTORY_FAILED,
-                 "missing_extra": ExitCode.MISSING_EXTRA}
+# Errors the person can fix, by class (most specific first); anything else is a bug (ExitCode.ERROR).
+EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
+    (TargetUsageError, ExitCode.USAGE),
+    (UnitPatternError, ExitCode.USAGE),
+    (TargetNotFoundError, ExitCode.NOT_FOUND),
+    (FactoryError, ExitCode.FACTORY_FAILED),
+    (MissingExtraError, ExitCode.MISSING_EXTRA),
+)
+
+
+def exit_code_for(error: BaseException) -> ExitCode:
+    return next((code for kind, code in EXIT_CODES if isinstance(error, kind)), ExitCode.ERROR)
 
 app = typer.Typer(
     help="Make a PyTorch training step fit a memory budget: plan checkpointing and precision per block, "
@@ -87,8 +108,10 @@ def _reported(debug: bool):
         _fail(error, debug)
     except typer.Exit:
         raise
-    except Exception as error:  # a bug: one line, the traceback with --debug
-        _fail(CliError(ExitCode.ERROR, f"{type(error).__name__}: {error}").with_traceback(error.__traceback__), debug)
+    except Exception as error:
+        code = exit_code_for(error)
+        message = str(error) if code != ExitCode.ERROR else f"{type(error).__name__}: {error}"  # a bug: say what raised
+        _fail(CliError(code, message).with_traceback(error.__traceback__), debug)
 
 
 def _fail(error: CliError, debug: bool) -> None:
@@ -135,14 +158,9 @@ def _check_options(budget: str, device: Optional[str], reserve: Optional[str], w
         raise CliError(ExitCode.USAGE, str(error)) from error
     _world_size(world_size)
     if plot is not None:
-        from autoplan.plot import FORMATS, PlotUnavailable, _pyplot
-
         if plot.suffix.lower() not in FORMATS:
             raise CliError(ExitCode.USAGE, f"--plot file must end in {', '.join(FORMATS)}; got {plot.name!r}")
-        try:
-            _pyplot()  # fail before minutes of planning, not after
-        except PlotUnavailable as error:
-            raise CliError(ExitCode.MISSING_EXTRA, str(error)) from error
+        require_pyplot()  # fail before minutes of planning, not after: PlotUnavailable is exit 7
 
 
 def _units(values: Optional[list[str]]) -> Optional[list[str]]:
@@ -156,12 +174,11 @@ def _plan(target: Target, budget: str, options: dict, progress, inputs=None, mod
     try:
         plan = autoplan.plan(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
                              progress=progress, on_profile=profiles.append, **options)
+    except (UnitPatternError, MissingExtraError):
+        raise  # --units named nothing / an extra is missing: mapped by class
     except TraceError as error:
-        usage = options.get("units") and "matched no" in str(error)  # --units named nothing: a bad option
-        raise CliError(ExitCode.USAGE if usage else ExitCode.CANNOT_PLAN, str(error)) from error
+        raise CliError(ExitCode.CANNOT_PLAN, str(error)) from error
     except ValueError as error:
-        if "matched no unit" in str(error):
-            raise CliError(ExitCode.USAGE, str(error)) from error
         raise CliError(ExitCode.CANNOT_PLAN, f"cannot profile {type(target.model).__name__}: {error}") from error
     except Exception as error:
         raise CliError(ExitCode.CANNOT_PLAN, f"cannot profile {type(target.model).__name__}: {type(error).__name__}: {error}") from error
@@ -230,10 +247,7 @@ def plan_command(
             options["world_size"] = _world_size(world_size)
         progress = _StageProgress(err)
         with progress.bar, quiet:
-            try:
-                loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
-            except TargetError as error:
-                raise CliError(_TARGET_CODES[error.kind], str(error)) from error
+            loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
             plan, profile = _plan(loaded, budget, options, progress)
 
             def replan(micro: int):
@@ -241,19 +255,13 @@ def plan_command(
                 model, inputs = loaded.rebuild(micro)
                 return _plan(loaded, budget, options, progress, inputs=inputs, model=model)[0]
 
-            from autoplan.advise import advise
-
             advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
                             parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
-        from autoplan.report import render, report_renderables
-
         render(out, report_renderables(plan, advice, budget_text=budget))
         if json_path is not None:
             _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n")
             err.print(f"wrote {json_path}")
         if plot is not None:
-            from autoplan.plot import plot_memory
-
             try:
                 plot_memory(plan, profile, plot)
             except OSError as error:
@@ -295,10 +303,7 @@ def verify_command(
         _check_options(budget, device, reserve, None, None)
         progress = _StageProgress(err)
         with progress.bar:
-            try:
-                loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
-            except TargetError as error:
-                raise CliError(_TARGET_CODES[error.kind], str(error)) from error
+            loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
             model = loaded.model.to(where)
             inputs = _to_device(loaded.example_inputs, where)
             options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units), reserve=reserve)
@@ -308,8 +313,6 @@ def verify_command(
                 raise typer.Exit(int(ExitCode.DOES_NOT_FIT))
             progress(f"training {steps} real steps on {where}")
             result = autoplan.verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
-        from autoplan.report import verification_table
-
         out.print(verification_table(result))
         if json_path is not None:
             document = {"schema": "autoplan.verify/1", "target": target, "budget": budget,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from autoplan.errors import MissingExtraError, UnknownModelError
 
 # name -> (transformers config class, the checkpoint's public config.json values)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -74,19 +75,13 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError(
-            "Hugging Face models need the transformers package: pip install 'autoplan[hf]'"
-        ) from None
+        raise MissingExtraError("Hugging Face models need the transformers package: pip install 'autoplan[hf]'") from None
     return transformers
 
 
 def is_hf_model(model: torch.nn.Module) -> bool:
     """A transformers PreTrainedModel, recognised without importing transformers."""
     return hasattr(model, "config") and hasattr(model, "main_input_name") and hasattr(model, "save_pretrained")
-
-
-class UnknownModelError(ValueError):
-    """The spec is neither a preset nor a config.json; the message lists the presets."""
 
 
 def _config_from_spec(spec: str):

@@ -6,7 +6,7 @@
 
 A factory returns a model and its example inputs (`(model, inputs)`); it may take `batch_size`
 and `seq_len` keyword arguments, which the CLI's options are passed to. Loading never prints or
-exits; failures are `TargetError`s whose `kind` the CLI maps to an exit code.
+exits; failures are `TargetError` subclasses (and `MissingExtraError`) that the CLI maps to exit codes.
 """
 
 from __future__ import annotations
@@ -21,17 +21,11 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
+from autoplan.inputs import hf_models
+from autoplan.errors import FactoryError, TargetNotFoundError, TargetUsageError, UnknownModelError
 
 HF_DEFAULT_BATCH = 1
 HF_DEFAULT_SEQ = 1024
-
-
-class TargetError(Exception):
-    """The target could not be loaded; `kind` is "usage", "not_found", "factory", "missing_extra"."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -50,19 +44,19 @@ def load_target(spec: str, *, batch_size: int | None = None, seq_len: int | None
     if spec.startswith("hf:"):
         return _load_hf(spec, spec[3:], batch_size, seq_len, meta)
     if ":" not in spec:
-        raise TargetError("usage", f"target {spec!r} names no factory: write path/to/file.py:factory, package.module:factory or hf:CONFIG")
+        raise TargetUsageError(f"target {spec!r} names no factory: write path/to/file.py:factory, package.module:factory or hf:CONFIG")
     where, _, name = spec.rpartition(":")
     module = _load_file(where) if where.endswith(".py") or "/" in where else _load_module(where)
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise TargetError("not_found", f"{where} has no function {name!r}")
+        raise TargetNotFoundError(f"{where} has no function {name!r}")
     return _call_factory(spec, factory, name, batch_size, seq_len)
 
 
 def _load_file(path_text: str):
     path = Path(path_text)
     if not path.is_file():
-        raise TargetError("not_found", f"no such file: {path_text}")
+        raise TargetNotFoundError(f"no such file: {path_text}")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # like `python file.py` run from here: sibling packages import
     unique = f"autoplan_target_{abs(hash(str(path.resolve())))}"
@@ -72,7 +66,7 @@ def _load_file(path_text: str):
     try:
         loader.loader.exec_module(module)
     except Exception as error:
-        raise TargetError("factory", f"importing {path_text} raised {type(error).__name__}: {_first_line(error)}") from error
+        raise FactoryError(f"importing {path_text} raised {type(error).__name__}: {_first_line(error)}") from error
     return module
 
 
@@ -83,10 +77,10 @@ def _load_module(name: str):
         return importlib.import_module(name)
     except ModuleNotFoundError as error:
         if error.name and name.startswith(error.name):
-            raise TargetError("not_found", f"no module named {name!r}") from error
-        raise TargetError("factory", f"importing {name} raised {type(error).__name__}: {_first_line(error)}") from error
+            raise TargetNotFoundError(f"no module named {name!r}") from error
+        raise FactoryError(f"importing {name} raised {type(error).__name__}: {_first_line(error)}") from error
     except Exception as error:
-        raise TargetError("factory", f"importing {name} raised {type(error).__name__}: {_first_line(error)}") from error
+        raise FactoryError(f"importing {name} raised {type(error).__name__}: {_first_line(error)}") from error
 
 
 def _accepts(factory: Callable, parameter: str) -> bool:
@@ -111,18 +105,18 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
         if value is not None:
             if not _accepts(factory, option):
                 flag = "--" + option.replace("_", "-")
-                raise TargetError("usage", f"{name}() takes no {option} argument: drop {flag} or add the parameter")
+                raise TargetUsageError(f"{name}() takes no {option} argument: drop {flag} or add the parameter")
             sizes[option] = value
 
     def build(**sizes_now) -> tuple[torch.nn.Module, Any]:
         try:
             result = factory(**sizes_now)
         except Exception as error:
-            raise TargetError("factory", f"{name}() raised {type(error).__name__}: {_first_line(error)}") from error
+            raise FactoryError(f"{name}() raised {type(error).__name__}: {_first_line(error)}") from error
         if isinstance(result, torch.nn.Module):
-            raise TargetError("factory", f"{name}() returned a model but no example inputs: return (model, example_inputs)")
+            raise FactoryError(f"{name}() returned a model but no example inputs: return (model, example_inputs)")
         if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
-            raise TargetError("factory", f"{name}() must return (model, example_inputs); it returned {type(result).__name__}")
+            raise FactoryError(f"{name}() must return (model, example_inputs); it returned {type(result).__name__}")
         return result[0], result[1]
 
     model, inputs = build(**sizes)
@@ -138,21 +132,15 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
 
 def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None, meta: bool = True) -> Target:
     try:
-        hf = importlib.import_module("autoplan.hf")  # needs transformers; only hf: targets pay for importing it
-    except ModuleNotFoundError as error:
-        if error.name == "transformers":
-            raise TargetError("missing_extra", 'hf: targets need transformers: pip install "autoplan[hf]"') from error
-        raise TargetError("missing_extra", f"hf: targets need autoplan.hf, which failed to import: {error}") from error
-    try:
-        model = hf.model_from_config(config, meta=meta)
+        model = hf_models.model_from_config(config, meta=meta)  # needs transformers: MissingExtraError without it
     except (FileNotFoundError, KeyError, ValueError, OSError) as error:
-        hint = "" if isinstance(error, hf.UnknownModelError) else f" (presets: {', '.join(sorted(hf.PRESETS))}, or a path to config.json)"
-        raise TargetError("not_found", f"hf:{config}: {_first_line(error)}{hint}") from error
+        hint = "" if isinstance(error, UnknownModelError) else f" (presets: {', '.join(sorted(hf_models.PRESETS))}, or a path to config.json)"
+        raise TargetNotFoundError(f"hf:{config}: {_first_line(error)}{hint}") from error
     batch = batch_size or HF_DEFAULT_BATCH
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     seq = seq_len or (min(HF_DEFAULT_SEQ, limit) if limit else HF_DEFAULT_SEQ)
-    inputs = hf.example_inputs_for(model, batch, seq)
-    rebuild = lambda micro: (model, hf.example_inputs_for(model, micro, seq))  # noqa: E731
+    inputs = hf_models.example_inputs_for(model, batch, seq)
+    rebuild = lambda micro: (model, hf_models.example_inputs_for(model, micro, seq))  # noqa: E731
     return Target(spec, model, inputs, batch, seq, _parameter_count(model), rebuild)
 
 

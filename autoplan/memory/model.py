@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Literal, Mapping
 
 from autoplan.plan import Choice, MemoryBreakdown, ShardedPeak
-from autoplan.profile import Profile, UnitProfile
-from autoplan.sharding import RankTerms, rank_terms
+from autoplan.profile.units import Profile, UnitProfile
+from autoplan.memory.sharded import RankTerms, rank_terms
 
 Relation = Literal["fwd", "held", "bwd"]
 

@@ -25,37 +25,12 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
-import torch
 
-from autoplan.simulate import rounded_bytes
+from autoplan.runtime.tensors import rounded_bytes
+from autoplan.profile.layout import ParamShape
 
 if TYPE_CHECKING:
-    from autoplan.profile import Profile
-
-
-@dataclass(frozen=True)
-class ParamShape:
-    """One parameter as FSDP2 shards it."""
-
-    rows: int  # size of dim 0, the dim FSDP2 shards
-    row_numel: int  # elements per row (1 for a vector)
-    itemsize: int  # bytes per element
-
-    @staticmethod
-    def of(tensor: torch.Tensor) -> "ParamShape":
-        rows = tensor.shape[0] if tensor.dim() else 1
-        return ParamShape(rows, tensor.numel() // max(rows, 1), tensor.element_size())
-
-    def shard_bytes(self, world_size: int) -> int:
-        return -(-self.rows // world_size) * self.row_numel * self.itemsize
-
-
-def layout_of(params) -> tuple[ParamShape, ...]:
-    """Shapes of the distinct parameters among `params` (tied weights once)."""
-    seen: dict[int, ParamShape] = {}
-    for param in params:
-        seen.setdefault(id(param.untyped_storage()), ParamShape.of(param))
-    return tuple(seen.values())
+    from autoplan.profile.units import Profile
 
 
 @dataclass(frozen=True)

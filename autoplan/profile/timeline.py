@@ -17,16 +17,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from autoplan.devices import Device
-from autoplan.trace import unit_endpoints
-from autoplan.simulate import (
-    LiveBytesTracker,
-    default_loss,
-    fake_tree,
-    make_optimizer,
-    storage_bytes,
-    unique_storage_bytes,
-)
+from autoplan.inputs.devices import Device
+from autoplan.runtime.names import unit_endpoints
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.training import default_loss, make_optimizer
+from autoplan.runtime.fake import fake_tree
+from autoplan.runtime.tensors import storage_bytes, unique_storage_bytes
+from autoplan.runtime.tensors import tensors_of
 
 
 @dataclass(frozen=True)
@@ -199,7 +196,7 @@ class _UnitRecorder:
             if not (self.recording and self.in_forward):
                 return None
             start_hook = self._once(f"bwd:{name}")
-            outputs = _tensors_of(output)
+            outputs = tensors_of(output)
             for tensor in outputs:
                 if tensor.requires_grad:
                     tensor.register_hook(start_hook)
@@ -245,12 +242,6 @@ class _UnitRecorder:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def _tensors_of(output: Any) -> list[torch.Tensor]:
-    if not isinstance(output, (torch.Tensor, dict, list, tuple)) and hasattr(output, "__dict__"):
-        output = dict(vars(output))
-    return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
 
 
 def _phase_sample(phase, grad_bytes: int) -> PhaseSample:

@@ -22,13 +22,20 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from autoplan.devices import Device
+from autoplan.inputs.devices import Device
 from autoplan.plan import MODES, Choice
-from autoplan.rewrite import DTYPES, PlannedForward, apply_choices, remove_plan
-from autoplan.sharding import ParamShape, layout_of
-from autoplan.simulate import LiveBytesTracker, fake_copy, optimizer_name, unique_storage_bytes
-from autoplan.timeline import TensorSpec, Timeline, UnitCall, _tensors_of, simulate_training
-from autoplan.trace import Traced, unit_module
+from autoplan.plan import DTYPES
+from autoplan.runtime.wrappers import PlannedForward
+from autoplan.runtime.planned import apply_choices, remove_plan
+from autoplan.profile.layout import ParamShape, layout_of
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.fake import fake_copy
+from autoplan.runtime.training import optimizer_name
+from autoplan.runtime.tensors import unique_storage_bytes
+from autoplan.profile.timeline import TensorSpec, Timeline, UnitCall, simulate_training
+from autoplan.runtime.tensors import tensors_of
+from autoplan.trace.tracer import Traced
+from autoplan.runtime.names import unit_module
 
 
 @dataclass(frozen=True)
@@ -208,7 +215,7 @@ def _measure_unit(
         attention = _AttentionSaved() if choice.mode == "keep" else contextlib.nullcontext()
         with outer, attention:
             output = planned(*args, **kwargs)
-        outputs = _tensors_of(output)
+        outputs = tensors_of(output)
         new_outputs = [t for t in outputs if id(t.untyped_storage()) not in input_storages]
         held = tracker.live_bytes - tracker.phases()[-1].start_bytes - unique_storage_bytes(new_outputs)
         output_refs = [weakref.ref(t.untyped_storage()) for t in outputs]

@@ -13,11 +13,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from autoplan.budget import format_bytes, format_count, format_ms
-from autoplan.memory import PhaseBytes, ShardedPeak, phase_bytes, predict_peak, predict_step_time, sharded_peak, unit_windows
+from autoplan.runtime.formatting import format_bytes, format_count, format_ms
+from autoplan.memory.model import PhaseBytes, phase_bytes, predict_peak, predict_step_time, sharded_peak, unit_windows
+from autoplan.plan import ShardedPeak
 from autoplan.plan import Choice, Plan
-from autoplan.profile import Profile
-from autoplan.rewrite import DTYPES
+from autoplan.profile.units import Profile
+from autoplan.plan import DTYPES
 
 MAX_GPUS = 65536  # FSDP search limit; beyond this the advice says sharding alone cannot fit
 QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)

@@ -11,15 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoplan.memory import phase_bytes
+from autoplan.memory.model import phase_bytes
 from autoplan.plan import Choice, Plan
-from autoplan.profile import Profile
+from autoplan.profile.units import Profile
+from autoplan.errors import PlotUnavailable
 
 FORMATS = (".png", ".svg", ".pdf")
-
-
-class PlotUnavailable(ImportError):
-    """matplotlib is not installed."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +39,7 @@ def memory_curves(plan: Plan, profile: Profile) -> MemoryCurves:
     return MemoryCurves(names, tuple(before), tuple(after), plan.usable_bytes, plan.budget_bytes)
 
 
-def _pyplot():
+def require_pyplot():
     try:
         import matplotlib
     except ImportError:
@@ -58,7 +55,7 @@ def plot_memory(plan: Plan, profile: Profile, path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise ValueError(f"plot file must end in {', '.join(FORMATS)}; got {path.name!r}")
-    plt = _pyplot()
+    plt = require_pyplot()
     curves = memory_curves(plan, profile)
     gb = 1e9
     steps = range(len(curves.phases))

@@ -18,12 +18,12 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from autoplan.budget import format_bytes, format_count, format_ms
+from autoplan.runtime.formatting import format_bytes, format_count, format_ms
 
 if TYPE_CHECKING:
-    from autoplan.advise import Advice
-    from autoplan.measure import Verification
-    from autoplan.memory import ShardedPeak
+    from autoplan.report.advice import Advice
+    from autoplan.verify.real import Verification
+    from autoplan.plan import ShardedPeak
     from autoplan.plan import Plan, UnitDecision
 
 _NUMBERED = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")

@@ -10,196 +10,17 @@ methods stay as they were, `copy.deepcopy` copies the wrappers with the model, a
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autoplan.partition import is_graph_unit, split_by_units
+from autoplan.runtime.names import is_graph_unit
+from autoplan.runtime.graph import split_by_units
 from autoplan.plan import Choice
-from autoplan.trace import RANGE_UNIT
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
-# their cost) and recomputes everything else: norms, activations, dropout, casts, adds.
-_SAVED_IN_SELECTIVE = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-    torch.ops.aten.convolution.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_IN_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context():
-    return create_selective_checkpoint_contexts(_selective_policy)
-
-
-def _has_running_stats(module: torch.nn.Module) -> bool:
-    return any(
-        isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules()
-    )
-
-
-@dataclass
-class PlannedForward:
-    """A unit's forward under its plan; set as `module.forward` on the instance."""
-
-    module: torch.nn.Module
-    choice: Choice
-    original: Any = None  # an instance-level forward that was there before (e.g. another library's hook)
-    cast_outputs: bool = True  # return outputs in the inputs' float dtype, so neighbours see what they saw before
-
-    def _run(self, *args, **kwargs):
-        if self.original is not None:
-            return self.original(*args, **kwargs)
-        return _class_forward(type(self.module))(self.module, *args, **kwargs)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        # Libraries read forward's parameters (transformers' generate() does): show the real ones.
-        if self.original is not None:
-            return inspect.signature(self.original)
-        return inspect.signature(_class_forward(type(self.module)).__get__(self.module))
-
-    def _precision_context(self, args, kwargs) -> contextlib.AbstractContextManager:
-        device_type = _device_type(self.module, args, kwargs)
-        if self.choice.precision == "fp32":
-            if torch.is_autocast_enabled(device_type):
-                return torch.autocast(device_type, enabled=False)
-            return contextlib.nullcontext()
-        # The weight cache would keep low-precision weight copies alive until the outermost autocast
-        # exits, which defeats checkpointing; without it each use casts, and the cast is what is saved.
-        return torch.autocast(device_type, dtype=DTYPES[self.choice.precision], cache_enabled=False)
-
-    def _forward_in_precision(self, *args, **kwargs):
-        with self._precision_context(args, kwargs):
-            return self._run(*args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        if self.choice.mode == "keep" or not torch.is_grad_enabled():
-            output = self._forward_in_precision(*args, **kwargs)
-        else:
-            function = self._forward_in_precision
-            if _has_running_stats(self.module):
-                function = _without_second_stats_update(self.module, function)
-            # Only selective mode passes a context_fn: torch.compile rejects a custom one that
-            # returns no dispatch modes, so full mode keeps checkpoint's default.
-            extra = {"context_fn": _selective_context} if self.choice.mode == "selective" else {}
-            args, kwargs = _without_cache_writes(self.module, args, kwargs)
-            output = checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
-        if self.cast_outputs and self.choice.precision != "fp32":
-            output = _cast_like_inputs(output, args, kwargs, self.module)
-        return output
-
-
-def _class_forward(cls: type) -> Any:
-    """The class's forward, minus transformers' own checkpointing wrapper.
-
-    transformers v5 wraps every `GradientCheckpointingLayer.forward` in a function that checkpoints
-    it when `gradient_checkpointing_enable()` has set the layer's flag. A planned unit already runs
-    under the plan's checkpoint mode, so the plan wins: the wrapper is skipped (never checkpointing
-    twice), whether the flag was set before or after the rewrite.
-    """
-    forward = cls.forward
-    code = getattr(forward, "__code__", None)
-    if code is not None and code.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
-        return forward.__wrapped__
-    return forward
-
-
-_CACHE_KWARGS = ("past_key_values", "layer_past")
-
-
-def _without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A transformers layer checkpointed in training must not write its KV cache.
-
-    Recomputation would append the keys and values a second time (and the replay would no longer
-    match the forward). This is what transformers' own checkpointing wrapper does, which the plan
-    replaces: no cache for checkpointed layers, unless the layer says it only reads it. The cache
-    may come positionally (GPT-2 passes it so), hence binding to forward's signature.
-    """
-    if not hasattr(module, "_can_checkpoint_with_cache") or module._can_checkpoint_with_cache:
-        return args, kwargs
-    try:
-        bound = inspect.signature(_class_forward(type(module))).bind(module, *args, **kwargs)
-    except (TypeError, ValueError):
-        return args, kwargs
-    extra = next(
-        (bound.arguments[p.name] for p in bound.signature.parameters.values() if p.kind is p.VAR_KEYWORD and p.name in bound.arguments),
-        {},
-    )
-    for values in (bound.arguments, extra):
-        if values.get("use_cache"):
-            values["use_cache"] = False
-        for name in _CACHE_KWARGS:
-            if values.get(name) is not None:
-                values[name] = None
-    return bound.args[1:], bound.kwargs
-
-
-def _without_second_stats_update(module: torch.nn.Module, function):
-    """Recomputing a BatchNorm in backward would update its running statistics a second time.
-
-    The first call (the forward) runs as is; later calls (recomputation) restore the running
-    statistics afterwards, so the buffers end the step as they would without checkpointing.
-    """
-    calls = []
-
-    @functools.wraps(function)
-    def run(*args, **kwargs):
-        if not calls:
-            calls.append(True)
-            return function(*args, **kwargs)
-        buffers = [b for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) for b in m.buffers()]
-        # Outside the dispatch modes: selective checkpointing replays exactly the forward's ops
-        # during recomputation and would reject these extra ones.
-        with _disable_current_modes():
-            saved = [b.detach().clone() for b in buffers]
-        try:
-            return function(*args, **kwargs)
-        finally:
-            with _disable_current_modes(), torch.no_grad():
-                for buffer, value in zip(buffers, saved):
-                    buffer.copy_(value)
-
-    return run
-
-
-def _device_type(module: torch.nn.Module, args, kwargs) -> str:
-    for leaf in tree_flatten((args, kwargs))[0]:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device.type
-    for tensor in module.parameters():
-        return tensor.device.type
-    return "cpu"
-
-
-def _cast_like_inputs(output, args, kwargs, module):
-    floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    target = floats[0].dtype if floats else next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    if target is None:
-        return output
-    low = (torch.bfloat16, torch.float16)
-    return tree_map_only(
-        torch.Tensor, lambda t: t.to(target) if t.dtype in low and t.dtype != target else t, output
-    )
+from autoplan.runtime.names import sequential_run
+from autoplan.runtime.wrappers import PlannedForward
 
 
 @dataclass
@@ -297,14 +118,13 @@ def apply_choices(
     for name, choice in choices.items():
         if name in graph_choices:
             continue
-        match = RANGE_UNIT.match(name)
-        if match is None:
+        run = sequential_run(name)
+        if run is None:
             module = model.get_submodule(name)
             module.forward = PlannedForward(module, choice, original=module.__dict__.get("forward"))
             continue
-        start, stop = int(match["start"]), int(match["stop"])
-        layers = torch.nn.Sequential(*list(model.get_submodule(match["parent"]))[start:stop])
-        runs.setdefault(match["parent"], []).append((start, stop, PlannedForward(layers, choice)))
+        layers = torch.nn.Sequential(*run.layers(model))
+        runs.setdefault(run.parent, []).append((run.start, run.stop, PlannedForward(layers, choice)))
     for parent_name, parent_runs in runs.items():
         parent = model.get_submodule(parent_name)
         parent.forward = PlannedSequential(parent, sorted(parent_runs, key=lambda run: run[0]), parent.__dict__.get("forward"))

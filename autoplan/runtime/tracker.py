@@ -9,37 +9,16 @@ tells the peak of every moment of a training step. `fake_copy` makes a FakeTenso
 
 from __future__ import annotations
 
-import copy
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from autoplan.devices import Device
-
-ALLOCATION_GRANULE = 512  # the CUDA caching allocator rounds every block up to this many bytes
-
-
-def rounded_bytes(nbytes: int) -> int:
-    return -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
-
-
-def storage_bytes(tensor: torch.Tensor) -> int:
-    return rounded_bytes(tensor.untyped_storage().nbytes())
-
-
-def unique_storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and tied weights count once)."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        seen[id(storage)] = rounded_bytes(storage.nbytes())
-    return sum(seen.values())
+from autoplan.inputs.devices import Device
+from autoplan.runtime.tensors import rounded_bytes
 
 
 @dataclass
@@ -153,85 +132,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
 # -- fake copies ------------------------------------------------------------------------------
 
-def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
-    with fake_mode:
-        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-
-
-def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
-    """A twin of `model` whose parameters and buffers are FakeTensors on the CPU.
-
-    Tied parameters stay tied (deepcopy's memo maps each original tensor to one fake), and no
-    parameter data is copied, so this works for meta-device models of any size.
-    """
-    memo: dict[int, Any] = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if id(tensor) in memo:
-            continue
-        fake = _fake_like(tensor, fake_mode)
-        if isinstance(tensor, torch.nn.Parameter):
-            fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
-        memo[id(tensor)] = fake
-    return copy.deepcopy(model, memo)
-
-
-def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
-    """Replace every tensor in a pytree of inputs by a fake of the same shape, dtype and grad flag."""
-
-    def to_fake(tensor: torch.Tensor) -> torch.Tensor:
-        fake = _fake_like(tensor, fake_mode)
-        return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake
-
-    return tree_map_only(torch.Tensor, to_fake, tree)
-
 
 # -- losses and optimizers --------------------------------------------------------------------
 
-def default_loss(output: Any) -> torch.Tensor:
-    """The scalar a profiling step backpropagates: the model's own loss, else the sum of its outputs.
 
-    An output with a `.loss` (or a dict with "loss") that is not None is used as is; otherwise every
-    floating-point tensor in the output is summed, which gives each output a gradient of its size.
-    """
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if not isinstance(output, (torch.Tensor, dict, list, tuple)) and hasattr(output, "__dict__"):
-        output = dict(vars(output))
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not tensors:
-        raise ValueError("the model's output has no floating-point tensor to backpropagate; pass loss_fn=")
-    return sum(t.sum() for t in tensors)
-
-
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
-
-
-def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer).__name__
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS} or a torch.optim.Optimizer")
-    return optimizer
-
-
-def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, device: Device) -> torch.optim.Optimizer:
-    """An optimizer over the fake parameters that allocates what the real one would on `device`.
-
-    On CUDA, torch's optimizers default to the foreach implementation, whose temporaries are the
-    size of all parameters; on the CPU they default to a per-parameter loop. Fake tensors live on
-    the CPU, so the implementation is chosen explicitly for the target device.
-    """
-    foreach = device.kind == "cuda"
-    if isinstance(optimizer, torch.optim.Optimizer):
-        defaults = dict(optimizer.defaults)
-        if "foreach" in defaults and defaults["foreach"] is None and not defaults.get("fused"):
-            defaults["foreach"] = foreach
-        return type(optimizer)(params, **defaults)
-    factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
-        "adamw": lambda: torch.optim.AdamW(params, foreach=foreach),
-        "adam": lambda: torch.optim.Adam(params, foreach=foreach),
-        "sgd": lambda: torch.optim.SGD(params, lr=1e-3, foreach=foreach),
-        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach),
-    }
-    return factories[optimizer_name(optimizer)]()

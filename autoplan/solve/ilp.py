@@ -19,20 +19,9 @@ from typing import Mapping
 
 import pulp
 
-from autoplan.memory import (
-    Point,
-    alive_regardless,
-    holds,
-    kept_flags,
-    points,
-    predict_peak,
-    shared_bytes,
-    shared_tensors,
-    transient_delta,
-    unit_windows,
-)
+from autoplan.memory.model import Point, alive_regardless, holds, kept_flags, points, predict_peak, shared_bytes, shared_tensors, transient_delta, unit_windows
 from autoplan.plan import MODES, Choice
-from autoplan.profile import Profile
+from autoplan.profile.units import Profile
 
 MIB = 2**20  # the program works in MiB so the solver's tolerances stay meaningful
 

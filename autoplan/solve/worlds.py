@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from autoplan.memory import predict_peak
+from autoplan.memory.model import predict_peak
 from autoplan.plan import Choice, WorldSizePoint
-from autoplan.profile import Profile
-from autoplan.solve import minimum_peak
+from autoplan.profile.units import Profile
+from autoplan.solve.ilp import minimum_peak
 
 MAX_WORLD_SIZE = 4096  # beyond this the floor (activations, gathered units) is what does not fit
 

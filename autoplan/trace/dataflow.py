@@ -24,8 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autoplan.simulate import fake_copy, fake_tree
-from autoplan.trace import first_line
+from autoplan.runtime.fake import fake_copy, fake_tree
+from autoplan.trace.tracer import first_line
 
 
 class _Provenance(TorchDispatchMode):
@@ -76,8 +76,8 @@ def runtime_unit_graph(
     Raises RuntimeError naming the failing line of the model's code when the forward cannot run
     on fake tensors.
     """
-    from autoplan.rewrite import remove_plan
-    from autoplan.trace import unit_endpoints
+    from autoplan.runtime.planned import remove_plan
+    from autoplan.runtime.names import unit_endpoints
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     twin = remove_plan(fake_copy(model, fake_mode))

@@ -21,9 +21,7 @@ across units.
 
 from __future__ import annotations
 
-import fnmatch
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +29,13 @@ import networkx as nx
 import torch
 import torch.fx
 
-from autoplan.partition import graph_units, is_graph_unit, split_by_units
-
-_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
-RANGE_UNIT = re.compile(r"^(?P<parent>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
-
-
-class TraceError(ValueError):
-    """The model could not be traced or partitioned; the message says what to do."""
+from autoplan.runtime.names import is_graph_unit
+from autoplan.runtime.graph import split_by_units
+from autoplan.errors import TraceError
+from autoplan.runtime.names import sequential_run
+from autoplan.runtime.names import is_range_unit
+from autoplan.trace.units import find_units
+from autoplan.inputs.batch import normalize_inputs
 
 
 @dataclass(frozen=True)
@@ -55,135 +52,7 @@ class Traced:
     trace_errors: tuple[str, ...] = ()  # what each tracer tripped on, when one did
 
 
-def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    """Accept a tuple of positional args, a dict of kwargs, a pair (args, kwargs), or one tensor."""
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if (
-        isinstance(example_inputs, (tuple, list))
-        and len(example_inputs) == 2
-        and isinstance(example_inputs[0], (tuple, list))
-        and isinstance(example_inputs[1], dict)
-    ):
-        return tuple(example_inputs[0]), dict(example_inputs[1])
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    raise TypeError(
-        "example_inputs must be a tuple of positional arguments, a dict of keyword arguments, "
-        f"or a pair (args, kwargs); got {type(example_inputs).__name__}"
-    )
-
-
 # -- finding units ------------------------------------------------------------------------
-
-def is_range_unit(name: str) -> bool:
-    return RANGE_UNIT.match(name) is not None
-
-
-def unit_endpoints(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The first and last module a unit runs: the unit itself, or the ends of a Sequential run."""
-    match = RANGE_UNIT.match(name)
-    if match is None:
-        module = model.get_submodule(name)
-        return module, module
-    parent = model.get_submodule(match["parent"])
-    return parent[int(match["start"])], parent[int(match["stop"]) - 1]
-
-
-def unit_module(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    """The module that computes a unit; for a Sequential run, a new Sequential of the same layers."""
-    match = RANGE_UNIT.match(name)
-    if match is None:
-        return model.get_submodule(name)
-    parent = model.get_submodule(match["parent"])
-    return torch.nn.Sequential(*list(parent)[int(match["start"]) : int(match["stop"])])
-
-
-def _outermost(names: list[str]) -> list[str]:
-    kept: list[str] = []
-    for name in sorted(names, key=lambda n: n.count(".")):
-        if not any(name.startswith(outer + ".") for outer in kept):
-            kept.append(name)
-    return kept
-
-
-def _param_count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _repeated_class_units(model: torch.nn.Module) -> list[str]:
-    by_class: dict[type, list[str]] = defaultdict(list)
-    for name, module in model.named_modules():
-        cls = type(module)
-        if not name or isinstance(module, _CONTAINERS) or cls.__module__.startswith("torch.nn."):
-            continue
-        if _param_count(module) > 0:
-            by_class[cls].append(name)
-
-    def coverage(names: list[str]) -> tuple[int, int]:
-        outer = _outermost(names)
-        return sum(_param_count(model.get_submodule(n)) for n in outer), -min(n.count(".") for n in outer)
-
-    candidates = {cls: _outermost(names) for cls, names in by_class.items() if len(_outermost(names)) >= 2}
-    if not candidates:
-        return []
-    best = max(candidates, key=lambda cls: coverage(candidates[cls]))
-    return candidates[best]
-
-
-def _checkpointing_layer_units(model: torch.nn.Module) -> list[str]:
-    """A transformers model's own layers: what it would checkpoint itself (`GradientCheckpointingLayer`).
-
-    Covers encoder and decoder layers of different classes (Whisper) and both stacks of T5.
-    Recognised by class name in the MRO, so transformers need not be installed.
-    """
-    names = [
-        name
-        for name, module in model.named_modules()
-        if name and any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__[1:])
-    ]
-    outer = _outermost(names)
-    return outer if len(outer) >= 2 else []
-
-
-def _sequential_units(model: torch.nn.Module) -> list[str]:
-    """Cut the longest Sequential into runs that each start at a layer with parameters."""
-    sequentials = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Sequential) and len(m) >= 2]
-    if not sequentials:
-        return []
-    name, seq = max(sequentials, key=lambda item: (_param_count(item[1]), -item[0].count(".")))
-    chain = nx.path_graph(["input", *range(len(seq)), "output"])
-    cut_points = set(nx.articulation_points(chain))  # in a Sequential every layer boundary is one
-    starts = [i for i in range(len(seq)) if i in cut_points and _param_count(seq[i]) > 0]
-    if len(starts) < 2:
-        return []
-    starts[0] = 0
-    bounds = starts + [len(seq)]
-    return [f"{name}[{a}:{b}]" for a, b in zip(bounds, bounds[1:])]
-
-
-def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> list[str]:
-    """Names of the modules (or Sequential runs) the plan will decide about."""
-    if patterns:
-        if isinstance(patterns, str):
-            patterns = [patterns]
-        names = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-        if not names:
-            tops = ", ".join(n for n, _ in model.named_children()) or "(none)"
-            raise TraceError(
-                f"units={patterns} matched no submodule of {type(model).__name__}; "
-                f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
-            )
-        return _outermost(names)
-    units = _checkpointing_layer_units(model) or _repeated_class_units(model) or _sequential_units(model) or graph_units(model)
-    if not units:
-        raise TraceError(
-            f"{type(model).__name__} has no repeated submodule, no nn.Sequential, and no fx graph that cuts "
-            "into two or more parametric runs; pass units=['name.pattern', ...] naming the submodules to plan."
-        )
-    return units
 
 
 # -- tracing ------------------------------------------------------------------------------
@@ -221,13 +90,9 @@ def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.
     """Which unit's output reaches which unit's input, through the ops between them."""
     module_units: dict[str, str] = {}
     for unit in units:
-        match = RANGE_UNIT.match(unit)
-        if match is None:
-            module_units[unit] = unit
-        else:
-            prefix = f"{match['parent']}." if match["parent"] else ""
-            for i in range(int(match["start"]), int(match["stop"])):
-                module_units[f"{prefix}{i}"] = unit
+        run = sequential_run(unit)
+        for layer in run.layer_names() if run is not None else [unit]:
+            module_units[layer] = unit
     sources: dict[torch.fx.Node, set[str]] = {}
     order: list[str] = []
     dataflow = nx.DiGraph()
@@ -260,8 +125,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None =
     models start with the hooks: export of a large one takes seconds per layer, and symbolic_trace
     cannot follow their keyword-only forwards.
     """
-    from autoplan.dataflow import runtime_unit_graph
-    from autoplan.hf import is_hf_model
+    from autoplan.trace.dataflow import runtime_unit_graph
+    from autoplan.inputs.hf_models import is_hf_model
 
     inputs = normalize_inputs(example_inputs)
     unit_names = find_units(model, units)

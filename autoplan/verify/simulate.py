@@ -13,10 +13,10 @@ from typing import Callable, Mapping
 
 import torch
 
-from autoplan.devices import Device
+from autoplan.inputs.devices import Device
 from autoplan.plan import Choice
-from autoplan.profile import run_timeline
-from autoplan.trace import Traced
+from autoplan.profile.units import run_timeline
+from autoplan.trace.tracer import Traced
 
 
 @dataclass(frozen=True)

@@ -9,22 +9,18 @@ Parameters a forward uses directly (`x * self.scale`) are handed to the unit as 
 
 To plan and rewrite such units, `split_by_units` cuts the traced graph into one GraphModule per
 unit (torch.fx's `split_module`), held by a GraphModule that calls them in order; their layers are
-the model's own module objects. The planner runs on that module; `rewrite.apply_choices` sets its
-forward on the model's instance.
+the model's own module objects. The planner runs on that module; `runtime.planned.apply_choices`
+sets its forward on the model's instance.
 """
 
 from __future__ import annotations
-
-import re
 
 import networkx as nx
 import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-GRAPH_UNIT = re.compile(r"^graph\[(?P<first>[A-Za-z_][\w]*):(?P<last>[A-Za-z_][\w]*)\]$")
-_IGNORED = ("placeholder", "output", "get_attr")
-
+from autoplan.runtime.names import GRAPH_UNIT
 
 class GraphRun(torch.nn.Module):
     """One graph unit: a plain module around its GraphModule, so its forward can be replaced on the
@@ -38,8 +34,42 @@ class GraphRun(torch.nn.Module):
         return self.run(*args, **kwargs)
 
 
-def is_graph_unit(name: str) -> bool:
-    return GRAPH_UNIT.match(name) is not None
+
+def split_by_units(model: torch.nn.Module, names: list[str]) -> torch.fx.GraphModule:
+    """A GraphModule that computes `model`'s forward through one submodule per graph unit."""
+    traced = torch.fx.symbolic_trace(model)
+    nodes = _compute_nodes(traced.graph)
+    position = {node.name: i for i, node in enumerate(nodes)}
+    bounds = []
+    for name in names:
+        match = GRAPH_UNIT.match(name)
+        if match is None or match["first"] not in position or match["last"] not in position:
+            raise ValueError(
+                f"{name!r} is not a run of {type(model).__name__}'s graph; its graph units are: {graph_units(model)}"
+            )
+        bounds.append((position[match["first"]], position[match["last"]]))
+    unit_of: dict[str, int] = {}
+    order = sorted(range(len(names)), key=lambda i: bounds[i])
+    for index, unit in enumerate(order):
+        first, last = bounds[unit]
+        for node in nodes[first : last + 1]:
+            unit_of[node.name] = index
+    missing = [node.name for node in nodes if node.name not in unit_of]
+    if missing:
+        raise ValueError(f"graph units {names} leave nodes {missing} of {type(model).__name__} outside every unit")
+    split = split_module(traced, model, lambda node: unit_of[node.name])
+    for node in split.graph.nodes:
+        if node.op == "call_module" and str(node.target).startswith("submod_"):
+            module = getattr(split, node.target)
+            delattr(split, node.target)
+            name = names[order[int(str(node.target)[len("submod_") :])]]
+            split.add_submodule(name, GraphRun(module))
+            node.target = name
+    split.recompile()
+    return torch.fx.GraphModule(split, split.graph, class_name=type(model).__name__)
+
+
+_IGNORED = ("placeholder", "output", "get_attr")
 
 
 def _compute_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -112,35 +142,3 @@ def graph_units(model: torch.nn.Module) -> list[str]:
     return [f"graph[{unit[0].name}:{unit[-1].name}]" for unit in units]
 
 
-def split_by_units(model: torch.nn.Module, names: list[str]) -> torch.fx.GraphModule:
-    """A GraphModule that computes `model`'s forward through one submodule per graph unit."""
-    traced = torch.fx.symbolic_trace(model)
-    nodes = _compute_nodes(traced.graph)
-    position = {node.name: i for i, node in enumerate(nodes)}
-    bounds = []
-    for name in names:
-        match = GRAPH_UNIT.match(name)
-        if match is None or match["first"] not in position or match["last"] not in position:
-            raise ValueError(
-                f"{name!r} is not a run of {type(model).__name__}'s graph; its graph units are: {graph_units(model)}"
-            )
-        bounds.append((position[match["first"]], position[match["last"]]))
-    unit_of: dict[str, int] = {}
-    order = sorted(range(len(names)), key=lambda i: bounds[i])
-    for index, unit in enumerate(order):
-        first, last = bounds[unit]
-        for node in nodes[first : last + 1]:
-            unit_of[node.name] = index
-    missing = [node.name for node in nodes if node.name not in unit_of]
-    if missing:
-        raise ValueError(f"graph units {names} leave nodes {missing} of {type(model).__name__} outside every unit")
-    split = split_module(traced, model, lambda node: unit_of[node.name])
-    for node in split.graph.nodes:
-        if node.op == "call_module" and str(node.target).startswith("submod_"):
-            module = getattr(split, node.target)
-            delattr(split, node.target)
-            name = names[order[int(str(node.target)[len("submod_") :])]]
-            split.add_submodule(name, GraphRun(module))
-            node.target = name
-    split.recompile()
-    return torch.fx.GraphModule(split, split.graph, class_name=type(model).__name__)

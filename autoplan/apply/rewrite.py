@@ -1,0 +1,52 @@
+"""Apply stage: rewrite the caller's model in place to run as a plan says.
+
+The same model object comes back: same class, parameters, `state_dict()` keys and methods; each
+unit's forward is wrapped on the instance (`runtime.planned.apply_choices`). A plan for more than
+one GPU is applied with FSDP2 (`apply.fsdp`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from autoplan.apply.fsdp import apply_fsdp
+from autoplan.plan import Plan
+from autoplan.runtime.names import is_graph_unit, unit_endpoints
+from autoplan.runtime.planned import apply_choices
+
+
+def refuse_meta(model: torch.nn.Module) -> None:
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device (shapes, no data): it can be planned, "
+            "not rewritten or trained. Build it with real weights (e.g. autoplan.hf.model_from_config(..., "
+            "meta=False) or from_pretrained), then autoplan.apply(model, plan)."
+        )
+
+
+def apply_plan(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+    """Rewrite `model` in place to run as `plan` says; returns the same object."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
+    choices = plan.choices()
+    refuse_meta(model)
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+        warnings.warn(
+            "gradient checkpointing turned on by gradient_checkpointing_enable() (or activation_checkpointing_enable()) "
+            "is ignored on the planned layers: the plan decides which layers recompute, never twice. "
+            "autoplan.remove_plan(model) gives it back.",
+            UserWarning,
+            stacklevel=2,
+        )
+    for name in choices:
+        if is_graph_unit(name):
+            continue  # checked when the graph is split: split_by_units names the graph's units
+        try:
+            unit_endpoints(model, name)
+        except (AttributeError, IndexError, KeyError, TypeError) as error:
+            raise ValueError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
+    if plan.world_size > 1:
+        return apply_fsdp(model, plan)
+    return apply_choices(model, choices, rest_precision=plan.rest_precision)

@@ -1,0 +1,1 @@
+"""The autoplan command line: the only package that prints or exits."""

@@ -1,0 +1,102 @@
+from autoplan.inputs.devices import Device
+from torch.utils._pytree import tree_flatten
+from typing import Any
+from typing import Callable
+from typing import Iterator
+import contextlib
+import torch
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The scalar a profiling step backpropagates: the model's own loss, else the sum of its outputs.
+
+    An output with a `.loss` (or a dict with "loss") that is not None is used as is; otherwise every
+    floating-point tensor in the output is summed, which gives each output a gradient of its size.
+    """
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if not isinstance(output, (torch.Tensor, dict, list, tuple)) and hasattr(output, "__dict__"):
+        output = dict(vars(output))
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ValueError("the model's output has no floating-point tensor to backpropagate; pass loss_fn=")
+    return sum(t.sum() for t in tensors)
+
+
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+
+
+
+def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).__name__
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS} or a torch.optim.Optimizer")
+    return optimizer
+
+
+
+def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, device: Device) -> torch.optim.Optimizer:
+    """An optimizer over the fake parameters that allocates what the real one would on `device`.
+
+    On CUDA, torch's optimizers default to the foreach implementation, whose temporaries are the
+    size of all parameters; on the CPU they default to a per-parameter loop. Fake tensors live on
+    the CPU, so the implementation is chosen explicitly for the target device.
+    """
+    foreach = device.kind == "cuda"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        defaults = dict(optimizer.defaults)
+        if "foreach" in defaults and defaults["foreach"] is None and not defaults.get("fused"):
+            defaults["foreach"] = foreach
+        return type(optimizer)(params, **defaults)
+    factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "adamw": lambda: torch.optim.AdamW(params, foreach=foreach),
+        "adam": lambda: torch.optim.Adam(params, foreach=foreach),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-3, foreach=foreach),
+        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach),
+    }
+    return factories[optimizer_name(optimizer)]()
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+
+@contextlib.contextmanager
+def preserved(model: torch.nn.Module) -> Iterator[None]:
+    """Run real steps on `model` and put its parameters, buffers, gradients and the RNG back."""
+    params = list(model.parameters())
+    saved = [t.detach().to("cpu", copy=True) for t in params + list(model.buffers())]
+    grads = [p.grad for p in params]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(params + list(model.buffers()), saved):
+                tensor.copy_(value)
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+
+def train_step(model, args, kwargs, opt, loss_fn=None, record_loss: Callable[[float], None] | None = None) -> None:
+    """One real training step as the plan models it: loss, backward, optimizer.step(), zero_grad.
+
+    The loss is dropped before the optimizer steps; `record_loss` gets its value first.
+    """
+    loss = (loss_fn or default_loss)(model(*args, **kwargs))
+    if record_loss is not None:
+        record_loss(float(loss.detach()))
+    loss.backward()
+    del loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)

@@ -1,0 +1,97 @@
+"""The search around the ILP: solve, check the answer against a whole-step simulation, tighten, repeat.
+
+The memory model is linear in the choices and the ILP trusts it; the simulation of the rewritten
+model runs every op. When the simulation (or the model) puts a solved plan over the usable budget,
+the budget the ILP sees is tightened by the overshoot and the program solved again, at most
+MAX_RESOLVES times. The simulation is passed in as a function: it belongs to a later stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from autoplan.memory.model import predict_peak
+from autoplan.plan import MODES, Choice
+from autoplan.profile.units import Profile
+from autoplan.runtime.names import match_units
+from autoplan.solve.ilp import minimum_peak, solve
+
+MAX_RESOLVES = 4
+RESOLVE_SLACK_BYTES = 2**20  # tighten by the overshoot and a MiB more, so a re-solve cannot land on the same point
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    choices: dict[str, Choice]  # the plan's choices; the lowest-peak ones when nothing fits
+    feasible: bool  # the choices fit by the memory model and by the simulation
+    simulated_peak_bytes: int  # the whole-step simulation of `choices`
+    lowest_peak_bytes: int  # the lowest peak any allowed choice reaches (model and simulation agreeing)
+    solver_status: str  # pulp's status of the last solve
+    solve_time_s: float  # every solve together
+    resolves: int  # how often the budget was tightened and the program solved again
+
+
+def pinned_choices(
+    units: list[str], precisions: tuple[str, ...], keep_fp32, checkpoint
+) -> dict[str, tuple[Choice, ...]]:
+    """Per unit, the choices the person allows (absent: any profiled choice)."""
+    modes: dict[str, tuple[str, ...]] = {}
+    if checkpoint:
+        requested = checkpoint if isinstance(checkpoint, Mapping) else {p: "full" for p in ([checkpoint] if isinstance(checkpoint, str) else checkpoint)}
+        for pattern, mode in requested.items():
+            if mode not in MODES:
+                raise ValueError(f"checkpoint mode for {pattern!r} must be one of {MODES}; got {mode!r}")
+            for unit in match_units(units, [pattern], "checkpoint"):
+                modes[unit] = (mode,)
+    fp32_units = match_units(units, keep_fp32, "keep_fp32") if keep_fp32 else set()
+    pins = {}
+    for unit in units:
+        unit_precisions = ("fp32",) if unit in fp32_units else precisions
+        pins[unit] = tuple(Choice(m, p) for p in unit_precisions for m in modes.get(unit, MODES))
+    return pins
+
+
+def search(
+    profile: Profile,
+    usable_bytes: int,
+    *,
+    simulate: Callable[[Mapping[str, Choice]], int],
+    pins: Mapping[str, tuple[Choice, ...]] | None = None,
+    time_limit_s: float = 10.0,
+    world_size: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> SearchResult:
+    """The fastest choices whose predicted and simulated peaks both fit `usable_bytes`.
+
+    `simulate(choices)` returns the simulated peak of a training step with those choices.
+    """
+    say = progress or (lambda message: None)
+    say("solving")
+    lowest, solve_time = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+    lowest_peak = predict_peak(profile, lowest, world_size).bytes
+    lowest_simulated = None  # a whole-step simulation is the slow part at scale: run it when it decides something
+    if lowest_peak > usable_bytes:
+        lowest_simulated = simulate(lowest)
+        lowest_peak = max(lowest_peak, lowest_simulated)
+
+    margin, resolves, status = 0, 0, "Infeasible"
+    chosen, simulated, feasible = lowest, lowest_simulated, False
+    while lowest_peak <= usable_bytes and resolves <= MAX_RESOLVES:
+        solution = solve(profile, usable_bytes - margin, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+        solve_time += solution.solve_time_s
+        status = solution.status
+        if not solution.feasible:
+            break
+        say("verifying the plan with a simulated training step")
+        simulated_peak = simulate(solution.choices)
+        predicted = predict_peak(profile, solution.choices, world_size).bytes
+        if simulated_peak <= usable_bytes and predicted <= usable_bytes:
+            chosen, simulated, feasible = solution.choices, simulated_peak, True
+            break
+        margin += max(simulated_peak, predicted) - usable_bytes + RESOLVE_SLACK_BYTES
+        resolves += 1
+    if simulated is None:  # nothing fitted after all: report the lowest-peak choices as simulated
+        simulated = simulate(lowest)
+        lowest_peak = max(lowest_peak, simulated)
+    return SearchResult(dict(chosen), feasible, simulated, lowest_peak, status, solve_time, resolves)

@@ -1,0 +1,163 @@
+from autoplan.inputs.devices import get_device
+from autoplan.plan import Plan
+from autoplan.profile.timing import _Timer
+from autoplan.runtime.planned import apply_choices
+from autoplan.runtime.planned import planned_choices
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.training import OPTIMIZERS
+from autoplan.runtime.training import make_optimizer
+from autoplan.runtime.training import model_device
+from autoplan.runtime.training import preserved
+from autoplan.runtime.training import train_step
+from autoplan.trace.tracer import normalize_inputs
+from dataclasses import dataclass
+from torch.utils._pytree import tree_flatten
+from typing import Any
+from typing import Callable
+from typing import Iterator
+import contextlib
+import dataclasses
+import statistics
+import torch
+
+@dataclass(frozen=True)
+class Verification:
+    """What N real training steps of a planned model measured, next to what the plan predicted."""
+
+    device: str  # the device the steps ran on
+    steps: int
+    peak_source: str  # "torch.cuda.max_memory_allocated" or "live tensor bytes (CPU)"
+    measured_peak_bytes: int | None  # steady-state peak (steps after the first); None after an OOM
+    measured_reserved_bytes: int | None  # the caching allocator's reserved peak (CUDA only)
+    predicted_peak_bytes: int
+    simulated_peak_bytes: int
+    usable_bytes: int
+    budget_bytes: int
+    measured_step_time_s: float | None  # median over the steps after the first
+    predicted_step_time_s: float
+    out_of_memory: bool
+    held: bool  # no OOM and the measured peak within the usable budget
+
+    @property
+    def peak_error(self) -> float | None:
+        """(measured − predicted) / predicted."""
+        if self.measured_peak_bytes is None:
+            return None
+        return (self.measured_peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"peak_error": self.peak_error}
+
+
+
+def verify(
+    model: torch.nn.Module,
+    plan: Plan,
+    *,
+    example_inputs: Any,
+    steps: int = 3,
+    optimizer: str | torch.optim.Optimizer | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    enforce_budget: bool = True,
+) -> Verification:
+    """Train `steps` real steps of `model` run as `plan` says, and measure what the plan predicted.
+
+    The model is rewritten with the plan if it is not already, and runs on the device its
+    parameters are on. On CUDA the budget is enforced (the allocator may not go beyond it), so a
+    plan that does not hold ends in an out-of-memory error, reported here rather than raised.
+    Parameters, buffers and the RNG state are put back afterwards. `optimizer` defaults to the one
+    the plan counted.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"verify() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2 (the first step creates the optimizer state); got {steps}")
+    device = model_device(model)
+    if device.type == "meta":
+        raise ValueError("the model's parameters are on the meta device; load real weights (or build it on a device) to verify")
+    optimizer = optimizer if optimizer is not None else plan.optimizer
+    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
+        raise ValueError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
+    if planned_choices(model) != plan.choices():
+        apply_choices(model, plan.choices(), rest_precision=plan.rest_precision)
+    args, kwargs = normalize_inputs(example_inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    profile_device = get_device(plan.device)
+    cuda = device.type == "cuda"
+    times: list[float] = []
+    peak: int | None = None
+    reserved: int | None = None
+    out_of_memory = False
+    with preserved(model), _budget_enforced(plan.budget_bytes if enforce_budget and cuda else None, device):
+        opt = make_optimizer(optimizer, params, profile_device)
+        timer = _Timer(device)
+        tracker = None if cuda else LiveBytesTracker(profile_device)
+        try:
+            for step in range(steps):
+                if step == 1:
+                    _start_peak(tracker, device, model, opt, (args, kwargs))
+                with tracker if tracker is not None else contextlib.nullcontext():
+                    seconds, _ = timer(lambda: train_step(model, args, kwargs, opt, loss_fn))
+                if step >= 1:
+                    times.append(seconds)
+            peak, reserved = _read_peak(tracker, device)
+        except torch.cuda.OutOfMemoryError:
+            out_of_memory, peak, reserved = True, None, None
+        finally:
+            opt.zero_grad(set_to_none=True)
+            del opt
+    held = not out_of_memory and peak is not None and peak <= plan.usable_bytes
+    return Verification(
+        device=torch.cuda.get_device_name(device) if cuda else "cpu",
+        steps=steps,
+        peak_source="torch.cuda.max_memory_allocated" if cuda else "live tensor bytes (CPU)",
+        measured_peak_bytes=peak,
+        measured_reserved_bytes=reserved,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        simulated_peak_bytes=plan.simulated_peak_bytes,
+        usable_bytes=plan.usable_bytes,
+        budget_bytes=plan.budget_bytes,
+        measured_step_time_s=statistics.median(times) if times else None,
+        predicted_step_time_s=plan.predicted_step_time_s,
+        out_of_memory=out_of_memory,
+        held=held,
+    )
+
+
+
+def _start_peak(tracker: LiveBytesTracker | None, device: torch.device, model, opt, batch) -> None:
+    """From step 2 on (optimizer state exists), count from what is alive now: the model, the
+    optimizer state and the batch."""
+    if tracker is None:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return None
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    tracker.adopt(list(model.parameters()) + list(model.buffers()) + state + inputs)
+    tracker.begin_phase("steady")
+    return None
+
+
+
+def _read_peak(tracker: LiveBytesTracker | None, device: torch.device) -> tuple[int, int | None]:
+    if tracker is None:
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return max(phase.peak_bytes for phase in tracker.phases()[1:]), None
+
+
+
+@contextlib.contextmanager
+def _budget_enforced(budget_bytes: int | None, device: torch.device) -> Iterator[None]:
+    if budget_bytes is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
