@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
+
 import torch
 
 Mode = Literal["keep", "selective", "full"]
@@ -159,9 +160,20 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def report(self) -> str:
-        from autoplan.report.text import format_report
+        """The text report (`autoplan.report.text.format_report`); the report stage installs it on import."""
+        if _REPORT_FORMATTER is None:
+            raise RuntimeError("no report formatter: import autoplan (the package) rather than autoplan.plan alone")
+        return _REPORT_FORMATTER(self)
 
-        return format_report(self)
+
+# The vocabulary cannot import the report stage (it comes last); the report stage registers its
+# formatter here when it is imported, which `import autoplan` always does.
+_REPORT_FORMATTER: Callable[[Plan], str] | None = None
+
+
+def register_report_formatter(formatter: Callable[[Plan], str]) -> None:
+    global _REPORT_FORMATTER
+    _REPORT_FORMATTER = formatter
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -12,13 +12,13 @@ autoplan recognises a Hugging Face model by duck typing (`config` + `main_input_
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from autoplan.errors import MissingExtraError, UnknownModelError
+from autoplan.runtime.signatures import accepts_argument
 
 # name -> (transformers config class, the checkpoint's public config.json values)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -135,13 +135,6 @@ def model_from_config(spec: str, *, meta: bool = True) -> torch.nn.Module:
     return model
 
 
-def _accepts(model: torch.nn.Module, name: str) -> bool:
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in parameters
-
 
 def default_seq_len(model: torch.nn.Module) -> int:
     """The config's maximum positions, capped at DEFAULT_SEQ_LEN_CAP (512 when the config has none)."""
@@ -179,7 +172,7 @@ def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) ->
     inputs: dict[str, torch.Tensor] = {}
     if main == "input_ids":
         inputs["input_ids"] = tokens(seq_len)
-        if _accepts(model, "attention_mask"):
+        if accepts_argument(model.forward, "attention_mask", through_kwargs=False):
             inputs["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long)
         labels = inputs["input_ids"]
         if getattr(config, "is_encoder_decoder", False):
@@ -201,9 +194,9 @@ def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) ->
         raise ValueError(
             f"autoplan cannot make inputs for {type(model).__name__} (main input {main!r}); pass example_inputs="
         )
-    if _accepts(model, "labels"):
+    if accepts_argument(model.forward, "labels", through_kwargs=False):
         inputs["labels"] = labels
-    elif getattr(config, "is_encoder_decoder", False) and _accepts(model, "decoder_input_ids"):
+    elif getattr(config, "is_encoder_decoder", False) and accepts_argument(model.forward, "decoder_input_ids", through_kwargs=False):
         inputs["decoder_input_ids"] = labels
     return inputs
 
@@ -220,6 +213,6 @@ def training_inputs(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> tuple
     under gradient checkpointing. Only added when forward takes it and the caller did not set it.
     """
     args, kwargs = inputs
-    if is_hf_model(model) and "use_cache" not in kwargs and _accepts(model, "use_cache"):
+    if is_hf_model(model) and "use_cache" not in kwargs and accepts_argument(model.forward, "use_cache", through_kwargs=False):
         kwargs = {**kwargs, "use_cache": False}
     return args, kwargs

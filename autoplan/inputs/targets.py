@@ -20,9 +20,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 from autoplan.inputs import hf_models
 from autoplan.errors import FactoryError, TargetNotFoundError, TargetUsageError, UnknownModelError
+from autoplan.runtime.formatting import first_line
+from autoplan.runtime.signatures import accepts_argument
+from autoplan.runtime.tensors import tensors_of
+from autoplan.runtime.training import parameter_count
 
 HF_DEFAULT_BATCH = 1
 HF_DEFAULT_SEQ = 1024
@@ -66,7 +70,7 @@ def _load_file(path_text: str):
     try:
         loader.loader.exec_module(module)
     except Exception as error:
-        raise FactoryError(f"importing {path_text} raised {type(error).__name__}: {_first_line(error)}") from error
+        raise FactoryError(f"importing {path_text} raised {type(error).__name__}: {first_line(error)}") from error
     return module
 
 
@@ -78,17 +82,10 @@ def _load_module(name: str):
     except ModuleNotFoundError as error:
         if error.name and name.startswith(error.name):
             raise TargetNotFoundError(f"no module named {name!r}") from error
-        raise FactoryError(f"importing {name} raised {type(error).__name__}: {_first_line(error)}") from error
+        raise FactoryError(f"importing {name} raised {type(error).__name__}: {first_line(error)}") from error
     except Exception as error:
-        raise FactoryError(f"importing {name} raised {type(error).__name__}: {_first_line(error)}") from error
+        raise FactoryError(f"importing {name} raised {type(error).__name__}: {first_line(error)}") from error
 
-
-def _accepts(factory: Callable, parameter: str) -> bool:
-    try:
-        parameters = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return False
-    return parameter in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _default(factory: Callable, parameter: str) -> Any:
@@ -103,7 +100,7 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
     sizes = {}
     for option, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if value is not None:
-            if not _accepts(factory, option):
+            if not accepts_argument(factory, option):
                 flag = "--" + option.replace("_", "-")
                 raise TargetUsageError(f"{name}() takes no {option} argument: drop {flag} or add the parameter")
             sizes[option] = value
@@ -112,7 +109,7 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
         try:
             result = factory(**sizes_now)
         except Exception as error:
-            raise FactoryError(f"{name}() raised {type(error).__name__}: {_first_line(error)}") from error
+            raise FactoryError(f"{name}() raised {type(error).__name__}: {first_line(error)}") from error
         if isinstance(result, torch.nn.Module):
             raise FactoryError(f"{name}() returned a model but no example inputs: return (model, example_inputs)")
         if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
@@ -123,11 +120,11 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
     batch = batch_size or _default(factory, "batch_size") or _leading_dim(inputs)
     seq = seq_len or _default(factory, "seq_len")
     rebuild = None
-    if _accepts(factory, "batch_size"):
+    if accepts_argument(factory, "batch_size"):
         rebuild = lambda micro: build(**(sizes | {"batch_size": micro}))  # noqa: E731
     elif batch:
         rebuild = lambda micro: (model, _slice_batch(inputs, batch, micro))  # noqa: E731
-    return Target(spec, model, inputs, batch, seq, _parameter_count(model), rebuild)
+    return Target(spec, model, inputs, batch, seq, parameter_count(model), rebuild)
 
 
 def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None, meta: bool = True) -> Target:
@@ -135,29 +132,20 @@ def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None
         model = hf_models.model_from_config(config, meta=meta)  # needs transformers: MissingExtraError without it
     except (FileNotFoundError, KeyError, ValueError, OSError) as error:
         hint = "" if isinstance(error, UnknownModelError) else f" (presets: {', '.join(sorted(hf_models.PRESETS))}, or a path to config.json)"
-        raise TargetNotFoundError(f"hf:{config}: {_first_line(error)}{hint}") from error
+        raise TargetNotFoundError(f"hf:{config}: {first_line(error)}{hint}") from error
     batch = batch_size or HF_DEFAULT_BATCH
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     seq = seq_len or (min(HF_DEFAULT_SEQ, limit) if limit else HF_DEFAULT_SEQ)
     inputs = hf_models.example_inputs_for(model, batch, seq)
     rebuild = lambda micro: (model, hf_models.example_inputs_for(model, micro, seq))  # noqa: E731
-    return Target(spec, model, inputs, batch, seq, _parameter_count(model), rebuild)
+    return Target(spec, model, inputs, batch, seq, parameter_count(model), rebuild)
 
 
 def _leading_dim(inputs: Any) -> int | None:
-    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    tensors = [t for t in tensors_of(inputs) if t.dim() > 0]
     return int(tensors[0].shape[0]) if tensors else None
 
 
 def _slice_batch(inputs: Any, batch: int, micro: int) -> Any:
     """The first `micro` rows of every input tensor whose leading dim is the batch."""
     return tree_map_only(torch.Tensor, lambda t: t[:micro] if t.dim() > 0 and t.shape[0] == batch else t, inputs)
-
-
-def _parameter_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

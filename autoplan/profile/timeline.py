@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from autoplan.inputs.devices import Device
 from autoplan.runtime.names import unit_endpoints
@@ -24,6 +24,7 @@ from autoplan.runtime.training import default_loss, make_optimizer
 from autoplan.runtime.fake import fake_tree
 from autoplan.runtime.tensors import storage_bytes, unique_storage_bytes
 from autoplan.runtime.tensors import tensors_of
+from autoplan.runtime.training import optimizer_state_tensors
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class _UnitRecorder:
                     "per step. Pass units= naming modules that run once."
                 )
             self.begin(f"fwd:{name}")
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            tensors = tensors_of((args, kwargs))
             spec = tree_map_only(
                 torch.Tensor,
                 lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad),
@@ -276,10 +277,10 @@ def simulate_training(
         with fake_mode, tracker:
             tracker.adopt(list(model.parameters()) + list(model.buffers()))
             args, kwargs = fake_tree(example_inputs, fake_mode)
-            batch = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            batch = tensors_of((args, kwargs))
             input_bytes = unique_storage_bytes(batch)
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-            opt = make_optimizer(optimizer, trainable, device)
+            opt = make_optimizer(optimizer, trainable, foreach=device.kind == "cuda")
             for _ in range(steps - 1):
                 _warm_up_optimizer(opt, trainable)
             recorder.recording = True
@@ -305,7 +306,7 @@ def simulate_training(
             opt.step()
             recorder.begin("zero_grad")
             opt.zero_grad(set_to_none=True)
-            state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            state = optimizer_state_tensors(opt)
             static = StaticBytes(
                 parameters=unique_storage_bytes(list(model.parameters()) + list(model.buffers())),
                 gradients=unique_storage_bytes(trainable),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import statistics
-import time
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -41,25 +40,7 @@ from autoplan.runtime.names import unit_module
 from autoplan.runtime.training import model_device
 from autoplan.runtime.training import preserved
 from autoplan.runtime.training import train_step
-
-
-class _Timer:
-    """Median seconds of a callable: CUDA events on a GPU (the GPU's own time), else the clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, function: Callable[[], Any]) -> tuple[float, Any]:
-        if not self.cuda:
-            started = time.perf_counter()
-            result = function()
-            return time.perf_counter() - started, result
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = function()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3, result
+from autoplan.runtime.training import Timer
 
 
 def _real_inputs(inputs: Any, device: torch.device) -> Any:
@@ -81,7 +62,7 @@ def _rest_autocast(rest: str, device: torch.device):
 
 def _time_unit(module, inputs, choice: Choice, rest: str, device, warmup: int, runs: int) -> tuple[float, float]:
     planned = PlannedForward(module, choice)
-    timer = _Timer(device)
+    timer = Timer(device)
     fwd_times, bwd_times = [], []
     for run in range(warmup + runs):
         args, kwargs = _real_inputs(inputs, device)
@@ -101,8 +82,8 @@ def _time_unit(module, inputs, choice: Choice, rest: str, device, warmup: int, r
 def _time_steps(model, example_inputs, optimizer, device: Device, loss_fn, warmup: int, runs: int) -> float:
     args, kwargs = example_inputs
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(optimizer, params, device)
-    timer = _Timer(model_device(model))
+    opt = make_optimizer(optimizer, params, foreach=device.kind == "cuda")
+    timer = Timer(model_device(model))
     times = []
     for run in range(warmup + runs):
         seconds, _ = timer(lambda: train_step(model, args, kwargs, opt, loss_fn))

@@ -206,7 +206,7 @@ def _measure_unit(
         param.grad = None
     with fake_mode, tracker:
         args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = tensors_of((args, kwargs))
         input_refs = [weakref.ref(t.untyped_storage()) for t in inputs]
         input_storages = {id(t.untyped_storage()) for t in inputs}
         tracker.begin_phase("fwd")

@@ -19,8 +19,8 @@ from autoplan.plan import ShardedPeak
 from autoplan.plan import Choice, Plan
 from autoplan.profile.units import Profile
 from autoplan.plan import DTYPES
+from autoplan.solve.worlds import fewest_ranks
 
-MAX_GPUS = 65536  # FSDP search limit; beyond this the advice says sharding alone cannot fit
 QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)
 
 
@@ -281,27 +281,9 @@ def least_activation_choices(profile: Profile) -> dict[str, Choice]:
 
 
 def smallest_world_size(profile: Profile, choices, usable_bytes: int) -> ShardedPeak | None:
-    """The fewest GPUs whose per-GPU FSDP estimate fits `usable_bytes`.
-
-    Doubling from 1 while the estimate still falls (FSDP pads every parameter to a multiple of N
-    rows, so past some N more GPUs hold more, not less), then bisection below the first that fits.
-    """
-    high, best = 1, sharded_peak(profile, choices, 1)
-    while best.total > usable_bytes and high < MAX_GPUS:
-        doubled = sharded_peak(profile, choices, 2 * high)
-        if doubled.total >= best.total:
-            return None
-        high, best = 2 * high, doubled
-    if best.total > usable_bytes:
-        return None
-    low = high // 2 + 1 if high > 1 else 1
-    while low < high:
-        middle = (low + high) // 2
-        if sharded_peak(profile, choices, middle).total <= usable_bytes:
-            high = middle
-        else:
-            low = middle + 1
-    return sharded_peak(profile, choices, high)
+    """The per-GPU FSDP estimate on the fewest GPUs where it fits `usable_bytes` with `choices`, or None."""
+    found = fewest_ranks(lambda n: sharded_peak(profile, choices, n).total, usable_bytes)
+    return sharded_peak(profile, choices, found.world_size) if found.fits else None
 
 
 def _least(plan: Plan, choices: dict[str, Choice]) -> str:

@@ -19,12 +19,12 @@ from rich.table import Table
 from rich.text import Text
 
 from autoplan.runtime.formatting import format_bytes, format_count, format_ms
+from autoplan.plan import register_report_formatter
 
 if TYPE_CHECKING:
     from autoplan.report.advice import Advice
     from autoplan.verify.real import Verification
-    from autoplan.plan import ShardedPeak
-    from autoplan.plan import Plan, UnitDecision
+    from autoplan.plan import Plan, ShardedPeak, UnitDecision
 
 _NUMBERED = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
 
@@ -262,3 +262,6 @@ def verification_table(result: "Verification") -> Table:
     step = format_ms(result.measured_step_time_s) if result.measured_step_time_s is not None else "—"
     table.add_row("step time", step, format_ms(result.predicted_step_time_s), "", "")
     return table
+
+
+register_report_formatter(format_report)  # Plan.report() renders with it

@@ -21,3 +21,10 @@ def format_count(n: int) -> str:
 
 def format_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, at most 300 characters (its type's name if it has no text): what a
+    one-line message quotes of it."""
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__

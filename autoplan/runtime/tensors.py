@@ -1,22 +1,24 @@
-from torch.utils._pytree import tree_flatten
-from typing import Any
+"""Tensors and their bytes: the one flattening helper, and storage sizes as the CUDA allocator rounds them."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
 import torch
+from torch.utils._pytree import tree_flatten
 
 ALLOCATION_GRANULE = 512  # the CUDA caching allocator rounds every block up to this many bytes
-
 
 
 def rounded_bytes(nbytes: int) -> int:
     return -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
 
 
-
 def storage_bytes(tensor: torch.Tensor) -> int:
     return rounded_bytes(tensor.untyped_storage().nbytes())
 
 
-
-def unique_storage_bytes(tensors) -> int:
+def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (views and tied weights count once)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
@@ -25,7 +27,12 @@ def unique_storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def tensors_of(output: Any) -> list[torch.Tensor]:
-    if not isinstance(output, (torch.Tensor, dict, list, tuple)) and hasattr(output, "__dict__"):
-        output = dict(vars(output))
-    return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a pytree (args, kwargs, a model's output), in flattening order.
+
+    An output that is a plain object (a dataclass transformers does not register as a pytree) is
+    read through its attributes.
+    """
+    if not isinstance(tree, (torch.Tensor, dict, list, tuple)) and hasattr(tree, "__dict__"):
+        tree = dict(vars(tree))
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]

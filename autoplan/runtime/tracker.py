@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from autoplan.inputs.devices import Device
 from autoplan.runtime.tensors import rounded_bytes
+from autoplan.runtime.tensors import tensors_of
 
 
 @dataclass
@@ -41,10 +41,18 @@ class Phase:
     flops: int
 
 
+class RooflineRates(Protocol):
+    """What the tracker needs of a device to charge ops a time (an inputs.devices.Device has it)."""
+
+    memory_bandwidth: float  # bytes per second
+
+    def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float: ...
+
+
 class LiveBytesTracker(TorchDispatchMode):
     """Counts live tensor bytes and roofline time of every op dispatched under it."""
 
-    def __init__(self, device: Device, allow_tf32: bool = False) -> None:
+    def __init__(self, device: RooflineRates, allow_tf32: bool = False) -> None:
         super().__init__()
         self.device = device
         self.allow_tf32 = allow_tf32
@@ -79,8 +87,8 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        inputs = tensors_of((args, kwargs))
+        outputs = tensors_of(out)
         input_storages = {id(t.untyped_storage()) for t in inputs}
         for storage_id in input_storages & self._watched.keys():
             ref, key = self._watched[storage_id]

@@ -1,10 +1,10 @@
-from autoplan.inputs.devices import Device
-from torch.utils._pytree import tree_flatten
 from typing import Any
 from typing import Callable
 from typing import Iterator
 import contextlib
 import torch
+import time
+from autoplan.runtime.tensors import tensors_of
 
 def default_loss(output: Any) -> torch.Tensor:
     """The scalar a profiling step backpropagates: the model's own loss, else the sum of its outputs.
@@ -15,9 +15,7 @@ def default_loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    if not isinstance(output, (torch.Tensor, dict, list, tuple)) and hasattr(output, "__dict__"):
-        output = dict(vars(output))
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    tensors = [t for t in tensors_of(output) if t.is_floating_point()]
     if not tensors:
         raise ValueError("the model's output has no floating-point tensor to backpropagate; pass loss_fn=")
     return sum(t.sum() for t in tensors)
@@ -37,14 +35,13 @@ def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
 
 
 
-def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, device: Device) -> torch.optim.Optimizer:
-    """An optimizer over the fake parameters that allocates what the real one would on `device`.
+def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, *, foreach: bool) -> torch.optim.Optimizer:
+    """An optimizer over `params` that allocates what the real one would on the target device.
 
     On CUDA, torch's optimizers default to the foreach implementation, whose temporaries are the
     size of all parameters; on the CPU they default to a per-parameter loop. Fake tensors live on
-    the CPU, so the implementation is chosen explicitly for the target device.
+    the CPU, so the implementation is chosen explicitly: `foreach` for a CUDA target.
     """
-    foreach = device.kind == "cuda"
     if isinstance(optimizer, torch.optim.Optimizer):
         defaults = dict(optimizer.defaults)
         if "foreach" in defaults and defaults["foreach"] is None and not defaults.get("fused"):
@@ -100,3 +97,32 @@ def train_step(model, args, kwargs, opt, loss_fn=None, record_loss: Callable[[fl
     del loss
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+class Timer:
+    """Median seconds of a callable: CUDA events on a GPU (the GPU's own time), else the clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, function: Callable[[], Any]) -> tuple[float, Any]:
+        if not self.cuda:
+            started = time.perf_counter()
+            result = function()
+            return time.perf_counter() - started, result
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = function()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3, result
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors an optimizer keeps between steps (AdamW: exp_avg, exp_avg_sq, step)."""
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Elements of the model's parameters, tied weights once (model.parameters() already dedups)."""
+    return sum(p.numel() for p in model.parameters())

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import inspect
 import torch
+from autoplan.runtime.tensors import tensors_of
 
 # Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
 # their cost) and recomputes everything else: norms, activations, dropout, casts, adds.
@@ -187,7 +188,7 @@ def _device_type(module: torch.nn.Module, args, kwargs) -> str:
 
 
 def _cast_like_inputs(output, args, kwargs, module):
-    floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floats = [t for t in tensors_of((args, kwargs)) if t.is_floating_point()]
     target = floats[0].dtype if floats else next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     if target is None:
         return output

@@ -15,8 +15,10 @@ from autoplan.memory.model import predict_peak
 from autoplan.plan import Choice, WorldSizePoint
 from autoplan.profile.units import Profile
 from autoplan.solve.ilp import minimum_peak
+from dataclasses import dataclass
+from typing import Callable
 
-MAX_WORLD_SIZE = 4096  # beyond this the floor (activations, gathered units) is what does not fit
+MAX_WORLD_SIZE = 65536  # beyond this the floor (activations, gathered units) is what does not fit
 
 
 def parameter_count(profile: Profile) -> int:
@@ -30,6 +32,43 @@ def world_size_point(profile: Profile, pins, usable_bytes: int, world_size: int,
     lowest_bytes = predict_peak(profile, lowest, world_size).bytes
     no_plan = {unit.name: unit.base for unit in profile.units}
     return WorldSizePoint(world_size, lowest_bytes, predict_peak(profile, no_plan, world_size).bytes, lowest_bytes <= usable_bytes)
+
+
+@dataclass(frozen=True)
+class WorldSizeFound:
+    world_size: int  # the fewest ranks whose peak fits; when none does, the last tried
+    fits: bool
+
+
+def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int) -> WorldSizeFound:
+    """The fewest ranks N with `peak_at(N)` within `usable_bytes`: the one GPU-count search.
+
+    Doubling from 1 while the peak still falls (FSDP pads every parameter to a multiple of N rows,
+    so past some N more GPUs hold more, not less; and the unsharded part is a floor), then bisection
+    between the first N that fits and its half. `peak_at` is called once per N.
+    """
+    peaks: dict[int, int] = {}
+
+    def peak(n: int) -> int:
+        if n not in peaks:
+            peaks[n] = peak_at(n)
+        return peaks[n]
+
+    high = 1
+    while peak(high) > usable_bytes and high < MAX_WORLD_SIZE:
+        if peak(2 * high) >= peak(high):
+            break  # more GPUs no longer help
+        high = 2 * high
+    if peak(high) > usable_bytes:
+        return WorldSizeFound(high, False)
+    low = high // 2 + 1 if high > 1 else 1  # high // 2 did not fit (or high is 1)
+    while low < high:
+        middle = (low + high) // 2
+        if peak(middle) <= usable_bytes:
+            high = middle
+        else:
+            low = middle + 1
+    return WorldSizeFound(high, True)
 
 
 def fewest_gpus(
@@ -47,19 +86,7 @@ def fewest_gpus(
             points[n] = world_size_point(profile, pins, usable_bytes, n, time_limit_s)
         return points[n]
 
-    high = 1
-    while not at(high).fits and high < MAX_WORLD_SIZE:
-        if at(2 * high).lowest_peak_bytes >= at(high).lowest_peak_bytes:
-            break  # more GPUs no longer help: FSDP pads every parameter to N rows, the rest is not sharded
-        high = 2 * high
-    if not at(high).fits:
-        return high, tuple(points[n] for n in sorted(points))
-    low = high // 2 + 1 if high > 1 else 1  # high // 2 did not fit (or high is 1)
-    while low < high:
-        middle = (low + high) // 2
-        if at(middle).fits:
-            high = middle
-        else:
-            low = middle + 1
-    at(2 * high)  # one point past the answer shows what more GPUs buy
-    return high, tuple(points[n] for n in sorted(points))
+    found = fewest_ranks(lambda n: at(n).lowest_peak_bytes, usable_bytes)
+    if found.fits:
+        at(2 * found.world_size)  # one point past the answer shows what more GPUs buy
+    return found.world_size, tuple(points[n] for n in sorted(points))

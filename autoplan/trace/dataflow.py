@@ -16,16 +16,15 @@ from __future__ import annotations
 import os
 import traceback
 import weakref
-from typing import Any
 
 import networkx as nx
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from autoplan.runtime.fake import fake_copy, fake_tree
-from autoplan.trace.tracer import first_line
+from autoplan.runtime.formatting import first_line
+from autoplan.runtime.tensors import tensors_of
 
 
 class _Provenance(TorchDispatchMode):
@@ -49,7 +48,7 @@ class _Provenance(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        incoming = frozenset().union(*(self.sources(t) for t in _tensor_leaves((args, kwargs))))
+        incoming = frozenset().union(*(self.sources(t) for t in tensors_of((args, kwargs))))
         if self.running:
             unit = self.running[-1]
             self.edges.update((source, unit) for source in incoming if source != unit)
@@ -57,15 +56,9 @@ class _Provenance(TorchDispatchMode):
         else:
             made = incoming
         if made:
-            for tensor in _tensor_leaves(out):
+            for tensor in tensors_of(out):
                 self.label(tensor, made)
         return out
-
-
-def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    if not isinstance(tree, (torch.Tensor, dict, list, tuple)) and hasattr(tree, "__dict__"):
-        tree = dict(vars(tree))  # dataclass outputs that are not registered pytrees
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def runtime_unit_graph(
@@ -108,10 +101,10 @@ def runtime_unit_graph(
     try:
         with fake_mode, provenance, torch.no_grad():
             args, kwargs = fake_tree(inputs, fake_mode)
-            for tensor in _tensor_leaves((args, kwargs)):
+            for tensor in tensors_of((args, kwargs)):
                 provenance.label(tensor, frozenset(("input",)))
             output = twin(*args, **kwargs)
-            finished = frozenset().union(*(provenance.sources(t) for t in _tensor_leaves(output)))
+            finished = frozenset().union(*(provenance.sources(t) for t in tensors_of(output)))
     except Exception as error:  # noqa: BLE001 - reported with where it happened
         raise RuntimeError(f"{type(error).__name__}: {first_line(error)}{_user_frame(error)}") from error
     finally:

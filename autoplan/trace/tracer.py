@@ -36,6 +36,7 @@ from autoplan.runtime.names import sequential_run
 from autoplan.runtime.names import is_range_unit
 from autoplan.trace.units import find_units
 from autoplan.inputs.batch import normalize_inputs
+from autoplan.runtime.formatting import first_line
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,3 @@ def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors
     return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors))
 
 
-def first_line(error: Exception) -> str:
-    """An error's first line, at most 300 characters: what a one-line message quotes of it."""
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else ""

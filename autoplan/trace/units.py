@@ -4,6 +4,7 @@ from collections import defaultdict
 import fnmatch
 import networkx as nx
 import torch
+from autoplan.runtime.training import parameter_count
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -18,10 +19,6 @@ def _outermost(names: list[str]) -> list[str]:
 
 
 
-def _param_count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 
 def _repeated_class_units(model: torch.nn.Module) -> list[str]:
     by_class: dict[type, list[str]] = defaultdict(list)
@@ -29,12 +26,12 @@ def _repeated_class_units(model: torch.nn.Module) -> list[str]:
         cls = type(module)
         if not name or isinstance(module, _CONTAINERS) or cls.__module__.startswith("torch.nn."):
             continue
-        if _param_count(module) > 0:
+        if parameter_count(module) > 0:
             by_class[cls].append(name)
 
     def coverage(names: list[str]) -> tuple[int, int]:
         outer = _outermost(names)
-        return sum(_param_count(model.get_submodule(n)) for n in outer), -min(n.count(".") for n in outer)
+        return sum(parameter_count(model.get_submodule(n)) for n in outer), -min(n.count(".") for n in outer)
 
     candidates = {cls: _outermost(names) for cls, names in by_class.items() if len(_outermost(names)) >= 2}
     if not candidates:
@@ -65,10 +62,10 @@ def _sequential_units(model: torch.nn.Module) -> list[str]:
     sequentials = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Sequential) and len(m) >= 2]
     if not sequentials:
         return []
-    name, seq = max(sequentials, key=lambda item: (_param_count(item[1]), -item[0].count(".")))
+    name, seq = max(sequentials, key=lambda item: (parameter_count(item[1]), -item[0].count(".")))
     chain = nx.path_graph(["input", *range(len(seq)), "output"])
     cut_points = set(nx.articulation_points(chain))  # in a Sequential every layer boundary is one
-    starts = [i for i in range(len(seq)) if i in cut_points and _param_count(seq[i]) > 0]
+    starts = [i for i in range(len(seq)) if i in cut_points and parameter_count(seq[i]) > 0]
     if len(starts) < 2:
         return []
     starts[0] = 0

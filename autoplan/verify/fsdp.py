@@ -8,6 +8,8 @@ from typing import Iterator
 import contextlib
 import torch
 import weakref
+from autoplan.runtime.tensors import tensors_of
+from autoplan.runtime.training import optimizer_state_tensors
 
 class _ShardedBytesTracker(LiveBytesTracker):
     """LiveBytesTracker for FSDP2: DTensors count by their local shard, resized storages by their size."""
@@ -26,7 +28,7 @@ class _ShardedBytesTracker(LiveBytesTracker):
         return out
 
     def _record(self, func, inputs_tree, out_tree) -> None:
-        inputs = [t for t in torch.utils._pytree.tree_flatten(inputs_tree)[0] if isinstance(t, torch.Tensor)]
+        inputs = tensors_of(inputs_tree)
         input_storages = {id(t.untyped_storage()) for t in inputs}
         for tensor in torch.utils._pytree.tree_flatten(out_tree)[0]:
             if isinstance(tensor, torch.Tensor):
@@ -124,8 +126,8 @@ def _adopt_everything(tracker: _ShardedBytesTracker, model, optimizer, batch) ->
 
     local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
     tensors = [local(t) for t in list(model.parameters()) + list(model.buffers())]
-    tensors += [local(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    tensors += [t for t in torch.utils._pytree.tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    tensors += [local(t) for t in optimizer_state_tensors(optimizer)]
+    tensors += tensors_of(batch)
     # FSDP's own persistent buffers: the padded shards behind each DTensor, and unsharded storages
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)

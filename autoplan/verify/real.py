@@ -1,6 +1,5 @@
 from autoplan.inputs.devices import get_device
 from autoplan.plan import Plan
-from autoplan.profile.timing import _Timer
 from autoplan.runtime.planned import apply_choices
 from autoplan.runtime.planned import planned_choices
 from autoplan.runtime.tracker import LiveBytesTracker
@@ -9,9 +8,8 @@ from autoplan.runtime.training import make_optimizer
 from autoplan.runtime.training import model_device
 from autoplan.runtime.training import preserved
 from autoplan.runtime.training import train_step
-from autoplan.trace.tracer import normalize_inputs
+from autoplan.inputs.batch import normalize_inputs
 from dataclasses import dataclass
-from torch.utils._pytree import tree_flatten
 from typing import Any
 from typing import Callable
 from typing import Iterator
@@ -19,6 +17,9 @@ import contextlib
 import dataclasses
 import statistics
 import torch
+from autoplan.runtime.training import Timer
+from autoplan.runtime.tensors import tensors_of
+from autoplan.runtime.training import optimizer_state_tensors
 
 @dataclass(frozen=True)
 class Verification:
@@ -89,8 +90,8 @@ def verify(
     reserved: int | None = None
     out_of_memory = False
     with preserved(model), _budget_enforced(plan.budget_bytes if enforce_budget and cuda else None, device):
-        opt = make_optimizer(optimizer, params, profile_device)
-        timer = _Timer(device)
+        opt = make_optimizer(optimizer, params, foreach=profile_device.kind == "cuda")
+        timer = Timer(device)
         tracker = None if cuda else LiveBytesTracker(profile_device)
         try:
             for step in range(steps):
@@ -132,8 +133,8 @@ def _start_peak(tracker: LiveBytesTracker | None, device: torch.device, model, o
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return None
-    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    state = optimizer_state_tensors(opt)
+    inputs = tensors_of(batch)
     tracker.adopt(list(model.parameters()) + list(model.buffers()) + state + inputs)
     tracker.begin_phase("steady")
     return None

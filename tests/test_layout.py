@@ -1,0 +1,136 @@
+"""The package's folder tree is the pipeline: imports go only towards earlier stages, in no circle.
+
+Every `import` in every module counts, those inside functions and under TYPE_CHECKING too. A
+module of stage k may import the vocabulary, `runtime/`, and stages before k; never a later
+stage, never its own stage's sibling in a circle. The limits of DESIGN.md's style section are
+checked here too, so they stay true.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "autoplan"
+
+# The pipeline in order; a module may import its own layer and earlier ones.
+LAYERS = (
+    ("plan", "errors"),  # the vocabulary: imports nothing of autoplan (but each other)
+    ("runtime",),
+    ("inputs",),
+    ("trace",),
+    ("profile",),
+    ("memory",),
+    ("solve",),
+    ("verify",),
+    ("apply",),
+    ("report",),
+    ("api",),
+    ("hf",),
+    ("cli",),
+    ("__init__",),  # the package root re-exports the public names
+)
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _stage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every autoplan module `module` imports, wherever the import statement stands."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    known = _modules()
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("autoplan"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("autoplan"):
+                continue
+            for alias in node.names:  # `from autoplan.x import y` may name the module autoplan.x.y
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {name for name in found if name != module}
+
+
+def _graph() -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for module, path in _modules().items():
+        graph.add_node(module)
+        for imported in _imports(module, path):
+            graph.add_edge(module, imported)
+    return graph
+
+
+def test_the_stages_are_the_folders_in_pipeline_order():
+    stages = {_stage(module) for module in _modules()}
+    assert stages <= set(RANK), f"modules outside the pipeline: {stages - set(RANK)}"
+    for package in ("runtime", "inputs", "trace", "profile", "memory", "solve", "verify", "apply", "report", "cli"):
+        assert (PACKAGE / package / "__init__.py").exists(), package
+
+
+def test_no_import_circle():
+    cycles = list(nx.simple_cycles(_graph()))
+    assert not cycles, f"import circles: {cycles[:5]}"
+
+
+def test_imports_only_go_towards_earlier_stages():
+    backward = [
+        f"{source} -> {target}"
+        for source, target in _graph().edges
+        if target != "autoplan" and RANK[_stage(target)] > RANK[_stage(source)]
+    ]
+    assert not backward, "imports running back up the pipeline:\n" + "\n".join(backward)
+
+
+def test_the_vocabulary_imports_nothing_else_of_autoplan():
+    for module in ("autoplan.plan", "autoplan.errors"):
+        imported = _imports(module, _modules()[module])
+        assert imported <= {"autoplan.plan", "autoplan.errors"}, (module, imported)
+
+
+def test_no_private_name_crosses_modules():
+    crossing = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("autoplan"):
+                crossing += [f"{module}: {alias.name} from {node.module}" for alias in node.names if alias.name.startswith("_")]
+    assert not crossing, crossing
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_modules_and_functions_stay_small(module):
+    path = _modules()[module]
+    source = path.read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{module}: {len(source.splitlines())} lines"
+    long = [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"{module}: {long}"
+
+
+def test_the_checker_sees_a_backward_import_inside_a_function(tmp_path):
+    """The rules above would pass vacuously if _imports missed function-level imports."""
+    module = tmp_path / "probe.py"
+    module.write_text("def late():\n    from autoplan.report.text import format_report\n    return format_report\n")
+    assert _imports("autoplan.trace.probe", module) == {"autoplan.report.text"}
