@@ -15,29 +15,24 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from autoplan.inputs.budget import budget_needed_for, make_budget
-from autoplan.inputs.devices import Device, get_device
-from autoplan.profile.timing import measure_times
-from autoplan.runtime.training import model_device
-from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
-from autoplan.plan import Plan, UnitDecision, WorldSizePoint
-from autoplan.profile.units import Profile, precision_options
-from autoplan.profile.units import profile as profile_units
-from autoplan.solve.ilp import fastest
-from autoplan.trace.tracer import trace
-from autoplan.verify.simulate import simulate_plan
-from autoplan.solve.worlds import fewest_gpus, parameter_count
+from autoplan.apply.fsdp import process_group_world_size, require_process_group
+from autoplan.apply.rewrite import apply_plan, refuse_meta
 from autoplan.errors import InfeasibleBudgetError
 from autoplan.inputs.batch import training_batch
-from autoplan.solve.search import SearchResult, pinned_choices, search
-from autoplan.inputs.budget import Budget
-from autoplan.plan import Choice
-from autoplan.trace.tracer import Traced
+from autoplan.inputs.budget import Budget, budget_needed_for, make_budget
+from autoplan.inputs.devices import Device, get_device
+from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
+from autoplan.plan import Choice, Plan, UnitDecision, WorldSizePoint
+from autoplan.profile.timing import measure_times
+from autoplan.profile.units import Profile, precision_options
+from autoplan.profile.units import profile as profile_units
 from autoplan.runtime.formatting import format_bytes
-from autoplan.apply.fsdp import process_group_world_size
-from autoplan.apply.fsdp import require_process_group
-from autoplan.apply.rewrite import apply_plan
-from autoplan.apply.rewrite import refuse_meta
+from autoplan.runtime.training import model_device
+from autoplan.solve.ilp import fastest
+from autoplan.solve.search import SearchResult, pinned_choices, search
+from autoplan.solve.worlds import fewest_gpus, parameter_count
+from autoplan.trace.tracer import Traced, trace
+from autoplan.verify.simulate import simulate_plan
 
 
 def plan(
@@ -68,7 +63,7 @@ def plan(
         Optional for a Hugging Face model: omitted, a batch of `batch_size` (default 1) ×
         `seq_len` (default: the config's max positions, at most 2048) is built from its config
         (autoplan.hf.example_inputs_for). A HF forward that takes `use_cache` gets False.
-    device: a device profile name ("h100-80gb", see autoplan.devices), None for the current GPU (or
+    device: a device profile name ("h100-80gb", see autoplan.list_devices()), None for the current GPU (or
         "cpu" without one).
     optimizer: "adamw" (default), "adam", "sgd", "sgd-momentum" or an optimizer instance.
     precision: "auto" (per unit, fp32 or the device's autocast dtype), "fp32", "bf16" or "fp16".
@@ -81,48 +76,64 @@ def plan(
         "measure" (real runs on the device the model is on: CUDA events, or the CPU clock), or
         "auto" (measure when the model is on a CUDA device and that device is the target).
     progress: called with a short message as each stage starts. on_profile: called with the
-        Profile once measured (autoplan.advise needs it; the CLI uses this).
+        Profile once measured (autoplan.report.advice needs it; the CLI uses this).
     world_size: GPUs to shard over with FSDP2 (parameters, gradients and optimizer state 1/N each;
-        see memory.rank_offsets): every constraint and every byte of the plan is then per rank.
+        see memory.model.rank_offsets): every constraint and every byte of the plan is then per rank.
         "auto": the fewest GPUs whose lowest per-rank peak fits, with the curve in
         plan.world_size_curve. 1 (default): one GPU, no FSDP.
     """
     if world_size != "auto":
         check_world_size(world_size)
-    if profile not in ("auto", "measure", "roofline"):
-        raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
     target = get_device(device)
     memory = make_budget(budget, target, reserve)
+    say = progress or (lambda message: None)
+    traced, measured = _trace_and_profile(
+        model, training_batch(model, example_inputs, batch_size, seq_len), target,
+        units=units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, loss_fn=loss_fn, profile=profile, say=say,
+    )
+    if on_profile is not None:
+        on_profile(measured)
+    pins = pinned_choices(list(traced.units), precision_options(precision, target), keep_fp32, checkpoint)
+    return _decide(traced, measured, budget=memory, reserve=reserve, target=target, pins=pins, world_size=world_size,
+                   optimizer=optimizer, loss_fn=loss_fn, time_limit_s=time_limit_s, say=say)
+
+
+def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, target: Device, pins, world_size,
+            optimizer, loss_fn, time_limit_s: float, say) -> Plan:
+    """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
+    curve: tuple[WorldSizePoint, ...] = ()
+    if world_size == "auto":
+        say("finding the smallest number of GPUs")
+        world, curve = fewest_gpus(measured, pins, budget.usable_bytes, time_limit_s)
+    else:
+        world = check_world_size(world_size)
+    offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, world)))
+
+    def simulate(choices: Mapping[str, Choice]) -> int:
+        return simulate_plan(
+            traced, choices, device=target, optimizer=optimizer, rest_precision=measured.rest_precision, loss_fn=loss_fn,
+            rank_offsets=offsets,
+        ).peak_bytes
+
+    found = search(measured, budget.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
+    decided = _assemble(measured, traced, found, budget=budget, reserve=reserve, target=target, pins=pins, world=world)
+    return dataclasses.replace(decided, world_size_curve=curve)
+
+
+def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precision, keep_fp32, loss_fn, profile, say):
+    """The trace and profile stages: units found, and what each costs under every allowed choice."""
+    if profile not in ("auto", "measure", "roofline"):
+        raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
     precisions = precision_options(precision, target)
     if keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
     rest = "fp32" if precision == "auto" else precision
-    say = progress or (lambda message: None)
     say("tracing")
-    traced = trace(model, training_batch(model, example_inputs, batch_size, seq_len), units)
+    traced = trace(model, batch, units)
     measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
     if _should_measure(profile, model, target):
         measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
-    if on_profile is not None:
-        on_profile(measured)
-    pins = pinned_choices(list(traced.units), precision_options(precision, target), keep_fp32, checkpoint)
-
-    curve: tuple[WorldSizePoint, ...] = ()
-    if world_size == "auto":
-        say("finding the smallest number of GPUs")
-        world, curve = fewest_gpus(measured, pins, memory.usable_bytes, time_limit_s)
-    else:
-        world = check_world_size(world_size)
-    offsets = dict(zip((phase.name for phase in measured.timeline.phases), rank_offsets(measured, world)))
-
-    def simulate(choices: Mapping[str, Choice]) -> int:
-        return simulate_plan(
-            traced, choices, device=target, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, rank_offsets=offsets
-        ).peak_bytes
-
-    found = search(measured, memory.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
-    decided = _assemble(measured, traced, found, budget=memory, reserve=reserve, target=target, pins=pins, world=world)
-    return dataclasses.replace(decided, world_size_curve=curve)
+    return traced, measured
 
 
 def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:

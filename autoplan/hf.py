@@ -7,6 +7,8 @@ transformers is an optional extra (`pip install autoplan[hf]`); this is the publ
 `autoplan.inputs.hf_models`, where the code lives.
 """
 
+from __future__ import annotations
+
 from autoplan.inputs.hf_models import (
     DEFAULT_SEQ_LEN_CAP,
     PRESETS,

@@ -23,6 +23,50 @@ PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
 CHECKPOINTED: frozenset[str] = frozenset({"selective", "full"})
 
 
+PhaseKind = Literal["fwd", "bwd", "step"]
+PhasePosition = Literal["start", "in", "after", "optimizer", "zero_grad"]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One moment of a training step, as the timeline splits it at unit boundaries.
+
+    kind: forward, backward, or the optimizer's step. position: "in" a unit (its forward or
+    backward), "after" a unit (the rest of the model between it and the next), at the "start" of
+    forward or backward (before the first unit runs), or, for kind "step", "optimizer" (its step)
+    or "zero_grad". `str(phase)` is the label reports print: "fwd:layers.3", "bwd:after layers.3",
+    "fwd:start", "optimizer".
+    """
+
+    kind: PhaseKind
+    unit: str | None = None  # the unit it is in or after; None at a start and in the step
+    position: PhasePosition = "in"
+
+    @property
+    def running_unit(self) -> str | None:
+        """The unit whose own forward or backward this is; None for the rest of the model."""
+        return self.unit if self.position == "in" else None
+
+    @property
+    def in_rest_of_forward(self) -> bool:
+        return self.kind == "fwd" and self.position in ("start", "after")
+
+    def __str__(self) -> str:
+        if self.kind == "step":
+            return self.position
+        if self.position == "start":
+            return f"{self.kind}:start"
+        if self.position == "after":
+            return f"{self.kind}:after {self.unit}"
+        return f"{self.kind}:{self.unit}"
+
+
+FORWARD_START = Phase("fwd", None, "start")
+BACKWARD_START = Phase("bwd", None, "start")
+OPTIMIZER_STEP = Phase("step", None, "optimizer")
+ZERO_GRAD = Phase("step", None, "zero_grad")
+
+
 @dataclass(frozen=True, order=True)
 class Choice:
     """How one unit runs: which activations it keeps for backward, and in which precision."""
@@ -75,7 +119,7 @@ class ShardedPeak:
     """Rank 0's peak under FSDP2 on `world_size` ranks, each training its own batch with the same choices."""
 
     world_size: int
-    phase: str  # the moment of the step where this rank peaks
+    phase: Phase  # the moment of the step where this rank peaks
     parameters: int  # this rank's shards of the parameters (1/N, padded), and the buffers
     gradients: int  # gradients alive at that moment: shards of reduced units, the root's still unsharded
     optimizer: int  # this rank's shard of the optimizer state (1/N)
@@ -91,7 +135,7 @@ class ShardedPeak:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"total": self.total}
+        return dataclasses.asdict(self) | {"phase": str(self.phase), "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -127,7 +171,7 @@ class Plan:
     fastest_step_time_s: float  # the fastest choice that ignores memory
     time_source: str  # "roofline" (FLOPs and bytes over device peak rates) or "measured"
     breakdown: MemoryBreakdown  # at the predicted peak
-    peak_phase: str  # the moment of the step where the predicted peak happens
+    peak_phase: Phase  # the moment of the step where the predicted peak happens
     units: tuple[UnitDecision, ...]  # in execution order
     solver_status: str  # pulp's status of the final solve, e.g. "Optimal"
     solve_time_s: float  # wall time spent in the ILP solver, all re-solves included
@@ -151,6 +195,7 @@ class Plan:
             for unit in self.units
         ]
         data["notes"] = list(self.notes)
+        data["peak_phase"] = str(self.peak_phase)
         data["breakdown"]["total"] = self.breakdown.total
         data["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
         data["world_size_curve"] = [dataclasses.asdict(point) for point in self.world_size_curve]

@@ -119,8 +119,8 @@ def test_advice_for_a_plan_that_fits(loose) -> None:
     state = profile.timeline.static.optimizer
     assert advice.step("optimizer_8bit").saves_bytes == state - state // 4
     sdpa = advice.step("sdpa")
-    names = [phase.name for phase in profile.timeline.phases]
-    assert sdpa.status == "try" and sdpa.saves_bytes == held_attention(profile, plan.choices(), names.index(plan.peak_phase))
+    phases = [sample.phase for sample in profile.timeline.phases]
+    assert sdpa.status == "try" and sdpa.saves_bytes == held_attention(profile, plan.choices(), phases.index(plan.peak_phase))
     json.dumps(advice.to_dict())  # plain data
 
 

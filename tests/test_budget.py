@@ -1,4 +1,4 @@
-"""Tests for autoplan.budget: parsing, reserves and formatting of memory budgets."""
+"""Tests for autoplan.inputs.budget: parsing, reserves and formatting of memory budgets."""
 
 from __future__ import annotations
 

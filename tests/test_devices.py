@@ -1,4 +1,4 @@
-"""Tests for autoplan.devices: the device table, name resolution and rates."""
+"""Tests for autoplan.inputs.devices: the device table, name resolution and rates."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ LAYERS = (
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 60
+MAX_FUNCTION_LINES = 60  # code lines, docstring excluded
 
 
 def _modules() -> dict[str, Path]:
@@ -122,11 +122,20 @@ def test_modules_and_functions_stay_small(module):
     source = path.read_text()
     assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{module}: {len(source.splitlines())} lines"
     long = [
-        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        f"{node.name}: {_code_lines(node)} lines"
         for node in ast.walk(ast.parse(source))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > MAX_FUNCTION_LINES
     ]
     assert not long, f"{module}: {long}"
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from `def` to the end, the docstring not counted: the limit is on logic, not on documentation."""
+    total = function.end_lineno - function.lineno + 1
+    first = function.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        total -= first.end_lineno - first.lineno + 1
+    return total
 
 
 def test_the_checker_sees_a_backward_import_inside_a_function(tmp_path):

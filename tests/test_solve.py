@@ -18,7 +18,7 @@ import pytest
 
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import live_bytes, points, predict_peak, predict_step_time
-from autoplan.plan import Choice
+from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase, Choice
 from autoplan.profile.units import Profile, UnitCost, UnitProfile
 from autoplan.solve.ilp import Solution, allowed_choices, check, fastest, minimum_peak, solve
 from autoplan.profile.timeline import Boundary, PhaseSample, StaticBytes, Timeline
@@ -105,23 +105,23 @@ def synthetic_chain(
                 )
         units.append(UnitProfile(name, options, KEEP))
 
-    def phase(name: str, unit: str | None, kind: str, start: float, peak: float, seconds: float = 0.0) -> PhaseSample:
-        return PhaseSample(name, unit, kind, mib(start), mib(peak), 0, seconds, 0)
+    def phase(label: Phase, start: float, peak: float, seconds: float = 0.0) -> PhaseSample:
+        return PhaseSample(label, mib(start), mib(peak), 0, seconds, 0)
 
-    phases = [phase("fwd:start", None, "fwd", static, static)]
+    phases = [phase(FORWARD_START, static, static)]
     held = static
     for i, name in enumerate(names):
-        phases.append(phase(f"fwd:{name}", name, "fwd", held, held + keep_fwd[i], keep_time[i] / 3))
+        phases.append(phase(Phase("fwd", name), held, held + keep_fwd[i], keep_time[i] / 3))
         held += keep_held[i]
-        phases.append(phase(f"fwd:after {name}", None, "fwd", held, held))
-    phases.append(phase("bwd:start", None, "bwd", held, held))
+        phases.append(phase(Phase("fwd", name, "after"), held, held))
+    phases.append(phase(BACKWARD_START, held, held))
     for i in reversed(range(n)):
         name = names[i]
-        phases.append(phase(f"bwd:{name}", name, "bwd", held, held + keep_bwd[i], keep_time[i] - keep_time[i] / 3))
+        phases.append(phase(Phase("bwd", name), held, held + keep_bwd[i], keep_time[i] - keep_time[i] / 3))
         held -= keep_held[i]
-        phases.append(phase(f"bwd:after {name}", None, "bwd", held, held))
-    phases.append(phase("optimizer", None, "step", static, static + optimizer_transient))
-    phases.append(phase("zero_grad", None, "step", static, static))
+        phases.append(phase(Phase("bwd", name, "after"), held, held))
+    phases.append(phase(OPTIMIZER_STEP, static, static + optimizer_transient))
+    phases.append(phase(ZERO_GRAD, static, static))
 
     boundaries = tuple(
         Boundary(

@@ -1,18 +1,15 @@
-"""Apply stage for more than one GPU: a plan's units become FSDP2 units, and per-rank peaks are measured.
+"""Apply stage for more than one GPU: a plan's units become FSDP2 units.
 
 `apply_fsdp(model, plan)` runs inside an initialised process group (`torchrun`): it rewrites each
-unit for its checkpoint mode and precision (`rewrite.apply_choices`, as on one GPU), then calls
-PyTorch's own `torch.distributed.fsdp.fully_shard` on each unit and on the root, so the units the
-plan decided about are exactly the groups FSDP gathers and reduce-scatters.
+unit for its checkpoint mode and precision (`runtime.planned.apply_choices`, as on one GPU), then
+calls PyTorch's own `torch.distributed.fsdp.fully_shard` on each unit and on the root, so the units
+the plan decided about are exactly the groups FSDP gathers and reduce-scatters.
 
 Precision stays torch.autocast per unit, not FSDP2's `MixedPrecisionPolicy`: autocast keeps norms,
 softmax and losses in fp32 as the single-GPU plan does, lets each unit choose its own precision,
 and is what the profile measured; parameters stay fp32 in the all-gathers and gradients are
 reduced in fp32 (twice the traffic of a bf16 policy, and no weight-cast rounding across ranks).
-
-`measure_rank_peak` runs real training steps on this rank and counts live tensor bytes with the
-same tracker the simulation uses, taught FSDP2's habit of resizing a storage to zero and back
-instead of freeing it.
+Per-rank peaks are measured by `verify.fsdp`.
 """
 
 from __future__ import annotations
@@ -21,11 +18,10 @@ from typing import Any
 
 import torch
 
-from autoplan.runtime.names import is_graph_unit
-from autoplan.plan import Plan
-from autoplan.runtime.planned import apply_choices
-from autoplan.runtime.names import sequential_run
 from autoplan.errors import DistributedSetupError
+from autoplan.plan import Plan
+from autoplan.runtime.names import is_graph_unit, sequential_run
+from autoplan.runtime.planned import apply_choices
 
 
 def process_group_world_size() -> int | None:
@@ -92,5 +88,3 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
 
 
 # -- measuring a rank ------------------------------------------------------------------------
-
-

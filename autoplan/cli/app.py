@@ -24,13 +24,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 import autoplan
-from autoplan.runtime.formatting import format_bytes
-from autoplan.inputs.budget import make_budget
-from autoplan.inputs.devices import get_device, list_devices
-from autoplan.inputs.targets import Target, load_target
-from autoplan.report.advice import advise
-from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
-from autoplan.report.text import render, report_renderables, verification_table
 from autoplan.errors import (
     FactoryError,
     MissingExtraError,
@@ -39,6 +32,13 @@ from autoplan.errors import (
     TraceError,
     UnitPatternError,
 )
+from autoplan.inputs.budget import make_budget
+from autoplan.inputs.devices import get_device, list_devices
+from autoplan.inputs.targets import Target, load_target
+from autoplan.report.advice import advise
+from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
+from autoplan.report.text import render, report_renderables, verification_table
+from autoplan.runtime.formatting import format_bytes
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
 

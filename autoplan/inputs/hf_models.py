@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from autoplan.errors import MissingExtraError, UnknownModelError
 from autoplan.runtime.signatures import accepts_argument
 
@@ -133,7 +134,6 @@ def model_from_config(spec: str, *, meta: bool = True) -> torch.nn.Module:
     with context:
         model = build(config)
     return model
-
 
 
 def default_seq_len(model: torch.nn.Module) -> int:

@@ -21,8 +21,9 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_map_only
-from autoplan.inputs import hf_models
+
 from autoplan.errors import FactoryError, TargetNotFoundError, TargetUsageError, UnknownModelError
+from autoplan.inputs import hf_models
 from autoplan.runtime.formatting import first_line
 from autoplan.runtime.signatures import accepts_argument
 from autoplan.runtime.tensors import tensors_of
@@ -85,7 +86,6 @@ def _load_module(name: str):
         raise FactoryError(f"importing {name} raised {type(error).__name__}: {first_line(error)}") from error
     except Exception as error:
         raise FactoryError(f"importing {name} raised {type(error).__name__}: {first_line(error)}") from error
-
 
 
 def _default(factory: Callable, parameter: str) -> Any:

@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from autoplan.plan import Choice, MemoryBreakdown, ShardedPeak
-from autoplan.profile.units import Profile, UnitProfile
 from autoplan.memory.sharded import RankTerms, rank_terms
+from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
+from autoplan.profile.units import Profile, UnitProfile
 
 Relation = Literal["fwd", "held", "bwd"]
 
@@ -37,21 +37,16 @@ class Point:
     """One phase of the step as a constraint: base bytes, and which units change it and how."""
 
     index: int
-    name: str
+    phase: Phase
     base_bytes: int  # the timeline's peak in this phase
     relations: tuple[tuple[int, Relation], ...]  # (unit index, how that unit's choice reaches this phase)
 
 
 def unit_windows(profile: Profile) -> list[tuple[int, int]]:
     """For each unit: the index of its forward phase and of its backward phase."""
-    names = [phase.name for phase in profile.timeline.phases]
-    end = names.index("optimizer")
-    windows = []
-    for unit in profile.units:
-        forward = names.index(f"fwd:{unit.name}")
-        backward = names.index(f"bwd:{unit.name}") if f"bwd:{unit.name}" in names else end
-        windows.append((forward, backward))
-    return windows
+    index = {sample.phase: i for i, sample in enumerate(profile.timeline.phases)}
+    end = index[OPTIMIZER_STEP]
+    return [(index[Phase("fwd", unit.name)], index.get(Phase("bwd", unit.name), end)) for unit in profile.units]
 
 
 def points(profile: Profile, world_size: int = 1) -> list[Point]:
@@ -68,7 +63,7 @@ def points(profile: Profile, world_size: int = 1) -> list[Point]:
                 relations.append((unit_index, "bwd"))
             elif forward < index < backward:
                 relations.append((unit_index, "held"))
-        result.append(Point(index, phase.name, phase.peak_bytes + offsets[index], tuple(relations)))
+        result.append(Point(index, phase.phase, phase.peak_bytes + offsets[index], tuple(relations)))
     return result
 
 
@@ -102,7 +97,7 @@ class SharedTensor:
 def shared_tensors(profile: Profile) -> list[SharedTensor]:
     """Tensors between units whose lifetime depends on the units' choices (not the batch or output)."""
     index = {unit.name: i for i, unit in enumerate(profile.units)}
-    phase_index = {phase.name: i for i, phase in enumerate(profile.timeline.phases)}
+    phase_index = {sample.phase: i for i, sample in enumerate(profile.timeline.phases)}
     result = []
     for boundary in profile.timeline.boundaries:
         if boundary.held_by_rest:
@@ -113,30 +108,23 @@ def shared_tensors(profile: Profile) -> list[SharedTensor]:
         holders.sort(key=lambda h: h.unit)
         if holders:
             rest_until = _rest_backward_end(profile, boundary.rest_saved_in, phase_index) if boundary.rest_saved_in else -1
-            result.append(
-                SharedTensor(boundary.bytes, tuple(holders), phase_index.get(boundary.last_forward_use, -1), rest_until)
-            )
+            last_use = phase_index.get(boundary.last_forward_use, -1) if boundary.last_forward_use else -1
+            result.append(SharedTensor(boundary.bytes, tuple(holders), last_use, rest_until))
     return result
 
 
-def _rest_backward_end(profile: Profile, forward_phase: str, phase_index: dict[str, int]) -> int:
+def _rest_backward_end(profile: Profile, forward_phase: Phase, phase_index: dict[Phase, int]) -> int:
     """The last phase in which the backward of the rest-of-model ops run in `forward_phase` runs.
 
     Ops between unit X and the next unit Y run their backward after Y's ("bwd:after Y") and before
     X's; those after the last unit run first ("bwd:start"); those before the first unit, last.
     """
     names = [unit.name for unit in profile.units]
-    end = phase_index["optimizer"] - 1
-    if forward_phase.startswith("fwd:after "):
-        position = names.index(forward_phase[len("fwd:after "):]) + 1
-    elif forward_phase == "fwd:start":
-        position = 0
-    else:
+    end = phase_index[OPTIMIZER_STEP] - 1
+    if forward_phase.kind != "fwd" or forward_phase.position not in ("start", "after"):
         return end
-    if position == len(names):
-        backward = "bwd:start"
-    else:
-        backward = f"bwd:after {names[position]}"
+    position = 0 if forward_phase.position == "start" else names.index(forward_phase.unit) + 1
+    backward = BACKWARD_START if position == len(names) else Phase("bwd", names[position], "after")
     if backward not in phase_index:
         return end
     # the rest's backward runs until the next unit's backward begins
@@ -234,7 +222,7 @@ def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
 @dataclass(frozen=True)
 class PeakPrediction:
     bytes: int
-    phase: str
+    phase: Phase
     breakdown: MemoryBreakdown
     rank: ShardedPeak | None = None  # with world_size > 1: the same peak in FSDP's terms
 
@@ -263,8 +251,8 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: in
         transient=live[index] - offsets[index] - start,  # one GPU's transient
     )
     if world_size == 1:
-        return PeakPrediction(live[index], phase.name, breakdown)
-    rank = _rank_peak(phase.name, terms[index], live[index], world_size)
+        return PeakPrediction(live[index], phase.phase, breakdown)
+    rank = _rank_peak(phase.phase, terms[index], live[index], world_size)
     # outside the optimizer step activations and transients are a single GPU's; in it, 1/N of them
     transient = breakdown.transient if phase.kind != "step" else 0
     sharded = MemoryBreakdown(
@@ -274,7 +262,7 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: in
         activations=rank.activations - transient,
         transient=rank.communication_buffers + transient,
     )
-    return PeakPrediction(live[index], phase.name, sharded, rank)
+    return PeakPrediction(live[index], phase.phase, sharded, rank)
 
 
 def predict_step_time(profile: Profile, choices: Mapping[str, Choice]) -> float:
@@ -292,8 +280,7 @@ def predict_step_time(profile: Profile, choices: Mapping[str, Choice]) -> float:
 class PhaseBytes:
     """One phase of the step under some choices: its predicted peak, and how much of it is static."""
 
-    name: str  # the timeline's phase name, e.g. "fwd:layers.3", "bwd:layers.3", "optimizer"
-    kind: str  # "fwd", "bwd" or "step" (optimizer.step / zero_grad)
+    phase: Phase
     live_bytes: int  # predicted peak of the phase (what the solver constrains)
     static_bytes: int  # parameters + optimizer state + gradients alive when the phase began
 
@@ -302,12 +289,16 @@ class PhaseBytes:
         """Everything else: the batch, saved activations, temporaries (optimizer temporaries in "step")."""
         return self.live_bytes - self.static_bytes
 
+    @property
+    def kind(self) -> str:
+        return self.phase.kind
+
 
 def phase_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[PhaseBytes]:
     """The memory model's prediction for every phase, split into static and batch-dependent bytes."""
     static = profile.timeline.static
     return [
-        PhaseBytes(phase.name, phase.kind, live, static.parameters + static.optimizer + phase.grad_bytes)
+        PhaseBytes(phase.phase, live, static.parameters + static.optimizer + phase.grad_bytes)
         for phase, live in zip(profile.timeline.phases, live_bytes(profile, choices))
     ]
 
@@ -322,7 +313,7 @@ def rank_offsets(profile: Profile, world_size: int, terms: list[RankTerms] | Non
     """Per phase: rank 0's bytes under FSDP minus one GPU's, whatever the units choose.
 
     FSDP replaces the full parameters, gradients and optimizer state by this rank's shards and adds
-    gathered parameters and communication buffers (`sharding.rank_terms`); activations are the
+    gathered parameters and communication buffers (`memory.sharded.rank_terms`); activations are the
     same on every rank (each runs its own batch), except the optimizer step's temporaries, which
     are per parameter and so sharded. Zero everywhere for one GPU: no FSDP. `terms`: the
     `rank_terms` of this profile and world size, when the caller has them already.
@@ -340,7 +331,7 @@ def rank_offsets(profile: Profile, world_size: int, terms: list[RankTerms] | Non
     return offsets
 
 
-def _rank_peak(phase: str, terms: RankTerms, live: int, world_size: int) -> ShardedPeak:
+def _rank_peak(phase: Phase, terms: RankTerms, live: int, world_size: int) -> ShardedPeak:
     fsdp = terms.parameters + terms.gradients + terms.optimizer + terms.gathered + terms.buffers
     return ShardedPeak(
         world_size, phase, terms.parameters, terms.gradients, terms.optimizer, terms.gathered, terms.buffers,

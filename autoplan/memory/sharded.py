@@ -1,6 +1,6 @@
 """What FSDP2 adds to, and takes from, one rank's memory: the arithmetic behind the per-rank model.
 
-`memory.py` turns a single-GPU prediction into a per-rank one with these terms; this module only
+`memory.model` turns a single-GPU prediction into a per-rank one with these terms; this module only
 knows FSDP2's buffers (torch.distributed.fsdp.fully_shard, read from its source in torch 2.13):
 
 - every parameter is sharded on dim 0, padded to a multiple of N rows: each rank keeps
@@ -22,12 +22,11 @@ shards (the ceiling), so these are its bytes: the rank that peaks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
-
-from autoplan.runtime.tensors import rounded_bytes
+from autoplan.plan import Phase
 from autoplan.profile.layout import ParamShape
+from autoplan.runtime.tensors import rounded_bytes
 
 if TYPE_CHECKING:
     from autoplan.profile.units import Profile
@@ -79,11 +78,11 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
     units = [GroupBytes.of(unit.param_layout, world_size) for unit in profile.units]
     root = GroupBytes.of(profile.rest_param_layout, world_size)
     groups = units + [root]
-    names = [phase.name for phase in profile.timeline.phases]
+    phase_count = len(profile.timeline.phases)
     position = {unit.name: i for i, unit in enumerate(profile.units)}  # forward order
-    phase_index = {name: i for i, name in enumerate(names)}
+    phase_index = {sample.phase: i for i, sample in enumerate(profile.timeline.phases)}
     # (index of the unit's backward phase, unit) in the order backward finishes them
-    backward_order = sorted((phase_index.get(f"bwd:{u.name}", len(names)), i) for i, u in enumerate(profile.units))
+    backward_order = sorted((phase_index.get(Phase("bwd", u.name), phase_count), i) for i, u in enumerate(profile.units))
     last_backward = max((i for i, phase in enumerate(profile.timeline.phases) if phase.kind == "bwd"), default=-1)
     static = profile.timeline.static
     full = sum(g.full for g in groups)

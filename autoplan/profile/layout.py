@@ -1,5 +1,13 @@
+"""Parameter shapes as FSDP2 shards them (dim 0, padded to a multiple of the world size), recorded
+per unit by the profile so the per-rank memory model needs no model.
+"""
+
+from __future__ import annotations
+
 from dataclasses import dataclass
+
 import torch
+
 
 @dataclass(frozen=True)
 class ParamShape:
@@ -16,7 +24,6 @@ class ParamShape:
 
     def shard_bytes(self, world_size: int) -> int:
         return -(-self.rows // world_size) * self.row_numel * self.itemsize
-
 
 
 def layout_of(params) -> tuple[ParamShape, ...]:

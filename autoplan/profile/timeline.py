@@ -18,13 +18,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 from autoplan.inputs.devices import Device
-from autoplan.runtime.names import unit_endpoints
-from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.training import default_loss, make_optimizer
+from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase
 from autoplan.runtime.fake import fake_tree
-from autoplan.runtime.tensors import storage_bytes, unique_storage_bytes
-from autoplan.runtime.tensors import tensors_of
-from autoplan.runtime.training import optimizer_state_tensors
+from autoplan.runtime.names import unit_endpoints
+from autoplan.runtime.tensors import storage_bytes, tensors_of, unique_storage_bytes
+from autoplan.runtime.tracker import LiveBytesTracker, TrackedPhase
+from autoplan.runtime.training import default_loss, make_optimizer, optimizer_state_tensors
 
 
 @dataclass(frozen=True)
@@ -66,22 +65,33 @@ class Boundary:
     producer: tuple[str, int] | None  # (unit, output leaf), None when made outside the units
     consumers: tuple[tuple[str, int], ...]  # (unit, input leaf) in forward order
     held_by_rest: bool  # the batch, or a parameter: alive through the whole step
-    last_forward_use: str = ""  # the last forward phase in which any op read it
-    rest_saved_in: str = ""  # the last forward phase in which an op outside the units saved it for backward
+    last_forward_use: Phase | None = None  # the last forward phase in which any op read it
+    rest_saved_in: Phase | None = None  # the last forward phase in which an op outside the units saved it for backward
 
 
 @dataclass(frozen=True)
 class PhaseSample:
     """One phase of step 2."""
 
-    name: str  # "fwd:<unit>", "fwd:after <unit>", "bwd:<unit>", "bwd:after <unit>", "optimizer", ...
-    unit: str | None  # the unit whose forward or backward this is, None for the rest of the model
-    kind: str  # "fwd", "bwd" or "step"
+    phase: Phase
     start_bytes: int
     peak_bytes: int
     grad_bytes: int  # gradient bytes alive when the phase began
     time_s: float
     flops: int
+
+    @property
+    def name(self) -> str:
+        return str(self.phase)
+
+    @property
+    def unit(self) -> str | None:
+        """The unit whose forward or backward this is, None for the rest of the model and the step."""
+        return self.phase.running_unit
+
+    @property
+    def kind(self) -> str:
+        return self.phase.kind
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class _UnitRecorder:
         self.grad_bytes: list[int] = []
         self.calls: dict[str, UnitCall] = {}
         self.in_rest = False
-        self.rest_saved: dict[int, str] = {}  # storage key -> the forward phase that saved it
+        self.rest_saved: dict[int, Phase] = {}  # storage key -> the forward phase that saved it
         self._keys: dict[int, tuple[weakref.ref, int]] = {}
         self._last_key = 0
         self._handles = []
@@ -143,21 +153,21 @@ class _UnitRecorder:
             self.rest_saved[self.key(tensor)] = self.tracker.current_phase
         return tensor
 
-    def begin(self, name: str) -> None:
+    def begin(self, phase: Phase) -> None:
         if not self.recording:
             return
-        self.in_rest = name.startswith(("fwd:start", "fwd:after "))
+        self.in_rest = phase.in_rest_of_forward
         grads = [p.grad for p in self.params if p.grad is not None]
         self.grad_bytes.append(unique_storage_bytes(grads))
-        self.tracker.begin_phase(name)
+        self.tracker.begin_phase(phase)
 
-    def _once(self, name: str) -> Callable:
+    def _once(self, phase: Phase) -> Callable:
         fired = []
 
         def hook(grad):
             if not fired:
                 fired.append(True)
-                self.begin(name)
+                self.begin(phase)
 
         return hook
 
@@ -170,7 +180,7 @@ class _UnitRecorder:
                     f"unit {name!r} ran more than once in one forward; autoplan needs each unit to run once "
                     "per step. Pass units= naming modules that run once."
                 )
-            self.begin(f"fwd:{name}")
+            self.begin(Phase("fwd", name))
             tensors = tensors_of((args, kwargs))
             spec = tree_map_only(
                 torch.Tensor,
@@ -181,7 +191,7 @@ class _UnitRecorder:
             for tensor, key in zip(tensors, keys):
                 self.tracker.watch(tensor, key)
             self.calls[name] = UnitCall(name, spec, keys, tuple(storage_bytes(t) for t in tensors), (), ())
-            end_hook = self._once(f"bwd:after {name}")
+            end_hook = self._once(Phase("bwd", name, "after"))
             unit_outputs = {key for call in self.calls.values() for key in call.output_keys}
             for tensor, key in zip(tensors, keys):
                 # A unit's output already opens its producer's backward phase, at the same moment;
@@ -196,7 +206,7 @@ class _UnitRecorder:
         def hook(module, args, kwargs, output):
             if not (self.recording and self.in_forward):
                 return None
-            start_hook = self._once(f"bwd:{name}")
+            start_hook = self._once(Phase("bwd", name))
             outputs = tensors_of(output)
             for tensor in outputs:
                 if tensor.requires_grad:
@@ -206,7 +216,7 @@ class _UnitRecorder:
                 name, call.inputs, call.input_keys, call.input_bytes,
                 tuple(self.key(t) for t in outputs), tuple(storage_bytes(t) for t in outputs),
             )
-            self.begin(f"fwd:after {name}")
+            self.begin(Phase("fwd", name, "after"))
             for tensor, key in zip(outputs, self.calls[name].output_keys):
                 self.tracker.watch(tensor, key)
             return None
@@ -226,7 +236,7 @@ class _UnitRecorder:
             for leaf, (key, nbytes) in enumerate(zip(call.input_keys, call.input_bytes)):
                 consumers[key] = consumers.get(key, ()) + ((call.name, leaf),)
                 sizes[key] = nbytes
-        names = [phase.name for phase in self.tracker.phases()]
+        labels = [phase.label for phase in self.tracker.phases()]
         return tuple(
             Boundary(
                 key,
@@ -234,8 +244,8 @@ class _UnitRecorder:
                 produced.get(key),
                 used_by,
                 key in held_keys,
-                names[self.tracker.last_use[key]] if key in self.tracker.last_use else "",
-                self.rest_saved.get(key, ""),
+                labels[self.tracker.last_use[key]] if key in self.tracker.last_use else None,
+                self.rest_saved.get(key),
             )
             for key, used_by in consumers.items()
         )
@@ -245,13 +255,8 @@ class _UnitRecorder:
             handle.remove()
 
 
-def _phase_sample(phase, grad_bytes: int) -> PhaseSample:
-    name = phase.name
-    kind = "step" if name in ("optimizer", "zero_grad") else name.split(":", 1)[0]
-    unit = None
-    if ":" in name and not name.split(":", 1)[1].startswith(("after ", "start")):
-        unit = name.split(":", 1)[1]
-    return PhaseSample(name, unit, kind, phase.start_bytes, phase.peak_bytes, grad_bytes, phase.time_s, phase.flops)
+def _phase_sample(tracked: TrackedPhase, grad_bytes: int) -> PhaseSample:
+    return PhaseSample(tracked.label, tracked.start_bytes, tracked.peak_bytes, grad_bytes, tracked.time_s, tracked.flops)
 
 
 def simulate_training(
@@ -283,29 +288,8 @@ def simulate_training(
             opt = make_optimizer(optimizer, trainable, foreach=device.kind == "cuda")
             for _ in range(steps - 1):
                 _warm_up_optimizer(opt, trainable)
-            recorder.recording = True
             first_phase = tracker.phase_count
-            recorder.begin("fwd:start")
-            recorder.in_forward = True
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _identity):
-                output = model(*args, **kwargs)
-                loss = loss_fn(output)
-            recorder.in_forward = False
-            calls = tuple(recorder.calls.values())
-            # alive whatever the units choose: the batch, and parameters a unit is handed as an
-            # argument (a graph unit of `x * self.scale`)
-            held = {recorder.key(t) for t in batch + list(model.parameters()) + list(model.buffers())}
-            boundaries = recorder.boundaries(held)
-            # as in a training loop (`loss = model(x).loss`), the output lives on only if the loss
-            # saved it for backward
-            del output
-            recorder.begin("bwd:start")
-            loss.backward()
-            del loss
-            recorder.begin("optimizer")
-            opt.step()
-            recorder.begin("zero_grad")
-            opt.zero_grad(set_to_none=True)
+            calls, boundaries = _recorded_step(model, recorder, opt, (args, kwargs), loss_fn)
             state = optimizer_state_tensors(opt)
             static = StaticBytes(
                 parameters=unique_storage_bytes(list(model.parameters()) + list(model.buffers())),
@@ -322,6 +306,34 @@ def simulate_training(
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
     return Timeline(phases, max(p.peak_bytes for p in phases), calls, static, boundaries)
+
+
+def _recorded_step(model, recorder: _UnitRecorder, opt, batch: tuple[tuple, dict], loss_fn: Callable) -> tuple[tuple[UnitCall, ...], tuple[Boundary, ...]]:
+    """The step the timeline records, phase by phase: forward, loss, backward, optimizer.step(), zero_grad."""
+    args, kwargs = batch
+    recorder.recording = True
+    recorder.begin(FORWARD_START)
+    recorder.in_forward = True
+    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _identity):
+        output = model(*args, **kwargs)
+        loss = loss_fn(output)
+    recorder.in_forward = False
+    calls = tuple(recorder.calls.values())
+    # alive whatever the units choose: the batch, and parameters a unit is handed as an
+    # argument (a graph unit of `x * self.scale`)
+    held = {recorder.key(t) for t in tensors_of(batch) + list(model.parameters()) + list(model.buffers())}
+    boundaries = recorder.boundaries(held)
+    # as in a training loop (`loss = model(x).loss`), the output lives on only if the loss
+    # saved it for backward
+    del output
+    recorder.begin(BACKWARD_START)
+    loss.backward()
+    del loss
+    recorder.begin(OPTIMIZER_STEP)
+    opt.step()
+    recorder.begin(ZERO_GRAD)
+    opt.zero_grad(set_to_none=True)
+    return calls, boundaries
 
 
 def _warm_up_optimizer(opt: torch.optim.Optimizer, trainable: list[torch.Tensor]) -> None:

@@ -1,18 +1,10 @@
-"""Measure stage: real runs on the machine's own device, where fake tensors only estimate.
+"""Measured unit times: real runs on the machine's own device, where fake tensors only estimate.
 
-Two measurements, both on the real model and real tensors:
-- `measure_times(profile, traced)`: each distinct unit's forward and backward (recomputation
-  included) under every choice, timed after warm-up (median of several runs; CUDA events on a
-  GPU, the wall clock on the CPU), plus the whole base and no-plan training steps. The returned
-  Profile carries these times in place of the roofline estimates, so the ILP ranks by them.
-- `verify(model, plan, example_inputs)`: N real training steps of the rewritten model, with the
-  budget enforced on CUDA (`torch.cuda.set_per_process_memory_fraction`), reporting the measured
-  peak (`max_memory_allocated`, and reserved) against the predicted and simulated peaks, and the
-  measured step time against the predicted one. On the CPU the peak is the live tensor bytes of
-  the real run, counted by the same tracker the simulation uses.
-
-Both leave the model as they found it: parameters, buffers, gradients and the RNG state are put
-back afterwards.
+`measure_times(profile, traced)` times each distinct unit's forward and backward (recomputation
+included) under every choice, after warm-up (median of several runs; CUDA events on a GPU, the
+wall clock on the CPU), plus the whole base and no-plan training steps. The returned Profile
+carries these times in place of the roofline estimates, so the ILP ranks by them. The model is
+left as it was found.
 """
 
 from __future__ import annotations
@@ -27,20 +19,15 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from autoplan.inputs.devices import Device
-from autoplan.plan import Choice
-from autoplan.profile.units import Profile, UnitCost
-from autoplan.plan import DTYPES
-from autoplan.runtime.wrappers import PlannedForward
-from autoplan.runtime.planned import apply_choices, remove_plan
-from autoplan.runtime.training import make_optimizer
+from autoplan.plan import DTYPES, Choice
 from autoplan.profile.timeline import TensorSpec
-from autoplan.runtime.tensors import tensors_of
-from autoplan.trace.tracer import Traced
+from autoplan.profile.units import Profile, UnitCost
 from autoplan.runtime.names import unit_module
-from autoplan.runtime.training import model_device
-from autoplan.runtime.training import preserved
-from autoplan.runtime.training import train_step
-from autoplan.runtime.training import Timer
+from autoplan.runtime.planned import apply_choices, remove_plan
+from autoplan.runtime.tensors import tensors_of
+from autoplan.runtime.training import Timer, make_optimizer, model_device, preserved, train_step
+from autoplan.runtime.wrappers import PlannedForward
+from autoplan.trace.tracer import Traced
 
 
 def _real_inputs(inputs: Any, device: torch.device) -> Any:
@@ -140,5 +127,3 @@ def measure_times(
 
 
 # -- verify ---------------------------------------------------------------------------------------
-
-

@@ -23,19 +23,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoplan.inputs.devices import Device
-from autoplan.plan import MODES, Choice
-from autoplan.plan import DTYPES
-from autoplan.runtime.wrappers import PlannedForward
-from autoplan.runtime.planned import apply_choices, remove_plan
+from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
-from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.fake import fake_copy
-from autoplan.runtime.training import optimizer_name
-from autoplan.runtime.tensors import unique_storage_bytes
 from autoplan.profile.timeline import TensorSpec, Timeline, UnitCall, simulate_training
-from autoplan.runtime.tensors import tensors_of
-from autoplan.trace.tracer import Traced
+from autoplan.runtime.fake import fake_copy
 from autoplan.runtime.names import unit_module
+from autoplan.runtime.planned import apply_choices, remove_plan
+from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.training import optimizer_name
+from autoplan.runtime.wrappers import PlannedForward
+from autoplan.trace.tracer import Traced
 
 
 @dataclass(frozen=True)

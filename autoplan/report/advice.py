@@ -3,7 +3,7 @@
 `advise(plan, profile)` walks the usual escalation — low-precision autocast, TF32, fused attention,
 torch.compile, activation checkpointing, gradient accumulation, shorter sequences, 8-bit optimizer
 state / QLoRA, FSDP — and says for each what it would save or cost *here*, computed from the
-profile and the memory model (`memory.py`), or why it does not apply. Estimates say how they were
+profile and the memory model (`memory.model`), or why it does not apply. Estimates say how they were
 made; the micro-batch for gradient accumulation is checked by planning again when `replan` is given.
 """
 
@@ -13,12 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from autoplan.runtime.formatting import format_bytes, format_count, format_ms
 from autoplan.memory.model import PhaseBytes, phase_bytes, predict_peak, predict_step_time, sharded_peak, unit_windows
-from autoplan.plan import ShardedPeak
-from autoplan.plan import Choice, Plan
+from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
 from autoplan.profile.units import Profile
-from autoplan.plan import DTYPES
+from autoplan.runtime.formatting import format_bytes, format_count, format_ms
 from autoplan.solve.worlds import fewest_ranks
 
 QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)
@@ -335,8 +333,8 @@ def advise(
     """
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise TypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
-    names = [phase.name for phase in profile.timeline.phases]
-    peak_index = names.index(plan.peak_phase) if plan.peak_phase in names else 0
+    phases = [sample.phase for sample in profile.timeline.phases]
+    peak_index = phases.index(plan.peak_phase) if plan.peak_phase in phases else 0
     # A plan that fits is the starting point; one that does not, the choices that keep least.
     least = plan.choices() if plan.feasible else least_activation_choices(profile)
     phases = phase_bytes(profile, least)

@@ -11,17 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoplan.memory.model import phase_bytes
-from autoplan.plan import Choice, Plan
-from autoplan.profile.units import Profile
 from autoplan.errors import PlotUnavailable
+from autoplan.memory.model import phase_bytes
+from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, Phase, Plan
+from autoplan.profile.units import Profile
 
 FORMATS = (".png", ".svg", ".pdf")
 
 
 @dataclass(frozen=True)
 class MemoryCurves:
-    phases: tuple[str, ...]  # the step's phases in order: forward, backward, optimizer
+    phases: tuple[Phase, ...]  # the step's phases in order: forward, backward, optimizer
     before: tuple[int, ...]  # no plan
     after: tuple[int, ...]  # the plan's choices
     usable_bytes: int
@@ -35,8 +35,8 @@ def memory_curves(plan: Plan, profile: Profile) -> MemoryCurves:
         before = [p.live_bytes for p in phase_bytes(profile, no_plan)]
     else:
         before = [phase.peak_bytes for phase in profile.reference.phases]
-    names = tuple(phase.name for phase in profile.timeline.phases)
-    return MemoryCurves(names, tuple(before), tuple(after), plan.usable_bytes, plan.budget_bytes)
+    phases = tuple(sample.phase for sample in profile.timeline.phases)
+    return MemoryCurves(phases, tuple(before), tuple(after), plan.usable_bytes, plan.budget_bytes)
 
 
 def require_pyplot():
@@ -64,11 +64,10 @@ def plot_memory(plan: Plan, profile: Profile, path: str | Path) -> Path:
     axes.step(steps, [b / gb for b in curves.after], where="mid", label="planned", color="tab:blue")
     axes.axhline(curves.usable_bytes / gb, color="tab:red", linestyle="--", label="usable budget")
     axes.axhline(curves.budget_bytes / gb, color="tab:red", linestyle=":", label="budget")
-    for marker in ("bwd:start", "optimizer"):
+    for marker, label in ((BACKWARD_START, "backward"), (OPTIMIZER_STEP, "optimizer")):
         if marker in curves.phases:
             axes.axvline(curves.phases.index(marker), color="black", linewidth=0.5)
-            axes.annotate("backward" if marker == "bwd:start" else "optimizer", (curves.phases.index(marker), 0),
-                          xytext=(3, 3), textcoords="offset points", fontsize=8)
+            axes.annotate(label, (curves.phases.index(marker), 0), xytext=(3, 3), textcoords="offset points", fontsize=8)
     axes.set_xlabel("phase of the training step (forward, backward, optimizer)")
     axes.set_ylabel("live memory (GB)")
     axes.set_title(f"{plan.model_name} on {plan.device}: memory over one training step")

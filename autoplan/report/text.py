@@ -18,13 +18,13 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from autoplan.runtime.formatting import format_bytes, format_count, format_ms
 from autoplan.plan import register_report_formatter
+from autoplan.runtime.formatting import format_bytes, format_count, format_ms
 
 if TYPE_CHECKING:
+    from autoplan.plan import Plan, ShardedPeak, UnitDecision
     from autoplan.report.advice import Advice
     from autoplan.verify.real import Verification
-    from autoplan.plan import Plan, ShardedPeak, UnitDecision
 
 _NUMBERED = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
 

@@ -1,13 +1,20 @@
+"""Fake twins of models and inputs: FakeTensors with the shapes, dtypes and ties of the real ones
+and no data, so a 70B-parameter model is simulated on a laptop.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
-from typing import Any
-import copy
-import torch
+
 
 def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
     with fake_mode:
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-
 
 
 def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
@@ -25,7 +32,6 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
             fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = fake
     return copy.deepcopy(model, memo)
-
 
 
 def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:

@@ -1,3 +1,9 @@
+"""Numbers and errors as a person reads them: bytes, counts, durations, an error's first line.
+"""
+
+from __future__ import annotations
+
+
 def format_bytes(n: int) -> str:
     """Decimal units as people write budgets: "20.0 GB", "1.50 MB", "512 B"."""
     if n < 0:
@@ -12,11 +18,9 @@ def format_bytes(n: int) -> str:
     return f"{value:.{decimals}f} {unit}"
 
 
-
 def format_count(n: int) -> str:
     """Parameter and token counts as people say them: "70.6B", "919K", "12"."""
     return next((f"{n / scale:.3g}{unit}" for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= scale), str(n))
-
 
 
 def format_ms(seconds: float) -> str:

@@ -22,6 +22,7 @@ from torch.fx.passes.split_module import split_module
 
 from autoplan.runtime.names import GRAPH_UNIT
 
+
 class GraphRun(torch.nn.Module):
     """One graph unit: a plain module around its GraphModule, so its forward can be replaced on the
     instance like any unit's (torch.compile inlines GraphModules by their class's code)."""
@@ -32,7 +33,6 @@ class GraphRun(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.run(*args, **kwargs)
-
 
 
 def split_by_units(model: torch.nn.Module, names: list[str]) -> torch.fx.GraphModule:
@@ -140,5 +140,3 @@ def graph_units(model: torch.nn.Module) -> list[str]:
     if len(units) < 2:
         return []
     return [f"graph[{unit[0].name}:{unit[-1].name}]" for unit in units]
-
-

@@ -1,11 +1,11 @@
-"""Rewrite stage: make a model run its units the way a plan says, in place.
+"""Make a model run its units the way a set of choices says, in place.
 
-Each unit's `forward` is replaced *on the instance* by a `PlannedForward` that calls the class's
-own forward under the unit's precision (torch.autocast) and checkpoint mode
-(torch.utils.checkpoint, non-reentrant; selective mode through its selective-checkpoint policy).
-Nothing else changes: the class, the parameter objects, `state_dict()` keys and the model's own
-methods stay as they were, `copy.deepcopy` copies the wrappers with the model, and
-`remove_plan(model)` puts the original forwards back.
+Each unit's `forward` is replaced *on the instance* by a `PlannedForward` (`runtime.wrappers`); a
+run of an nn.Sequential's layers by a `PlannedSequential` on the Sequential, and graph units by a
+`PlannedGraph` on the model. Nothing else changes: the class, the parameter objects,
+`state_dict()` keys and the model's own methods stay as they were, `copy.deepcopy` copies the
+wrappers with the model, and `remove_plan(model)` puts the original forwards back. The profile
+uses this on fake twins; the apply stage on the caller's model.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from typing import Any, Mapping
 
 import torch
 
-from autoplan.runtime.names import is_graph_unit
-from autoplan.runtime.graph import split_by_units
 from autoplan.plan import Choice
-from autoplan.runtime.names import sequential_run
+from autoplan.runtime.graph import split_by_units
+from autoplan.runtime.names import is_graph_unit, sequential_run
 from autoplan.runtime.wrappers import PlannedForward
 
 

@@ -1,29 +1,28 @@
-"""Fake-tensor simulation: live bytes and roofline time of PyTorch code, without real memory.
+"""The live-bytes tracker: live tensor bytes and roofline time of PyTorch code, op by op.
 
 `LiveBytesTracker` is a TorchDispatchMode that sees every aten op, counts each storage an op
 creates until it is freed (rounded up to 512 bytes, like the CUDA caching allocator), and charges
-the op a roofline time on the target device. Its record is split into named phases so one run
-tells the peak of every moment of a training step. `fake_copy` makes a FakeTensor twin of a model
-(same structure and forwards, no parameter data), so a 70B model can be simulated on a laptop.
+the op a roofline time on the target device. Its record is split into labelled phases so one run
+tells the peak of every moment of a training step. Under fake tensors (`runtime.fake`) it needs no
+real memory; over real CPU tensors it measures a real run.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Hashable, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from autoplan.runtime.tensors import rounded_bytes
-from autoplan.runtime.tensors import tensors_of
+from autoplan.runtime.tensors import rounded_bytes, tensors_of
 
 
 @dataclass
 class _PhaseRecord:
-    name: str
+    label: Hashable
     start_bytes: int
     peak_bytes: int
     time_s: float = 0.0
@@ -31,10 +30,10 @@ class _PhaseRecord:
 
 
 @dataclass(frozen=True)
-class Phase:
-    """One moment of a simulated run: what was live when it began, and its peak."""
+class TrackedPhase:
+    """One stretch of a tracked run, between two begin_phase calls: what was live when it began, and its peak."""
 
-    name: str  # e.g. "fwd:transformer.h.0", "bwd:transformer.h.0", "fwd:rest", "optimizer"
+    label: Hashable  # what the caller named it: a plan.Phase in a training step, a string elsewhere
     start_bytes: int
     peak_bytes: int
     time_s: float  # roofline time of the ops run in this phase
@@ -63,15 +62,15 @@ class LiveBytesTracker(TorchDispatchMode):
         self.last_use: dict[int, int] = {}  # caller's key -> index of the last phase an op read it in
 
     # -- phases ---------------------------------------------------------------------------
-    def begin_phase(self, name: str) -> None:
-        self._phases.append(_PhaseRecord(name, self.live_bytes, self.live_bytes))
+    def begin_phase(self, label: Hashable) -> None:
+        self._phases.append(_PhaseRecord(label, self.live_bytes, self.live_bytes))
 
-    def phases(self, since: int = 0) -> list[Phase]:
-        return [Phase(p.name, p.start_bytes, p.peak_bytes, p.time_s, p.flops) for p in self._phases[since:]]
+    def phases(self, since: int = 0) -> list[TrackedPhase]:
+        return [TrackedPhase(p.label, p.start_bytes, p.peak_bytes, p.time_s, p.flops) for p in self._phases[since:]]
 
     @property
-    def current_phase(self) -> str:
-        return self._phases[-1].name
+    def current_phase(self) -> Hashable:
+        return self._phases[-1].label
 
     @property
     def phase_count(self) -> int:
@@ -142,5 +141,3 @@ class LiveBytesTracker(TorchDispatchMode):
 
 
 # -- losses and optimizers --------------------------------------------------------------------
-
-

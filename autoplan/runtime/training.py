@@ -1,10 +1,17 @@
-from typing import Any
-from typing import Callable
-from typing import Iterator
+"""Training-step helpers every stage uses: the loss a step backpropagates, the optimizers autoplan
+counts, one real training step, timing, and putting a model back as it was after real steps.
+"""
+
+from __future__ import annotations
+
 import contextlib
-import torch
 import time
+from typing import Any, Callable, Iterator
+
+import torch
+
 from autoplan.runtime.tensors import tensors_of
+
 
 def default_loss(output: Any) -> torch.Tensor:
     """The scalar a profiling step backpropagates: the model's own loss, else the sum of its outputs.
@@ -21,9 +28,7 @@ def default_loss(output: Any) -> torch.Tensor:
     return sum(t.sum() for t in tensors)
 
 
-
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
-
 
 
 def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
@@ -32,7 +37,6 @@ def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS} or a torch.optim.Optimizer")
     return optimizer
-
 
 
 def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, *, foreach: bool) -> torch.optim.Optimizer:
@@ -62,7 +66,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-
 @contextlib.contextmanager
 def preserved(model: torch.nn.Module) -> Iterator[None]:
     """Run real steps on `model` and put its parameters, buffers, gradients and the RNG back."""
@@ -82,7 +85,6 @@ def preserved(model: torch.nn.Module) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-
 
 
 def train_step(model, args, kwargs, opt, loss_fn=None, record_loss: Callable[[float], None] | None = None) -> None:

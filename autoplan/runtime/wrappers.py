@@ -1,17 +1,25 @@
-from autoplan.plan import Choice
-from autoplan.plan import DTYPES
-from dataclasses import dataclass
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten
-from torch.utils._pytree import tree_map_only
-from torch.utils.checkpoint import CheckpointPolicy
-from torch.utils.checkpoint import checkpoint
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
-from typing import Any
+"""A unit's forward under its choice: `PlannedForward`, set as `module.forward` on the instance.
+
+It calls the class's own forward under the unit's precision (torch.autocast) and checkpoint mode
+(torch.utils.checkpoint, non-reentrant; selective mode through its selective-checkpoint policy).
+BatchNorm statistics are not updated twice by recomputation, and transformers layers do not write
+their KV cache twice.
+"""
+
+from __future__ import annotations
+
 import contextlib
 import functools
 import inspect
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from autoplan.plan import DTYPES, Choice
 from autoplan.runtime.tensors import tensors_of
 
 # Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
@@ -29,22 +37,18 @@ _SAVED_IN_SELECTIVE = {
 }
 
 
-
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_IN_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
-
 
 
 def _selective_context():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-
 def _has_running_stats(module: torch.nn.Module) -> bool:
     return any(
         isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules()
     )
-
 
 
 @dataclass
@@ -99,7 +103,6 @@ class PlannedForward:
         return output
 
 
-
 def _class_forward(cls: type) -> Any:
     """The class's forward, minus transformers' own checkpointing wrapper.
 
@@ -115,9 +118,7 @@ def _class_forward(cls: type) -> Any:
     return forward
 
 
-
 _CACHE_KWARGS = ("past_key_values", "layer_past")
-
 
 
 def _without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -145,7 +146,6 @@ def _without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) ->
             if values.get(name) is not None:
                 values[name] = None
     return bound.args[1:], bound.kwargs
-
 
 
 def _without_second_stats_update(module: torch.nn.Module, function):
@@ -176,7 +176,6 @@ def _without_second_stats_update(module: torch.nn.Module, function):
     return run
 
 
-
 def _device_type(module: torch.nn.Module, args, kwargs) -> str:
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
@@ -184,7 +183,6 @@ def _device_type(module: torch.nn.Module, args, kwargs) -> str:
     for tensor in module.parameters():
         return tensor.device.type
     return "cpu"
-
 
 
 def _cast_like_inputs(output, args, kwargs, module):

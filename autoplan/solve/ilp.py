@@ -2,7 +2,7 @@
 
 Variables: x[u, c] = 1 when unit u takes choice c (checkpoint mode × precision), one choice per
 unit. Constraints: for every phase of the training step, the memory model's bytes (see
-`memory.py`) stay under the usable budget. Objective: the least predicted step time (forward,
+`memory.model`) stay under the usable budget. Objective: the least predicted step time (forward,
 backward, recomputation). The bytes a unit keeps until its backward reach every later phase, so
 they are summed once into prefix variables H[i] (held bytes of the first i units), which keeps
 the program's size linear in the number of units.
@@ -19,7 +19,18 @@ from typing import Mapping
 
 import pulp
 
-from autoplan.memory.model import Point, alive_regardless, holds, kept_flags, points, predict_peak, shared_bytes, shared_tensors, transient_delta, unit_windows
+from autoplan.memory.model import (
+    Point,
+    alive_regardless,
+    holds,
+    kept_flags,
+    points,
+    predict_peak,
+    shared_bytes,
+    shared_tensors,
+    transient_delta,
+    unit_windows,
+)
 from autoplan.plan import MODES, Choice
 from autoplan.profile.units import Profile
 

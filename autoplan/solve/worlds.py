@@ -1,7 +1,7 @@
 """How many GPUs: the per-rank peak against the world size, and the fewest GPUs on which it fits.
 
 For each candidate N the solver finds the choices with the lowest per-rank peak (the memory
-model's FSDP constraints, `memory.rank_offsets`); the fewest N whose lowest peak fits the usable
+model's FSDP constraints, `memory.model.rank_offsets`); the fewest N whose lowest peak fits the usable
 budget is the answer to `world_size="auto"`. The per-rank peak falls as N grows (shards shrink)
 towards a floor N does not move: activations, the gathered root and units, the communication
 buffers. Doubling N finds a fitting N, then bisection the fewest between it and its half.
@@ -9,14 +9,13 @@ buffers. Doubling N finds a fitting N, then bisection the fewest between it and 
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 from autoplan.memory.model import predict_peak
 from autoplan.plan import Choice, WorldSizePoint
 from autoplan.profile.units import Profile
 from autoplan.solve.ilp import minimum_peak
-from dataclasses import dataclass
-from typing import Callable
 
 MAX_WORLD_SIZE = 65536  # beyond this the floor (activations, gathered units) is what does not fit
 

@@ -1,6 +1,6 @@
 """Runtime dataflow: which unit feeds which, recorded by running the forward once on fake tensors.
 
-The third way `trace.py` learns the unit graph, for models neither `torch.fx.symbolic_trace` nor
+The third way `trace.tracer` learns the unit graph, for models neither `torch.fx.symbolic_trace` nor
 `torch.export` can trace (and first for Hugging Face models, where export is slow and their
 caches and kwargs trip both tracers). A forward of a FakeTensor twin runs with hooks on the units
 that say which unit is running, and a dispatch mode that labels every tensor an op creates with
@@ -69,8 +69,8 @@ def runtime_unit_graph(
     Raises RuntimeError naming the failing line of the model's code when the forward cannot run
     on fake tensors.
     """
-    from autoplan.runtime.planned import remove_plan
     from autoplan.runtime.names import unit_endpoints
+    from autoplan.runtime.planned import remove_plan
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     twin = remove_plan(fake_copy(model, fake_mode))

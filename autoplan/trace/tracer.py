@@ -8,13 +8,13 @@ Units are what the plan decides about. Found in this order:
 3. a model with no repeated class but an `nn.Sequential` backbone: runs of its children cut at
    the articulation points of their dataflow graph, one parametric layer per unit
    (named like `"net[0:2]"`);
-4. otherwise, runs of the fx graph's nodes between articulation points (`partition.py`, named
+4. otherwise, runs of the fx graph's nodes between articulation points (`runtime.graph`, named
    like `"graph[fc1:relu]"`); the planner then works on a GraphModule that calls one submodule
    per run, made of the model's own layers.
 
 The model is traced with `torch.fx.symbolic_trace` (units kept as leaf calls), else with
 `torch.export.export(strict=False)`, whose graph is fx too, else by running it once on fake tensors
-with hooks on the units (`dataflow.py`; first for Hugging Face models). The unit graph (networkx) says which
+with hooks on the units (`trace.dataflow`; first for Hugging Face models). The unit graph (networkx) says which
 unit feeds which; edges between non-neighbours are skip connections whose tensors stay alive
 across units.
 """
@@ -29,14 +29,12 @@ import networkx as nx
 import torch
 import torch.fx
 
-from autoplan.runtime.names import is_graph_unit
-from autoplan.runtime.graph import split_by_units
 from autoplan.errors import TraceError
-from autoplan.runtime.names import sequential_run
-from autoplan.runtime.names import is_range_unit
-from autoplan.trace.units import find_units
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.runtime.formatting import first_line
+from autoplan.runtime.graph import split_by_units
+from autoplan.runtime.names import is_graph_unit, is_range_unit, sequential_run
+from autoplan.trace.units import find_units
 
 
 @dataclass(frozen=True)
@@ -122,12 +120,12 @@ def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None =
     """Find the units of `model` and trace how data flows between them.
 
     Tracers are tried in order: `torch.fx.symbolic_trace`, `torch.export(strict=False)`, then a
-    forward on fake tensors with hooks (`dataflow.py`, method "hooks", no fx graph). Hugging Face
+    forward on fake tensors with hooks (`trace.dataflow`, method "hooks", no fx graph). Hugging Face
     models start with the hooks: export of a large one takes seconds per layer, and symbolic_trace
     cannot follow their keyword-only forwards.
     """
-    from autoplan.trace.dataflow import runtime_unit_graph
     from autoplan.inputs.hf_models import is_hf_model
+    from autoplan.trace.dataflow import runtime_unit_graph
 
     inputs = normalize_inputs(example_inputs)
     unit_names = find_units(model, units)
@@ -168,5 +166,3 @@ def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors
     neighbours = {(a, b) for a, b in zip(["input", *ordered], [*ordered, "output"])}
     skips = tuple(sorted((a, b) for a, b in dataflow.edges if (a, b) not in neighbours and a != "input" and b != "output"))
     return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors))
-
-

@@ -1,13 +1,24 @@
-from autoplan.errors import TraceError, UnitPatternError
-from autoplan.runtime.graph import graph_units
-from collections import defaultdict
+"""Unit discovery: which parts of a model the plan decides about.
+
+In order of preference: the layers transformers marks as checkpointable, submodules of a class the
+model repeats (its blocks), runs of an nn.Sequential's layers between cut points, and, for a model
+with none of these, runs of fx graph nodes (`runtime.graph.graph_units`). `units=` patterns name
+them instead.
+"""
+
+from __future__ import annotations
+
 import fnmatch
+from collections import defaultdict
+
 import networkx as nx
 import torch
+
+from autoplan.errors import TraceError, UnitPatternError
+from autoplan.runtime.graph import graph_units
 from autoplan.runtime.training import parameter_count
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
-
 
 
 def _outermost(names: list[str]) -> list[str]:
@@ -16,8 +27,6 @@ def _outermost(names: list[str]) -> list[str]:
         if not any(name.startswith(outer + ".") for outer in kept):
             kept.append(name)
     return kept
-
-
 
 
 def _repeated_class_units(model: torch.nn.Module) -> list[str]:
@@ -40,7 +49,6 @@ def _repeated_class_units(model: torch.nn.Module) -> list[str]:
     return candidates[best]
 
 
-
 def _checkpointing_layer_units(model: torch.nn.Module) -> list[str]:
     """A transformers model's own layers: what it would checkpoint itself (`GradientCheckpointingLayer`).
 
@@ -54,7 +62,6 @@ def _checkpointing_layer_units(model: torch.nn.Module) -> list[str]:
     ]
     outer = _outermost(names)
     return outer if len(outer) >= 2 else []
-
 
 
 def _sequential_units(model: torch.nn.Module) -> list[str]:
@@ -71,7 +78,6 @@ def _sequential_units(model: torch.nn.Module) -> list[str]:
     starts[0] = 0
     bounds = starts + [len(seq)]
     return [f"{name}[{a}:{b}]" for a, b in zip(bounds, bounds[1:])]
-
 
 
 def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> list[str]:

@@ -1,15 +1,23 @@
-from autoplan.runtime.tensors import rounded_bytes
-from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.training import train_step
-from dataclasses import dataclass
-from typing import Any
-from typing import Callable
-from typing import Iterator
+"""Measure one FSDP2 rank's peak in real training steps.
+
+`measure_rank_peak` counts live tensor bytes with the same tracker the simulation uses, taught
+FSDP2's habit of resizing a storage to zero and back instead of freeing it, and counting a DTensor
+by its local shard.
+"""
+
+from __future__ import annotations
+
 import contextlib
-import torch
 import weakref
-from autoplan.runtime.tensors import tensors_of
-from autoplan.runtime.training import optimizer_state_tensors
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from autoplan.runtime.tensors import rounded_bytes, tensors_of
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.training import optimizer_state_tensors, train_step
+
 
 class _ShardedBytesTracker(LiveBytesTracker):
     """LiveBytesTracker for FSDP2: DTensors count by their local shard, resized storages by their size."""
@@ -62,7 +70,6 @@ class _ShardedBytesTracker(LiveBytesTracker):
         current.peak_bytes = max(current.peak_bytes, self.live_bytes)
 
 
-
 @contextlib.contextmanager
 def _reporting_resizes(tracker: _ShardedBytesTracker) -> Iterator[None]:
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
@@ -84,12 +91,10 @@ def _reporting_resizes(tracker: _ShardedBytesTracker) -> Iterator[None]:
         _fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage = originals
 
 
-
 @dataclass(frozen=True)
 class RankMeasurement:
     peak_bytes: int  # the most live tensor bytes on this rank during the last step
     losses: tuple[float, ...]  # the loss of every step, as this rank computed it
-
 
 
 def measure_rank_peak(
@@ -118,7 +123,6 @@ def measure_rank_peak(
             with tracker if step == steps - 1 else contextlib.nullcontext():
                 train_step(model, args, kwargs, optimizer, loss_fn, record_loss=losses.append)
     return RankMeasurement(max(phase.peak_bytes for phase in tracker.phases()[1:]), tuple(losses))
-
 
 
 def _adopt_everything(tracker: _ShardedBytesTracker, model, optimizer, batch) -> None:

@@ -1,25 +1,39 @@
-from autoplan.inputs.devices import get_device
-from autoplan.plan import Plan
-from autoplan.runtime.planned import apply_choices
-from autoplan.runtime.planned import planned_choices
-from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.training import OPTIMIZERS
-from autoplan.runtime.training import make_optimizer
-from autoplan.runtime.training import model_device
-from autoplan.runtime.training import preserved
-from autoplan.runtime.training import train_step
-from autoplan.inputs.batch import normalize_inputs
-from dataclasses import dataclass
-from typing import Any
-from typing import Callable
-from typing import Iterator
+"""Verify in real steps: train the planned model for N steps and measure whether the plan held.
+
+`verify(model, plan, example_inputs)` runs real training steps of the rewritten model, with the
+budget enforced on CUDA (`torch.cuda.set_per_process_memory_fraction`), and reports the measured
+peak (`max_memory_allocated`, and reserved) against the predicted and simulated peaks, and the
+measured step time against the predicted one. On the CPU the peak is the live tensor bytes of the
+real run, counted by the same tracker the simulation uses. Parameters, buffers, gradients and the
+RNG state are put back afterwards.
+"""
+
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
 import torch
-from autoplan.runtime.training import Timer
+
+from autoplan.inputs.batch import normalize_inputs
+from autoplan.inputs.devices import get_device
+from autoplan.plan import Plan
+from autoplan.runtime.planned import apply_choices, planned_choices
 from autoplan.runtime.tensors import tensors_of
-from autoplan.runtime.training import optimizer_state_tensors
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.training import (
+    OPTIMIZERS,
+    Timer,
+    make_optimizer,
+    model_device,
+    optimizer_state_tensors,
+    preserved,
+    train_step,
+)
+
 
 @dataclass(frozen=True)
 class Verification:
@@ -48,7 +62,6 @@ class Verification:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"peak_error": self.peak_error}
-
 
 
 def verify(
@@ -82,31 +95,10 @@ def verify(
     if planned_choices(model) != plan.choices():
         apply_choices(model, plan.choices(), rest_precision=plan.rest_precision)
     args, kwargs = normalize_inputs(example_inputs)
-    params = [p for p in model.parameters() if p.requires_grad]
-    profile_device = get_device(plan.device)
     cuda = device.type == "cuda"
-    times: list[float] = []
-    peak: int | None = None
-    reserved: int | None = None
-    out_of_memory = False
     with preserved(model), _budget_enforced(plan.budget_bytes if enforce_budget and cuda else None, device):
-        opt = make_optimizer(optimizer, params, foreach=profile_device.kind == "cuda")
-        timer = Timer(device)
-        tracker = None if cuda else LiveBytesTracker(profile_device)
-        try:
-            for step in range(steps):
-                if step == 1:
-                    _start_peak(tracker, device, model, opt, (args, kwargs))
-                with tracker if tracker is not None else contextlib.nullcontext():
-                    seconds, _ = timer(lambda: train_step(model, args, kwargs, opt, loss_fn))
-                if step >= 1:
-                    times.append(seconds)
-            peak, reserved = _read_peak(tracker, device)
-        except torch.cuda.OutOfMemoryError:
-            out_of_memory, peak, reserved = True, None, None
-        finally:
-            opt.zero_grad(set_to_none=True)
-            del opt
+        run = _run_steps(model, (args, kwargs), get_device(plan.device), optimizer, loss_fn, steps)
+    peak, reserved, times, out_of_memory = run.peak_bytes, run.reserved_bytes, run.step_times_s, run.out_of_memory
     held = not out_of_memory and peak is not None and peak <= plan.usable_bytes
     return Verification(
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -125,6 +117,39 @@ def verify(
     )
 
 
+@dataclass(frozen=True)
+class _StepsRun:
+    peak_bytes: int | None  # steady-state peak: steps after the first
+    reserved_bytes: int | None  # CUDA only
+    step_times_s: list[float]  # the steps after the first
+    out_of_memory: bool
+
+
+def _run_steps(model, batch: tuple[tuple, dict], profile_device, optimizer, loss_fn, steps: int) -> _StepsRun:
+    """`steps` real training steps; the peak is counted from the second (optimizer state exists)."""
+    args, kwargs = batch
+    device = model_device(model)
+    cuda = device.type == "cuda"
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(optimizer, params, foreach=profile_device.kind == "cuda")
+    timer = Timer(device)
+    tracker = None if cuda else LiveBytesTracker(profile_device)
+    times: list[float] = []
+    try:
+        for step in range(steps):
+            if step == 1:
+                _start_peak(tracker, device, model, opt, batch)
+            with tracker if tracker is not None else contextlib.nullcontext():
+                seconds, _ = timer(lambda: train_step(model, args, kwargs, opt, loss_fn))
+            if step >= 1:
+                times.append(seconds)
+        peak, reserved = _read_peak(tracker, device)
+        return _StepsRun(peak, reserved, times, False)
+    except torch.cuda.OutOfMemoryError:
+        return _StepsRun(None, None, times, True)
+    finally:
+        opt.zero_grad(set_to_none=True)
+
 
 def _start_peak(tracker: LiveBytesTracker | None, device: torch.device, model, opt, batch) -> None:
     """From step 2 on (optimizer state exists), count from what is alive now: the model, the
@@ -140,13 +165,11 @@ def _start_peak(tracker: LiveBytesTracker | None, device: torch.device, model, o
     return None
 
 
-
 def _read_peak(tracker: LiveBytesTracker | None, device: torch.device) -> tuple[int, int | None]:
     if tracker is None:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
     return max(phase.peak_bytes for phase in tracker.phases()[1:]), None
-
 
 
 @contextlib.contextmanager

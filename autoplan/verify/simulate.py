@@ -1,9 +1,9 @@
-"""Verify stage: run one real training step of the rewritten model under fake tensors.
+"""Verify under fake tensors: simulate one whole training step of the rewritten model.
 
-The linear memory model (`memory.py`) adds up per-unit measurements; this stage checks its sum
+The linear memory model (`memory.model`) adds up per-unit measurements; this checks its sum
 against a simulation of the whole rewritten model (every op, every tensor, the optimizer step),
-so a plan is called feasible only when that simulation fits. On a GPU, issue #5 adds the same
-check against `torch.cuda.max_memory_allocated`.
+so a plan is called feasible only when that simulation fits. `verify.real` does the same with
+real steps.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 import torch
 
 from autoplan.inputs.devices import Device
-from autoplan.plan import Choice
+from autoplan.plan import Choice, Phase
 from autoplan.profile.units import run_timeline
 from autoplan.trace.tracer import Traced
 
@@ -22,7 +22,7 @@ from autoplan.trace.tracer import Traced
 @dataclass(frozen=True)
 class Simulation:
     peak_bytes: int  # peak live bytes of step 2
-    peak_phase: str  # the phase where it happened
+    peak_phase: Phase  # the phase where it happened
     step_time_s: float  # roofline time of the whole step
 
 
@@ -34,16 +34,16 @@ def simulate_plan(
     optimizer: str | torch.optim.Optimizer,
     rest_precision: str,
     loss_fn: Callable | None = None,
-    rank_offsets: Mapping[str, int] | None = None,
+    rank_offsets: Mapping[Phase, int] | None = None,
 ) -> Simulation:
     """Simulate a training step of `traced.model` rewritten with `choices`.
 
-    rank_offsets: per phase name, what FSDP changes on one rank (`memory.rank_offsets`): the
+    rank_offsets: per phase, what FSDP changes on one rank (`memory.model.rank_offsets`): the
     simulated activations with FSDP's shards, gathered parameters and buffers, for a per-rank peak.
     """
     timeline = run_timeline(
         traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn
     )
     offsets = rank_offsets or {}
-    peak = max(timeline.phases, key=lambda phase: phase.peak_bytes + offsets.get(phase.name, 0))
-    return Simulation(peak.peak_bytes + offsets.get(peak.name, 0), peak.name, timeline.step_time_s)
+    peak = max(timeline.phases, key=lambda sample: sample.peak_bytes + offsets.get(sample.phase, 0))
+    return Simulation(peak.peak_bytes + offsets.get(peak.phase, 0), peak.phase, timeline.step_time_s)
