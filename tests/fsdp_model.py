@@ -1,4 +1,4 @@
-"""The model and batches tests/test_fsdp.py trains, shared by the test and its torchrun worker."""
+"""The model and batches tests/test_apply_fsdp.py trains, shared by the test and its torchrun worker."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for the rewrite stage (`autoplan/rewrite.py`, `autoplan.apply`).
+"""Tests for the apply stage and its runtime wrappers (`autoplan/runtime/planned.py`, `runtime/wrappers.py`, `autoplan.apply`).
 
 DESIGN.md, "Rewriting": the rewritten model is the caller's model (same class, parameter objects,
 state_dict keys); with every unit fp32, training it gives the same loss, gradients, parameters and
