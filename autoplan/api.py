@@ -173,6 +173,7 @@ def _assemble(
             saved_bytes=unit.options[chosen[unit.name]].held_bytes,
             recompute_flops=unit.recompute_flops(chosen[unit.name]),
             step_time_s=unit.options[chosen[unit.name]].time_s,
+            policy=unit.policies.get(chosen[unit.name], ""),
         )
         for unit in measured.units
     )

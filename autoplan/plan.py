@@ -67,25 +67,53 @@ OPTIMIZER_STEP = Phase("step", None, "optimizer")
 ZERO_GRAD = Phase("step", None, "zero_grad")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Choice:
-    """How one unit runs: which activations it keeps for backward, and in which precision."""
+    """How one unit runs: which activations it keeps for backward, and in which precision.
 
-    mode: Mode = "keep"  # keep: save all; selective: save matmul/attention outputs; full: save inputs only
+    `saves` names what a selective unit keeps, op by op: occurrences of aten ops within one
+    forward of the unit, "aten.mm#0" for its first matmul, "aten.mm#3" for its fourth (a point
+    of the unit's menu, see `profile.menu`); everything else is recomputed. None is the fixed
+    rule: keep every matmul/conv/attention output.
+    """
+
+    mode: Mode = "keep"  # keep: save all; selective: save some op outputs (see `saves`); full: save inputs only
     precision: Precision = "fp32"  # fp32, or the device's autocast dtype
+    saves: tuple[str, ...] | None = None  # selective only: the op occurrences it keeps; None: matmul/attention outputs
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown checkpoint mode {self.mode!r}; expected one of {MODES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
+        if self.saves is not None:
+            if self.mode != "selective":
+                raise ValueError(f"only selective mode names the ops it saves; got mode {self.mode!r} with saves")
+            object.__setattr__(self, "saves", tuple(self.saves))
 
     @property
     def checkpointed(self) -> bool:
         return self.mode in CHECKPOINTED
 
+    def _order(self) -> tuple:
+        # None (the fixed rule) sorts before any menu point; menu points by what they save
+        return (self.mode, self.precision, self.saves is not None, self.saves or ())
+
+    def __lt__(self, other: Choice) -> bool:
+        return self._order() < other._order()
+
+    def __le__(self, other: Choice) -> bool:
+        return self._order() <= other._order()
+
+    def __gt__(self, other: Choice) -> bool:
+        return self._order() > other._order()
+
+    def __ge__(self, other: Choice) -> bool:
+        return self._order() >= other._order()
+
     def __str__(self) -> str:
-        return f"{self.mode}/{self.precision}"
+        mode = self.mode if self.saves is None else f"selective[{len(self.saves)} saved]"
+        return f"{mode}/{self.precision}"
 
 
 @dataclass(frozen=True)
@@ -97,6 +125,7 @@ class UnitDecision:
     saved_bytes: int  # bytes this unit keeps alive from its forward until its backward
     recompute_flops: int  # extra FLOPs its backward spends recomputing the forward
     step_time_s: float  # its forward + backward (+ recompute) time under this choice
+    policy: str = ""  # a menu point's policy in words: what it saves and what it recomputes
 
 
 @dataclass(frozen=True)
@@ -190,7 +219,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["units"] = [
-            {"name": unit.name, "mode": unit.choice.mode, "precision": unit.choice.precision}
+            {"name": unit.name, "mode": unit.choice.mode, "precision": unit.choice.precision,
+             "saves": None if unit.choice.saves is None else list(unit.choice.saves)}
             | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice")}
             for unit in self.units
         ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from autoplan.inputs.devices import Device
 from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
+from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
 from autoplan.profile.timeline import TensorSpec, Timeline, UnitCall, simulate_training
 from autoplan.runtime.fake import fake_copy
 from autoplan.runtime.names import unit_module
@@ -63,6 +64,7 @@ class UnitProfile:
     base: Choice  # the choice it had in the timeline
     param_bytes: int = 0  # its parameters (what FSDP gathers to run it), tied weights once
     param_layout: tuple[ParamShape, ...] = ()  # its parameters' shapes, as FSDP shards them
+    policies: Mapping[Choice, str] = field(default_factory=lambda: MappingProxyType({}))  # its menu points' policies in words (profile.menu)
 
     def delta_held(self, choice: Choice) -> int:
         return self.options[choice].held_bytes - self.options[self.base].held_bytes
@@ -246,6 +248,16 @@ def _measure_unit(
     )
 
 
+def _menu(module, call: UnitCall, precision: str, device: Device, fake_mode: FakeTensorMode, size: int):
+    """The unit's menu points in `precision`, from one recorded forward with inputs like the timeline's."""
+    with fake_mode:
+        args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
+        ops = record_ops(module, args, kwargs, precision, device)
+    for param in module.parameters():
+        param.grad = None
+    return menu_points(ops, precision, size)
+
+
 def unit_choices(precisions: tuple[str, ...]) -> list[Choice]:
     return [Choice(mode, precision) for precision in precisions for mode in MODES]
 
@@ -259,10 +271,13 @@ def profile(
     rest_precision: str = "fp32",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
+    menu_size: int = DEFAULT_MENU_SIZE,
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
     `rest_precision` is what runs outside the units, and each unit's base choice (keep in it).
+    `menu_size`: per unit and precision, up to this many selective policies of its own on top of
+    keep/selective/full (`profile.menu`); 0 for the three modes only.
     """
     if not isinstance(traced, Traced):
         raise TypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
@@ -278,7 +293,7 @@ def profile(
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _simulation_model(traced, fake_mode, {}, "fp32")
-    measured: dict[tuple, Mapping[Choice, UnitCost]] = {}
+    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, str]]] = {}
     units = []
     in_units: set[int] = set()
     for index, call in enumerate(timeline.unit_calls):
@@ -287,9 +302,20 @@ def profile(
         if key not in measured:
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
             costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
-            measured[key] = MappingProxyType(costs)
+            policies = {}
+            for precision in precisions if menu_size > 0 else ():
+                for point in _menu(module, call, precision, device, fake_mode, menu_size):
+                    cost = _measure_unit(module, call, point.choice, rest, device, fake_mode)
+                    same_precision = [c for choice, c in costs.items() if choice.precision == precision]
+                    if not dominated(cost, same_precision):  # a point no better than another only slows the solver
+                        costs[point.choice] = cost
+                        policies[point.choice] = point.policy
+            measured[key] = (MappingProxyType(costs), MappingProxyType(policies))
         params = list(module.parameters())
-        units.append(UnitProfile(call.name, measured[key], base[call.name], unique_storage_bytes(params), layout_of(params)))
+        costs, policies = measured[key]
+        units.append(UnitProfile(
+            call.name, costs, base[call.name], unique_storage_bytes(params), layout_of(params), policies=policies
+        ))
         in_units.update(id(p) for p in params)
     return Profile(
         model_name=type(traced.model).__name__,

@@ -125,16 +125,27 @@ class LiveBytesTracker(TorchDispatchMode):
         self._finalizers.pop(key, None)
 
     def _charge_time(self, func, args, kwargs, out, inputs, outputs) -> None:
-        flops = 0
-        if func.overloadpacket in flop_registry:
-            flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
-        moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
-        dtype = inputs[0].dtype if inputs else torch.float32
-        compute_s = flops / self.device.flops_for(dtype, allow_tf32=self.allow_tf32)
-        memory_s = moved / self.device.memory_bandwidth
+        cost = op_roofline(self.device, func, args, kwargs, out, inputs + outputs, allow_tf32=self.allow_tf32)
         current = self._phases[-1]
-        current.time_s += max(compute_s, memory_s)
-        current.flops += flops
+        current.time_s += cost.time_s
+        current.flops += cost.flops
+
+
+@dataclass(frozen=True)
+class OpCost:
+    flops: int
+    time_s: float  # roofline: the slower of its FLOPs at the device's rate and its bytes moved over its bandwidth
+
+
+def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allow_tf32: bool = False) -> OpCost:
+    """One op's FLOPs (torch's flop counter) and roofline time; `touched`: its input and output tensors."""
+    flops = 0
+    if func.overloadpacket in flop_registry:
+        flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+    moved = sum(t.numel() * t.element_size() for t in touched)
+    dtype = touched[0].dtype if touched else torch.float32
+    compute_s = flops / device.flops_for(dtype, allow_tf32=allow_tf32)
+    return OpCost(flops, max(compute_s, moved / device.memory_bandwidth))
 
 
 # -- fake copies ------------------------------------------------------------------------------

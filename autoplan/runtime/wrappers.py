@@ -1,7 +1,8 @@
 """A unit's forward under its choice: `PlannedForward`, set as `module.forward` on the instance.
 
 It calls the class's own forward under the unit's precision (torch.autocast) and checkpoint mode
-(torch.utils.checkpoint, non-reentrant; selective mode through its selective-checkpoint policy).
+(torch.utils.checkpoint, non-reentrant; selective mode through its selective-checkpoint policy,
+which keeps either every matmul/attention output or the op occurrences the choice names).
 BatchNorm statistics are not updated twice by recomputation, and transformers layers do not write
 their KV cache twice.
 """
@@ -37,12 +38,42 @@ _SAVED_IN_SELECTIVE = {
 }
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_IN_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+def op_name(func) -> str:
+    """How a menu names an aten op: its overload packet, "aten.mm" (occurrences add "#0", "#1", ...)."""
+    return str(func.overloadpacket)
 
 
-def _selective_context():
-    return create_selective_checkpoint_contexts(_selective_policy)
+def can_save(func) -> bool:
+    """Whether a policy may keep this op's output: not an in-place op or a view (their outputs alias
+    an input, which recomputation restores for free and which a later in-place op may change)."""
+    schema = func._schema
+    return not schema.is_mutable and all(ret.alias_info is None for ret in schema.returns)
+
+
+class OccurrencePolicy:
+    """A selective-checkpoint policy that tells ops apart by type and occurrence.
+
+    torch's selective checkpointing asks the policy once per op of the forward (the recomputation
+    replays the cached outputs by the same per-op count), so one counter per op type numbers
+    the ops exactly as a profiled forward of the unit numbered them. `saves` None is the fixed
+    rule (every matmul/conv/attention output). `observer`, if given, sees every op with its name
+    and output (the menu builder records a unit's ops through it).
+    """
+
+    def __init__(self, saves: tuple[str, ...] | None, observer=None) -> None:
+        self.saves = None if saves is None else frozenset(saves)
+        self.observer = observer
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        name = op_name(func)
+        index = self.counts.get(name, 0)
+        self.counts[name] = index + 1
+        occurrence = f"{name}#{index}"
+        if self.observer is not None:
+            self.observer(occurrence, func, args, kwargs, ctx.op_output)
+        saved = func in _SAVED_IN_SELECTIVE if self.saves is None else occurrence in self.saves and can_save(func)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _has_running_stats(module: torch.nn.Module) -> bool:
@@ -59,6 +90,7 @@ class PlannedForward:
     choice: Choice
     original: Any = None  # an instance-level forward that was there before (e.g. another library's hook)
     cast_outputs: bool = True  # return outputs in the inputs' float dtype, so neighbours see what they saw before
+    observer: Any = None  # selective mode: called with every op of the forward (see OccurrencePolicy)
 
     def _run(self, *args, **kwargs):
         if self.original is not None:
@@ -82,6 +114,10 @@ class PlannedForward:
         # exits, which defeats checkpointing; without it each use casts, and the cast is what is saved.
         return torch.autocast(device_type, dtype=DTYPES[self.choice.precision], cache_enabled=False)
 
+    def _selective_context(self):
+        # a fresh policy per checkpointed call: its counters number this forward's ops from 0
+        return create_selective_checkpoint_contexts(OccurrencePolicy(self.choice.saves, self.observer))
+
     def _forward_in_precision(self, *args, **kwargs):
         with self._precision_context(args, kwargs):
             return self._run(*args, **kwargs)
@@ -95,7 +131,7 @@ class PlannedForward:
                 function = _without_second_stats_update(self.module, function)
             # Only selective mode passes a context_fn: torch.compile rejects a custom one that
             # returns no dispatch modes, so full mode keeps checkpoint's default.
-            extra = {"context_fn": _selective_context} if self.choice.mode == "selective" else {}
+            extra = {"context_fn": self._selective_context} if self.choice.mode == "selective" else {}
             args, kwargs = _without_cache_writes(self.module, args, kwargs)
             output = checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
         if self.cast_outputs and self.choice.precision != "fp32":

@@ -13,6 +13,7 @@ peak instead; an infeasible budget is reported with it, never raised.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -52,7 +53,8 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
     for unit in profile.units:
         options = sorted(unit.options)
         if unit.name in pins:
-            options = [c for c in options if c in pins[unit.name]]
+            # a pinned mode allows every menu point of that mode (the pins name modes, not policies)
+            options = [c for c in options if c in pins[unit.name] or dataclasses.replace(c, saves=None) in pins[unit.name]]
             if not options:
                 raise ValueError(f"the pins on unit {unit.name!r} leave it no choice it can take")
         result.append(options)
@@ -62,9 +64,9 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
 def _build(profile: Profile, allowed: list[list[Choice]], name: str, world_size: int = 1):
     problem = pulp.LpProblem(name, pulp.LpMinimize)
     x = {
-        (u, c): problem.add_variable(f"x_{u}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
+        (u, c): problem.add_variable(f"x_{u}_{i}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
         for u, options in enumerate(allowed)
-        for c in options
+        for i, c in enumerate(options)
     }
     for u, options in enumerate(allowed):
         problem += pulp.lpSum(x[u, c] for c in options) == 1, f"one_choice_unit_{u}"
