@@ -23,6 +23,7 @@ from autoplan.inputs.budget import Budget, budget_needed_for, make_budget
 from autoplan.inputs.devices import Device, get_device
 from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
 from autoplan.plan import Choice, Plan, UnitDecision, WorldSizePoint
+from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
@@ -55,6 +56,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     on_profile: Callable[[Profile], None] | None = None,
     world_size: int | str = 1,
+    menu_size: int = DEFAULT_MENU_SIZE,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -81,6 +83,8 @@ def plan(
         see memory.model.rank_offsets): every constraint and every byte of the plan is then per rank.
         "auto": the fewest GPUs whose lowest per-rank peak fits, with the curve in
         plan.world_size_curve. 1 (default): one GPU, no FSDP.
+    menu_size: per unit and precision, up to this many selective policies of its own (which op
+        outputs to save, autoplan.profile.menu) on top of keep/selective/full; 0: the three only.
     """
     if world_size != "auto":
         check_world_size(world_size)
@@ -90,6 +94,7 @@ def plan(
     traced, measured = _trace_and_profile(
         model, training_batch(model, example_inputs, batch_size, seq_len), target,
         units=units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, loss_fn=loss_fn, profile=profile, say=say,
+        menu_size=menu_size,
     )
     if on_profile is not None:
         on_profile(measured)
@@ -120,7 +125,8 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
     return dataclasses.replace(decided, world_size_curve=curve)
 
 
-def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precision, keep_fp32, loss_fn, profile, say):
+def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precision, keep_fp32, loss_fn, profile, say,
+                       menu_size: int = DEFAULT_MENU_SIZE):
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
@@ -130,7 +136,8 @@ def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precis
     rest = "fp32" if precision == "auto" else precision
     say("tracing")
     traced = trace(model, batch, units)
-    measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
+    measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say,
+                             menu_size=menu_size)
     if _should_measure(profile, model, target):
         measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
     return traced, measured

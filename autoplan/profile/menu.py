@@ -13,6 +13,7 @@ model stays exact whatever the estimate here got wrong.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,8 @@ def record_ops(module: torch.nn.Module, args: tuple, kwargs: dict, precision: st
     records: list[OpRecord] = []
     names = {id(sub): name for name, sub in module.named_modules()}
     running: list[str] = []  # the submodules whose forward is running, innermost last
+    producer: dict[int, int] = {}  # storage -> index of the op that made it
+    mutated: set[int] = set()  # ops whose output a later in-place op changes
 
     def observe(occurrence, func, op_args, op_kwargs, out) -> None:
         inputs, outputs = tensors_of((op_args, op_kwargs)), tensors_of(out)
@@ -58,6 +61,9 @@ def record_ops(module: torch.nn.Module, args: tuple, kwargs: dict, precision: st
         new = [t for t in outputs if id(t.untyped_storage()) not in input_storages]
         cost = op_roofline(device, func, op_args, op_kwargs, out, inputs + outputs)
         where = running[-1] if running else ""
+        if func._schema.is_mutable:  # an in-place op: what made its inputs cannot be saved (the cache would change)
+            mutated.update(producer[key] for key in input_storages if key in producer)
+        producer.update((id(t.untyped_storage()), len(records)) for t in new)
         records.append(OpRecord(occurrence, where, unique_storage_bytes(new), cost.time_s, cost.flops, can_save(func)))
 
     def enter(sub, _args) -> None:
@@ -76,7 +82,7 @@ def record_ops(module: torch.nn.Module, args: tuple, kwargs: dict, precision: st
     finally:
         for hook in hooks:
             hook.remove()
-    return tuple(records)
+    return tuple(dataclasses.replace(op, savable=False) if i in mutated else op for i, op in enumerate(records))
 
 
 def menu_points(ops: tuple[OpRecord, ...], precision: str, size: int = DEFAULT_MENU_SIZE) -> list[MenuPoint]:

@@ -248,6 +248,20 @@ def _measure_unit(
     )
 
 
+def _measure_options(module, call: UnitCall, precisions, rest: str, device: Device, fake_mode: FakeTensorMode, menu_size: int):
+    """Every choice of one unit measured: the three modes × precisions, then its menu points (with their policies in words)."""
+    costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
+    policies = {}
+    for precision in precisions if menu_size > 0 else ():
+        for point in _menu(module, call, precision, device, fake_mode, menu_size):
+            cost = _measure_unit(module, call, point.choice, rest, device, fake_mode)
+            same_precision = [c for choice, c in costs.items() if choice.precision == precision]
+            if not dominated(cost, same_precision):  # a point no better than another only slows the solver
+                costs[point.choice] = cost
+                policies[point.choice] = point.policy
+    return MappingProxyType(costs), MappingProxyType(policies)
+
+
 def _menu(module, call: UnitCall, precision: str, device: Device, fake_mode: FakeTensorMode, size: int):
     """The unit's menu points in `precision`, from one recorded forward with inputs like the timeline's."""
     with fake_mode:
@@ -301,16 +315,7 @@ def profile(
         key = _signature(module, call)
         if key not in measured:
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
-            costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
-            policies = {}
-            for precision in precisions if menu_size > 0 else ():
-                for point in _menu(module, call, precision, device, fake_mode, menu_size):
-                    cost = _measure_unit(module, call, point.choice, rest, device, fake_mode)
-                    same_precision = [c for choice, c in costs.items() if choice.precision == precision]
-                    if not dominated(cost, same_precision):  # a point no better than another only slows the solver
-                        costs[point.choice] = cost
-                        policies[point.choice] = point.policy
-            measured[key] = (MappingProxyType(costs), MappingProxyType(policies))
+            measured[key] = _measure_options(module, call, precisions, rest, device, fake_mode, menu_size)
         params = list(module.parameters())
         costs, policies = measured[key]
         units.append(UnitProfile(

@@ -114,6 +114,16 @@ def _units(plan: "Plan") -> Table:
     return table
 
 
+def _policies(plan: "Plan") -> list[Text]:
+    """Each menu point the plan chose, in words (selective units that save ops of their own choosing)."""
+    lines = [
+        f"  {row.label}: {row.first.policy} ({format_bytes(row.first.saved_bytes)} saved, {format_ms(row.first.step_time_s)})"
+        for row in fold_units(plan.units)
+        if row.first.policy
+    ]
+    return [Text("what the selective units save:\n" + "\n".join(lines))] if lines else []
+
+
 def _times(plan: "Plan") -> Text:
     slower = plan.predicted_step_time_s / plan.fastest_step_time_s - 1 if plan.fastest_step_time_s else 0.0
     return Text(f"step time ({plan.time_source}): {format_ms(plan.predicted_step_time_s)} planned, "
@@ -215,7 +225,7 @@ def report_renderables(
     parts: list[RenderableType] = [_verdict(plan), _breakdown(plan)]
     if plan.world_size > 1 or plan.world_size_curve:
         parts.extend(_world_sizes(plan))
-    parts.extend([_units(plan), _times(plan)])
+    parts.extend([_units(plan), *_policies(plan), _times(plan)])
     if plan.feasible:  # for a plan that does not fit, optimize() would raise: the advice says what to change
         parts.append(Text("apply it:", style="bold"))
         parts.append(_code(apply_code(plan, budget_text)))

@@ -76,6 +76,15 @@ class OccurrencePolicy:
         return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _fixed_rule_contexts():
+    return create_selective_checkpoint_contexts(OccurrencePolicy(None))
+
+
+def _occurrence_contexts(saves, observer):
+    # a fresh policy per checkpointed call: its counters number this forward's ops from 0
+    return create_selective_checkpoint_contexts(OccurrencePolicy(saves, observer))
+
+
 def _has_running_stats(module: torch.nn.Module) -> bool:
     return any(
         isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules()
@@ -114,9 +123,10 @@ class PlannedForward:
         # exits, which defeats checkpointing; without it each use casts, and the cast is what is saved.
         return torch.autocast(device_type, dtype=DTYPES[self.choice.precision], cache_enabled=False)
 
-    def _selective_context(self):
-        # a fresh policy per checkpointed call: its counters number this forward's ops from 0
-        return create_selective_checkpoint_contexts(OccurrencePolicy(self.choice.saves, self.observer))
+    def _context_fn(self):
+        if self.choice.saves is None and self.observer is None:
+            return _fixed_rule_contexts
+        return functools.partial(_occurrence_contexts, self.choice.saves, self.observer)
 
     def _forward_in_precision(self, *args, **kwargs):
         with self._precision_context(args, kwargs):
@@ -131,7 +141,7 @@ class PlannedForward:
                 function = _without_second_stats_update(self.module, function)
             # Only selective mode passes a context_fn: torch.compile rejects a custom one that
             # returns no dispatch modes, so full mode keeps checkpoint's default.
-            extra = {"context_fn": self._selective_context} if self.choice.mode == "selective" else {}
+            extra = {"context_fn": self._context_fn()} if self.choice.mode == "selective" else {}
             args, kwargs = _without_cache_writes(self.module, args, kwargs)
             output = checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
         if self.cast_outputs and self.choice.precision != "fp32":

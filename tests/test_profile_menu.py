@@ -1,0 +1,169 @@
+"""Tests for each unit's own menu of selective policies (`autoplan/profile/menu.py`, the occurrence
+policy in `runtime/wrappers.py`, and how the plan carries it).
+
+A menu point names the op occurrences it saves; training with it must equal the original in fp32
+(loss, gradients, parameters, buffers: dropout masks replayed, BatchNorm statistics once, in-place
+ReLU and views correct), it must recompute exactly the ops it does not save, and the solver must be
+able to pick it with the plan saying in words what it saves.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import autoplan  # noqa: E402
+from autoplan.inputs.devices import get_device  # noqa: E402
+from autoplan.plan import Choice  # noqa: E402
+from autoplan.profile.menu import describe, menu_points, record_ops  # noqa: E402
+from autoplan.profile.units import profile  # noqa: E402
+from autoplan.runtime.planned import apply_choices  # noqa: E402
+from autoplan.trace.tracer import trace  # noqa: E402
+from autoplan.trace.units import find_units  # noqa: E402
+from tests.models import make_small_resnet, make_tiny_gpt, make_tiny_gpt_dropout  # noqa: E402
+
+CPU = get_device("cpu")
+
+
+def _menu_of(model, inputs, size: int = 4):
+    """The menu of the model's first unit, recorded on the real model (real inputs captured by a hook)."""
+    name = find_units(model)[0]
+    unit = model.get_submodule(name)
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.setdefault("call", (tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args), kwargs))
+
+    handle = unit.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(*inputs)
+    handle.remove()
+    args, kwargs = captured["call"]
+    ops = record_ops(unit, args, kwargs, "fp32", CPU)
+    return ops, menu_points(ops, "fp32", size)
+
+
+def _train(model, inputs, steps: int = 2):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        out = model(*inputs)
+        loss = (out.logits if hasattr(out, "logits") else out).float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("factory", (make_tiny_gpt_dropout, make_small_resnet), ids=("gpt_dropout", "resnet_bn_inplace"))
+def test_every_menu_point_trains_like_the_original(factory):
+    model, inputs = factory()
+    model.train()
+    ops, points = _menu_of(model, inputs)
+    assert len(points) >= 2
+    reference = copy.deepcopy(model)
+    ref_losses, ref_grads = _train(reference, inputs)
+    for point in points:
+        planned = copy.deepcopy(model)
+        apply_choices(planned, {unit: point.choice for unit in find_units(planned)})
+        losses, grads = _train(planned, inputs)
+        for a, b in zip(losses, ref_losses):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        for step_grads, step_ref in zip(grads, ref_grads):
+            for name in step_ref:
+                torch.testing.assert_close(step_grads[name], step_ref[name], atol=1e-6, rtol=1e-5, msg=name)
+        for (name, a), (_, b) in zip(planned.state_dict().items(), reference.state_dict().items()):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{point.choice}: {name}")
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(choice: Choice) -> Counter:
+    model, inputs = make_tiny_gpt()
+    apply_choices(model, {unit: choice for unit in find_units(model)})
+    out = model(*inputs)
+    loss = (out.logits if hasattr(out, "logits") else out).float().pow(2).mean()
+    with _OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+def test_a_policy_recomputes_exactly_the_matmuls_it_does_not_save():
+    model, inputs = make_tiny_gpt()
+    ops, _ = _menu_of(model, inputs)
+    matmuls = [op.occurrence for op in ops if op.occurrence.split("#")[0] in ("aten.mm", "aten.addmm")]
+    assert len(matmuls) >= 3
+    save_none = _backward_ops(Choice("selective", "fp32", saves=()))
+    save_two = _backward_ops(Choice("selective", "fp32", saves=tuple(matmuls[:2])))
+    units = len(find_units(model))
+    recomputed_none = save_none["aten.addmm"] + save_none["aten.mm"]
+    recomputed_two = save_two["aten.addmm"] + save_two["aten.mm"]
+    # each unit recomputes two matmuls fewer: the two it saved, by occurrence
+    assert recomputed_none - recomputed_two == 2 * units
+
+
+def test_policy_in_words_names_the_submodules():
+    model, inputs = make_tiny_gpt()
+    ops, points = _menu_of(model, inputs)
+    first_matmul = next(op for op in ops if op.occurrence.startswith("aten.addmm") or op.occurrence.startswith("aten.mm"))
+    words = describe(ops, (first_matmul.occurrence,))
+    assert words.startswith(f"saves {first_matmul.module}")
+    assert "recomputes" in words and first_matmul.module not in words.split("recomputes")[1].split(",")[0]
+    # the menu walks from few saved bytes to many: estimated recompute time falls as bytes rise
+    estimates = [(p.estimated_bytes, p.estimated_recompute_s) for p in points]
+    assert estimates == sorted(estimates, key=lambda e: e[0])
+    assert [e[1] for e in estimates] == sorted((e[1] for e in estimates), reverse=True)
+
+
+def test_menu_points_are_measured_choices_the_plan_can_take():
+    model, inputs = make_tiny_gpt()
+    traced = trace(model, inputs)
+    measured = profile(traced, CPU, precisions=("fp32",), menu_size=4)
+    unit = measured.units[0]
+    menu = [c for c in unit.options if c.saves is not None]
+    assert menu, "no menu point survived"
+    assert all(unit.policies[c].startswith("saves ") for c in menu)
+    keep, full = unit.options[Choice("keep", "fp32")], unit.options[Choice("full", "fp32")]
+    for choice in menu:  # every surviving point lies between the two ends in held bytes or time
+        cost = unit.options[choice]
+        assert full.held_bytes <= cost.held_bytes and cost.time_s <= full.time_s
+        assert cost.held_bytes < keep.held_bytes or cost.bwd_peak_bytes < keep.bwd_peak_bytes or cost.fwd_peak_bytes < keep.fwd_peak_bytes
+
+
+def test_plan_carries_the_chosen_policy_into_json_and_report():
+    model, inputs = make_tiny_gpt()
+    roomy = autoplan.plan(model, 10**12, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
+    lowest = roomy.minimum_peak_bytes
+    # a budget between the lowest peak and no plan: some units must give memory back
+    budget = (lowest + roomy.baseline_peak_bytes) // 2
+    plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
+    assert plan.feasible and plan.simulated_peak_bytes <= budget
+    data = json.loads(plan.to_json())
+    for unit, decision in zip(data["units"], plan.units):
+        assert unit["saves"] == (None if decision.choice.saves is None else list(decision.choice.saves))
+        assert unit["policy"] == decision.policy
+    chosen = [d for d in plan.units if d.choice.saves is not None]
+    if chosen:
+        assert chosen[0].policy in plan.report().replace("\n", " ") or chosen[0].policy[:30] in plan.report()
