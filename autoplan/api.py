@@ -57,6 +57,7 @@ def plan(
     on_profile: Callable[[Profile], None] | None = None,
     world_size: int | str = 1,
     menu_size: int = DEFAULT_MENU_SIZE,
+    compile: bool = False,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -85,6 +86,10 @@ def plan(
         plan.world_size_curve. 1 (default): one GPU, no FSDP.
     menu_size: per unit and precision, up to this many selective policies of its own (which op
         outputs to save, autoplan.profile.menu) on top of keep/selective/full; 0: the three only.
+    compile: plan the model you will run under torch.compile (docs/plan_quality.md says what this
+        predicts): recomputing ops without FLOPs is priced as free (Inductor fuses them), so units
+        save matmul/attention outputs and recompute the rest. Memory is still the eager model's,
+        an upper bound for the compiled one. Compile the model after autoplan.apply/optimize.
     """
     if world_size != "auto":
         check_world_size(world_size)
@@ -94,7 +99,7 @@ def plan(
     traced, measured = _trace_and_profile(
         model, training_batch(model, example_inputs, batch_size, seq_len), target,
         units=units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, loss_fn=loss_fn, profile=profile, say=say,
-        menu_size=menu_size,
+        menu_size=menu_size, compile=compile,
     )
     if on_profile is not None:
         on_profile(measured)
@@ -126,7 +131,7 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
 
 
 def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precision, keep_fp32, loss_fn, profile, say,
-                       menu_size: int = DEFAULT_MENU_SIZE):
+                       menu_size: int = DEFAULT_MENU_SIZE, compile: bool = False):
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
@@ -137,8 +142,11 @@ def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precis
     say("tracing")
     traced = trace(model, batch, units)
     measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say,
-                             menu_size=menu_size)
-    if _should_measure(profile, model, target):
+                             menu_size=menu_size, compile=compile)
+    if compile and profile == "measure":
+        raise ValueError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
+                         "use profile='roofline' or 'auto'")
+    if not compile and _should_measure(profile, model, target):
         measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
     return traced, measured
 
@@ -169,6 +177,9 @@ def _assemble(
     notes = []
     if not feasible:
         notes.append("no choice fits the budget; the units show the lowest-peak choices")
+    if measured.time_source.startswith("roofline, compiled"):
+        notes.append("planned for torch.compile: recomputing ops without FLOPs is priced as free (fused); the peaks are "
+                     "the eager model's, which the compiled one usually stays under; compile after applying the plan")
     if traced.skip_edges:
         notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
     if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in chosen.values()):

@@ -31,7 +31,7 @@ from autoplan.runtime.fake import fake_copy
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
-from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.tracker import FusedElementwiseRates, LiveBytesTracker
 from autoplan.runtime.training import optimizer_name
 from autoplan.runtime.wrappers import PlannedForward
 from autoplan.trace.tracer import Traced
@@ -286,12 +286,15 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
     menu_size: int = DEFAULT_MENU_SIZE,
+    compile: bool = False,
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
     `rest_precision` is what runs outside the units, and each unit's base choice (keep in it).
     `menu_size`: per unit and precision, up to this many selective policies of its own on top of
-    keep/selective/full (`profile.menu`); 0 for the three modes only.
+    keep/selective/full (`profile.menu`); 0 for the three modes only. `compile`: price the units
+    as torch.compile runs them (`runtime.tracker.FusedElementwiseRates`: ops without FLOPs cost
+    no time), so recomputing elementwise ops is free and the menu saves only matmul/attention outputs.
     """
     if not isinstance(traced, Traced):
         raise TypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
@@ -315,7 +318,8 @@ def profile(
         key = _signature(module, call)
         if key not in measured:
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
-            measured[key] = _measure_options(module, call, precisions, rest, device, fake_mode, menu_size)
+            rates = FusedElementwiseRates(device) if compile else device
+            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size)
         params = list(module.parameters())
         costs, policies = measured[key]
         units.append(UnitProfile(
@@ -332,6 +336,7 @@ def profile(
         units=tuple(units),
         trace_method=traced.method,
         skip_edges=traced.skip_edges,
+        time_source="roofline, compiled (elementwise fused)" if compile else "roofline",
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
     )

@@ -159,7 +159,10 @@ def _compile(plan: Plan, profile: Profile) -> Step:
     detail = (f"{format_ms(bound)} of the {format_ms(plan.predicted_step_time_s)} roofline step is memory traffic of ops that are not "
               "compute-bound (elementwise, norms, casts): what Inductor's fusion attacks. autoplan does not predict how "
               "much it recovers, nor compile's memory effect; the planned model compiles as is")
-    return Step("compile", "torch.compile", "try", detail, None, None, "model = torch.compile(autoplan.optimize(model, ...))")
+    detail += ("; plan with compile=True to price recomputation as compiled code runs it (elementwise ops fused, "
+               "so units save matmul/attention outputs and recompute the rest)")
+    return Step("compile", "torch.compile", "try", detail, None, None,
+                "model = torch.compile(autoplan.optimize(model, ..., compile=True))")
 
 
 def _checkpointing(plan: Plan, profile: Profile) -> Step:

@@ -142,10 +142,33 @@ def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allo
     flops = 0
     if func.overloadpacket in flop_registry:
         flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+    if flops == 0 and getattr(device, "fuses_elementwise", False):
+        return OpCost(0, 0.0)
     moved = sum(t.numel() * t.element_size() for t in touched)
     dtype = touched[0].dtype if touched else torch.float32
     compute_s = flops / device.flops_for(dtype, allow_tf32=allow_tf32)
     return OpCost(flops, max(compute_s, moved / device.memory_bandwidth))
+
+
+@dataclass(frozen=True)
+class FusedElementwiseRates:
+    """A device's rates as code compiled by torch.compile (Inductor) spends them, roughly.
+
+    Ops without FLOPs (elementwise ops, norms' reductions, casts, copies) are fused into the
+    kernels of their neighbours, so they cost no time of their own; matmuls, convolutions and
+    attention keep their roofline time. Recomputing a norm or an activation is then nearly free,
+    and only what recomputes FLOPs costs time: the prices a plan for a compiled model needs.
+    """
+
+    device: RooflineRates
+    fuses_elementwise = True
+
+    @property
+    def memory_bandwidth(self) -> float:
+        return self.device.memory_bandwidth
+
+    def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
+        return self.device.flops_for(dtype, allow_tf32=allow_tf32)
 
 
 # -- fake copies ------------------------------------------------------------------------------
