@@ -73,8 +73,8 @@ def _train(model, inputs, steps: int = 2):
 def test_every_menu_point_trains_like_the_original(factory):
     model, inputs = factory()
     model.train()
-    ops, points = _menu_of(model, inputs)
-    assert len(points) >= 2
+    ops, points = _menu_of(model, inputs, size=2)
+    assert len(points) == 2
     reference = copy.deepcopy(model)
     ref_losses, ref_grads = _train(reference, inputs)
     for point in points:
@@ -149,7 +149,7 @@ def test_menu_points_are_measured_choices_the_plan_can_take():
     for choice in menu:  # every surviving point lies between the two ends in held bytes or time
         cost = unit.options[choice]
         assert full.held_bytes <= cost.held_bytes and cost.time_s <= full.time_s
-        assert cost.held_bytes < keep.held_bytes or cost.bwd_peak_bytes < keep.bwd_peak_bytes or cost.fwd_peak_bytes < keep.fwd_peak_bytes
+        assert cost.held_bytes < keep.held_bytes  # else keep, no slower, dominates it and it is dropped
 
 
 def _tiny_llama():

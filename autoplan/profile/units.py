@@ -251,14 +251,20 @@ def _measure_unit(
 def _measure_options(module, call: UnitCall, precisions, rest: str, device: Device, fake_mode: FakeTensorMode, menu_size: int):
     """Every choice of one unit measured: the three modes × precisions, then its menu points (with their policies in words)."""
     costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
-    policies = {}
+    points = {}
     for precision in precisions if menu_size > 0 else ():
         for point in _menu(module, call, precision, device, fake_mode, menu_size):
-            cost = _measure_unit(module, call, point.choice, rest, device, fake_mode)
-            same_precision = [c for choice, c in costs.items() if choice.precision == precision]
-            if not dominated(cost, same_precision):  # a point no better than another only slows the solver
-                costs[point.choice] = cost
-                policies[point.choice] = point.policy
+            points[point.choice] = (_measure_unit(module, call, point.choice, rest, device, fake_mode), point.policy)
+    policies = {}
+    measured = list(points.items())
+    for index, (choice, (cost, policy)) in enumerate(measured):
+        rivals = [c for other, c in costs.items() if other.precision == choice.precision]
+        # of two points that measure the same, the first stays
+        rivals += [c for later, (other, (c, _)) in enumerate(measured) if other.precision == choice.precision
+                   and later != index and (later < index or (c.held_bytes, c.time_s) != (cost.held_bytes, cost.time_s))]
+        if not dominated(cost, rivals):  # a point no better than another only slows the solver
+            costs[choice] = cost
+            policies[choice] = policy
     return MappingProxyType(costs), MappingProxyType(policies)
 
 
