@@ -148,7 +148,7 @@ def quality_table(size: str, pairs: int) -> None:
         budget = format_bytes(row.budget_bytes) if row.budget_bytes else "—"
         print(f"| {row.config} | {budget} | {format_bytes(row.peak_bytes)} | {row.time_ratio:.2f}× | {row.extra_flops:+.1%} |")
     print("\nnot run here: torch's auto-SAC (sac_estimator + sac_milp need CUDA), torch.compile rows "
-          "(the tracker cannot see inside compiled graphs; see the README of this page)")
+          "(the tracker cannot see inside compiled graphs; see docs/plan_quality.md)")
 
 
 def _plan(model, budget, inputs, menu_size=None):
@@ -158,7 +158,7 @@ def _plan(model, budget, inputs, menu_size=None):
 
 
 def solve_times() -> None:
-    print("\nILP solve time, fp32|bf16 × keep|selective|full per unit (GPT blocks 64 wide, batch 1×64;\n"
+    print("\nILP solve time, fp32|bf16 × keep|selective|full and each unit's menu (GPT blocks 64 wide, batch 1×64;\n"
           "budget halfway between the lowest reachable peak and no plan; profiling not timed)")
     print(f"{'units':>6} {'budget':>12} {'status':>10} {'solve s':>8}")
     for layers in (24, 96, 384):

@@ -75,8 +75,8 @@ def test_verify_rejects_bad_input():
 def test_measured_profile_times_units_for_real_and_leaves_the_model_alone():
     model, inputs = batch_of("small_resnet")  # BatchNorm: real forwards would move its statistics
     buffers = [b.clone() for b in model.buffers()]
-    measured = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", profile="measure")
-    roofline = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", profile="roofline")
+    measured = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", profile="measure", menu_size=0)
+    roofline = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", profile="roofline", menu_size=0)
     assert measured.time_source == "measured (CPU wall clock)" and roofline.time_source == "roofline"
     assert all(u.step_time_s > 0 for u in measured.units)
     assert [u.step_time_s for u in measured.units] != [u.step_time_s for u in roofline.units]
