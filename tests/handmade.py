@@ -115,3 +115,34 @@ def baseline(structure: Structure) -> Baseline:
     plain = measured_step(model, inputs)
     by_hand = measured_step(checkpoint_by_hand(copy.deepcopy(model), structure), inputs)
     return Baseline(plain, by_hand)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """autoplan against checkpointing every block by hand, on one structure (CPU, fp32, AdamW)."""
+
+    structure: str
+    by_hand: StepMeasurement
+    floor_bytes: int  # plan.minimum_peak_bytes: the lowest peak autoplan can reach
+    units: tuple[str, ...]  # the units of the plan at the by-hand peak
+    feasible: bool  # autoplan's plan at a budget of the by-hand peak (no reserve) fits, it says
+    planned: StepMeasurement | None  # that plan, measured (None when it said it does not fit)
+    plain: StepMeasurement | None = None  # no checkpointing at all, when asked for
+
+    @property
+    def floor_ratio(self) -> float:
+        return self.floor_bytes / self.by_hand.peak_bytes
+
+
+def compare_with_plan(structure: Structure, *, with_plain: bool = False) -> Comparison:
+    """Measure the by-hand peak, then plan at exactly that budget (reserve 0) and measure the plan."""
+    import autoplan
+
+    model, inputs = structure.build()
+    model.train()
+    plain = measured_step(model, inputs) if with_plain else None
+    by_hand = measured_step(checkpoint_by_hand(copy.deepcopy(model), structure), inputs)
+    plan = autoplan.plan(model, budget=by_hand.peak_bytes, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
+    planned = measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs) if plan.feasible else None
+    units = tuple(unit.name for unit in plan.units)
+    return Comparison(structure.name, by_hand, plan.minimum_peak_bytes, units, plan.feasible, planned, plain)
