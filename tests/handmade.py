@@ -83,17 +83,18 @@ def measured_step(
         tracker = LiveBytesTracker(device)
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         batch = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        counter = FlopCounterMode(display=False)
         with tracker:
             tracker.adopt(list(model.parameters()) + list(model.buffers()) + state + batch)
             tracker.begin_phase("steady")
-            with counter:
-                loss = (loss_fn or default_loss)(model(*args, **kwargs))
-                loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            train_step(model, args, kwargs, opt, loss_fn)
         peak = max(phase.peak_bytes for phase in tracker.phases()[1:])
+        # FLOPs in a step of their own: FlopCounterMode's module tracking makes reference cycles that
+        # keep checkpoint's recomputed tensors alive until the garbage collector runs, which would
+        # make the peak depend on when it does
+        counter = FlopCounterMode(display=False)
+        with counter:
+            (loss_fn or default_loss)(model(*args, **kwargs)).backward()
+        opt.zero_grad(set_to_none=True)
     return StepMeasurement(peak, counter.get_total_flops())
 
 
