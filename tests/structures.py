@@ -227,7 +227,7 @@ _MOE = dict(
 
 def _tokens() -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(SEED))
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "labels": ids, "use_cache": False}  # a training step keeps no KV cache
 
 
 def build_hf_mixtral():
