@@ -21,10 +21,10 @@ import torch
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.flop_counter import FlopCounterMode
 
-from autoplan.devices import get_device
-from autoplan.measure import preserved, train_step
-from autoplan.simulate import LiveBytesTracker, default_loss, make_optimizer
-from autoplan.trace import normalize_inputs
+from autoplan.inputs.batch import normalize_inputs
+from autoplan.inputs.devices import get_device
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.training import default_loss, make_optimizer, preserved, train_step
 
 from tests.structures import Structure
 
@@ -78,7 +78,7 @@ def measured_step(
     params = [p for p in model.parameters() if p.requires_grad]
     device = get_device("cpu")
     with preserved(model):
-        opt = make_optimizer(optimizer, params, device)
+        opt = make_optimizer(optimizer, params, foreach=False)  # torch's default on the CPU
         train_step(model, args, kwargs, opt, loss_fn)
         tracker = LiveBytesTracker(device)
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -129,6 +129,7 @@ class Comparison:
     feasible: bool  # autoplan's plan at a budget of the by-hand peak (no reserve) fits, it says
     planned: StepMeasurement | None  # that plan, measured (None when it said it does not fit)
     plain: StepMeasurement | None = None  # no checkpointing at all, when asked for
+    plan: Any = None  # the autoplan.Plan at the by-hand peak
 
     @property
     def floor_ratio(self) -> float:
@@ -146,4 +147,4 @@ def compare_with_plan(structure: Structure, *, with_plain: bool = False) -> Comp
     plan = autoplan.plan(model, budget=by_hand.peak_bytes, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
     planned = measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs) if plan.feasible else None
     units = tuple(unit.name for unit in plan.units)
-    return Comparison(structure.name, by_hand, plan.minimum_peak_bytes, units, plan.feasible, planned, plain)
+    return Comparison(structure.name, by_hand, plan.minimum_peak_bytes, units, plan.feasible, planned, plain, plan)

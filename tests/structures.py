@@ -202,13 +202,13 @@ def _hf(config_class: str, model_class: str, **config):
 
 
 def build_hf_resnet():
-    model = _hf("ResNetConfig", "ResNetForImageClassification", embedding_size=8, hidden_sizes=[8, 16], depths=[3, 3], layer_type="basic", num_labels=4)
-    return model, {"pixel_values": torch.randn(8, 3, 64, 64)}
+    model = _hf("ResNetConfig", "ResNetForImageClassification", embedding_size=8, hidden_sizes=[8, 16], depths=[2, 2], layer_type="basic", num_labels=4)
+    return model, {"pixel_values": torch.randn(4, 3, 48, 48)}
 
 
 def build_hf_convnext():
-    model = _hf("ConvNextConfig", "ConvNextForImageClassification", num_stages=2, hidden_sizes=[8, 16], depths=[3, 3], num_labels=4)
-    return model, {"pixel_values": torch.randn(8, 3, 64, 64)}
+    model = _hf("ConvNextConfig", "ConvNextForImageClassification", num_stages=2, hidden_sizes=[8, 16], depths=[2, 2], num_labels=4)
+    return model, {"pixel_values": torch.randn(4, 3, 48, 48)}
 
 
 def build_hf_swin():
