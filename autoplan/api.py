@@ -17,7 +17,7 @@ import torch
 
 from autoplan.apply.fsdp import process_group_world_size, require_process_group
 from autoplan.apply.rewrite import apply_plan, refuse_meta
-from autoplan.errors import InfeasibleBudgetError
+from autoplan.errors import InfeasibleBudgetError, RepeatedUnitError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import Budget, budget_needed_for, make_budget
 from autoplan.inputs.devices import Device, get_device
@@ -32,6 +32,7 @@ from autoplan.solve.ilp import fastest
 from autoplan.solve.search import SearchResult, pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus, parameter_count
 from autoplan.trace.tracer import Traced, trace
+from autoplan.trace.units import UnitLevel, unit_levels
 from autoplan.verify.simulate import simulate_plan
 
 
@@ -87,15 +88,57 @@ def plan(
     target = get_device(device)
     memory = make_budget(budget, target, reserve)
     say = progress or (lambda message: None)
-    traced, measured = _trace_and_profile(
-        model, training_batch(model, example_inputs, batch_size, seq_len), target,
-        units=units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, loss_fn=loss_fn, profile=profile, say=say,
-    )
+    batch = training_batch(model, example_inputs, batch_size, seq_len)
+    # Where blocks nest (stages of blocks), every level is planned and the best kept (`_best`)
+    levels = unit_levels(model, units)
+    planned: list[tuple[Plan, Profile]] = []
+    planned_levels: list[UnitLevel] = []
+    for number, level in enumerate(levels, 1):
+        if len(levels) > 1:
+            say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
+        try:
+            traced, measured = _trace_and_profile(
+                model, batch, target, unit_names=level.units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32,
+                loss_fn=loss_fn, profile=profile, say=say,
+            )
+        except RepeatedUnitError:
+            if number == len(levels) and not planned:
+                raise
+            continue  # a Sequential run called twice: the other levels are the plan space
+        planned_levels.append(level)
+        pins = pinned_choices(list(traced.units), precision_options(precision, target), keep_fp32, checkpoint)
+        decided = _decide(traced, measured, budget=memory, reserve=reserve, target=target, pins=pins, world_size=world_size,
+                          optimizer=optimizer, loss_fn=loss_fn, time_limit_s=time_limit_s, say=say)
+        planned.append((decided, measured))
+    chosen, measured = _best(planned, planned_levels)
     if on_profile is not None:
         on_profile(measured)
-    pins = pinned_choices(list(traced.units), precision_options(precision, target), keep_fp32, checkpoint)
-    return _decide(traced, measured, budget=memory, reserve=reserve, target=target, pins=pins, world_size=world_size,
-                   optimizer=optimizer, loss_fn=loss_fn, time_limit_s=time_limit_s, say=say)
+    return chosen
+
+
+def _best(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel]) -> tuple[Plan, Profile]:
+    """The plan of the level that fits fastest (or, if none fits, reaches the lowest peak), and its profile.
+
+    Its minimum peak is the lowest any level reaches: the plan space is all the levels'.
+    """
+    fitting = [item for item in planned if item[0].feasible]
+    if fitting:
+        best = min(fitting, key=lambda item: item[0].predicted_step_time_s)
+    else:
+        best = min(planned, key=lambda item: item[0].minimum_peak_bytes)
+    if len(planned) == 1:
+        return best
+    lowest = min((plan for plan, _ in planned), key=lambda plan: plan.minimum_peak_bytes)
+    index = planned.index(best)
+    others = ", ".join(f"{level.source} ({len(level.units)} units)" for i, level in enumerate(levels) if i != index)
+    note = f"units: {levels[index].source} ({len(levels[index].units)} units), the best of {len(levels)} levels; also planned: {others}"
+    plan = dataclasses.replace(
+        best[0],
+        minimum_peak_bytes=lowest.minimum_peak_bytes,
+        minimum_budget_bytes=lowest.minimum_budget_bytes,
+        notes=(*best[0].notes, note),
+    )
+    return plan, best[1]
 
 
 def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, target: Device, pins, world_size,
@@ -120,7 +163,7 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
     return dataclasses.replace(decided, world_size_curve=curve)
 
 
-def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precision, keep_fp32, loss_fn, profile, say):
+def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, precision, keep_fp32, loss_fn, profile, say):
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
@@ -129,7 +172,7 @@ def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precis
         precisions = (*precisions, "fp32")
     rest = "fp32" if precision == "auto" else precision
     say("tracing")
-    traced = trace(model, batch, units)
+    traced = trace(model, batch, unit_names=unit_names)
     measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
     if _should_measure(profile, model, target):
         measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
@@ -162,6 +205,8 @@ def _assemble(
     notes = []
     if not feasible:
         notes.append("no choice fits the budget; the units show the lowest-peak choices")
+    if measured.routing:
+        notes.append(measured.routing)
     if traced.skip_edges:
         notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
     if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in chosen.values()):

@@ -18,6 +18,10 @@ class UnitPatternError(TraceError):
     """A unit name pattern (units=, checkpoint=, keep_fp32=, --units) matched no unit of the model."""
 
 
+class RepeatedUnitError(TraceError):
+    """A unit ran more than once per forward where autoplan could not tell its calls apart."""
+
+
 class BudgetError(ValueError):
     """A budget or reserve that is not a size autoplan can plan for (unparsable, negative, too small)."""
 

@@ -10,6 +10,7 @@ It also records what each unit was called with, so a unit can later be profiled 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,10 +18,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
+from autoplan.errors import RepeatedUnitError
 from autoplan.inputs.devices import Device
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase
 from autoplan.runtime.fake import fake_tree
-from autoplan.runtime.names import unit_endpoints
+from autoplan.runtime.names import call_site, unit_endpoints
 from autoplan.runtime.tensors import storage_bytes, tensors_of, unique_storage_bytes
 from autoplan.runtime.tracker import LiveBytesTracker, TrackedPhase
 from autoplan.runtime.training import default_loss, make_optimizer, optimizer_state_tensors
@@ -132,10 +134,36 @@ class _UnitRecorder:
         self._last_key = 0
         self._handles = []
         self.in_forward = False  # recomputation in backward calls the unit's layers again: not a new call
+        self._started: Counter[int] = Counter()  # per module: calls begun in the recorded forward
+        self._finished: Counter[int] = Counter()
+        called = {}
         for name in units:
             first, last = unit_endpoints(model, name)
-            self._handles.append(first.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-            self._handles.append(last.register_forward_hook(self._post_hook(name), with_kwargs=True))
+            pre, post = self._pre_hook(name), self._post_hook(name)
+            site = call_site(name)
+            if site is not None:  # one call of a module that runs several times: its hooks act on that call only
+                pre = self._on_call(first, site.index + 1, pre, self._started)  # its own call already counted
+                post = self._on_call(first, site.index, post, self._finished)  # not yet counted as finished
+                called[id(first)] = first
+            self._handles.append(first.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(last.register_forward_hook(post, with_kwargs=True))
+        for module in called.values():  # counted before the pre-hooks and after the post-hooks above
+            self._handles.append(module.register_forward_pre_hook(self._count(self._started), prepend=True))
+            self._handles.append(module.register_forward_hook(self._count(self._finished)))
+
+    def _count(self, counter: Counter) -> Callable:
+        def hook(module, *_):
+            if self.recording and self.in_forward:
+                counter[id(module)] += 1
+
+        return hook
+
+    @staticmethod
+    def _on_call(module: torch.nn.Module, count: int, hook: Callable, counter: Counter) -> Callable:
+        def on_call(*args):
+            return hook(*args) if counter[id(module)] == count else None
+
+        return on_call
 
     def key(self, tensor: torch.Tensor) -> int:
         """A number for this tensor's storage, the same for every tensor sharing it, never reused."""
@@ -176,9 +204,9 @@ class _UnitRecorder:
             if not (self.recording and self.in_forward):
                 return None
             if name in self.calls:
-                raise RuntimeError(
-                    f"unit {name!r} ran more than once in one forward; autoplan needs each unit to run once "
-                    "per step. Pass units= naming modules that run once."
+                raise RepeatedUnitError(
+                    f"unit {name!r} ran more than once in one forward; autoplan plans a module called several "
+                    "times per call, but not a run of a Sequential's layers. Pass units= naming modules."
                 )
             self.begin(Phase("fwd", name))
             tensors = tensors_of((args, kwargs))

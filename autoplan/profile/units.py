@@ -26,7 +26,7 @@ from autoplan.inputs.devices import Device
 from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.timeline import TensorSpec, Timeline, UnitCall, simulate_training
-from autoplan.runtime.fake import fake_copy
+from autoplan.runtime.fake import ROUTING_NOTE, fake_copy, new_fake_mode
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
@@ -88,6 +88,7 @@ class Profile:
     reference_step_time_s: float | None = None  # measured whole step with no plan
     rest_param_layout: tuple[ParamShape, ...] = ()  # parameters outside the units: FSDP's root group
     buffer_bytes: int = 0  # buffers (FSDP does not shard them)
+    routing: str = ""  # how data-dependent expert routing was profiled ("" when the model routes nothing)
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
@@ -118,9 +119,10 @@ def run_timeline(
     optimizer: str | torch.optim.Optimizer,
     rest_precision: str = "fp32",
     loss_fn: Callable | None = None,
+    fake_mode: FakeTensorMode | None = None,
 ) -> Timeline:
-    """Simulate two training steps of the model rewritten with `choices`."""
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    """Simulate two training steps of the model rewritten with `choices` (under `fake_mode`, or a new one)."""
+    fake_mode = fake_mode or new_fake_mode()
     model = _simulation_model(traced, fake_mode, choices, rest_precision)
     return simulate_training(
         model,
@@ -270,13 +272,14 @@ def profile(
     base = {name: Choice("keep", rest) for name in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
-    timeline = run_timeline(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn)
+    timeline_mode = new_fake_mode()
+    timeline = run_timeline(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, fake_mode=timeline_mode)
     reference = timeline
     if rest != "fp32":
         fp32 = {name: Choice("keep", "fp32") for name in traced.units}
         reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn)
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = new_fake_mode()
     model = _simulation_model(traced, fake_mode, {}, "fp32")
     measured: dict[tuple, Mapping[Choice, UnitCost]] = {}
     units = []
@@ -303,4 +306,5 @@ def profile(
         skip_edges=traced.skip_edges,
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
+        routing=ROUTING_NOTE if timeline_mode.grouped_matmuls else "",
     )

@@ -42,3 +42,41 @@ def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
         return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake
 
     return tree_map_only(torch.Tensor, to_fake, tree)
+
+
+class PlanningFakeMode(FakeTensorMode):
+    """torch's FakeTensorMode, plus the ops whose meta kernel is narrower than their CPU kernel.
+
+    `aten._grouped_mm` (mixture-of-experts layers: transformers runs every expert's tokens as one
+    grouped matmul) has a meta kernel that checks CUDA's dtype rule (bf16 only), while the CPU
+    runs it in fp32 too. Under this mode such a call is shaped in bf16 and cast back: same shapes,
+    the caller's dtype, no values. The shapes of a grouped matmul do not depend on routing (tokens
+    × experts per token rows, however they are spread over the experts), so nothing is assumed
+    about which expert gets which token.
+    """
+
+    grouped_matmuls = 0  # grouped matmuls shaped under this mode: the model routes tokens to experts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            self.grouped_matmuls += 1
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and kwargs.get("out_dtype") is None:
+            dispatch = super().__torch_dispatch__
+            cast = torch.ops.aten._to_copy.default
+            low = [dispatch(cast, types, (tensor,), {"dtype": torch.bfloat16}) for tensor in args[:2]]
+            out = dispatch(func, types, (*low, *args[2:]), kwargs)
+            return dispatch(cast, types, (out,), {"dtype": args[0].dtype})
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+ROUTING_NOTE = (
+    "mixture of experts: each expert layer runs as grouped matmuls over tokens × experts-per-token rows, "
+    "whose shapes do not depend on which expert gets which token; the profile holds for any routing "
+    "(no worst case or capacity assumed)"
+)
+
+
+def new_fake_mode() -> PlanningFakeMode:
+    """The fake-tensor mode every simulation runs under (real tensors allowed as inputs)."""
+    return PlanningFakeMode(allow_non_fake_inputs=True)

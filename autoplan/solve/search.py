@@ -72,8 +72,10 @@ def search(
     lowest_peak = predict_peak(profile, lowest, world_size).bytes
     lowest_simulated = None  # a whole-step simulation is the slow part at scale: run it when it decides something
     if lowest_peak > usable_bytes:
+        # the linear model errs high where units' savings overlap; the whole-step simulation of
+        # these very choices is what a real step does, so it decides the floor
         lowest_simulated = simulate(lowest)
-        lowest_peak = max(lowest_peak, lowest_simulated)
+        lowest_peak = lowest_simulated
 
     margin, resolves, status = 0, 0, "Infeasible"
     chosen, simulated, feasible = lowest, lowest_simulated, False
@@ -91,6 +93,8 @@ def search(
             break
         margin += max(simulated_peak, predicted) - usable_bytes + RESOLVE_SLACK_BYTES
         resolves += 1
+    if not feasible and lowest_simulated is not None and lowest_simulated <= usable_bytes:
+        chosen, simulated, feasible = lowest, lowest_simulated, True  # no solution the linear model admits, but these fit
     if simulated is None:  # nothing fitted after all: report the lowest-peak choices as simulated
         simulated = simulate(lowest)
         lowest_peak = max(lowest_peak, simulated)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import traceback
 import weakref
+from collections import Counter
 
 import networkx as nx
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoplan.runtime.fake import fake_copy, fake_tree
+from autoplan.runtime.fake import fake_copy, fake_tree, new_fake_mode
+from autoplan.runtime.names import call_site, call_site_name
 from autoplan.runtime.formatting import first_line
 from autoplan.runtime.tensors import tensors_of
 
@@ -72,24 +73,28 @@ def runtime_unit_graph(
     from autoplan.runtime.names import unit_endpoints
     from autoplan.runtime.planned import remove_plan
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = new_fake_mode()
     twin = remove_plan(fake_copy(model, fake_mode))
     twin.train()  # the step being planned is a training step: dropout and friends as in training
     provenance = _Provenance()
     order: list[str] = []
     handles = []
 
+    calls: Counter[str] = Counter()
+
     def enter(name: str):
         def hook(module, args):
-            if name not in order:
-                order.append(name)
-            provenance.running.append(name)
+            # every call its own unit for now; a module called once is renamed back below
+            calls[name] += 1
+            site = call_site_name(name, calls[name] - 1)
+            order.append(site)
+            provenance.running.append(site)
 
         return hook
 
     def leave(name: str):
         def hook(module, args, output):
-            if provenance.running and provenance.running[-1] == name:
+            if provenance.running and call_site(provenance.running[-1]).module == name:
                 provenance.running.pop()
 
         return hook
@@ -114,12 +119,13 @@ def runtime_unit_graph(
     graph.add_nodes_from(["input", *order, "output"])
     graph.add_edges_from(provenance.edges)
     graph.add_edges_from((source, "output") for source in finished)
-    return order, graph
+    once = {call_site_name(name, 0): name for name, count in calls.items() if count == 1}
+    return [once.get(site, site) for site in order], nx.relabel_nodes(graph, once)
 
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(module.__file__) + os.sep for module in (torch,) if getattr(module, "__file__", None)
-) + (os.path.dirname(__file__) + os.sep,)
+) + (os.path.dirname(os.path.dirname(__file__)) + os.sep,)  # all of autoplan, not only trace/
 
 
 def _user_frame(error: Exception) -> str:

@@ -22,6 +22,7 @@ across units.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.runtime.formatting import first_line
 from autoplan.runtime.graph import split_by_units
-from autoplan.runtime.names import is_graph_unit, is_range_unit, sequential_run
+from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, is_range_unit, sequential_run
 from autoplan.trace.units import find_units
 
 
@@ -92,12 +93,18 @@ def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.
         run = sequential_run(unit)
         for layer in run.layer_names() if run is not None else [unit]:
             module_units[layer] = unit
+    # a unit module called several times (shared weights) is one unit per call: "block@0", "block@1", ...
+    calls = Counter(str(node.target) for node in graph.nodes if node.op == "call_module" and str(node.target) in units)
+    seen: Counter[str] = Counter()
     sources: dict[torch.fx.Node, set[str]] = {}
     order: list[str] = []
     dataflow = nx.DiGraph()
     dataflow.add_nodes_from(["input", "output"])
     for node in graph.nodes:
         unit = _node_unit(node, module_units)
+        if unit is not None and node.op == "call_module" and calls[unit] > 1:
+            seen[unit] += 1
+            unit = call_site_name(unit, seen[unit] - 1)
         incoming = set().union(*(sources.get(arg, set()) for arg in node.all_input_nodes)) if node.all_input_nodes else set()
         if node.op == "placeholder":
             sources[node] = {"input"}
@@ -116,7 +123,9 @@ def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.
     return order, dataflow
 
 
-def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None) -> Traced:
+def trace(
+    model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None, *, unit_names: tuple[str, ...] | None = None
+) -> Traced:
     """Find the units of `model` and trace how data flows between them.
 
     Tracers are tried in order: `torch.fx.symbolic_trace`, `torch.export(strict=False)`, then a
@@ -128,7 +137,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None =
     from autoplan.trace.dataflow import runtime_unit_graph
 
     inputs = normalize_inputs(example_inputs)
-    unit_names = find_units(model, units)
+    unit_names = list(unit_names) if unit_names else find_units(model, units)  # unit_names: one level of `unit_levels`
     if all(is_graph_unit(name) for name in unit_names):
         model = split_by_units(model, unit_names)  # the same layers, one submodule per unit
     leaves = {u for u in unit_names if not is_range_unit(u)}
@@ -162,7 +171,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None =
 
 
 def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors) -> Traced:
-    ordered = executed + [u for u in unit_names if u not in executed]
+    called = {site.module for site in map(call_site, executed) if site is not None}
+    ordered = executed + [u for u in unit_names if u not in executed and u not in called]
     neighbours = {(a, b) for a, b in zip(["input", *ordered], [*ordered, "output"])}
     skips = tuple(sorted((a, b) for a, b in dataflow.edges if (a, b) not in neighbours and a != "input" and b != "output"))
     return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors))
