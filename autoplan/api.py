@@ -21,6 +21,7 @@ from autoplan.errors import InfeasibleBudgetError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import Budget, budget_needed_for, make_budget
 from autoplan.inputs.devices import Device, get_device
+from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
 from autoplan.plan import Choice, Plan, UnitDecision, WorldSizePoint
 from autoplan.profile.timing import measure_times
@@ -55,6 +56,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     on_profile: Callable[[Profile], None] | None = None,
     world_size: int | str = 1,
+    loop: TrainingLoop | None = None,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -81,7 +83,12 @@ def plan(
         see memory.model.rank_offsets): every constraint and every byte of the plan is then per rank.
         "auto": the fewest GPUs whose lowest per-rank peak fits, with the curve in
         plan.world_size_curve. 1 (default): one GPU, no FSDP.
+    loop: the training loop planned for (autoplan.inputs.loop.TrainingLoop). Accepted and checked;
+        until the loop is modelled (issue 12) every plan is for outputs dropped before backward and
+        one micro-batch per optimizer step.
     """
+    if loop is not None and not isinstance(loop, TrainingLoop):
+        raise TypeError(f"loop must be an autoplan.inputs.loop.TrainingLoop; got {type(loop).__name__}")
     if world_size != "auto":
         check_world_size(world_size)
     target = get_device(device)
@@ -159,9 +166,7 @@ def _assemble(
     rest = measured.rest_precision
     chosen, feasible = found.choices, found.feasible
     prediction = predict_peak(measured, chosen, world)
-    notes = []
-    if not feasible:
-        notes.append("no choice fits the budget; the units show the lowest-peak choices")
+    notes = []  # a plan that does not fit says so in its verdict; the report titles its units "the lowest-peak choices"
     if traced.skip_edges:
         notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
     if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in chosen.values()):

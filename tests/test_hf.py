@@ -193,7 +193,7 @@ def test_a_model_without_labels_backpropagates_the_sum_of_its_outputs_and_loss_f
 # -- presets, configs, meta models ------------------------------------------------------------
 
 PUBLISHED_PARAMETERS = {  # the checkpoints' own parameter counts
-    "gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
+    "gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400, "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
     "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "bert-base": 109_514_298, "t5-base": 222_903_552,
     "vit-base": 86_567_656,
 }
