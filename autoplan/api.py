@@ -166,7 +166,9 @@ def _assemble(
     rest = measured.rest_precision
     chosen, feasible = found.choices, found.feasible
     prediction = predict_peak(measured, chosen, world)
-    notes = []  # a plan that does not fit says so in its verdict; the report titles its units "the lowest-peak choices"
+    notes = []
+    if not feasible:
+        notes.append("no choice fits the budget; plan.units hold the lowest-peak choices")
     if traced.skip_edges:
         notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
     if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in chosen.values()):

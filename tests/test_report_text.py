@@ -11,7 +11,8 @@ import functools
 import re
 
 import autoplan
-from autoplan.report.text import format_report, state_bound
+from autoplan.report.advice import advise, state_bound
+from autoplan.report.text import format_report
 from autoplan.report.trainer import measured_peak_line
 from autoplan.runtime.formatting import format_bytes
 from examples.gpt import build
@@ -67,13 +68,21 @@ def test_state_alone_over_the_budget_opens_the_report_with_that_and_no_unit_tabl
 
 def test_a_peak_in_optimizer_step_says_its_temporaries_are_why() -> None:
     roomy = roomy_plan()
-    plan = plan_at((roomy.state_bytes + roomy.minimum_peak_bytes) // 2)  # the state fits, its step does not
+    model, inputs = state_heavy_gpt()
+    profiles = []
+    plan = autoplan.plan(model, (roomy.state_bytes + roomy.minimum_peak_bytes) // 2, example_inputs=inputs, device="h100",
+                         reserve=0, on_profile=profiles.append)  # the state fits, its optimizer step does not
     assert not plan.feasible and plan.peak_phase.kind == "step"
     bound = state_bound(plan)
     assert bound.state_bytes + bound.step_bytes == plan.breakdown.total
     first = format_report(plan, width=400).splitlines()[0]
     assert "optimizer.step()'s temporaries" in first and "no checkpointing or precision choice changes that" in first
     assert "units" not in format_report(plan)
+    # the advice does not advise on the units' choices either, but on the state
+    advice = advise(plan, profiles[0])
+    assert advice.step("checkpointing").status == "n/a" and "no help here" in advice.step("checkpointing").detail
+    assert advice.step("bf16").status == "n/a"
+    assert advice.step("optimizer_8bit").status == "try"
 
 
 def test_a_plan_short_of_activation_memory_still_shows_its_units() -> None:

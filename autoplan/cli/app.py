@@ -236,8 +236,7 @@ def plan_command(
                        reserve=reserve)
         if world_size is not None:
             options["world_size"] = _world_size(world_size)
-        to_stdout = _is_stdout(json_path)
-        progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=to_stdout))
+        progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
         with progress, quiet:
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
             plan, profile = _plan(loaded, budget, options, progress)
@@ -249,7 +248,7 @@ def plan_command(
 
             advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
                             parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
-        render(err if to_stdout else out, report_renderables(plan, advice, budget_text=budget))
+        render(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget))
         if json_path is not None:
             _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n", err)
         if plot is not None:

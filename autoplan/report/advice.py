@@ -70,6 +70,33 @@ class Advice:
         }
 
 
+@dataclass(frozen=True)
+class StateBound:
+    """Why nothing fits when no unit's choice matters: bytes every training step holds whatever the units do."""
+
+    state_bytes: int  # parameters (and buffers), gradients and optimizer state
+    step_bytes: int  # what optimizer.step() allocates on top at the peak (0: the state alone is over the budget)
+
+
+def state_bound(plan: "Plan") -> StateBound | None:
+    """The weights, gradients and optimizer state, not the activations, are why `plan` does not fit.
+
+    Either they alone exceed the usable budget, or the lowest reachable peak is in optimizer.step(),
+    where no activation is alive: checkpointing and precision change neither. One GPU only; an
+    FSDP plan prints its per-rank arithmetic instead.
+    """
+    if plan.feasible or plan.world_size > 1:
+        return None
+    b = plan.breakdown
+    state = plan.state_bytes or b.parameters + b.gradients + b.optimizer
+    if state > plan.usable_bytes:
+        return StateBound(state, 0)
+    if plan.peak_phase.kind == "step":
+        state = b.parameters + b.gradients + b.optimizer
+        return StateBound(state, b.total - state)
+    return None
+
+
 def _all(profile: Profile, mode: str, precision: str) -> dict[str, Choice] | None:
     choice = Choice(mode, precision)
     if any(choice not in unit.options for unit in profile.units):
@@ -267,6 +294,14 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
     return [eight_bit, qlora]
 
 
+ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing")  # what changes activations or speed
+
+
+def _no_help(step: Step) -> Step:
+    return Step(step.key, step.title, "n/a", "no help here: weights, gradients and optimizer state are what is over the "
+                "budget, not activations; first make them fit", code=step.code)
+
+
 def least_activation_choices(profile: Profile) -> dict[str, Choice]:
     """Per unit, the choice that keeps the fewest bytes (then peaks lowest in backward), fastest on ties.
 
@@ -353,6 +388,8 @@ def advise(
         *_optimizer_state(plan, profile, parameter_count),
         _fsdp(plan, profile, found, least),
     ]
+    if state_bound(plan) is not None:  # the units' choices do not matter: say so rather than advise on them
+        steps = [_no_help(step) if step.key in ACTIVATION_SIDE else step for step in steps]
     first_fix = None
     if not plan.feasible:
         first_fix = next((s.key for s in steps if s.status == "try" and s.saves_bytes is not None

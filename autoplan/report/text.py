@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoplan.plan import register_report_formatter
+from autoplan.report.advice import state_bound
 from autoplan.runtime.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds
 
 if TYPE_CHECKING:
@@ -63,33 +64,6 @@ def _continues(previous: "UnitDecision", unit: "UnitDecision") -> bool:
     a, b = _NUMBERED.match(previous.name), _NUMBERED.match(unit.name)
     same_cost = (previous.choice, previous.saved_bytes, previous.recompute_flops) == (unit.choice, unit.saved_bytes, unit.recompute_flops)
     return bool(a and b and a["stem"] == b["stem"] and int(b["index"]) == int(a["index"]) + 1 and same_cost)
-
-
-@dataclass(frozen=True)
-class StateBound:
-    """Why nothing fits when no unit's choice matters: bytes every training step holds whatever the units do."""
-
-    state_bytes: int  # parameters (and buffers), gradients and optimizer state
-    step_bytes: int  # what optimizer.step() allocates on top at the peak (0: the state alone is over the budget)
-
-
-def state_bound(plan: "Plan") -> StateBound | None:
-    """The weights, gradients and optimizer state, not the activations, are why `plan` does not fit.
-
-    Either they alone exceed the usable budget, or the lowest reachable peak is in optimizer.step(),
-    where no activation is alive: checkpointing and precision change neither. One GPU only; an
-    FSDP plan prints its per-rank arithmetic instead.
-    """
-    if plan.feasible or plan.world_size > 1:
-        return None
-    b = plan.breakdown
-    state = plan.state_bytes or b.parameters + b.gradients + b.optimizer
-    if state > plan.usable_bytes:
-        return StateBound(state, 0)
-    if plan.peak_phase.kind == "step":
-        state = b.parameters + b.gradients + b.optimizer
-        return StateBound(state, b.total - state)
-    return None
 
 
 def _verdict(plan: "Plan") -> Text:
