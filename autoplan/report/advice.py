@@ -298,8 +298,7 @@ ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing")  
 
 
 def _no_help(step: Step) -> Step:
-    return Step(step.key, step.title, "n/a", "no help here: weights, gradients and optimizer state are what is over the "
-                "budget, not activations; first make them fit", code=step.code)
+    return Step(step.key, step.title, "n/a", "no help here: the state is over the budget, not the activations", code=step.code)
 
 
 def least_activation_choices(profile: Profile) -> dict[str, Choice]:
