@@ -168,7 +168,7 @@ def _assemble(
     prediction = predict_peak(measured, chosen, world)
     notes = []
     if not feasible:
-        notes.append("no choice fits the budget; plan.units hold the lowest-peak choices")
+        notes.append("no choice fits the budget: the plan holds the lowest-peak choices")
     if traced.skip_edges:
         notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
     if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in chosen.values()):

@@ -109,6 +109,14 @@ def _count_hf_checkpointing(model: torch.nn.Module) -> list:
     return calls
 
 
+def _enable_hf_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' own checkpointing of every layer, by its current name (5.x deprecated gradient_checkpointing_enable)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
     family = families.BY_NAME["Llama"]
@@ -117,12 +125,12 @@ def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch
     inputs = family.inputs(original)
     rewritten = copy.deepcopy(original)
     if when == "before":
-        rewritten.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_hf_checkpointing(rewritten)
         with pytest.warns(UserWarning, match="gradient checkpointing"):
             autoplan.apply(rewritten, plan)
     else:
         autoplan.apply(rewritten, plan)
-        rewritten.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_hf_checkpointing(rewritten)
     hf_calls = _count_hf_checkpointing(rewritten)
     ours = []
     real_checkpoint = autoplan.runtime.wrappers.checkpoint
