@@ -3,12 +3,13 @@
     pip install -e ".[hf]" && python examples/hf_trainer.py
 
 Nothing is downloaded: the model comes from a LlamaConfig with random weights and the data are
-random tokens. The `TrainingArguments` are what a person would write (gradient checkpointing on,
-to fit); `autoplan.hf.optimize_for_trainer` plans the Trainer's own training step for them (it
-drops the logits before backward, steps the Trainer's optimizer, accumulates as the arguments say),
-rewrites the model in place, and returns the arguments with what the plan needs changed: here
-`activation_checkpointing=False` (`gradient_checkpointing` before transformers 5.x), because the plan checkpoints per layer itself. The callback prints
-the plan when training starts (and, on a GPU, the measured peak after the first steps).
+random tokens. The `TrainingArguments` are what a person would write (activation checkpointing
+on, to fit); `autoplan.hf.optimize_for_trainer` plans the Trainer's own training step for them (it
+drops the logits before backward, steps the Trainer's optimizer, accumulates as the arguments
+say), rewrites the model in place, and returns the arguments with what the plan needs changed:
+here `activation_checkpointing=False` (`gradient_checkpointing` before transformers 5.x), because
+the plan checkpoints per layer itself. The callback prints the plan when training starts (and, on
+a GPU, the measured peak after the first steps).
 
 The budget is in megabytes only because the model is tiny: halfway between everything
 checkpointed and no plan, so that the plan has a real trade-off to make. It plans for this
