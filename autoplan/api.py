@@ -21,6 +21,7 @@ from autoplan.errors import InfeasibleBudgetError, RepeatedUnitError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import Budget, budget_needed_for, make_budget
 from autoplan.inputs.devices import Device, get_device
+from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
 from autoplan.plan import Choice, Plan, UnitDecision, WorldSizePoint
 from autoplan.profile.timing import measure_times
@@ -56,6 +57,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     on_profile: Callable[[Profile], None] | None = None,
     world_size: int | str = 1,
+    loop: TrainingLoop | None = None,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -82,7 +84,12 @@ def plan(
         see memory.model.rank_offsets): every constraint and every byte of the plan is then per rank.
         "auto": the fewest GPUs whose lowest per-rank peak fits, with the curve in
         plan.world_size_curve. 1 (default): one GPU, no FSDP.
+    loop: the training loop planned for (autoplan.inputs.loop.TrainingLoop). Accepted and checked;
+        until the loop is modelled (issue 12) every plan is for outputs dropped before backward and
+        one micro-batch per optimizer step.
     """
+    if loop is not None and not isinstance(loop, TrainingLoop):
+        raise TypeError(f"loop must be an autoplan.inputs.loop.TrainingLoop; got {type(loop).__name__}")
     if world_size != "auto":
         check_world_size(world_size)
     target = get_device(device)
@@ -204,7 +211,7 @@ def _assemble(
     prediction = predict_peak(measured, chosen, world)
     notes = []
     if not feasible:
-        notes.append("no choice fits the budget; the units show the lowest-peak choices")
+        notes.append("no choice fits the budget: the plan holds the lowest-peak choices")
     if measured.routing:
         notes.append(measured.routing)
     if traced.skip_edges:

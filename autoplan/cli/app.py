@@ -11,7 +11,6 @@ import contextlib
 import io
 import json
 import logging
-import re
 import sys
 import traceback
 from enum import Enum, IntEnum
@@ -20,7 +19,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import autoplan
@@ -34,6 +32,7 @@ from autoplan.errors import (
 )
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import get_device, list_devices
+from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.targets import Target, load_target
 from autoplan.report.advice import advise
 from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
@@ -122,25 +121,6 @@ def _fail(error: CliError, debug: bool) -> None:
     raise typer.Exit(int(error.code))
 
 
-class _StageProgress:
-    """A rich progress bar fed by api.plan's progress messages ("profiling unit 3/12: ...")."""
-
-    _UNIT = re.compile(r"profiling unit (\d+)/(\d+)")
-
-    def __init__(self, console: Console) -> None:
-        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True, redirect_stderr=False,
-                            redirect_stdout=False, disable=not console.is_terminal)  # no bar in logs and pipes
-        self.task = self.bar.add_task("loading the model", total=None)
-
-    def __call__(self, message: str) -> None:
-        found = self._UNIT.match(message)
-        if found:
-            self.bar.update(self.task, description=message, completed=int(found[1]) - 1, total=int(found[2]))
-        else:
-            self.bar.update(self.task, description=message)
-
-
 def _world_size(text: Optional[str]) -> int | str | None:
     """--world-size N or auto: the plan's FSDP world size (None: one GPU, no FSDP)."""
     if text is None or text == "auto":
@@ -185,12 +165,22 @@ def _plan(target: Target, budget: str, options: dict, progress, inputs=None, mod
     return plan, profiles[0]
 
 
-def _write(path: Path, text: str) -> None:
+def _is_stdout(path: Optional[Path]) -> bool:
+    """`--json -`: the document goes to stdout, and everything for people to stderr."""
+    return path is not None and str(path) == "-"
+
+
+def _write(path: Path, text: str, err: Console) -> None:
+    """Write `text` to `path` (stdout for `-`) and say so on stderr."""
+    if _is_stdout(path):
+        sys.stdout.write(text)
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as error:
         raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {path}: {error.strerror or error}") from error
+    err.print(f"wrote {path}")
 
 
 def json_document(target: Target, plan, advice, budget: str) -> dict:
@@ -228,7 +218,8 @@ def plan_command(
                                               "(repeat or comma-separate). Default: the blocks the model repeats."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help='Bytes held back from the budget, e.g. "1GB" or 0. '
                                           "Default: CUDA context + 5% fragmentation."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and advice as JSON to this file."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and advice as JSON to this file "
+                                             "(- for stdout; the report then goes to stderr)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write memory over the training step, before and after the "
                                         "plan, to this .png/.svg/.pdf (needs matplotlib)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -245,8 +236,8 @@ def plan_command(
                        reserve=reserve)
         if world_size is not None:
             options["world_size"] = _world_size(world_size)
-        progress = _StageProgress(err)
-        with progress.bar, quiet:
+        progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
+        with progress, quiet:
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
             plan, profile = _plan(loaded, budget, options, progress)
 
@@ -257,10 +248,9 @@ def plan_command(
 
             advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
                             parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
-        render(out, report_renderables(plan, advice, budget_text=budget))
+        render(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget))
         if json_path is not None:
-            _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n")
-            err.print(f"wrote {json_path}")
+            _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n", err)
         if plot is not None:
             try:
                 plot_memory(plan, profile, plot)
@@ -282,7 +272,8 @@ def verify_command(
     precision: Precision = typer.Option(Precision.auto, "--precision", help="As for `autoplan plan`."),
     units: Optional[list[str]] = typer.Option(None, "--units", help="As for `autoplan plan`."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="As for `autoplan plan`."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and the measurement as JSON to this file."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and the measurement as JSON to this file "
+                                             "(- for stdout; the table then goes to stderr)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Plan TARGET, then train real steps of the planned model and measure whether the plan held.
@@ -301,24 +292,24 @@ def verify_command(
             raise CliError(ExitCode.USAGE, "--on cuda: this machine has no CUDA device; use --on cpu")
         device = None if where == "cuda" else "cpu"  # plan for the device the steps run on
         _check_options(budget, device, reserve, None, None)
-        progress = _StageProgress(err)
-        with progress.bar:
+        to_stdout = _is_stdout(json_path)
+        progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=to_stdout))
+        with progress:
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
             model = loaded.model.to(where)
             inputs = _to_device(loaded.example_inputs, where)
             options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units), reserve=reserve)
             plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
             if not plan.feasible:
-                out.print(plan.report())
+                (err if to_stdout else out).print(plan.report())
                 raise typer.Exit(int(ExitCode.DOES_NOT_FIT))
             progress(f"training {steps} real steps on {where}")
             result = autoplan.verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
-        out.print(verification_table(result))
+        (err if to_stdout else out).print(verification_table(result))
         if json_path is not None:
             document = {"schema": "autoplan.verify/1", "target": target, "budget": budget,
                         "plan": plan.to_dict(), "verification": result.to_dict()}
-            _write(json_path, json.dumps(document, indent=2) + "\n")
-            err.print(f"wrote {json_path}")
+            _write(json_path, json.dumps(document, indent=2) + "\n", err)
     raise typer.Exit(int(ExitCode.FITS if result.held else ExitCode.DID_NOT_HOLD))
 
 

@@ -29,6 +29,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2-xl": ("GPT2Config", dict(
         architectures=["GPT2LMHeadModel"], vocab_size=50257, n_positions=1024, n_embd=1600, n_layer=48, n_head=25,
         activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False, tie_word_embeddings=True)),
+    "llama-3.2-1b": ("LlamaConfig", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192))),
     "llama-3-8b": ("LlamaConfig", dict(
         architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -72,7 +82,8 @@ _AUTO_HEADS = (
 DEFAULT_SEQ_LEN_CAP = 2048  # seq_len when not given: the config's max positions, at most this
 
 
-def _transformers():
+def require_transformers():
+    """The transformers module, or MissingExtraError saying how to install it."""
     try:
         import transformers
     except ImportError:
@@ -86,7 +97,7 @@ def is_hf_model(model: torch.nn.Module) -> bool:
 
 
 def _config_from_spec(spec: str):
-    transformers = _transformers()
+    transformers = require_transformers()
     if spec in PRESETS:
         class_name, values = PRESETS[spec]
         return getattr(transformers, class_name)(**values)
@@ -108,7 +119,7 @@ def _config_from_spec(spec: str):
 
 
 def _model_class(config):
-    transformers = _transformers()
+    transformers = require_transformers()
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if cls is not None:

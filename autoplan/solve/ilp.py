@@ -147,7 +147,7 @@ def _solver(time_limit_s: float, preprocess: bool = False) -> pulp.LpSolver:
     """CBC: a `cbc` on PATH (pulp[cbc]) if there is one, else the binary that ships inside pulp.
 
     Preprocessing is off: CBC 2.10's preprocessing fixed variables of these programs wrongly and
-    reported a slower plan as optimal (tests/test_solve.py checks against brute force).
+    reported a slower plan as optimal (tests/test_solve_ilp.py checks against brute force).
     """
     options = {"msg": False, "timeLimit": time_limit_s, "gapRel": 1e-4, "options": [] if preprocess else ["preprocess off"]}
     solver = pulp.COIN_CMD(**options)
