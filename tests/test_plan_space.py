@@ -69,6 +69,9 @@ def test_never_worse_than_checkpointing_every_block_by_hand_and_trains_the_same(
     row = compare_with_plan(structure)
     assert_never_worse_than_by_hand(row)
     assert_trains_the_same(structure, row.plan)
+    levels = unit_levels(structure.build()[0])
+    if len(levels) > 1:  # every level was planned, and the plan says which one it kept
+        assert any(f"the best of {len(levels)} levels" in note for note in row.plan.notes)
 
 
 @pytest.mark.parametrize("structure", HF, ids=lambda s: getattr(s, "name", s))
@@ -84,6 +87,9 @@ def test_generated_trees_never_worse_than_by_hand_and_train_the_same(spec):
     row = compare_with_plan(structure)
     assert_never_worse_than_by_hand(row)
     assert_trains_the_same(structure, row.plan)
+    levels = unit_levels(structure.build()[0])
+    if len(levels) > 1:  # every level was planned, and the plan says which one it kept
+        assert any(f"the best of {len(levels)} levels" in note for note in row.plan.notes)
 
 
 def test_every_sibling_is_a_unit_whatever_holds_it():
