@@ -56,6 +56,16 @@ def assert_trains_the_same(structure: Structure, plan: autoplan.Plan) -> None:
         torch.testing.assert_close(b, a, msg=name)
 
 
+def check_structure(structure: Structure) -> None:
+    """The guarantee and training equivalence; where there are several levels, the plan names its own."""
+    row = compare_with_plan(structure)
+    assert_never_worse_than_by_hand(row)
+    assert_trains_the_same(structure, row.plan)
+    levels = unit_levels(structure.build()[0])
+    if len(levels) > 1:  # every level was planned, and the plan says which one it kept
+        assert any(f"the best of {len(levels)} levels" in note for note in row.plan.notes)
+
+
 PLAIN = [s for s in STRUCTURES if not s.needs_transformers]
 MOE = [s for s in STRUCTURES if "moe" in s.tags]
 # Under fake tensors transformers cannot read the batch's positions, so it builds the (B, 1, T, T)
@@ -66,12 +76,7 @@ HF = [pytest.param(s, marks=_MASK) if s in MOE else s for s in STRUCTURES if s.n
 
 @pytest.mark.parametrize("structure", PLAIN, ids=lambda s: s.name)
 def test_never_worse_than_checkpointing_every_block_by_hand_and_trains_the_same(structure):
-    row = compare_with_plan(structure)
-    assert_never_worse_than_by_hand(row)
-    assert_trains_the_same(structure, row.plan)
-    levels = unit_levels(structure.build()[0])
-    if len(levels) > 1:  # every level was planned, and the plan says which one it kept
-        assert any(f"the best of {len(levels)} levels" in note for note in row.plan.notes)
+    check_structure(structure)
 
 
 @pytest.mark.parametrize("structure", HF, ids=lambda s: getattr(s, "name", s))
@@ -83,13 +88,7 @@ def test_transformers_models_never_worse_than_by_hand(structure):
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True, phases=[Phase.explicit, Phase.generate])
 @given(module_trees())
 def test_generated_trees_never_worse_than_by_hand_and_train_the_same(spec):
-    structure = structure_of(spec)
-    row = compare_with_plan(structure)
-    assert_never_worse_than_by_hand(row)
-    assert_trains_the_same(structure, row.plan)
-    levels = unit_levels(structure.build()[0])
-    if len(levels) > 1:  # every level was planned, and the plan says which one it kept
-        assert any(f"the best of {len(levels)} levels" in note for note in row.plan.notes)
+    check_structure(structure_of(spec))
 
 
 def test_every_sibling_is_a_unit_whatever_holds_it():
