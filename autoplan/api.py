@@ -117,28 +117,31 @@ def plan(
         decided = _decide(traced, measured, budget=memory, reserve=reserve, target=target, pins=pins, world_size=world_size,
                           optimizer=optimizer, loss_fn=loss_fn, time_limit_s=time_limit_s, say=say)
         planned.append((decided, measured))
-    chosen, measured = _best(planned, planned_levels)
+    chosen, measured = _best(planned, planned_levels, tried=len(levels))
     if on_profile is not None:
         on_profile(measured)
     return chosen
 
 
-def _best(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel]) -> tuple[Plan, Profile]:
+def _best(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel], tried: int) -> tuple[Plan, Profile]:
     """The plan of the level that fits fastest (or, if none fits, reaches the lowest peak), and its profile.
 
-    Its minimum peak is the lowest any level reaches: the plan space is all the levels'.
+    Its minimum peak is the lowest any level reaches: the plan space is all the levels'. `levels`
+    are those planned, of `tried` (a level whose Sequential run is called twice cannot be).
     """
     fitting = [item for item in planned if item[0].feasible]
     if fitting:
         best = min(fitting, key=lambda item: item[0].predicted_step_time_s)
     else:
         best = min(planned, key=lambda item: item[0].minimum_peak_bytes)
-    if len(planned) == 1:
+    if tried == 1:
         return best
     lowest = min((plan for plan, _ in planned), key=lambda plan: plan.minimum_peak_bytes)
     index = planned.index(best)
     others = ", ".join(f"{level.source} ({len(level.units)} units)" for i, level in enumerate(levels) if i != index)
-    note = f"units: {levels[index].source} ({len(levels[index].units)} units), the best of {len(levels)} levels; also planned: {others}"
+    note = f"units: {levels[index].source} ({len(levels[index].units)} units), the best of {tried} levels"
+    note += f"; also planned: {others}" if others else ""
+    note += f"; {tried - len(levels)} could not be planned (a Sequential run called more than once)" if tried > len(levels) else ""
     plan = dataclasses.replace(
         best[0],
         minimum_peak_bytes=lowest.minimum_peak_bytes,

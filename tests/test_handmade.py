@@ -46,4 +46,4 @@ def test_every_call_of_a_shared_block_is_checkpointed():
         return measured_step(checkpoint_by_hand(copy.deepcopy(model), structure), inputs).flops - plain.flops
 
     once = recomputed(1)
-    assert once > 0 and recomputed(6) == 6 * once
+    assert once > 0 and recomputed(3) == 3 * once
