@@ -87,8 +87,8 @@ class PlanCheck:
     seconds: float  # wall time of autoplan.plan at that budget
 
 
-def half_activation_budget(family: Family, precision: str = "fp32") -> int:
-    """Static memory (parameters, gradients, AdamW state) plus half the no-plan activation memory."""
+def half_activation_budget(family: Family, precision: str = "fp32", loop: autoplan.TrainingLoop | None = None) -> int:
+    """Static memory (parameters, gradients, AdamW state) plus half the no-plan activation memory of `loop`."""
     from autoplan.inputs.devices import get_device
     from autoplan.profile.units import run_timeline
     from autoplan.trace.tracer import trace
@@ -96,7 +96,7 @@ def half_activation_budget(family: Family, precision: str = "fp32") -> int:
     model = family.build()
     traced = trace(model, training_batch(model, None, BATCH, SEQ), None)
     keep = {unit: autoplan.Choice("keep", precision) for unit in traced.units}
-    timeline = run_timeline(traced, keep, device=get_device("cpu"), optimizer="adamw")
+    timeline = run_timeline(traced, keep, device=get_device("cpu"), optimizer="adamw", loop=loop)
     static = timeline.static.parameters + timeline.static.gradients + timeline.static.optimizer
     return static + (timeline.peak_bytes - static) // 2
 

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoplan.inputs.devices import Device
+from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.timeline import TensorSpec, Timeline, UnitCall, simulate_training
@@ -88,6 +89,7 @@ class Profile:
     reference_step_time_s: float | None = None  # measured whole step with no plan
     rest_param_layout: tuple[ParamShape, ...] = ()  # parameters outside the units: FSDP's root group
     buffer_bytes: int = 0  # buffers (FSDP does not shard them)
+    loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
@@ -118,8 +120,9 @@ def run_timeline(
     optimizer: str | torch.optim.Optimizer,
     rest_precision: str = "fp32",
     loss_fn: Callable | None = None,
+    loop: TrainingLoop | None = None,
 ) -> Timeline:
-    """Simulate two training steps of the model rewritten with `choices`."""
+    """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with `choices`."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _simulation_model(traced, fake_mode, choices, rest_precision)
     return simulate_training(
@@ -130,6 +133,7 @@ def run_timeline(
         device=device,
         optimizer=optimizer,
         loss_fn=loss_fn,
+        loop=loop,
     )
 
 
@@ -259,22 +263,26 @@ def profile(
     rest_precision: str = "fp32",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
+    loop: TrainingLoop | None = None,
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
     `rest_precision` is what runs outside the units, and each unit's base choice (keep in it).
+    `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
+    costs the same in any loop.
     """
+    loop = check_loop(loop)
     if not isinstance(traced, Traced):
         raise TypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
     rest = rest_precision
     base = {name: Choice("keep", rest) for name in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
-    timeline = run_timeline(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn)
+    timeline = run_timeline(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, loop=loop)
     reference = timeline
     if rest != "fp32":
         fp32 = {name: Choice("keep", "fp32") for name in traced.units}
-        reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn)
+        reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn, loop=loop)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _simulation_model(traced, fake_mode, {}, "fp32")
@@ -303,4 +311,5 @@ def profile(
         skip_edges=traced.skip_edges,
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
+        loop=loop,
     )
