@@ -10,6 +10,7 @@ shows, so the table cannot claim more than the tests prove:
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import tempfile
 import time
@@ -101,15 +102,21 @@ def half_activation_budget(family: Family, precision: str = "fp32", loop: autopl
     return static + (timeline.peak_bytes - static) // 2
 
 
-def plan_at_half_activations(family: Family, precision: str = "fp32") -> PlanCheck:
-    """autoplan.plan, inputs inferred from the config, at `half_activation_budget`."""
+def plan_at_half_activations(family: Family, precision: str = "fp32", loop: autoplan.TrainingLoop | None = None) -> PlanCheck:
+    """autoplan.plan, inputs inferred from the config, at `half_activation_budget` of `loop`."""
     model = family.build()
-    budget = half_activation_budget(family, precision)
+    budget = half_activation_budget(family, precision, loop)
     start = time.perf_counter()
     plan = autoplan.plan(
-        model, budget, batch_size=BATCH, seq_len=SEQ, device="cpu", precision=precision, reserve=0
+        model, budget, batch_size=BATCH, seq_len=SEQ, device="cpu", precision=precision, reserve=0, loop=loop
     )
     return PlanCheck(plan, budget, time.perf_counter() - start)
+
+
+@functools.cache
+def planned(name: str) -> PlanCheck:
+    """The family's fp32 plan for the common loop (outputs kept), made once per test session."""
+    return plan_at_half_activations(BY_NAME[name])
 
 
 def _train_step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict, dict, dict]:

@@ -68,7 +68,8 @@ def _time_unit(module, inputs, choice: Choice, rest: str, device, warmup: int, r
 
 
 def _time_steps(model, example_inputs, optimizer, device: Device, loss_fn, warmup: int, runs: int, loop: TrainingLoop) -> float:
-    """Median seconds of one optimizer step of `loop` (all its micro-batches)."""
+    """Median seconds of one micro-batch of `loop` and its optimizer step, as the timeline times it."""
+    loop = dataclasses.replace(loop, accumulation_steps=1)
     args, kwargs = example_inputs
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(optimizer, params, implementation=loop.optimizer_implementation(device.kind))
