@@ -21,7 +21,7 @@ from autoplan.errors import InfeasibleBudgetError, RepeatedUnitError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import Budget, budget_needed_for, make_budget
 from autoplan.inputs.devices import Device, get_device
-from autoplan.inputs.loop import TrainingLoop
+from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
 from autoplan.plan import Choice, Plan, UnitDecision, WorldSizePoint
 from autoplan.profile.timing import measure_times
@@ -84,12 +84,13 @@ def plan(
         see memory.model.rank_offsets): every constraint and every byte of the plan is then per rank.
         "auto": the fewest GPUs whose lowest per-rank peak fits, with the curve in
         plan.world_size_curve. 1 (default): one GPU, no FSDP.
-    loop: the training loop planned for (autoplan.inputs.loop.TrainingLoop). Accepted and checked;
-        until the loop is modelled (issue 12) every plan is for outputs dropped before backward and
-        one micro-batch per optimizer step.
+    loop: the training loop the peak is for (`autoplan.TrainingLoop`): outputs kept through backward
+        or dropped, gradient-accumulation micro-batches (example_inputs is one micro-batch),
+        zero_grad(set_to_none), the optimizer implementation, GradScaler. Default: the common loop,
+        `outputs = model(**batch); outputs.loss.backward(); optimizer.step(); optimizer.zero_grad()`.
+        `plan.loop` states it; `autoplan.verify` runs it.
     """
-    if loop is not None and not isinstance(loop, TrainingLoop):
-        raise TypeError(f"loop must be an autoplan.inputs.loop.TrainingLoop; got {type(loop).__name__}")
+    loop = check_loop(loop)
     if world_size != "auto":
         check_world_size(world_size)
     target = get_device(device)
@@ -106,7 +107,7 @@ def plan(
         try:
             traced, measured = _trace_and_profile(
                 model, batch, target, unit_names=level.units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32,
-                loss_fn=loss_fn, profile=profile, say=say,
+                loss_fn=loss_fn, profile=profile, say=say, loop=loop,
             )
         except RepeatedUnitError:
             if number == len(levels) and not planned:
@@ -165,7 +166,7 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
     def simulate(choices: Mapping[str, Choice]) -> int:
         return simulate_plan(
             traced, choices, device=target, optimizer=optimizer, rest_precision=measured.rest_precision, loss_fn=loss_fn,
-            rank_offsets=offsets,
+            rank_offsets=offsets, loop=measured.loop,
         ).peak_bytes
 
     found = search(measured, budget.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
@@ -173,7 +174,7 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
     return dataclasses.replace(decided, world_size_curve=curve)
 
 
-def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, precision, keep_fp32, loss_fn, profile, say):
+def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, precision, keep_fp32, loss_fn, profile, say, loop):
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
@@ -183,7 +184,9 @@ def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, p
     rest = "fp32" if precision == "auto" else precision
     say("tracing")
     traced = trace(model, batch, unit_names=unit_names)
-    measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say)
+    measured = profile_units(
+        traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say, loop=loop
+    )
     if _should_measure(profile, model, target):
         measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
     return traced, measured
@@ -262,6 +265,7 @@ def _assemble(
         fsdp=prediction.rank,
         parameter_count=parameter_count(measured),
         state_bytes=sum(getattr(measured.timeline.static, part) for part in ("parameters", "gradients", "optimizer")),
+        loop=measured.loop,
     )
 
 

@@ -183,6 +183,7 @@ class Plan:
     world_size_curve: tuple[WorldSizePoint, ...] = ()  # per-rank peak against N (world_size="auto" searched it)
     parameter_count: int = 0  # trainable and frozen parameters, tied weights once
     state_bytes: int = 0  # parameters + gradients + optimizer state on one GPU, before sharding
+    loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the peak was predicted for
 
     def choices(self) -> dict[str, Choice]:
         return {unit.name: unit.choice for unit in self.units}

@@ -31,9 +31,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-@functools.cache
-def _planned(name: str) -> families.PlanCheck:
-    return families.plan_at_half_activations(families.BY_NAME[name])
+_planned = families.planned  # one plan per family, shared with tests/test_loop.py
 
 
 def _layer_names(model: torch.nn.Module) -> list[str]:

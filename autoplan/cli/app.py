@@ -69,6 +69,13 @@ class Optimizer(str, Enum):
     sgd_momentum = "sgd-momentum"
 
 
+class OptimizerImpl(str, Enum):
+    auto = "auto"
+    foreach = "foreach"
+    fused = "fused"
+    for_loop = "for-loop"
+
+
 class CliError(Exception):
     def __init__(self, code: ExitCode, message: str) -> None:
         super().__init__(message)
@@ -143,6 +150,31 @@ def _check_options(budget: str, device: Optional[str], reserve: Optional[str], w
         require_pyplot()  # fail before minutes of planning, not after: PlotUnavailable is exit 7
 
 
+# the training loop planned for (docs/loops.md): the same options for `plan` and `verify`
+DROP_OUTPUTS = typer.Option(False, "--drop-outputs", help="The loop drops the model's outputs before backward "
+                            "(loss = model(**batch).loss). Default: they stay alive through backward "
+                            "(outputs = model(**batch); outputs.loss.backward()).")
+ACCUMULATION_STEPS = typer.Option(1, "--accumulation-steps", min=1, help="Micro-batches per optimizer step "
+                                  "(gradient accumulation); the batch is one micro-batch.")
+OPTIMIZER_IMPL = typer.Option(OptimizerImpl.auto, "--optimizer-impl", help="The optimizer's implementation: "
+                              "auto (torch's default for the device), foreach, fused, for-loop.")
+
+
+def _loop(drop_outputs: bool, accumulation_steps: int, optimizer_impl: OptimizerImpl) -> autoplan.TrainingLoop:
+    """The training loop the options describe (docs/loops.md): what the plan is for and verify runs."""
+    return autoplan.TrainingLoop(
+        keep_outputs=not drop_outputs, accumulation_steps=accumulation_steps, optimizer_impl=optimizer_impl.value
+    )
+
+
+def _plan_options(device, optimizer: Optimizer, precision: Precision, units, reserve, loop, world_size=None) -> dict:
+    """autoplan.plan's keyword arguments from the command's options."""
+    options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units), reserve=reserve, loop=loop)
+    if world_size is not None:
+        options["world_size"] = _world_size(world_size)
+    return options
+
+
 def _units(values: Optional[list[str]]) -> Optional[list[str]]:
     if not values:
         return None
@@ -209,6 +241,9 @@ def plan_command(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory (hf: default 1024, "
                                           "capped at the model's maximum)."),
     optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer whose state is counted."),
+    drop_outputs: bool = DROP_OUTPUTS,
+    accumulation_steps: int = ACCUMULATION_STEPS,
+    optimizer_impl: OptimizerImpl = OPTIMIZER_IMPL,
     precision: Precision = typer.Option(Precision.auto, "--precision", help="auto: per unit fp32 or the device's bf16/fp16; "
                                         "or force one for the whole model."),
     world_size: Optional[str] = typer.Option(None, "--world-size", help="Plan per GPU for FSDP sharding over N GPUs "
@@ -232,19 +267,16 @@ def plan_command(
         logging.getLogger("torch").setLevel(logging.ERROR)
     with _reported(debug):
         _check_options(budget, device, reserve, world_size, plot)
-        options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units),
-                       reserve=reserve)
-        if world_size is not None:
-            options["world_size"] = _world_size(world_size)
+        options = _plan_options(device, optimizer, precision, units, reserve, _loop(drop_outputs, accumulation_steps, optimizer_impl), world_size)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
         with progress, quiet:
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
             plan, profile = _plan(loaded, budget, options, progress)
 
-            def replan(micro: int):
+            def replan(micro: int, loop: autoplan.TrainingLoop):
                 progress(f"checking micro-batch {micro}: planning again")
                 model, inputs = loaded.rebuild(micro)
-                return _plan(loaded, budget, options, progress, inputs=inputs, model=model)[0]
+                return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
 
             advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
                             parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
@@ -269,6 +301,9 @@ def verify_command(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Batch size, passed to the factory."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory."),
     optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer to count and to train with."),
+    drop_outputs: bool = DROP_OUTPUTS,
+    accumulation_steps: int = ACCUMULATION_STEPS,
+    optimizer_impl: OptimizerImpl = OPTIMIZER_IMPL,
     precision: Precision = typer.Option(Precision.auto, "--precision", help="As for `autoplan plan`."),
     units: Optional[list[str]] = typer.Option(None, "--units", help="As for `autoplan plan`."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="As for `autoplan plan`."),
@@ -298,7 +333,8 @@ def verify_command(
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
             model = loaded.model.to(where)
             inputs = _to_device(loaded.example_inputs, where)
-            options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units), reserve=reserve)
+            loop = _loop(drop_outputs, accumulation_steps, optimizer_impl)
+            options = _plan_options(device, optimizer, precision, units, reserve, loop)
             plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
             if not plan.feasible:
                 (err if to_stdout else out).print(plan.report())

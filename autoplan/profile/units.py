@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoplan.inputs.devices import Device
+from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.timeline import TensorSpec, Timeline, UnitCall, simulate_training
@@ -89,6 +90,7 @@ class Profile:
     rest_param_layout: tuple[ParamShape, ...] = ()  # parameters outside the units: FSDP's root group
     buffer_bytes: int = 0  # buffers (FSDP does not shard them)
     routing: str = ""  # how data-dependent expert routing was profiled ("" when the model routes nothing)
+    loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
@@ -120,8 +122,10 @@ def run_timeline(
     rest_precision: str = "fp32",
     loss_fn: Callable | None = None,
     fake_mode: FakeTensorMode | None = None,
+    loop: TrainingLoop | None = None,
 ) -> Timeline:
-    """Simulate two training steps of the model rewritten with `choices` (under `fake_mode`, or a new one)."""
+    """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with
+    `choices`, under `fake_mode` (or a new one)."""
     fake_mode = fake_mode or new_fake_mode()
     model = _simulation_model(traced, fake_mode, choices, rest_precision)
     return simulate_training(
@@ -132,6 +136,7 @@ def run_timeline(
         device=device,
         optimizer=optimizer,
         loss_fn=loss_fn,
+        loop=loop,
     )
 
 
@@ -261,11 +266,15 @@ def profile(
     rest_precision: str = "fp32",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
+    loop: TrainingLoop | None = None,
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
     `rest_precision` is what runs outside the units, and each unit's base choice (keep in it).
+    `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
+    costs the same in any loop.
     """
+    loop = check_loop(loop)
     if not isinstance(traced, Traced):
         raise TypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
     rest = rest_precision
@@ -273,11 +282,13 @@ def profile(
     say = progress or (lambda message: None)
     say("simulating a training step")
     timeline_mode = new_fake_mode()
-    timeline = run_timeline(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, fake_mode=timeline_mode)
+    timeline = run_timeline(
+        traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, fake_mode=timeline_mode, loop=loop
+    )
     reference = timeline
     if rest != "fp32":
         fp32 = {name: Choice("keep", "fp32") for name in traced.units}
-        reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn)
+        reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn, loop=loop)
 
     fake_mode = new_fake_mode()
     model = _simulation_model(traced, fake_mode, {}, "fp32")
@@ -307,4 +318,5 @@ def profile(
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
         routing=ROUTING_NOTE if timeline_mode.grouped_matmuls else "",
+        loop=loop,
     )

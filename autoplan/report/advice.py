@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import PhaseBytes, phase_bytes, predict_peak, predict_step_time, sharded_peak, unit_windows
 from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
 from autoplan.profile.units import Profile
@@ -217,6 +218,27 @@ def _optimizer_time(profile: Profile) -> float:
     return sum(phase.time_s for phase in profile.timeline.phases if phase.kind == "step")
 
 
+def _accumulation_peak(profile: Profile, phases: list[PhaseBytes], fraction: float, loop: TrainingLoop) -> int:
+    """Peak of a micro-batch `fraction` of the batch in `loop`: activations scale linearly, and when the
+    loop accumulates every gradient is alive through forward and backward; optimizer.step() does not scale."""
+    peak = 0
+    for sample, phase in zip(profile.timeline.phases, phases):
+        if phase.kind == "step":
+            peak = max(peak, phase.live_bytes)
+            continue
+        missing_grads = profile.timeline.static.gradients - sample.grad_bytes if loop.gradients_alive_in_forward else 0
+        peak = max(peak, phase.static_bytes + missing_grads + int(phase.activation_bytes * fraction))
+    return peak
+
+
+def _accumulation_code(loop: TrainingLoop, micro: int, steps: int) -> str:
+    """The loop the advice is for, as code: the planned loop with the batch split into `steps` micro-batches."""
+    backward = (f"    outputs = model(micro)\n    (outputs.loss / {steps}).backward()" if loop.keep_outputs
+                else f"    (model(micro).loss / {steps}).backward()")
+    return (f"for micro in batch.split({micro}):  # {steps} micro-batches\n{backward}\n"
+            f"optimizer.step(); optimizer.zero_grad(set_to_none={loop.zero_grad_set_to_none})")
+
+
 def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan) -> Step:
     title, key = "gradient accumulation", "grad_accumulation"
     if plan.feasible:
@@ -224,17 +246,19 @@ def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan)
     if not batch_size or batch_size < 2:
         return Step(key, title, "n/a", "batch size unknown or 1: pass --batch-size to a factory that takes batch_size")
     divisors = [b for b in range(batch_size - 1, 0, -1) if batch_size % b == 0]
-    estimate = {b: _scaled_peak(phases, lambda i, p, b=b: p.activation_bytes * b / batch_size) for b in divisors}
+    loops = {b: profile.loop.accumulating(batch_size // b) for b in divisors}
+    estimate = {b: _accumulation_peak(profile, phases, b / batch_size, loops[b]) for b in divisors}
     fitting = [b for b in divisors if estimate[b] <= plan.usable_bytes]
     if not fitting:
         return Step(key, title, "n/a", f"even a micro-batch of 1 would peak at about {format_bytes(estimate[1])} "
-                    f"(activations scaled linearly): parameters, gradients and optimizer state alone do not fit")
-    micro, how = fitting[0], "estimated: activations scale linearly with the batch"
+                    f"(activations scaled linearly, gradients alive between micro-batches): parameters, gradients and "
+                    "optimizer state alone do not fit")
+    micro, how = fitting[0], "estimated: activations scale linearly with the batch, gradients stay alive between micro-batches"
     peak, micro_time = estimate[micro], None
     for candidate in fitting[:2] if replan else []:
-        checked = replan(candidate)
+        checked = replan(candidate, loops[candidate])
         micro, peak, micro_time = candidate, checked.predicted_peak_bytes, checked.predicted_step_time_s
-        how = f"verified by planning batch {candidate} again: {'fits' if checked.feasible else 'does not fit'}"
+        how = f"verified by planning batch {candidate} again in that loop: {'fits' if checked.feasible else 'does not fit'}"
         if checked.feasible:
             break
     steps = batch_size // micro
@@ -244,9 +268,8 @@ def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan)
     global_time = steps * (micro_time - optimizer_s) + optimizer_s
     detail = (f"micro-batch {micro} × {steps} accumulation steps keeps the global batch of {batch_size}; peak about "
               f"{format_bytes(peak)} ({how}); {format_seconds(global_time)} per global batch vs {format_seconds(plan.predicted_step_time_s)}")
-    code = (f"for micro in batch.split({micro}):  # {steps} steps\n    (model(micro).loss / {steps}).backward()\n"
-            "optimizer.step(); optimizer.zero_grad(set_to_none=True)")
-    return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s, code)
+    return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s,
+                _accumulation_code(profile.loop, micro, steps))
 
 
 def _shorter_sequences(plan: Plan, profile: Profile, phases, seq_len, choices) -> Step:
@@ -359,14 +382,15 @@ def advise(
     seq_len: int | None = None,
     world_size: int | None = None,
     parameter_count: int | None = None,
-    replan: Callable[[int], Plan] | None = None,
+    replan: Callable[[int, TrainingLoop], Plan] | None = None,
 ) -> Advice:
     """Escalation advice for `plan` (from `profile`), each step with what it saves and costs here.
 
     batch_size, seq_len: what was planned, for gradient accumulation and shorter sequences.
     world_size: also estimate the per-GPU FSDP peak on this many GPUs. parameter_count: for QLoRA
-    (default: from the gradients' bytes, assuming fp32). replan(micro_batch) -> Plan: plan again at a
-    smaller batch, to verify the gradient-accumulation estimate (skipped when None).
+    (default: from the gradients' bytes, assuming fp32). replan(micro_batch, loop) -> Plan: plan again at a
+    smaller batch in the planned loop with that many more micro-batches per optimizer step, to verify the
+    gradient-accumulation estimate (skipped when None).
     """
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise TypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")

@@ -93,6 +93,8 @@ def _verdict(plan: "Plan") -> Text:
                     f"{format_bytes(plan.minimum_budget_bytes)} budget", style="bold")
     text.append(f"\nsimulated training step: {format_bytes(plan.simulated_peak_bytes)}; no plan (all keep/fp32): "
                 f"{format_bytes(plan.baseline_peak_bytes)}")
+    if plan.loop is not None:  # every peak above is for this loop (docs/loops.md)
+        text.append(f"\ntraining loop: {plan.loop.describe()}")
     return text
 
 

@@ -1,5 +1,5 @@
 """Fake twins of models and inputs: FakeTensors with the shapes, dtypes and ties of the real ones
-and no data, so a 70B-parameter model is simulated on a laptop.
+and no data, so a 70B-parameter model is simulated on a laptop; and a GradScaler that runs on them.
 """
 
 from __future__ import annotations
@@ -80,3 +80,33 @@ ROUTING_NOTE = (
 def new_fake_mode() -> PlanningFakeMode:
     """The fake-tensor mode every simulation runs under (real tensors allowed as inputs)."""
     return PlanningFakeMode(allow_non_fake_inputs=True)
+class FakeGradScaler:
+    """torch.amp.GradScaler's tensors and ops under fake tensors, without its host reads (`.item()` has no value there).
+
+    Allocates what the real scaler does around a step: the scale and growth tracker, the scaled
+    loss, the inverse scale, the found-inf flag kept until the scale is updated.
+    """
+
+    def __init__(self) -> None:
+        self.scale_tensor = torch.full((), 2.0**16)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_tensor
+
+    def unscale_and_step(self, opt: torch.optim.Optimizer) -> None:
+        # GradScaler.unscale_: the inverse scale in double then float, a found-inf flag kept until update()
+        inverse = self.scale_tensor.double().reciprocal().float()
+        found_inf = torch.full((), 0.0)
+        grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse)
+        opt.step()
+        torch._amp_update_scale_(self.scale_tensor, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
+
+
+def scaled_optimizer_step(opt: torch.optim.Optimizer, scaler: FakeGradScaler | None) -> None:
+    """optimizer.step(), through the scaler's unscale and update when there is one."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.unscale_and_step(opt)
