@@ -24,7 +24,8 @@ def default_loss(output: Any) -> torch.Tensor:
         return loss
     tensors = [t for t in tensors_of(output) if t.is_floating_point()]
     if not tensors:
-        raise ValueError("the model's output has no floating-point tensor to backpropagate; pass loss_fn=")
+        raise ValueError("the model's output has no floating-point tensor to backpropagate: return the loss (or the logits) from "
+                         "forward, or pass loss_fn= to compute the loss from the output")
     return sum(t.sum() for t in tensors)
 
 
