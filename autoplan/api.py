@@ -251,9 +251,9 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Gu
 
 def _profile_failure(model: torch.nn.Module, error: Exception) -> ProfileError:
     """The error of a training step on fake tensors, with the line of the model it happened in."""
-    hint = f" {FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
+    hint = f" — {FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
     return ProfileError(
-        f"could not profile {type(model).__name__}: {type(error).__name__}: {first_line(error)}{where_in_user_code(error)}.{hint}"
+        f"could not profile {type(model).__name__}: {type(error).__name__}: {first_line(error)}{where_in_user_code(error)}{hint}"
     )
 
 

@@ -168,7 +168,7 @@ def model_from_config(spec: str, *, meta: bool = True) -> torch.nn.Module:
         with context:
             return build(config)
     except Exception as error:  # noqa: BLE001 - a model's __init__ checks its config (heads divide the width, ...)
-        raise ModelConfigError(f"{spec}: {type(config).__name__} builds no {build.__name__}: {_one_line(error)}") from error
+        raise ModelConfigError(f"{spec}: transformers cannot build a model from this {type(config).__name__}: {_one_line(error)}") from error
 
 
 def max_positions(model: torch.nn.Module) -> tuple[int, str] | None:
