@@ -101,11 +101,7 @@ def plan(
     plan.request holds the arguments that shaped the plan, as given; plan.report() shows the call that
     reproduces it.
     """
-    if loop is not None and not isinstance(loop, TrainingLoop):
-        raise TypeError(f"loop must be an autoplan.inputs.loop.TrainingLoop; got {type(loop).__name__}")
-    if world_size != "auto":
-        check_world_size(world_size)
-    check_time_limit(time_limit_s)
+    _check_arguments(loop, world_size, time_limit_s)  # before minutes of tracing and profiling
     target = get_device(device)
     memory = make_budget(budget, target, reserve, allow_over_device=allow_over_device)
     request = plan_request(budget, target, dict(
@@ -164,6 +160,14 @@ def _best(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel]) -> tuple
         notes=(*best[0].notes, note),
     )
     return plan, best[1]
+
+
+def _check_arguments(loop, world_size, time_limit_s) -> None:
+    if loop is not None and not isinstance(loop, TrainingLoop):
+        raise TypeError(f"loop must be an autoplan.inputs.loop.TrainingLoop; got {type(loop).__name__}")
+    if world_size != "auto":
+        check_world_size(world_size)
+    check_time_limit(time_limit_s)
 
 
 def check_time_limit(time_limit_s: float) -> None:
