@@ -11,28 +11,33 @@ is tightened by the difference and the program solved again.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
+import numbers
 from typing import Any, Callable, Mapping
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoplan.apply.fsdp import process_group_world_size, require_process_group
 from autoplan.apply.rewrite import apply_plan, refuse_meta
-from autoplan.errors import InfeasibleBudgetError, RepeatedUnitError
+from autoplan.errors import InfeasibleBudgetError, MissingExtraError, OptionError, ProfileError, RepeatedUnitError, TraceError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import Budget, budget_needed_for, make_budget
-from autoplan.inputs.devices import Device, get_device
-from autoplan.inputs.loop import TrainingLoop, check_loop
+from autoplan.inputs.devices import DEVICES, Device, get_device
+from autoplan.inputs.loop import TrainingLoop, changed_fields, check_loop
 from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
 from autoplan.plan import Choice, Plan, UnitDecision, WorldSizePoint
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
-from autoplan.runtime.formatting import format_bytes
+from autoplan.runtime.formatting import first_line, format_bytes, where_in_user_code
 from autoplan.runtime.training import model_device
 from autoplan.solve.ilp import fastest
 from autoplan.solve.search import SearchResult, pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus, parameter_count
-from autoplan.trace.tracer import Traced, trace
+from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.trace.units import UnitLevel, unit_levels
 from autoplan.verify.simulate import simulate_plan
 
@@ -58,6 +63,7 @@ def plan(
     on_profile: Callable[[Profile], None] | None = None,
     world_size: int | str = 1,
     loop: TrainingLoop | None = None,
+    allow_over_device: bool = False,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -89,12 +95,22 @@ def plan(
         zero_grad(set_to_none), the optimizer implementation, GradScaler. Default: the common loop,
         `outputs = model(**batch); outputs.loss.backward(); optimizer.step(); optimizer.zero_grad()`.
         `plan.loop` states it; `autoplan.verify` runs it.
+    time_limit_s: seconds the ILP solver may take per solve; when it runs out, the plan is the best one found
+        that fits (and says so), or a SolverTimeoutError names the limit to raise.
+    allow_over_device: plan for a budget above the device's memory (a BudgetOverDeviceError otherwise); the
+        plan then says that it fits the budget, not the device.
+
+    plan.request holds the arguments that shaped the plan, as given; plan.report() shows the call that
+    reproduces it.
     """
-    loop = check_loop(loop)
-    if world_size != "auto":
-        check_world_size(world_size)
+    training_loop = check_loop(loop)
+    _check_arguments(world_size, time_limit_s)  # before minutes of tracing and profiling
     target = get_device(device)
-    memory = make_budget(budget, target, reserve)
+    memory = make_budget(budget, target, reserve, allow_over_device=allow_over_device)
+    request = plan_request(budget, target, dict(
+        batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
+        keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
+        loop=loop, allow_over_device=allow_over_device))
     say = progress or (lambda message: None)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`_best`)
@@ -107,7 +123,7 @@ def plan(
         try:
             traced, measured = _trace_and_profile(
                 model, batch, target, unit_names=level.units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32,
-                loss_fn=loss_fn, profile=profile, say=say, loop=loop,
+                loss_fn=loss_fn, profile=profile, say=say, loop=training_loop,
             )
         except RepeatedUnitError:
             if number == len(levels) and not planned:
@@ -121,7 +137,7 @@ def plan(
     chosen, measured = _best(planned, planned_levels, tried=len(levels))
     if on_profile is not None:
         on_profile(measured)
-    return chosen
+    return dataclasses.replace(chosen, request=request)
 
 
 def _best(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel], tried: int) -> tuple[Plan, Profile]:
@@ -152,6 +168,49 @@ def _best(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel], tried: i
     return plan, best[1]
 
 
+def _check_arguments(world_size, time_limit_s) -> None:
+    if world_size != "auto":
+        check_world_size(world_size)
+    check_time_limit(time_limit_s)
+
+
+def check_time_limit(time_limit_s: float) -> None:
+    if not (isinstance(time_limit_s, numbers.Real) and not isinstance(time_limit_s, bool) and 0 < time_limit_s < math.inf):
+        raise OptionError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
+
+
+def plan_request(budget, target: Device, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The arguments of plan() that shape the plan, as given: the budget, then those not at their default.
+
+    A value that is not a literal (a loss function, an optimizer or Device object) is recorded as None: the
+    code that reproduces the plan passes the caller's own. An omitted device is recorded by its profile
+    name when it has one, so the code says what the plan was made for.
+    """
+    defaults = {name: parameter.default for name, parameter in inspect.signature(plan).parameters.items()}
+    request: list[tuple[str, Any]] = [("budget", _literal(budget))]
+    for name, value in given.items():
+        if name == "device" and value is None and target.name in DEVICES:
+            value = target.name
+        if value is not defaults[name] and value != defaults[name]:
+            request.append((name, _literal(value)))
+    return tuple(request)
+
+
+def _literal(value: Any) -> Any:
+    """`value` as a JSON and Python literal, or None when it is an object only the caller has."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+        return value
+    if isinstance(value, TrainingLoop):
+        return changed_fields(value)  # check_loop takes these back
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return list(value)
+    if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    return None
+
+
 def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, target: Device, pins, world_size,
             optimizer, loss_fn, time_limit_s: float, say) -> Plan:
     """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
@@ -170,7 +229,8 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
         ).peak_bytes
 
     found = search(measured, budget.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
-    decided = _assemble(measured, traced, found, budget=budget, reserve=reserve, target=target, pins=pins, world=world)
+    decided = _assemble(measured, traced, found, budget=budget, reserve=reserve, target=target, pins=pins, world=world,
+                        time_limit_s=time_limit_s)
     return dataclasses.replace(decided, world_size_curve=curve)
 
 
@@ -184,12 +244,28 @@ def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, p
     rest = "fp32" if precision == "auto" else precision
     say("tracing")
     traced = trace(model, batch, unit_names=unit_names)
-    measured = profile_units(
-        traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say, loop=loop
-    )
-    if _should_measure(profile, model, target):
-        measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
+    try:
+        measured = profile_units(
+            traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say, loop=loop
+        )
+        if _should_measure(profile, model, target):
+            measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
+    except (TraceError, ProfileError, OptionError, MissingExtraError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the model's own code failed under the profile: say where
+        raise _profile_failure(model, error) from error
     return traced, measured
+
+
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def _profile_failure(model: torch.nn.Module, error: Exception) -> ProfileError:
+    """The error of a training step on fake tensors, with the line of the model it happened in."""
+    hint = f" — {FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
+    return ProfileError(
+        f"could not profile {type(model).__name__}: {type(error).__name__}: {first_line(error)}{where_in_user_code(error)}{hint}"
+    )
 
 
 def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:
@@ -208,22 +284,39 @@ def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> boo
     return True
 
 
+def _notes(traced: Traced, measured: Profile, found: SearchResult, *, budget: Budget, target: Device,
+           time_limit_s: float) -> list[str]:
+    """What a person should know about the plan beyond its numbers."""
+    notes = []
+    if budget.total_bytes > target.memory_bytes:
+        notes.append(f"the budget ({format_bytes(budget.total_bytes)}) is more than {target.name}'s {format_bytes(target.memory_bytes)} "
+                     "of memory (allow_over_device): the plan fits the budget, not the device")
+    if not found.feasible:
+        notes.append("no choice fits the budget: the plan holds the lowest-peak choices")
+    elif found.timed_out:
+        notes.append(f"the solver ran out of time ({time_limit_s:g} s): this plan fits, but a faster one may exist; raise "
+                     "time_limit_s (--time-limit on the command line)")
+    if traced.never_ran:
+        notes.append(f"{', '.join(traced.never_ran)} never ran in the forward (built but unused, or a branch not taken): "
+                     "skipped, not planned")
+    if measured.routing:
+        notes.append(measured.routing)
+    if traced.skip_edges:
+        notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
+    if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in found.choices.values()):
+        notes.append("fp16 units need torch.amp.GradScaler in the training loop")
+    return notes
+
+
 def _assemble(
-    measured: Profile, traced: Traced, found: SearchResult, *, budget: Budget, reserve, target: Device, pins, world: int
+    measured: Profile, traced: Traced, found: SearchResult, *, budget: Budget, reserve, target: Device, pins, world: int,
+    time_limit_s: float,
 ) -> Plan:
     """The Plan: the search's choices with what they cost, and the numbers a person checks them by."""
     rest = measured.rest_precision
     chosen, feasible = found.choices, found.feasible
     prediction = predict_peak(measured, chosen, world)
-    notes = []
-    if not feasible:
-        notes.append("no choice fits the budget: the plan holds the lowest-peak choices")
-    if measured.routing:
-        notes.append(measured.routing)
-    if traced.skip_edges:
-        notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
-    if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in chosen.values()):
-        notes.append("fp16 units need torch.amp.GradScaler in the training loop")
+    notes = _notes(traced, measured, found, budget=budget, target=target, time_limit_s=time_limit_s)
     decisions = tuple(
         UnitDecision(
             name=unit.name,

@@ -55,7 +55,7 @@ def dataset(examples: int, lengths: tuple[int, ...] = (SEQ,)) -> list[dict[str, 
 def lowest_and_no_plan_peaks(micro_batch: int) -> tuple[int, int]:
     """The lowest peak and the no-plan peak of the Trainer's step for a micro-batch (reserve 0, cpu)."""
     args = TrainingArguments(output_dir="unused", per_device_train_batch_size=micro_batch, report_to=[], use_cpu=True)
-    probe = optimize_for_trainer(tiny_llama(), args, "1TB", device="cpu", reserve=0, seq_len=SEQ, apply=False)
+    probe = optimize_for_trainer(tiny_llama(), args, "100%", device="cpu", reserve=0, seq_len=SEQ, apply=False)
     return probe.plan.minimum_peak_bytes, probe.plan.baseline_peak_bytes
 
 
@@ -105,7 +105,7 @@ def test_nothing_fits_even_one_example_raises_with_the_plan(tmp_path) -> None:
 
 
 def test_bf16_arguments_plan_the_whole_forward_under_bf16_autocast(tmp_path) -> None:
-    setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path, bf16=True), "1TB", device="cpu", reserve=0,
+    setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path, bf16=True), "100%", device="cpu", reserve=0,
                                  seq_len=SEQ, apply=False)
     assert setup.plan.rest_precision == "bf16"
     assert {unit.choice.precision for unit in setup.plan.units} == {"bf16"}
@@ -123,7 +123,7 @@ def test_sequence_length_comes_from_the_longest_examples_of_the_dataset(tmp_path
         collated.append(batch)
         return batch
 
-    setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path, per_device_train_batch_size=2), "1TB", device="cpu",
+    setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path, per_device_train_batch_size=2), "100%", device="cpu",
                                  reserve=0, train_dataset=rows, data_collator=pad, apply=False)
     assert setup.plan.feasible
     assert collated[0]["input_ids"].shape == (2, 24)  # the two longest examples, not the first two (8 and 24)
@@ -131,7 +131,7 @@ def test_sequence_length_comes_from_the_longest_examples_of_the_dataset(tmp_path
 
 def test_without_a_sequence_length_or_data_it_says_what_to_pass(tmp_path) -> None:
     with pytest.raises(ValueError, match="seq_len=.*train_dataset="):
-        optimize_for_trainer(tiny_llama(2), arguments(tmp_path), "1TB", device="cpu", apply=False)
+        optimize_for_trainer(tiny_llama(2), arguments(tmp_path), "100%", device="cpu", apply=False)
 
 
 # -- the Trainer's optimizer ----------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_an_optimizer_autoplan_cannot_count_is_a_clear_error(tmp_path) -> None:
 def test_callback_prints_the_plan_at_train_begin_and_measures_nothing_on_the_cpu(tmp_path) -> None:
     from transformers import TrainerControl, TrainerState
 
-    setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path), "1TB", device="cpu", reserve=0, seq_len=SEQ,
+    setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path), "100%", device="cpu", reserve=0, seq_len=SEQ,
                                  apply=False)
     written: list[str] = []
     callback = AutoplanCallback(setup.plan, write=written.append)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Mapping
 
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for-loop")
 
@@ -87,12 +88,22 @@ class TrainingLoop:
 
 
 def check_loop(loop: object) -> TrainingLoop:
-    """`loop` as a TrainingLoop (None: the common loop), or a TypeError saying what to pass."""
+    """`loop` as a TrainingLoop (None: the common loop; a mapping: those fields changed), or a TypeError saying what to pass."""
     if loop is None:
         return TrainingLoop()
+    if isinstance(loop, Mapping):  # the fields that differ from the common loop, as plan.request records them
+        unknown = sorted(set(loop) - {field.name for field in dataclasses.fields(TrainingLoop)})
+        if unknown:
+            raise TypeError(f"loop has no field {unknown[0]!r}; its fields are {[f.name for f in dataclasses.fields(TrainingLoop)]}")
+        return TrainingLoop(**loop)
     if not isinstance(loop, TrainingLoop):
         raise TypeError(
             f"loop must be an autoplan.TrainingLoop, e.g. TrainingLoop(keep_outputs=False, accumulation_steps=4); "
             f"got {type(loop).__name__}"
         )
     return loop
+
+
+def changed_fields(loop: TrainingLoop) -> dict[str, object]:
+    """The fields of `loop` that differ from the common loop: what `check_loop` needs to make it again."""
+    return {field.name: getattr(loop, field.name) for field in dataclasses.fields(loop) if getattr(loop, field.name) != field.default}

@@ -12,6 +12,7 @@ returns. Nothing here prints: the CLI does.
 from __future__ import annotations
 
 import io
+import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -100,7 +101,8 @@ def _verdict(plan: "Plan") -> Text:
 
 def _breakdown(plan: "Plan") -> Table:
     b = plan.breakdown
-    table = Table(title=f"memory at the peak ({plan.peak_phase})", title_justify="left", show_edge=False)
+    # names from the model (units, phases) are text, never rich markup: "graph[fc_in:gelu]" would vanish
+    table = Table(title=Text(f"memory at the peak ({plan.peak_phase})"), title_justify="left", show_edge=False)
     table.add_column("part")
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
@@ -127,7 +129,7 @@ def _units(plan: "Plan") -> Table:
         table.add_column(name, justify=justify, no_wrap=name == "unit")
     for row in fold_units(plan.units):
         unit = row.first
-        table.add_row(row.label, unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes),
+        table.add_row(Text(row.label), unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes),
                       format_flops(unit.recompute_flops), format_seconds(unit.step_time_s))
     return table
 
@@ -140,16 +142,42 @@ def _times(plan: "Plan") -> Text:
 
 
 def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
-    budget = budget_text or format_bytes(plan.budget_bytes).replace(" ", "")
-    extra = ""
-    if plan.rest_precision != "fp32":
-        extra = f', precision="{plan.rest_precision}"'
-    if plan.world_size > 1:
-        extra += f", world_size={plan.world_size}"
-    code = f'model = autoplan.optimize(model, "{budget}", example_inputs=batch, device="{plan.device}"{extra})'
+    """The call that makes this plan again and applies it: plan()'s arguments as given (`plan.request`).
+
+    An argument that was an object only the caller has (a loss function, an optimizer) is passed by its
+    own name; `batch` is the caller's batch, unless the plan built its batch from batch_size/seq_len.
+    """
+    request = dict(plan.request) or _request_of(plan)
+    budget = request.pop("budget", None) or budget_text or format_bytes(plan.budget_bytes).replace(" ", "")
+    arguments = [_python(budget)]
+    if "batch_size" not in request and "seq_len" not in request:
+        arguments.append("example_inputs=batch")
+    arguments += [f"{name}={name if value is None else _python(value)}" for name, value in request.items()]
+    code = f"model = autoplan.optimize(model, {', '.join(arguments)})"
     if plan.needs_grad_scaler:
         code += "\nscaler = torch.amp.GradScaler()  # fp16 units: scale the loss"
     return code
+
+
+def _request_of(plan: "Plan") -> dict:
+    """For a Plan made without a record of its arguments: what its own fields say."""
+    request = {"device": plan.device}
+    if plan.rest_precision != "fp32":
+        request["precision"] = plan.rest_precision
+    if plan.world_size > 1:
+        request["world_size"] = plan.world_size
+    return request
+
+
+def _python(value) -> str:
+    """A literal of plan.request as Python source (strings in double quotes, as the README writes them)."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_python(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_python(key)}: {_python(item)}" for key, item in value.items()) + "}"
+    return repr(value)
 
 
 def _code(code: str) -> Text:

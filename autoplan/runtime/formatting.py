@@ -7,6 +7,10 @@ the same way: three significant digits and the unit that keeps the number betwee
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import traceback
+
 
 def format_bytes(n: int) -> str:
     """Decimal units as people write budgets: "20.0 GB", "1.50 MB", "512 B"."""
@@ -79,3 +83,21 @@ def first_line(error: BaseException) -> str:
     one-line message quotes of it."""
     text = str(error).strip().splitlines()
     return text[0][:300] if text else type(error).__name__
+
+
+# Frames in these folders are autoplan's or torch's own; the innermost frame outside them is the
+# line of the person's model that an error happened in.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (os.path.dirname(os.path.abspath(__file__)), getattr(importlib.util.find_spec("torch"), "origin", None))
+    if path
+)
+
+
+def where_in_user_code(error: BaseException) -> str:
+    """`, at file:line: code` for the innermost frame of `error` outside torch and autoplan ("" if none)."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f", at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"

@@ -24,7 +24,8 @@ def sum_of_outputs(output: Any) -> torch.Tensor:
     """Every floating-point tensor of the output summed: each output gets a gradient of its size."""
     tensors = [t for t in tensors_of(output) if t.is_floating_point() and t is not model_loss(output)]
     if not tensors:
-        raise ValueError("the model's output has no floating-point tensor to backpropagate; pass loss_fn=")
+        raise ValueError("the model's output has no floating-point tensor to backpropagate: return the loss (or the logits) from "
+                         "forward, or pass loss_fn= to compute the loss from the output")
     return sum(t.sum() for t in tensors)
 
 

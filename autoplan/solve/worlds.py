@@ -27,7 +27,7 @@ def parameter_count(profile: Profile) -> int:
 
 
 def world_size_point(profile: Profile, pins, usable_bytes: int, world_size: int, time_limit_s: float) -> WorldSizePoint:
-    lowest, _ = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size).choices
     lowest_bytes = predict_peak(profile, lowest, world_size).bytes
     no_plan = {unit.name: unit.base for unit in profile.units}
     return WorldSizePoint(world_size, lowest_bytes, predict_peak(profile, no_plan, world_size).bytes, lowest_bytes <= usable_bytes)

@@ -13,8 +13,6 @@ and the error says where that is.
 
 from __future__ import annotations
 
-import os
-import traceback
 import weakref
 from collections import Counter
 
@@ -23,8 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.runtime.fake import fake_copy, fake_tree, new_fake_mode
+from autoplan.runtime.formatting import first_line, where_in_user_code
 from autoplan.runtime.names import call_site, call_site_name
-from autoplan.runtime.formatting import first_line
 from autoplan.runtime.tensors import tensors_of
 
 
@@ -111,7 +109,7 @@ def runtime_unit_graph(
             output = twin(*args, **kwargs)
             finished = frozenset().union(*(provenance.sources(t) for t in tensors_of(output)))
     except Exception as error:  # noqa: BLE001 - reported with where it happened
-        raise RuntimeError(f"{type(error).__name__}: {first_line(error)}{_user_frame(error)}") from error
+        raise RuntimeError(f"{type(error).__name__}: {first_line(error)}{where_in_user_code(error)}") from error
     finally:
         for handle in handles:
             handle.remove()
@@ -121,17 +119,3 @@ def runtime_unit_graph(
     graph.add_edges_from((source, "output") for source in finished)
     once = {call_site_name(name, 0): name for name, count in calls.items() if count == 1}
     return [once.get(site, site) for site in order], nx.relabel_nodes(graph, once)
-
-
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(module.__file__) + os.sep for module in (torch,) if getattr(module, "__file__", None)
-) + (os.path.dirname(os.path.dirname(__file__)) + os.sep,)  # all of autoplan, not only trace/
-
-
-def _user_frame(error: Exception) -> str:
-    """`, at file:line: code` for the innermost frame outside torch and autoplan, if any."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
-    if not frames:
-        return ""
-    frame = frames[-1]
-    return f", at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"

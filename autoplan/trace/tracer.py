@@ -50,6 +50,15 @@ class Traced:
     unit_graph: nx.DiGraph  # unit -> unit dataflow ("input" and "output" included)
     skip_edges: tuple[tuple[str, str], ...]  # dataflow between units that are not neighbours
     trace_errors: tuple[str, ...] = ()  # what each tracer tripped on, when one did
+    never_ran: tuple[str, ...] = ()  # units found in the model that its forward never calls: not planned
+
+
+# What a failure under fake tensors most often is, and its fix (trace and profile both run there).
+FAKE_TENSOR_HINT = (
+    "autoplan runs the forward on fake tensors, which have shapes but no values: code that needs a tensor's value "
+    "(`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run there. Compute it with tensor ops (torch.where) or move it "
+    "out of forward."
+)
 
 
 # -- finding units ------------------------------------------------------------------------
@@ -162,17 +171,18 @@ def trace(
             executed, dataflow = _unit_graph(graph, unit_names)
         return _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors)
     raise TraceError(
-        f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n"
-        "autoplan runs the forward on fake tensors, which have shapes but no values: code that needs a "
-        "tensor's value (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run there. Compute it with "
-        "tensor ops (torch.where) or move it out of forward. If the units were the problem, pass "
-        "units=['pattern', ...] naming the submodules to plan (e.g. its blocks)."
+        f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n" + FAKE_TENSOR_HINT + " If the "
+        "units were the problem, name the submodules to plan, e.g. its blocks (units=['pattern', ...]; --units on the "
+        "command line)."
     )
 
 
 def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors) -> Traced:
-    called = {site.module for site in map(call_site, executed) if site is not None}
-    ordered = executed + [u for u in unit_names if u not in executed and u not in called]
+    # A unit the forward never calls (a layer built but unused, a branch not taken) has nothing to plan:
+    # it is left out, and the plan names it. When a tracer placed no unit at all, none is left out.
+    called = {site.module for site in map(call_site, executed) if site is not None}  # units planned per call site
+    never_ran = tuple(u for u in unit_names if u not in executed and u not in called) if executed else ()
+    ordered = list(executed) if executed else list(unit_names)
     neighbours = {(a, b) for a, b in zip(["input", *ordered], [*ordered, "output"])}
     skips = tuple(sorted((a, b) for a, b in dataflow.edges if (a, b) not in neighbours and a != "input" and b != "output"))
-    return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors))
+    return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors), never_ran)

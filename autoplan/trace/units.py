@@ -270,14 +270,16 @@ def _children_level(model: torch.nn.Module) -> tuple[str, ...]:
 def _matching(model: torch.nn.Module, patterns) -> tuple[str, ...]:
     if isinstance(patterns, str):
         patterns = [patterns]
-    names = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    if not names:
+    modules = [n for n, _ in model.named_modules() if n]
+    # every pattern must name something: a typo among good patterns would otherwise go unnoticed
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in modules)]
+    if unmatched:
         tops = ", ".join(n for n, _ in model.named_children()) or "(none)"
         raise UnitPatternError(
-            f"units={patterns} matched no submodule of {type(model).__name__}; "
+            f"units {unmatched} matched no submodule of {type(model).__name__}; "
             f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
         )
-    return tuple(outermost(names))
+    return tuple(outermost([n for n in modules if any(fnmatch.fnmatchcase(n, p) for p in patterns)]))
 
 
 def unit_levels(model: torch.nn.Module, patterns: list[str] | None = None) -> list[UnitLevel]:
@@ -309,8 +311,8 @@ def unit_levels(model: torch.nn.Module, patterns: list[str] | None = None) -> li
     if not levels:
         raise TraceError(
             f"{type(model).__name__} has no repeated submodule, no nn.Sequential, no two children with parameters and "
-            "no fx graph that cuts into two or more parametric runs; pass units=['name.pattern', ...] naming the "
-            "submodules to plan."
+            "no fx graph that cuts into two or more parametric runs; name the submodules to plan (units=['name.pattern', ...]; "
+            "--units on the command line)."
         )
     return levels
 
