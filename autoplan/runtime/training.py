@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from autoplan.runtime.signatures import accepts_argument
 from autoplan.runtime.tensors import tensors_of
 
 
@@ -93,10 +94,13 @@ def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, *, impl
     """
     flags = OPTIMIZER_IMPLEMENTATION_FLAGS[implementation]
     if isinstance(optimizer, torch.optim.Optimizer):
-        defaults = dict(optimizer.defaults)
+        cls = type(optimizer)
+        # defaults can hold entries the constructor does not take (torch 2.13's AdamW keeps
+        # decoupled_weight_decay): pass only what it accepts
+        defaults = {key: value for key, value in optimizer.defaults.items() if accepts_argument(cls.__init__, key, through_kwargs=False)}
         if defaults.get("foreach") is None and not defaults.get("fused"):
             defaults.update({key: value for key, value in flags.items() if key in defaults})
-        return type(optimizer)(params, **defaults)
+        return cls(params, **defaults)
     factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "adamw": lambda: torch.optim.AdamW(params, **flags),
         "adam": lambda: torch.optim.Adam(params, **flags),
