@@ -11,28 +11,35 @@ is tightened by the difference and the program solved again.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
+import numbers
 from typing import Any, Callable, Mapping
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoplan.apply.fsdp import process_group_world_size, require_process_group
 from autoplan.apply.rewrite import apply_plan, refuse_meta
-from autoplan.errors import InfeasibleBudgetError
+from autoplan.errors import InfeasibleBudgetError, MissingExtraError, OptionError, ProfileError, RepeatedUnitError, TraceError
 from autoplan.inputs.batch import training_batch
-from autoplan.inputs.budget import Budget, budget_needed_for, make_budget
-from autoplan.inputs.devices import Device, get_device
-from autoplan.memory.model import check_world_size, predict_peak, predict_step_time, rank_offsets
-from autoplan.plan import Choice, Plan, UnitDecision, WorldSizePoint
+from autoplan.inputs.budget import Budget, make_budget
+from autoplan.inputs.devices import DEVICES, Device, get_device
+from autoplan.inputs.loop import TrainingLoop, changed_fields, check_loop
+from autoplan.memory.model import check_world_size, rank_offsets
+from autoplan.plan import Choice, Plan, WorldSizePoint
 from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
-from autoplan.runtime.formatting import format_bytes
+from autoplan.runtime.formatting import first_line, where_in_user_code
 from autoplan.runtime.training import model_device
-from autoplan.solve.ilp import fastest
-from autoplan.solve.search import SearchResult, pinned_choices, search
-from autoplan.solve.worlds import fewest_gpus, parameter_count
-from autoplan.trace.tracer import Traced, trace
+from autoplan.solve.assemble import assemble_plan, best_level, infeasible_message
+from autoplan.solve.search import pinned_choices, search
+from autoplan.solve.worlds import fewest_gpus
+from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
+from autoplan.trace.units import UnitLevel, unit_levels
 from autoplan.verify.simulate import simulate_plan
 
 
@@ -58,6 +65,8 @@ def plan(
     world_size: int | str = 1,
     menu_size: int = DEFAULT_MENU_SIZE,
     compile: bool = False,
+    loop: TrainingLoop | None = None,
+    allow_over_device: bool = False,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -90,22 +99,97 @@ def plan(
         predicts): recomputing ops without FLOPs is priced as free (Inductor fuses them), so units
         save matmul/attention outputs and recompute the rest. Memory is still the eager model's,
         an upper bound for the compiled one. Compile the model after autoplan.apply/optimize.
+    loop: the training loop the peak is for (`autoplan.TrainingLoop`): outputs kept through backward
+        or dropped, gradient-accumulation micro-batches (example_inputs is one micro-batch),
+        zero_grad(set_to_none), the optimizer implementation, GradScaler. Default: the common loop,
+        `outputs = model(**batch); outputs.loss.backward(); optimizer.step(); optimizer.zero_grad()`.
+        `plan.loop` states it; `autoplan.verify` runs it.
+    time_limit_s: seconds the ILP solver may take per solve; when it runs out, the plan is the best one found
+        that fits (and says so), or a SolverTimeoutError names the limit to raise.
+    allow_over_device: plan for a budget above the device's memory (a BudgetOverDeviceError otherwise); the
+        plan then says that it fits the budget, not the device.
+
+    plan.request holds the arguments that shaped the plan, as given; plan.report() shows the call that
+    reproduces it.
     """
-    if world_size != "auto":
-        check_world_size(world_size)
+    training_loop = check_loop(loop)
+    _check_arguments(world_size, time_limit_s)  # before minutes of tracing and profiling
     target = get_device(device)
-    memory = make_budget(budget, target, reserve)
+    memory = make_budget(budget, target, reserve, allow_over_device=allow_over_device)
+    request = plan_request(budget, target, dict(
+        batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
+        keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
+        loop=loop, allow_over_device=allow_over_device))
     say = progress or (lambda message: None)
-    traced, measured = _trace_and_profile(
-        model, training_batch(model, example_inputs, batch_size, seq_len), target,
-        units=units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, loss_fn=loss_fn, profile=profile, say=say,
-        menu_size=menu_size, compile=compile,
-    )
+    batch = training_batch(model, example_inputs, batch_size, seq_len)
+    # Where blocks nest (stages of blocks), every level is planned and the best kept (`_best`)
+    levels = unit_levels(model, units)
+    planned: list[tuple[Plan, Profile]] = []
+    planned_levels: list[UnitLevel] = []
+    for number, level in enumerate(levels, 1):
+        if len(levels) > 1:
+            say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
+        try:
+            traced, measured = _trace_and_profile(
+                model, batch, target, unit_names=level.units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32,
+                loss_fn=loss_fn, profile=profile, say=say, loop=training_loop, menu_size=menu_size, compile=compile,
+            )
+        except RepeatedUnitError:
+            if number == len(levels) and not planned:
+                raise
+            continue  # a Sequential run called twice: the other levels are the plan space
+        planned_levels.append(level)
+        pins = pinned_choices(list(traced.units), precision_options(precision, target), keep_fp32, checkpoint)
+        decided = _decide(traced, measured, budget=memory, reserve=reserve, target=target, pins=pins, world_size=world_size,
+                          optimizer=optimizer, loss_fn=loss_fn, time_limit_s=time_limit_s, say=say)
+        planned.append((decided, measured))
+    chosen, measured = best_level(planned, planned_levels, tried=len(levels))
     if on_profile is not None:
         on_profile(measured)
-    pins = pinned_choices(list(traced.units), precision_options(precision, target), keep_fp32, checkpoint)
-    return _decide(traced, measured, budget=memory, reserve=reserve, target=target, pins=pins, world_size=world_size,
-                   optimizer=optimizer, loss_fn=loss_fn, time_limit_s=time_limit_s, say=say)
+    return dataclasses.replace(chosen, request=request)
+
+
+def _check_arguments(world_size, time_limit_s) -> None:
+    if world_size != "auto":
+        check_world_size(world_size)
+    check_time_limit(time_limit_s)
+
+
+def check_time_limit(time_limit_s: float) -> None:
+    if not (isinstance(time_limit_s, numbers.Real) and not isinstance(time_limit_s, bool) and 0 < time_limit_s < math.inf):
+        raise OptionError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
+
+
+def plan_request(budget, target: Device, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The arguments of plan() that shape the plan, as given: the budget, then those not at their default.
+
+    A value that is not a literal (a loss function, an optimizer or Device object) is recorded as None: the
+    code that reproduces the plan passes the caller's own. An omitted device is recorded by its profile
+    name when it has one, so the code says what the plan was made for.
+    """
+    defaults = {name: parameter.default for name, parameter in inspect.signature(plan).parameters.items()}
+    request: list[tuple[str, Any]] = [("budget", _literal(budget))]
+    for name, value in given.items():
+        if name == "device" and value is None and target.name in DEVICES:
+            value = target.name
+        if value is not defaults[name] and value != defaults[name]:
+            request.append((name, _literal(value)))
+    return tuple(request)
+
+
+def _literal(value: Any) -> Any:
+    """`value` as a JSON and Python literal, or None when it is an object only the caller has."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+        return value
+    if isinstance(value, TrainingLoop):
+        return changed_fields(value)  # check_loop takes these back
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return list(value)
+    if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    return None
 
 
 def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, target: Device, pins, world_size,
@@ -122,15 +206,16 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
     def simulate(choices: Mapping[str, Choice]) -> int:
         return simulate_plan(
             traced, choices, device=target, optimizer=optimizer, rest_precision=measured.rest_precision, loss_fn=loss_fn,
-            rank_offsets=offsets,
+            rank_offsets=offsets, loop=measured.loop,
         ).peak_bytes
 
     found = search(measured, budget.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
-    decided = _assemble(measured, traced, found, budget=budget, reserve=reserve, target=target, pins=pins, world=world)
+    decided = assemble_plan(measured, traced, found, budget=budget, reserve=reserve, target=target, pins=pins, world=world,
+                        time_limit_s=time_limit_s)
     return dataclasses.replace(decided, world_size_curve=curve)
 
 
-def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precision, keep_fp32, loss_fn, profile, say,
+def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, precision, keep_fp32, loss_fn, profile, say, loop,
                        menu_size: int = DEFAULT_MENU_SIZE, compile: bool = False):
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
     if profile not in ("auto", "measure", "roofline"):
@@ -140,15 +225,33 @@ def _trace_and_profile(model, batch, target: Device, *, units, optimizer, precis
         precisions = (*precisions, "fp32")
     rest = "fp32" if precision == "auto" else precision
     say("tracing")
-    traced = trace(model, batch, units)
-    measured = profile_units(traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say,
-                             menu_size=menu_size, compile=compile)
+    traced = trace(model, batch, unit_names=unit_names)
     if compile and profile == "measure":
         raise ValueError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
                          "use profile='roofline' or 'auto'")
-    if not compile and _should_measure(profile, model, target):
-        measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
+    try:
+        measured = profile_units(
+            traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say, loop=loop,
+            menu_size=menu_size, compile=compile,
+        )
+        if not compile and _should_measure(profile, model, target):
+            measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
+    except (TraceError, ProfileError, OptionError, MissingExtraError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the model's own code failed under the profile: say where
+        raise _profile_failure(model, error) from error
     return traced, measured
+
+
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def _profile_failure(model: torch.nn.Module, error: Exception) -> ProfileError:
+    """The error of a training step on fake tensors, with the line of the model it happened in."""
+    hint = f" — {FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
+    return ProfileError(
+        f"could not profile {type(model).__name__}: {type(error).__name__}: {first_line(error)}{where_in_user_code(error)}{hint}"
+    )
 
 
 def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:
@@ -165,83 +268,6 @@ def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> boo
             f"({target.kind}); move the model there first, or use profile='roofline'"
         )
     return True
-
-
-def _assemble(
-    measured: Profile, traced: Traced, found: SearchResult, *, budget: Budget, reserve, target: Device, pins, world: int
-) -> Plan:
-    """The Plan: the search's choices with what they cost, and the numbers a person checks them by."""
-    rest = measured.rest_precision
-    chosen, feasible = found.choices, found.feasible
-    prediction = predict_peak(measured, chosen, world)
-    notes = []
-    if not feasible:
-        notes.append("no choice fits the budget; the units show the lowest-peak choices")
-    if measured.time_source.startswith("roofline, compiled"):
-        notes.append("planned for torch.compile: recomputing ops without FLOPs is priced as free (fused); the peaks are "
-                     "the eager model's, which the compiled one usually stays under; compile after applying the plan")
-    if traced.skip_edges:
-        notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
-    if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in chosen.values()):
-        notes.append("fp16 units need torch.amp.GradScaler in the training loop")
-    decisions = tuple(
-        UnitDecision(
-            name=unit.name,
-            choice=chosen[unit.name],
-            saved_bytes=unit.options[chosen[unit.name]].held_bytes,
-            recompute_flops=unit.recompute_flops(chosen[unit.name]),
-            step_time_s=unit.options[chosen[unit.name]].time_s,
-            policy=unit.policies.get(chosen[unit.name], ""),
-        )
-        for unit in measured.units
-    )
-    return Plan(
-        model_name=measured.model_name,
-        device=target.name,
-        low_precision=target.low_precision_name,
-        rest_precision=rest,
-        needs_grad_scaler=any(c.precision == "fp16" for c in chosen.values()) or rest == "fp16",
-        optimizer=measured.optimizer,
-        feasible=feasible,
-        budget_bytes=budget.total_bytes,
-        usable_bytes=budget.usable_bytes,
-        predicted_peak_bytes=prediction.bytes,
-        simulated_peak_bytes=found.simulated_peak_bytes,
-        baseline_peak_bytes=_per_rank_peak(measured.reference, measured, world),
-        minimum_peak_bytes=found.lowest_peak_bytes,
-        minimum_budget_bytes=budget_needed_for(found.lowest_peak_bytes, target, reserve),
-        predicted_step_time_s=predict_step_time(measured, chosen),
-        baseline_step_time_s=measured.reference_step_time_s or measured.reference.step_time_s,
-        fastest_step_time_s=predict_step_time(measured, fastest(measured, pins)),
-        time_source=measured.time_source,
-        breakdown=prediction.breakdown,
-        peak_phase=prediction.phase,
-        units=decisions,
-        solver_status=found.solver_status,
-        solve_time_s=found.solve_time_s,
-        resolves=found.resolves,
-        trace_method=traced.method,
-        notes=tuple(notes),
-        world_size=world,
-        fsdp=prediction.rank,
-        parameter_count=parameter_count(measured),
-        state_bytes=sum(getattr(measured.timeline.static, part) for part in ("parameters", "gradients", "optimizer")),
-    )
-
-
-def _infeasible_message(plan: Plan) -> str:
-    return (
-        f"no plan fits {plan.device} in {format_bytes(plan.budget_bytes)} "
-        f"(usable {format_bytes(plan.usable_bytes)}): the lowest peak autoplan can reach is "
-        f"{format_bytes(plan.minimum_peak_bytes)}, which needs a budget of "
-        f"{format_bytes(plan.minimum_budget_bytes)}. Call autoplan.plan(...) to see the breakdown."
-    )
-
-
-def _per_rank_peak(timeline, measured: Profile, world: int) -> int:
-    """A simulated timeline's peak on one of `world` ranks (its own peak on one GPU)."""
-    offsets = rank_offsets(measured, world)
-    return max(phase.peak_bytes + offset for phase, offset in zip(timeline.phases, offsets))
 
 
 def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
@@ -266,5 +292,5 @@ def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch
         require_process_group(world_size)  # before minutes of planning, not after
     decided = plan(model, budget, **options)
     if not decided.feasible:
-        raise InfeasibleBudgetError(decided, _infeasible_message(decided))
+        raise InfeasibleBudgetError(decided, infeasible_message(decided))
     return apply(model, decided)

@@ -18,8 +18,32 @@ class UnitPatternError(TraceError):
     """A unit name pattern (units=, checkpoint=, keep_fp32=, --units) matched no unit of the model."""
 
 
+class RepeatedUnitError(TraceError):
+    """A unit ran more than once per forward where autoplan could not tell its calls apart."""
+
+
+class ProfileError(ValueError):
+    """The traced model failed while its training step ran on fake tensors; names the model's line."""
+
+
 class BudgetError(ValueError):
-    """A budget or reserve that is not a size autoplan can plan for (unparsable, negative, too small)."""
+    """A budget or reserve that is not a size autoplan can plan for (unparsable, negative, too small,
+    or a reserve that leaves nothing of the budget)."""
+
+
+class BudgetOverDeviceError(BudgetError):
+    """The budget is more memory than the device has: a plan that fits it would not fit the device."""
+
+    def __init__(self, message: str, *, budget_bytes: int, device_name: str, device_memory_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.device_name = device_name
+        self.device_memory_bytes = device_memory_bytes
+
+
+class OptionError(ValueError):
+    """An argument outside what the planner can use: a time limit that is not a positive number of
+    seconds, a sequence longer than the model's positions."""
 
 
 class DeviceError(ValueError):
@@ -40,6 +64,19 @@ class DistributedSetupError(RuntimeError):
 
 class UnknownModelError(ValueError):
     """The spec is neither a preset nor a config.json; the message lists the presets."""
+
+
+class ModelConfigError(ValueError):
+    """A Hugging Face config that transformers rejects or cannot build a model from: not a JSON object,
+    an unknown model_type, values of the wrong type, a hidden size its heads do not divide."""
+
+
+class SolverTimeoutError(RuntimeError):
+    """The ILP solver stopped at its time limit without an answer to rely on; says which limit to raise."""
+
+    def __init__(self, time_limit_s: float, message: str | None = None) -> None:
+        super().__init__(message or f"the solver ran out of time ({time_limit_s:g} s) before it found a plan: raise time_limit_s")
+        self.time_limit_s = time_limit_s
 
 
 class MissingExtraError(ImportError):

@@ -1,14 +1,34 @@
-"""Hugging Face transformers models: build from a preset or config, and infer a training batch.
+"""Hugging Face, the public side: models from presets or configs, and planning the `Trainer`'s step.
 
     model = autoplan.hf.model_from_config("llama-3-70b")            # on the meta device: no memory
     inputs = autoplan.hf.example_inputs_for(model, batch_size=1, seq_len=2048)
 
-transformers is an optional extra (`pip install autoplan[hf]`); this is the public face of
-`autoplan.inputs.hf_models`, where the code lives.
+    setup = autoplan.hf.optimize_for_trainer(model, training_args, "24GB", train_dataset=dataset)
+    trainer = Trainer(model=model, args=setup.training_args, train_dataset=dataset,
+                      callbacks=[autoplan.hf.AutoplanCallback(setup.plan)])
+
+`optimize_for_trainer` takes the `TrainingArguments` a person already has and plans the step the
+Trainer runs with them: it drops the model's outputs before backward, steps the optimizer `optim`
+names, runs the forward under autocast when `bf16`/`fp16` is set, and accumulates
+`gradient_accumulation_steps` micro-batches. It rewrites the model in place and returns the
+arguments to change (`activation_checkpointing=False`: the plan checkpoints per layer; a smaller
+`per_device_train_batch_size` with more accumulation steps when the batch does not fit).
+transformers (and accelerate, for the Trainer) are optional extras: `pip install autoplan[hf]`;
+the model-building code lives in `autoplan.inputs.hf_models`, the callback in
+`autoplan.report.trainer` (it only reports).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from autoplan import api
+from autoplan.errors import InfeasibleBudgetError
 from autoplan.inputs.hf_models import (
     DEFAULT_SEQ_LEN_CAP,
     PRESETS,
@@ -16,15 +36,251 @@ from autoplan.inputs.hf_models import (
     example_inputs_for,
     is_hf_model,
     model_from_config,
+    require_transformers,
     training_inputs,
 )
+from autoplan.inputs.loop import TrainingLoop
+from autoplan.plan import Plan
+from autoplan.report import trainer as trainer_report
+from autoplan.runtime.formatting import format_bytes
+from autoplan.runtime.signatures import accepts_argument
+
+
+
+def __getattr__(name: str) -> Any:
+    # AutoplanCallback subclasses transformers' TrainerCallback: made on first use, so that importing
+    # autoplan.hf neither needs transformers nor pays for importing its Trainer.
+    if name == "AutoplanCallback":
+        return trainer_report.callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "DEFAULT_SEQ_LEN_CAP",
-    "PRESETS",
-    "default_seq_len",
-    "example_inputs_for",
-    "is_hf_model",
-    "model_from_config",
-    "training_inputs",
+    "DEFAULT_SEQ_LEN_CAP", "PRESETS", "ArgumentChange", "AutoplanCallback", "TrainerOptimizer", "TrainerPlan",
+    "default_seq_len", "example_inputs_for", "is_hf_model", "model_from_config", "optimize_for_trainer",
+    "trainer_optimizer", "training_inputs",
 ]
+
+# transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name is an alias)
+CHECKPOINTING_ARGUMENTS = ("activation_checkpointing", "gradient_checkpointing")
+SCANNED_EXAMPLES = 1024  # the dataset's first examples searched for the longest ones
+
+
+@dataclass(frozen=True)
+class ArgumentChange:
+    """One `TrainingArguments` field the plan needs changed, and why."""
+
+    name: str
+    before: Any
+    after: Any
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.before!r} -> {self.after!r} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class TrainerOptimizer:
+    """The optimizer the Trainer builds from `optim`, as the plan counts it."""
+
+    optimizer: str | torch.optim.Optimizer  # autoplan's name ("adamw", "sgd", ...) or an instance of the class
+    implementation: str  # TrainingLoop.optimizer_impl: "fused" when the Trainer fuses it, else "auto"
+    note: str | None = None  # said when the count is an approximation
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """What `optimize_for_trainer` decided: the plan (applied unless apply=False) and the arguments to train with."""
+
+    plan: Plan
+    changes: tuple[ArgumentChange, ...]  # fields of the caller's TrainingArguments the plan needs changed
+    training_args: Any  # a copy of the caller's TrainingArguments with the changes made
+    loop: TrainingLoop  # the Trainer's training step, as planned
+    micro_batch_size: int  # the per-device micro-batch planned for
+    notes: tuple[str, ...] = ()  # approximations, and what was changed on the model itself
+
+
+def trainer_optimizer(args: Any, model: torch.nn.Module | None = None) -> TrainerOptimizer:
+    """The optimizer `Trainer` builds from `args.optim`, as autoplan counts it.
+
+    AdamW, Adam and SGD map to autoplan's own names (fused when the Trainer fuses); other torch.optim
+    classes (Adagrad, RMSprop) are counted from an instance built with the Trainer's arguments;
+    8-bit and 4-bit optimizers are counted as 32-bit AdamW, an upper bound on their state.
+    """
+    name = str(getattr(args.optim, "value", args.optim))
+    if "8bit" in name or "4bit" in name:
+        return TrainerOptimizer("adamw", "auto", f"optim={name!r} is counted as 32-bit AdamW state (two fp32 tensors "
+                                "per parameter): an upper bound on its quantised state")
+    try:
+        cls, kwargs = require_transformers().Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except (ImportError, ValueError) as error:
+        raise ValueError(f"TrainingArguments(optim={name!r}): {error}") from None
+    implementation = "fused" if kwargs.get("fused") else "auto"
+    if cls in (torch.optim.AdamW, torch.optim.Adam):
+        return TrainerOptimizer("adamw" if cls is torch.optim.AdamW else "adam", implementation)
+    if cls is torch.optim.SGD:
+        return TrainerOptimizer("sgd-momentum" if kwargs.get("momentum") else "sgd", implementation)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.optim"):
+        return TrainerOptimizer(cls([torch.nn.Parameter(torch.zeros(1))], **kwargs), implementation)
+    raise ValueError(
+        f"TrainingArguments(optim={name!r}) builds {cls.__name__}, whose state autoplan cannot count: it plans the "
+        "torch.optim optimizers (adamw_torch, adamw_torch_fused, sgd, adagrad, rmsprop) and counts 8-bit and 4-bit "
+        "ones as 32-bit AdamW. Pass optimizer= (autoplan's name or an instance) to plan with another"
+    )
+
+
+def optimize_for_trainer(
+    model: torch.nn.Module,
+    args: Any,
+    budget: str | int,
+    *,
+    device: str | None = None,
+    seq_len: int | None = None,
+    train_dataset: Any = None,
+    data_collator: Callable[[list], Any] | None = None,
+    reserve: str | int | None = None,
+    units: list[str] | None = None,
+    optimizer: str | torch.optim.Optimizer | None = None,
+    apply: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> TrainerPlan:
+    """Plan the Trainer's training step for `budget`, rewrite `model` in place, and say which arguments change.
+
+    args: the `TrainingArguments` you train with: `per_device_train_batch_size`,
+        `gradient_accumulation_steps`, `bf16`/`fp16` and `optim` are planned for.
+    seq_len: the sequence length to plan for; default `args.max_length` (TRL's configs), else the
+        longest of the first SCANNED_EXAMPLES examples of `train_dataset` after `data_collator`
+        (transformers' default_data_collator when None). One of them is needed.
+    device, reserve, units: as for `autoplan.plan`. optimizer: overrides what `args.optim` names.
+    apply: False decides without rewriting (a model on the meta device can only be planned).
+
+    When the per-device batch does not fit even with every layer checkpointed, the largest micro-batch
+    that divides it and fits is planned, with accumulation steps raised to keep the batch. Raises
+    InfeasibleBudgetError (with `.plan`) when not even one example fits.
+    """
+    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        raise ValueError("optimize_for_trainer plans one GPU per process; for FSDP plan with autoplan.optimize(..., "
+                         "world_size=N) in your own loop. DeepSpeed is not planned")
+    counted = trainer_optimizer(args, model) if optimizer is None else TrainerOptimizer(optimizer, "auto")
+    batches = _batches(model, args, seq_len, train_dataset, data_collator)
+    batch_size, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+
+    def plan_micro_batch(size: int) -> tuple[Plan, TrainingLoop]:
+        inputs = batches.make(size)
+        loop = TrainingLoop(keep_outputs=False, accumulation_steps=accumulation * batch_size // size,
+                            optimizer_impl=counted.implementation, grad_scaler=precision == "fp16",
+                            loss_in_model=True if "labels" in inputs else None)
+        decided = api.plan(model, budget, example_inputs=inputs, device=device, optimizer=counted.optimizer,
+                       precision=precision, reserve=reserve, units=units, loop=loop, progress=progress)
+        return decided, loop
+
+    whole, loop = plan_micro_batch(batch_size)
+    micro, decided = batch_size, whole
+    if not whole.feasible and batch_size > 1:
+        micro, decided, loop = _largest_fitting_micro_batch(batch_size, plan_micro_batch)
+    if not decided.feasible:
+        raise InfeasibleBudgetError(decided, f"not even a micro-batch of 1 fits: {_over(decided)}")
+    notes = [note for note in (counted.note, batches.note) if note]
+    if apply:
+        notes.extend(_prepare_model(model))
+        api.apply(model, decided)
+    changes = _changes(args, decided, whole, micro)
+    training_args = dataclasses.replace(args, **{change.name: change.after for change in changes}) if changes else args
+    return TrainerPlan(decided, changes, training_args, loop, micro, tuple(notes))
+
+
+@dataclass(frozen=True)
+class Batches:
+    """How the Trainer's batches are made for planning: `make(size)` gives one of `size` examples."""
+
+    make: Callable[[int], dict[str, Any]]
+    note: str | None = None  # what the sequence length was taken from, when it is an assumption
+
+
+def _batches(model, args, seq_len, train_dataset, data_collator) -> Batches:
+    """Batches of a given size as the Trainer feeds the model: from the data, or built from the config."""
+    seq_len = seq_len or getattr(args, "max_length", None)
+    if seq_len is not None:
+        return Batches(lambda size: example_inputs_for(model, size, int(seq_len)))
+    if train_dataset is None:
+        raise ValueError("optimize_for_trainer needs the sequence length it plans for: pass seq_len= (the longest "
+                         "sequence a batch holds) or train_dataset= (with data_collator= when the Trainer gets one)")
+    examples = list(itertools.islice(iter(train_dataset) if not hasattr(train_dataset, "__getitem__") else
+                                     (train_dataset[i] for i in range(len(train_dataset))), SCANNED_EXAMPLES))
+    if not examples:
+        raise ValueError("train_dataset is empty: there is no batch to plan for")
+    examples.sort(key=_length, reverse=True)  # the longest examples make the batch that peaks highest
+    collate = data_collator or require_transformers().default_data_collator
+
+    def make(size: int) -> dict[str, Any]:
+        batch = dict(collate(examples[:size]))
+        # the Trainer drops columns forward does not take (remove_unused_columns)
+        return {key: value for key, value in batch.items() if accepts_argument(model.forward, key)}
+
+    note = None
+    if len(examples) == SCANNED_EXAMPLES:
+        note = (f"planned for the longest of the first {SCANNED_EXAMPLES} examples ({_length(examples[0])} tokens); "
+                "pass seq_len= if longer ones come later")
+    return Batches(make, note)
+
+
+def _length(example: Any) -> int:
+    """The length of an example's input_ids (0 when it has none)."""
+    tokens = example.get("input_ids") if isinstance(example, dict) else None
+    try:
+        return len(tokens) if tokens is not None else 0
+    except TypeError:
+        return 0
+
+
+def _largest_fitting_micro_batch(batch_size: int, plan_micro_batch) -> tuple[int, Plan, TrainingLoop]:
+    """Bisect the divisors of the batch below it for the largest micro-batch whose plan fits.
+
+    A smaller micro-batch never peaks higher, so the divisors that fit are a prefix of them. When
+    none fits, the plan for a micro-batch of 1 comes back (it does not fit).
+    """
+    divisors = [d for d in range(1, batch_size) if batch_size % d == 0]
+    fitting = smallest = None
+    low, high = 0, len(divisors) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        decided, loop = plan_micro_batch(divisors[middle])
+        if decided.feasible:
+            fitting, low = (divisors[middle], decided, loop), middle + 1
+        else:
+            smallest, high = (divisors[middle], decided, loop), middle - 1
+    return fitting or smallest
+
+
+def _over(decided: Plan) -> str:
+    return (f"the lowest peak is {format_bytes(decided.minimum_peak_bytes)}, over the {format_bytes(decided.usable_bytes)} "
+            f"usable; it needs a {format_bytes(decided.minimum_budget_bytes)} budget")
+
+
+def _prepare_model(model: torch.nn.Module) -> list[str]:
+    """What the Trainer's step needs of the model that the arguments do not say: no KV cache in training."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # a cache holds every layer's keys and values until the step ends; planned without
+        return ["model.config.use_cache set to False: a KV cache in training holds every layer's keys and values"]
+    return []
+
+
+def _changes(args: Any, decided: Plan, whole: Plan, micro: int) -> tuple[ArgumentChange, ...]:
+    """The TrainingArguments fields the plan needs changed."""
+    changes = []
+    name = next((n for n in CHECKPOINTING_ARGUMENTS if hasattr(args, n)), None)
+    if name is not None and getattr(args, name):
+        checkpointed = sum(unit.choice.checkpointed for unit in decided.units)
+        changes.append(ArgumentChange(name, True, False, f"the plan checkpoints {checkpointed} of {len(decided.units)} "
+                                      "layers itself; transformers would checkpoint every one"))
+    batch_size, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if micro != batch_size:
+        steps = accumulation * batch_size // micro
+        changes.append(ArgumentChange("per_device_train_batch_size", batch_size, micro,
+                                      f"a batch of {batch_size} does not fit even with every layer checkpointed: {_over(whole)}"))
+        changes.append(ArgumentChange("gradient_accumulation_steps", accumulation, steps,
+                                      f"{steps} micro-batches of {micro} per optimizer step keep the batch of "
+                                      f"{batch_size * accumulation} per device"))
+    return tuple(changes)

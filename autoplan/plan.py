@@ -212,6 +212,8 @@ class Plan:
     world_size_curve: tuple[WorldSizePoint, ...] = ()  # per-rank peak against N (world_size="auto" searched it)
     parameter_count: int = 0  # trainable and frozen parameters, tied weights once
     state_bytes: int = 0  # parameters + gradients + optimizer state on one GPU, before sharding
+    loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the peak was predicted for
+    request: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
 
     def choices(self) -> dict[str, Choice]:
         return {unit.name: unit.choice for unit in self.units}
@@ -229,6 +231,7 @@ class Plan:
         data["breakdown"]["total"] = self.breakdown.total
         data["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
         data["world_size_curve"] = [dataclasses.asdict(point) for point in self.world_size_curve]
+        data["request"] = {name: value for name, value in self.request}
         return data
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -152,8 +152,8 @@ def quality_table(size: str, pairs: int) -> None:
 
 
 def _plan(model, budget, inputs, menu_size=None):
-    """autoplan's plan for `budget`; menu_size 0 profiles the three fixed modes only."""
-    options = {} if menu_size is None else {"menu_size": menu_size}
+    """autoplan's plan for `budget`; menu_size 0 profiles the three fixed modes only (None: the menu, 6 points)."""
+    options = {"menu_size": 6 if menu_size is None else menu_size}
     return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
 
 
@@ -164,7 +164,7 @@ def solve_times() -> None:
     for layers in (24, 96, 384):
         model, inputs = build(n_layer=layers, n_embd=64, n_head=2, block_size=64, vocab_size=128, batch_size=1, seq_len=64)
         measured = profile(trace(model, inputs), DEVICE, precisions=("fp32", "bf16"))
-        lowest = predict_peak(measured, minimum_peak(measured)[0]).bytes
+        lowest = predict_peak(measured, minimum_peak(measured).choices).bytes
         budget = (lowest + measured.reference.peak_bytes) // 2  # halfway: a real trade-off to solve
         started = time.perf_counter()
         solution = solve(measured, budget)

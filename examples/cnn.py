@@ -61,7 +61,7 @@ def main() -> None:
     images, labels = torch.randn(32, 3, 64, 64), torch.randint(0, 10, (32,))
     loss_fn = lambda logits: F.cross_entropy(logits, labels)  # noqa: E731 - the step's own loss
     start = time.perf_counter()
-    no_plan = autoplan.plan(model, "1TB", example_inputs=(images,), device="rtx-4090", loss_fn=loss_fn, reserve=0)
+    no_plan = autoplan.plan(model, "100%", example_inputs=(images,), device="rtx-4090", loss_fn=loss_fn, reserve=0)
     budget = (no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, example_inputs=(images,), device="rtx-4090", loss_fn=loss_fn, reserve=0)
     print(plan.report())

@@ -33,7 +33,7 @@ def main() -> None:
     )
     model = LlamaForCausalLM(config)
     start = time.perf_counter()
-    no_plan = autoplan.plan(model, "1TB", batch_size=BATCH, seq_len=SEQ, device="h100-80gb", reserve=0)
+    no_plan = autoplan.plan(model, "100%", batch_size=BATCH, seq_len=SEQ, device="h100-80gb", reserve=0)
     budget = (no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, batch_size=BATCH, seq_len=SEQ, device="h100-80gb", reserve=0)
     print(plan.report())

@@ -49,12 +49,12 @@ def add_lora(model: nn.Module) -> nn.Module:
 def main() -> None:
     model, (idx,) = build(n_layer=6, n_embd=256, n_head=8, block_size=256, vocab_size=1024, batch_size=8, seq_len=256)
     inputs = ((idx,), {"targets": idx})
-    full = autoplan.plan(model, "1TB", example_inputs=inputs, device="a100-40gb", reserve=0)
+    full = autoplan.plan(model, "100%", example_inputs=inputs, device="a100-40gb", reserve=0)
     add_lora(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"trainable parameters: {trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
     start = time.perf_counter()
-    no_plan = autoplan.plan(model, "1TB", example_inputs=inputs, device="a100-40gb", reserve=0)
+    no_plan = autoplan.plan(model, "100%", example_inputs=inputs, device="a100-40gb", reserve=0)
     budget = (no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="a100-40gb", reserve=0)
     print(plan.report())

@@ -73,3 +73,58 @@ class _DataDependent(nn.Module):
 
 def untraceable():
     return _DataDependent(), (torch.randn(2, 8),)
+
+
+def tiny_mlp(batch_size: int = 2):
+    """The fastest target to plan: two repeated blocks of one 8-wide layer."""
+    model = _TwoBlocks()
+    return model, (torch.randn(batch_size, 8),)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self, n_blocks: int = 2, used: int | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(n_blocks)])
+        self.used = n_blocks if used is None else used
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in list(self.blocks)[: self.used]:
+            x = torch.relu(block(x))
+        return x
+
+
+def unused_block():
+    """Three repeated blocks, of which forward runs two: blocks.2 is defined but never called."""
+    return _TwoBlocks(n_blocks=3, used=2), (torch.randn(2, 8),)
+
+
+class _BranchingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if y.sum() > 0:  # a branch on a tensor's value, inside a unit: fx traces past it (a leaf), fake tensors cannot
+            return y
+        return -y
+
+
+class _BranchInBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_BranchingBlock(), _BranchingBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def branch_in_block():
+    return _BranchInBlock(), (torch.randn(2, 8),)
+
+
+def exits():
+    """A factory that ends the process (a script's main() reused as a factory)."""
+    sys.exit(0)

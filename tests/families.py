@@ -10,6 +10,7 @@ shows, so the table cannot claim more than the tests prove:
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import tempfile
 import time
@@ -87,8 +88,8 @@ class PlanCheck:
     seconds: float  # wall time of autoplan.plan at that budget
 
 
-def half_activation_budget(family: Family, precision: str = "fp32") -> int:
-    """Static memory (parameters, gradients, AdamW state) plus half the no-plan activation memory."""
+def half_activation_budget(family: Family, precision: str = "fp32", loop: autoplan.TrainingLoop | None = None) -> int:
+    """Static memory (parameters, gradients, AdamW state) plus half the no-plan activation memory of `loop`."""
     from autoplan.inputs.devices import get_device
     from autoplan.profile.units import run_timeline
     from autoplan.trace.tracer import trace
@@ -96,20 +97,26 @@ def half_activation_budget(family: Family, precision: str = "fp32") -> int:
     model = family.build()
     traced = trace(model, training_batch(model, None, BATCH, SEQ), None)
     keep = {unit: autoplan.Choice("keep", precision) for unit in traced.units}
-    timeline = run_timeline(traced, keep, device=get_device("cpu"), optimizer="adamw")
+    timeline = run_timeline(traced, keep, device=get_device("cpu"), optimizer="adamw", loop=loop)
     static = timeline.static.parameters + timeline.static.gradients + timeline.static.optimizer
     return static + (timeline.peak_bytes - static) // 2
 
 
-def plan_at_half_activations(family: Family, precision: str = "fp32") -> PlanCheck:
-    """autoplan.plan, inputs inferred from the config, at `half_activation_budget`."""
+def plan_at_half_activations(family: Family, precision: str = "fp32", loop: autoplan.TrainingLoop | None = None) -> PlanCheck:
+    """autoplan.plan, inputs inferred from the config, at `half_activation_budget` of `loop`."""
     model = family.build()
-    budget = half_activation_budget(family, precision)
+    budget = half_activation_budget(family, precision, loop)
     start = time.perf_counter()
     plan = autoplan.plan(
-        model, budget, batch_size=BATCH, seq_len=SEQ, device="cpu", precision=precision, reserve=0
+        model, budget, batch_size=BATCH, seq_len=SEQ, device="cpu", precision=precision, reserve=0, loop=loop
     )
     return PlanCheck(plan, budget, time.perf_counter() - start)
+
+
+@functools.cache
+def planned(name: str) -> PlanCheck:
+    """The family's fp32 plan for the common loop (outputs kept), made once per test session."""
+    return plan_at_half_activations(BY_NAME[name])
 
 
 def _train_step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, dict, dict, dict]:

@@ -31,9 +31,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-@functools.cache
-def _planned(name: str) -> families.PlanCheck:
-    return families.plan_at_half_activations(families.BY_NAME[name])
+_planned = families.planned  # one plan per family, shared with tests/test_loop.py
 
 
 def _layer_names(model: torch.nn.Module) -> list[str]:
@@ -109,6 +107,14 @@ def _count_hf_checkpointing(model: torch.nn.Module) -> list:
     return calls
 
 
+def _enable_hf_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' own checkpointing of every layer, by its current name (5.x deprecated gradient_checkpointing_enable)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
     family = families.BY_NAME["Llama"]
@@ -117,12 +123,12 @@ def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch
     inputs = family.inputs(original)
     rewritten = copy.deepcopy(original)
     if when == "before":
-        rewritten.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_hf_checkpointing(rewritten)
         with pytest.warns(UserWarning, match="gradient checkpointing"):
             autoplan.apply(rewritten, plan)
     else:
         autoplan.apply(rewritten, plan)
-        rewritten.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_hf_checkpointing(rewritten)
     hf_calls = _count_hf_checkpointing(rewritten)
     ours = []
     real_checkpoint = autoplan.runtime.wrappers.checkpoint
@@ -193,7 +199,7 @@ def test_a_model_without_labels_backpropagates_the_sum_of_its_outputs_and_loss_f
 # -- presets, configs, meta models ------------------------------------------------------------
 
 PUBLISHED_PARAMETERS = {  # the checkpoints' own parameter counts
-    "gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
+    "gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400, "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
     "mistral-7b": 7_241_732_096, "qwen2-7b": 7_615_616_512, "bert-base": 109_514_298, "t5-base": 222_903_552,
     "vit-base": 86_567_656,
 }

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from autoplan.errors import BudgetError, BudgetOverDeviceError
 from autoplan.inputs.budget import DEFAULT_FRAGMENTATION, Budget, budget_needed_for, default_reserve, make_budget, parse_bytes
 from autoplan.runtime.formatting import format_bytes
 from autoplan.inputs.devices import DEVICES, get_device
@@ -110,16 +111,18 @@ def test_rejected_forms(value: object, reason: str) -> None:
     message = str(info.value)
     assert reason in message
     assert f"invalid budget {value!r}" in message
-    for form in ("an int of bytes", '"20GB"', '"20 GiB"', '"512MB"', '"1.5TB"', '"80%"'):
+    for form in ('"20GB"', '"20 GiB"', '"512MB"', '"1.5TB"', '"1024B"', '"80%"'):
         assert form in message
+    # a string came from a person or a command line, which cannot pass an int: only Python values hear of it
+    assert ("an int of bytes" in message) == (not isinstance(value, str))
 
 
 def test_bare_number_message_is_as_documented() -> None:
     with pytest.raises(ValueError) as info:
         parse_bytes("20")
     assert str(info.value) == (
-        "invalid budget '20': a budget needs a unit. Accepted: an int of bytes, "
-        '"20GB", "20 GiB", "512MB", "1.5TB", "80%" (of the device\'s memory).'
+        "invalid budget '20': a budget needs a unit. Accepted: "
+        '"20GB", "20 GiB", "512MB", "1.5TB", "1024B", "80%" (of the device\'s memory).'
     )
 
 
@@ -208,8 +211,26 @@ def test_make_budget_percentage_and_int() -> None:
     assert make_budget(4096, CPU).text == "4096"
 
 
-def test_budget_above_device_memory_is_allowed() -> None:
-    assert make_budget("1TB", H100).total_bytes == 10**12
+def test_budget_above_device_memory_is_an_error_unless_allowed() -> None:
+    with pytest.raises(BudgetOverDeviceError) as info:
+        make_budget("1TB", H100)
+    assert info.value.budget_bytes == 10**12 and info.value.device_memory_bytes == H100.memory_bytes
+    assert "h100-80gb" in str(info.value) and "allow_over_device=True" in str(info.value)
+    assert make_budget("1TB", H100, allow_over_device=True).total_bytes == 10**12
+    assert make_budget("100%", H100).total_bytes == H100.memory_bytes  # the whole device is fine
+
+
+@pytest.mark.parametrize("reserve", ["1GB", "2GB", 10**9])
+def test_reserve_that_leaves_nothing_is_an_error(reserve) -> None:
+    with pytest.raises(BudgetError, match="leaves nothing"):
+        make_budget("1GB", H100, reserve=reserve)
+
+
+def test_numpy_integers_are_ints() -> None:
+    numpy = pytest.importorskip("numpy")
+    assert parse_bytes(numpy.int64(10**9)) == 10**9 and type(parse_bytes(numpy.int32(7))) is int
+    with pytest.raises(ValueError, match="float"):
+        parse_bytes(numpy.float64(1e9))
 
 
 def test_usable_never_negative() -> None:
@@ -234,18 +255,18 @@ def test_budget_needed_for_zero() -> None:
 def test_budget_needed_for_is_minimal(usable: int, name: str) -> None:
     device = get_device(name)
     total = budget_needed_for(usable, device)
-    assert make_budget(total, device).usable_bytes >= usable
+    assert make_budget(total, device, allow_over_device=True).usable_bytes >= usable
     if total > 1:
-        assert make_budget(total - 1, device).usable_bytes < usable
+        assert make_budget(total - 1, device, allow_over_device=True).usable_bytes < usable
 
 
 @given(
-    usable=st.integers(min_value=0, max_value=10**14),
+    usable=st.integers(min_value=1, max_value=10**14),
     reserve=st.integers(min_value=0, max_value=10**12),
 )
 def test_budget_needed_for_explicit_reserve_round_trips(usable: int, reserve: int) -> None:
     total = budget_needed_for(usable, H100, reserve=reserve)
-    assert make_budget(total, H100, reserve=reserve).usable_bytes >= usable
+    assert make_budget(total, H100, reserve=reserve, allow_over_device=True).usable_bytes >= usable
 
 
 @pytest.mark.parametrize(

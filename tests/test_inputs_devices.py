@@ -82,7 +82,7 @@ def test_pre_ampere_has_no_bf16(name: str) -> None:
         ("h100", "h100-80gb"),
         ("H100", "h100-80gb"),
         ("H100-80GB", "h100-80gb"),
-        ("a100", "a100-80gb"),
+        ("a100-80", "a100-80gb"),
         ("A100-40GB", "a100-40gb"),
         ("4090", "rtx-4090"),
         ("3090", "rtx-3090"),
@@ -94,6 +94,22 @@ def test_pre_ampere_has_no_bf16(name: str) -> None:
 )
 def test_aliases(alias: str, name: str) -> None:
     assert get_device(alias) is DEVICES[name]
+
+
+@pytest.mark.parametrize(("family", "sizes"), [("a100", ("a100-40gb", "a100-80gb")), ("V100", ("v100-16gb", "v100-32gb"))])
+def test_a_family_of_several_sizes_must_name_one(family: str, sizes: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError) as info:  # not a silent pick of one memory size
+        get_device(family)
+    assert all(size in str(info.value) for size in sizes)
+
+
+def test_torch_device() -> None:
+    assert get_device(torch.device("cpu")) is DEVICES["cpu"]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="not a CUDA device of this machine"):
+            get_device(torch.device("cuda"))
+    with pytest.raises(ValueError, match="meta"):
+        get_device(torch.device("meta"))
 
 
 def test_device_passes_through() -> None:

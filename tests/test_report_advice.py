@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -146,15 +147,16 @@ def test_gradient_accumulation_is_verified_by_replanning(tight) -> None:
     _, plan, profile = tight
     calls = []
 
-    def replan(micro):
+    def replan(micro, loop):
         calls.append(micro)
+        assert loop == dataclasses.replace(plan.loop, accumulation_steps=BATCH // micro)  # the planned loop, accumulating
         model, inputs = tiny_gpt(batch_size=micro, seq_len=SEQ)
-        return autoplan.plan(model, plan.budget_bytes, example_inputs=inputs, device="h100", reserve=0)
+        return autoplan.plan(model, plan.budget_bytes, example_inputs=inputs, device="h100", reserve=0, loop=loop)
 
     advice = advise(plan, profile, batch_size=BATCH, seq_len=SEQ, replan=replan)
     step = advice.step("grad_accumulation")
     assert calls and all(BATCH % micro == 0 for micro in calls)
-    assert step.status == "try" and f"verified by planning batch {calls[-1]} again: fits" in step.detail
+    assert step.status == "try" and f"verified by planning batch {calls[-1]} again in that loop: fits" in step.detail
     estimated = advise(plan, profile, batch_size=BATCH, seq_len=SEQ).step("grad_accumulation")
     assert "estimated: activations scale linearly" in estimated.detail
     assert advise(plan, profile, batch_size=1).step("grad_accumulation").status == "n/a"

@@ -253,7 +253,7 @@ def test_budget_below_static_memory_is_infeasible() -> None:
     assert not solution.feasible and solution.choices == {}
 
 
-def _random_chain(seed: int, n: int, *, three_modes: bool = False, passed: bool = False) -> Profile:
+def random_chain(seed: int, n: int, *, three_modes: bool = False, passed: bool = False) -> Profile:
     rng = random.Random(seed)
     keep_held = [rng.randint(4, 20) for _ in range(n)]
     full_held = [rng.randint(0, 3) for _ in range(n)]
@@ -297,12 +297,12 @@ def _assert_solver_matches_brute_force(profile: Profile, fractions=(0.0, 0.2, 0.
 
 @pytest.mark.parametrize(("seed", "n"), [(0, 4), (1, 6), (2, 8), (3, 10)])
 def test_solver_matches_brute_force_keep_or_full(seed: int, n: int) -> None:
-    _assert_solver_matches_brute_force(_random_chain(seed, n))
+    _assert_solver_matches_brute_force(random_chain(seed, n))
 
 
 @pytest.mark.parametrize(("seed", "n"), [(5, 6), (13, 5)])
 def test_solver_matches_brute_force_three_modes(seed: int, n: int) -> None:
-    _assert_solver_matches_brute_force(_random_chain(seed, n, three_modes=True))
+    _assert_solver_matches_brute_force(random_chain(seed, n, three_modes=True))
 
 
 @pytest.mark.parametrize(
@@ -319,7 +319,7 @@ def test_solver_matches_brute_force_three_modes(seed: int, n: int) -> None:
 def test_solver_is_optimal_where_cbc_preprocessing_was_not(seed, n, three_modes, passed, fraction, best, cbc_answered) -> None:
     """Regression: CBC 2.10's preprocessing fixed variables of these programs wrongly and reported
     the slower plans `cbc_answered` as 'Optimal'; solve() now runs CBC without it."""
-    profile = _random_chain(seed, n, three_modes=three_modes, passed=passed)
+    profile = random_chain(seed, n, three_modes=three_modes, passed=passed)
     _, lowest = brute_force(profile, 0)
     usable = (lowest + int(fraction * (keep_peak(profile) - lowest))) // MIB * MIB + HALF
     assert brute_force(profile, usable)[0] == pytest.approx(best)
@@ -331,11 +331,11 @@ def test_solver_is_optimal_where_cbc_preprocessing_was_not(seed, n, three_modes,
 
 @pytest.mark.parametrize(("seed", "n"), [(6, 5), (7, 7), (8, 8)])
 def test_solver_matches_brute_force_with_tensors_passed_between_units(seed: int, n: int) -> None:
-    _assert_solver_matches_brute_force(_random_chain(seed, n, passed=True))
+    _assert_solver_matches_brute_force(random_chain(seed, n, passed=True))
 
 
 def test_solver_matches_brute_force_under_pins() -> None:
-    profile = _random_chain(9, 7)
+    profile = random_chain(9, 7)
     pins = {"u2": (KEEP,), "u5": (FULL,)}
     _assert_solver_matches_brute_force(profile, pins=pins)
 
@@ -354,23 +354,24 @@ def test_low_precision_options_are_picked_when_faster() -> None:
 def test_minimum_peak_is_all_full_when_full_always_saves_memory() -> None:
     # recomputation does not raise the backward transient: every full unit lowers every peak
     profile = synthetic_chain(6, full_bwd=2)
-    choices, seconds = minimum_peak(profile)
-    assert choices == {f"u{i}": FULL for i in range(6)}
+    lowest = minimum_peak(profile)
+    choices, seconds = lowest.choices, lowest.solve_time_s
+    assert choices == {f"u{i}": FULL for i in range(6)} and lowest.proven
     assert seconds >= 0
     assert predict_peak(profile, choices).bytes == (100 + 6 * 1 + 2) * MIB
 
 
 def test_minimum_peak_keeps_the_unit_whose_recompute_sits_at_the_peak() -> None:
     profile = synthetic_chain(6)
-    choices, _ = minimum_peak(profile)
+    choices = minimum_peak(profile).choices
     assert choices == {**{f"u{i}": FULL for i in range(5)}, "u5": KEEP}
 
 
 @pytest.mark.parametrize("seed", [10, 11, 12])
 def test_minimum_peak_matches_brute_force(seed: int) -> None:
-    profile = _random_chain(seed, 7, passed=seed == 12)
+    profile = random_chain(seed, 7, passed=seed == 12)
     _, lowest = brute_force(profile, 0)
-    choices, _ = minimum_peak(profile)
+    choices = minimum_peak(profile).choices
     assert predict_peak(profile, choices).bytes == lowest
 
 
@@ -378,7 +379,7 @@ def test_minimum_peak_prefers_the_fastest_among_equal_peaks() -> None:
     # the last unit is never at the peak when full_bwd is small and the others are full;
     # making u0 full or keep both leave the peak where it is only if its held bytes do not matter.
     profile = synthetic_chain(3, keep_held=[10, 10, 10], full_held=[1, 1, 1], full_bwd=[2, 2, 30])
-    choices, _ = minimum_peak(profile)
+    choices = minimum_peak(profile).choices
     peak = predict_peak(profile, choices).bytes
     # every alternative with the same peak is no faster
     for combo in itertools.product([KEEP, FULL], repeat=3):
@@ -423,7 +424,7 @@ def test_pinned_full_is_full_even_when_memory_is_plentiful() -> None:
     solution = solve(profile, 10**12, pins={"u3": (FULL,)})
     assert solution.choices == {"u0": KEEP, "u1": KEEP, "u2": KEEP, "u3": FULL, "u4": KEEP}
     assert fastest(profile, {"u3": (FULL,)})["u3"] == FULL
-    choices, _ = minimum_peak(profile, pins={"u0": (KEEP,)})
+    choices = minimum_peak(profile, pins={"u0": (KEEP,)}).choices
     assert choices["u0"] == KEEP
 
 

@@ -98,8 +98,9 @@ def test_find_units_small_resnet_basic_blocks() -> None:
 def test_find_units_skipnet_conv_blocks() -> None:
     model, _ = make_skipnet()
     units = find_units(model)
-    assert sorted(units) == sorted(["e1", "e2", "e3", "d3", "d2", "d1"])
-    assert all(isinstance(model.get_submodule(u), ConvBlock) for u in units)
+    # the conv blocks, and their sibling the head: every child with parameters of what holds them
+    assert sorted(units) == sorted(["e1", "e2", "e3", "d3", "d2", "d1", "head"])
+    assert all(isinstance(model.get_submodule(u), ConvBlock) for u in units if u != "head")
 
 
 def test_find_units_lora_blocks() -> None:
@@ -294,8 +295,8 @@ def test_trace_leaves_units_as_leaf_calls() -> None:
 def test_trace_units_in_execution_order() -> None:
     model, inputs = make_skipnet()
     traced = trace(model, inputs)
-    # defined e1 e2 e3 d3 d2 d1, and run in that order
-    assert traced.units == ("e1", "e2", "e3", "d3", "d2", "d1")
+    # defined e1 e2 e3 d3 d2 d1 head, and run in that order
+    assert traced.units == ("e1", "e2", "e3", "d3", "d2", "d1", "head")
 
 
 class _Reversed(nn.Module):
@@ -424,7 +425,7 @@ def test_untraceable_model_with_units_raises_naming_the_line_and_each_tracer() -
         trace(_DataDependent(), (torch.randn(3, 8),), units=["blocks.*"])
     message = str(info.value)
     assert "symbolic_trace" in message and "torch.export" in message and "fake tensors" in message
-    assert "test_trace.py" in message and "if x.sum() > 0" in message
+    assert "test_trace_units.py" in message and "if x.sum() > 0" in message
     assert "torch.where" in message and "units=" in message
 
 

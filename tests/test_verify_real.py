@@ -111,3 +111,14 @@ def test_cuda_verify_reports_out_of_memory_instead_of_raising():
     small = autoplan.plan(model, plan.minimum_peak_bytes // 2, example_inputs=inputs, reserve=0)
     result = autoplan.verify(model, small, example_inputs=inputs)
     assert result.out_of_memory and not result.held
+
+
+def test_an_optimizer_instance_is_counted_as_itself():
+    """torch 2.13's AdamW keeps `decoupled_weight_decay` in its defaults, which its constructor rejects:
+    planning with the person's own optimizer object must still work, and count its state."""
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(3)))
+    batch = (torch.randn(4, 16),)
+    by_name = autoplan.plan(model, "100%", example_inputs=batch, device="cpu", optimizer="adamw")
+    by_object = autoplan.plan(model, "100%", example_inputs=batch, device="cpu", optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+    assert by_object.optimizer == "AdamW"
+    assert by_object.breakdown.optimizer == by_name.breakdown.optimizer > 0

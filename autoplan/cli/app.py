@@ -1,59 +1,35 @@
 """The command line: `autoplan plan TARGET --budget 24GB`, `autoplan verify ...`, `autoplan devices`.
 
-The only module that prints or exits. Errors are one line on stderr with an exit code (the table
-in README.md and `ExitCode`); `--debug` adds the traceback. A plan that does not fit is not an
+With `cli.exits`, the only code that prints or exits. Errors are one line on stderr with an exit
+code (the table in docs/cli.md and `ExitCode`); `--debug` adds the traceback. A plan that does not fit is not an
 error: the report and the advice are printed and the exit code says "does not fit".
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
-import re
+import math
 import sys
-import traceback
-from enum import Enum, IntEnum
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import autoplan
-from autoplan.errors import (
-    FactoryError,
-    MissingExtraError,
-    TargetNotFoundError,
-    TargetUsageError,
-    TraceError,
-    UnitPatternError,
-)
+from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, quiet, reported, write_stdout
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import get_device, list_devices
+from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.targets import Target, load_target
 from autoplan.report.advice import advise
 from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
-from autoplan.report.text import render, report_renderables, verification_table
+from autoplan.report.text import report_renderables, verification_table
 from autoplan.runtime.formatting import format_bytes
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
-
-
-class ExitCode(IntEnum):
-    FITS = 0  # the plan fits the budget
-    ERROR = 1  # an unexpected error (a bug): rerun with --debug and report it
-    USAGE = 2  # a bad option value: budget, reserve, device, units, --batch-size a factory does not take
-    DOES_NOT_FIT = 3  # no plan fits: the report and advice say what to change
-    NOT_FOUND = 4  # the target's file, module, function or HF config does not exist
-    FACTORY_FAILED = 5  # importing the target or calling its factory raised, or it returned no (model, inputs)
-    CANNOT_PLAN = 6  # the model could not be traced or profiled
-    MISSING_EXTRA = 7  # an optional dependency is missing (matplotlib for --plot, transformers for hf:)
-    OUTPUT_FAILED = 8  # --json or --plot could not be written
-    DID_NOT_HOLD = 9  # verify: the real run went out of memory or beyond the usable budget
 
 
 class Precision(str, Enum):
@@ -70,24 +46,11 @@ class Optimizer(str, Enum):
     sgd_momentum = "sgd-momentum"
 
 
-class CliError(Exception):
-    def __init__(self, code: ExitCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-# Errors the person can fix, by class (most specific first); anything else is a bug (ExitCode.ERROR).
-EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
-    (TargetUsageError, ExitCode.USAGE),
-    (UnitPatternError, ExitCode.USAGE),
-    (TargetNotFoundError, ExitCode.NOT_FOUND),
-    (FactoryError, ExitCode.FACTORY_FAILED),
-    (MissingExtraError, ExitCode.MISSING_EXTRA),
-)
-
-
-def exit_code_for(error: BaseException) -> ExitCode:
-    return next((code for kind, code in EXIT_CODES if isinstance(error, kind)), ExitCode.ERROR)
+class OptimizerImpl(str, Enum):
+    auto = "auto"
+    foreach = "foreach"
+    fused = "fused"
+    for_loop = "for-loop"
 
 app = typer.Typer(
     help="Make a PyTorch training step fit a memory budget: plan checkpointing and precision per block, "
@@ -99,68 +62,50 @@ app = typer.Typer(
 )
 
 
-@contextlib.contextmanager
-def _reported(debug: bool):
-    """Errors become one line and an exit code; anything unexpected is a bug (ExitCode.ERROR)."""
-    try:
-        yield
-    except CliError as error:
-        _fail(error, debug)
-    except typer.Exit:
-        raise
-    except Exception as error:
-        code = exit_code_for(error)
-        message = str(error) if code != ExitCode.ERROR else f"{type(error).__name__}: {error}"  # a bug: say what raised
-        _fail(CliError(code, message).with_traceback(error.__traceback__), debug)
-
-
-def _fail(error: CliError, debug: bool) -> None:
-    if debug:
-        traceback.print_exception(error.__cause__ or error, file=sys.stderr)
-    message = str(error).replace("\n", " ")
-    typer.echo(f"autoplan: error: {message}" + ("" if debug else "  (--debug for the traceback)" if error.code == ExitCode.ERROR else ""), err=True)
-    raise typer.Exit(int(error.code))
-
-
-class _StageProgress:
-    """A rich progress bar fed by api.plan's progress messages ("profiling unit 3/12: ...")."""
-
-    _UNIT = re.compile(r"profiling unit (\d+)/(\d+)")
-
-    def __init__(self, console: Console) -> None:
-        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True, redirect_stderr=False,
-                            redirect_stdout=False, disable=not console.is_terminal)  # no bar in logs and pipes
-        self.task = self.bar.add_task("loading the model", total=None)
-
-    def __call__(self, message: str) -> None:
-        found = self._UNIT.match(message)
-        if found:
-            self.bar.update(self.task, description=message, completed=int(found[1]) - 1, total=int(found[2]))
-        else:
-            self.bar.update(self.task, description=message)
-
-
 def _world_size(text: Optional[str]) -> int | str | None:
     """--world-size N or auto: the plan's FSDP world size (None: one GPU, no FSDP)."""
     if text is None or text == "auto":
         return text
-    if not text.isdigit() or int(text) < 1:
-        raise CliError(ExitCode.USAGE, f"--world-size must be a whole number of GPUs, at least 1, or auto; got {text}")
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise CliError(ExitCode.USAGE, f"--world-size must be a whole number of GPUs, at least 1, or auto; got {text!r}")
     return int(text)
 
 
-def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path]):
-    try:
-        target_device = get_device(device)
-        make_budget(budget, target_device, reserve)
-    except (ValueError, TypeError) as error:
-        raise CliError(ExitCode.USAGE, str(error)) from error
+def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path],
+                   time_limit: float = 10.0, allow_over_device: bool = False):
+    make_budget(budget, get_device(device), reserve, allow_over_device=allow_over_device)  # BudgetError, DeviceError: exit 2
     _world_size(world_size)
+    if not 0 < time_limit < math.inf:
+        raise CliError(ExitCode.USAGE, f"--time-limit must be a positive number of seconds; got {time_limit}")
     if plot is not None:
         if plot.suffix.lower() not in FORMATS:
             raise CliError(ExitCode.USAGE, f"--plot file must end in {', '.join(FORMATS)}; got {plot.name!r}")
         require_pyplot()  # fail before minutes of planning, not after: PlotUnavailable is exit 7
+
+
+# the training loop planned for (docs/loops.md): the same options for `plan` and `verify`
+DROP_OUTPUTS = typer.Option(False, "--drop-outputs", help="The loop drops the model's outputs before backward "
+                            "(loss = model(**batch).loss). Default: they stay alive through backward "
+                            "(outputs = model(**batch); outputs.loss.backward()).")
+ACCUMULATION_STEPS = typer.Option(1, "--accumulation-steps", min=1, help="Micro-batches per optimizer step "
+                                  "(gradient accumulation); the batch is one micro-batch.")
+OPTIMIZER_IMPL = typer.Option(OptimizerImpl.auto, "--optimizer-impl", help="The optimizer's implementation: "
+                              "auto (torch's default for the device), foreach, fused, for-loop.")
+
+
+def _loop(drop_outputs: bool, accumulation_steps: int, optimizer_impl: OptimizerImpl) -> autoplan.TrainingLoop:
+    """The training loop the options describe (docs/loops.md): what the plan is for and verify runs."""
+    return autoplan.TrainingLoop(
+        keep_outputs=not drop_outputs, accumulation_steps=accumulation_steps, optimizer_impl=optimizer_impl.value
+    )
+
+
+def _plan_options(device, optimizer: Optimizer, precision: Precision, units, reserve, loop, world_size=None) -> dict:
+    """autoplan.plan's keyword arguments from the command's options."""
+    options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units), reserve=reserve, loop=loop)
+    if world_size is not None:
+        options["world_size"] = _world_size(world_size)
+    return options
 
 
 def _units(values: Optional[list[str]]) -> Optional[list[str]]:
@@ -174,23 +119,30 @@ def _plan(target: Target, budget: str, options: dict, progress, inputs=None, mod
     try:
         plan = autoplan.plan(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
                              progress=progress, on_profile=profiles.append, **options)
-    except (UnitPatternError, MissingExtraError):
-        raise  # --units named nothing / an extra is missing: mapped by class
-    except TraceError as error:
-        raise CliError(ExitCode.CANNOT_PLAN, str(error)) from error
-    except ValueError as error:
-        raise CliError(ExitCode.CANNOT_PLAN, f"cannot profile {type(target.model).__name__}: {error}") from error
     except Exception as error:
-        raise CliError(ExitCode.CANNOT_PLAN, f"cannot profile {type(target.model).__name__}: {type(error).__name__}: {error}") from error
+        if exit_code_for(error) != ExitCode.ERROR:
+            raise  # autoplan's own errors: mapped by class
+        # anything else the target's model raised while planning: what it was, not a bug of autoplan
+        raise CliError(ExitCode.CANNOT_PLAN, f"cannot plan {type(target.model).__name__}: {type(error).__name__}: {error}") from error
     return plan, profiles[0]
 
 
-def _write(path: Path, text: str) -> None:
+def _is_stdout(path: Optional[Path]) -> bool:
+    """`--json -`: the document goes to stdout, and everything for people to stderr."""
+    return path is not None and str(path) == "-"
+
+
+def _write(path: Path, text: str, err: Console) -> None:
+    """Write `text` to `path` (stdout for `-`) and say so on stderr."""
+    if _is_stdout(path):
+        write_stdout(text)
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as error:
         raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {path}: {error.strerror or error}") from error
+    err.print(f"wrote {path}", markup=False)
 
 
 def json_document(target: Target, plan, advice, budget: str) -> dict:
@@ -219,6 +171,9 @@ def plan_command(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory (hf: default 1024, "
                                           "capped at the model's maximum)."),
     optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer whose state is counted."),
+    drop_outputs: bool = DROP_OUTPUTS,
+    accumulation_steps: int = ACCUMULATION_STEPS,
+    optimizer_impl: OptimizerImpl = OPTIMIZER_IMPL,
     precision: Precision = typer.Option(Precision.auto, "--precision", help="auto: per unit fp32 or the device's bf16/fp16; "
                                         "or force one for the whole model."),
     world_size: Optional[str] = typer.Option(None, "--world-size", help="Plan per GPU for FSDP sharding over N GPUs "
@@ -228,45 +183,43 @@ def plan_command(
                                               "(repeat or comma-separate). Default: the blocks the model repeats."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help='Bytes held back from the budget, e.g. "1GB" or 0. '
                                           "Default: CUDA context + 5% fragmentation."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and advice as JSON to this file."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and advice as JSON to this file "
+                                             "(- for stdout; the report then goes to stderr)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write memory over the training step, before and after the "
                                         "plan, to this .png/.svg/.pdf (needs matplotlib)."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    time_limit: float = typer.Option(10.0, "--time-limit", help="Seconds the solver may take per solve."),
+    allow_over_device: bool = typer.Option(False, "--allow-over-device", help="Plan for a budget above the device's "
+                                           "memory (an error otherwise); the report says it fits the budget, not the device."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
     out, err = Console(highlight=False), Console(file=sys.stderr)  # bound now: planning may swap sys.stderr
-    # torch.export prints and logs the graph of a failed trace; the one-line error says what failed.
-    quiet = contextlib.nullcontext() if debug else contextlib.redirect_stderr(io.StringIO())
-    if not debug:
-        logging.getLogger("torch").setLevel(logging.ERROR)
-    with _reported(debug):
-        _check_options(budget, device, reserve, world_size, plot)
-        options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units),
-                       reserve=reserve)
-        if world_size is not None:
-            options["world_size"] = _world_size(world_size)
-        progress = _StageProgress(err)
-        with progress.bar, quiet:
+    with reported(debug):
+        _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device)
+        options = _plan_options(device, optimizer, precision, units, reserve, _loop(drop_outputs, accumulation_steps, optimizer_impl),
+                                world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device)
+        progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
+        with progress, quiet(debug):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
             plan, profile = _plan(loaded, budget, options, progress)
 
-            def replan(micro: int):
+            def replan(micro: int, loop: autoplan.TrainingLoop):
                 progress(f"checking micro-batch {micro}: planning again")
                 model, inputs = loaded.rebuild(micro)
-                return _plan(loaded, budget, options, progress, inputs=inputs, model=model)[0]
+                return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
 
             advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
                             parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
-        render(out, report_renderables(plan, advice, budget_text=budget))
+        # the files first: a reader that stops early (`| head`) must not cost them
         if json_path is not None:
-            _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n")
-            err.print(f"wrote {json_path}")
+            _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n", err)
         if plot is not None:
             try:
                 plot_memory(plan, profile, plot)
             except OSError as error:
                 raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {plot}: {error.strerror or error}") from error
-            err.print(f"wrote {plot}")
+            err.print(f"wrote {plot}", markup=False)
+        print_report(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget))
     raise typer.Exit(int(ExitCode.FITS if plan.feasible else ExitCode.DOES_NOT_FIT))
 
 
@@ -279,11 +232,15 @@ def verify_command(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Batch size, passed to the factory."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory."),
     optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer to count and to train with."),
+    drop_outputs: bool = DROP_OUTPUTS,
+    accumulation_steps: int = ACCUMULATION_STEPS,
+    optimizer_impl: OptimizerImpl = OPTIMIZER_IMPL,
     precision: Precision = typer.Option(Precision.auto, "--precision", help="As for `autoplan plan`."),
     units: Optional[list[str]] = typer.Option(None, "--units", help="As for `autoplan plan`."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="As for `autoplan plan`."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and the measurement as JSON to this file."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and the measurement as JSON to this file "
+                                             "(- for stdout; the table then goes to stderr)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET, then train real steps of the planned model and measure whether the plan held.
 
@@ -291,7 +248,7 @@ def verify_command(
     the live tensor bytes of the real run. Exit code 0 when it held, 9 when it did not.
     """
     out, err = Console(highlight=False), Console(file=sys.stderr)
-    with _reported(debug):
+    with reported(debug):
         import torch
 
         where = on or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -301,24 +258,26 @@ def verify_command(
             raise CliError(ExitCode.USAGE, "--on cuda: this machine has no CUDA device; use --on cpu")
         device = None if where == "cuda" else "cpu"  # plan for the device the steps run on
         _check_options(budget, device, reserve, None, None)
-        progress = _StageProgress(err)
-        with progress.bar:
+        to_stdout = _is_stdout(json_path)
+        progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=to_stdout))
+        with progress, quiet(debug):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
             model = loaded.model.to(where)
             inputs = _to_device(loaded.example_inputs, where)
-            options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units), reserve=reserve)
+            loop = _loop(drop_outputs, accumulation_steps, optimizer_impl)
+            options = _plan_options(device, optimizer, precision, units, reserve, loop)
             plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
-            if not plan.feasible:
-                out.print(plan.report())
-                raise typer.Exit(int(ExitCode.DOES_NOT_FIT))
-            progress(f"training {steps} real steps on {where}")
-            result = autoplan.verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
-        out.print(verification_table(result))
+            if plan.feasible:
+                progress(f"training {steps} real steps on {where}")
+                result = autoplan.verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
+        if not plan.feasible:
+            print_report(err if to_stdout else out, report_renderables(plan, budget_text=budget))
+            raise typer.Exit(int(ExitCode.DOES_NOT_FIT))
         if json_path is not None:
             document = {"schema": "autoplan.verify/1", "target": target, "budget": budget,
                         "plan": plan.to_dict(), "verification": result.to_dict()}
-            _write(json_path, json.dumps(document, indent=2) + "\n")
-            err.print(f"wrote {json_path}")
+            _write(json_path, json.dumps(document, indent=2) + "\n", err)
+        print_report(err if to_stdout else out, [verification_table(result)])
     raise typer.Exit(int(ExitCode.FITS if result.held else ExitCode.DID_NOT_HOLD))
 
 

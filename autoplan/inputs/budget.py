@@ -7,11 +7,14 @@ use, minus a reserve for the CUDA context and allocator fragmentation.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from autoplan.errors import BudgetError, BudgetOverDeviceError
 from autoplan.inputs.devices import Device
+from autoplan.runtime.formatting import format_bytes
 
 # Fraction of the allocator's memory lost to fragmentation. An uncalibrated
 # estimate: to be measured on a GPU (reserved vs. allocated at peak).
@@ -29,10 +32,10 @@ _UNITS = {
     "tib": 2**40,
 }
 
-_ACCEPTED = (
-    'Accepted: an int of bytes, "20GB", "20 GiB", "512MB", "1.5TB", '
-    "\"80%\" (of the device's memory)."
-)
+# What a string may say; a size given as a Python value may also be an int of bytes. A command
+# line passes strings only, so its errors list the string forms alone.
+_ACCEPTED_TEXT = '"20GB", "20 GiB", "512MB", "1.5TB", "1024B", "80%" (of the device\'s memory)'
+_ACCEPTED = f"Accepted: an int of bytes, {_ACCEPTED_TEXT}."
 
 # Plain ASCII decimals only: exponents would let "1e999GB" build huge ints.
 # A sign is allowed only so "-1GB" gets a "must be positive" message.
@@ -71,20 +74,38 @@ def default_reserve(total_bytes: int, device: Device) -> int:
     return device.context_bytes + int(DEFAULT_FRAGMENTATION * spare)
 
 
-def make_budget(value: object, device: Device, reserve: object = None) -> Budget:
+def make_budget(value: object, device: Device, reserve: object = None, *, allow_over_device: bool = False) -> Budget:
     """Build a ``Budget`` for ``device``.
 
     ``reserve`` None uses ``default_reserve``; otherwise it is an int of bytes
-    or a size string, where 0 means no reserve. A total above the device's
-    memory is allowed: the device may be described loosely.
+    or a size string, where 0 means no reserve; a reserve that leaves nothing of
+    the budget is a ``BudgetError``. A total above the device's memory is a
+    ``BudgetOverDeviceError`` unless ``allow_over_device`` (a plan that fits
+    such a budget would not fit the device).
     """
     total = parse_bytes(value, device_memory_bytes=device.memory_bytes)
+    if total > device.memory_bytes and not allow_over_device:
+        raise BudgetOverDeviceError(
+            f"the budget {_shown(value)} ({format_bytes(total)}) is more than {device.name}'s "
+            f"{format_bytes(device.memory_bytes)} of memory: give at most that, a percentage of it, or plan for a bigger "
+            "device (allow_over_device=True, --allow-over-device on the command line, plans for the budget anyway)",
+            budget_bytes=total, device_name=device.name, device_memory_bytes=device.memory_bytes,
+        )
     if reserve is None:
         reserve_bytes = default_reserve(total, device)
     else:
         reserve_bytes = _parse_reserve(reserve, device)
+        if reserve_bytes >= total:
+            raise BudgetError(
+                f"the reserve {_shown(reserve)} ({format_bytes(reserve_bytes)}) leaves nothing of the budget "
+                f"{_shown(value)} ({format_bytes(total)}): the reserve is held back from the budget, so it must be smaller"
+            )
     text = value.strip() if isinstance(value, str) else str(value)
     return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=text)
+
+
+def _shown(value: object) -> str:
+    return repr(value.strip()) if isinstance(value, str) else str(value)
 
 
 def budget_needed_for(usable_bytes: int, device: Device, reserve: object = None) -> int:
@@ -117,17 +138,18 @@ def _parse_reserve(value: object, device: Device) -> int:
 def _parse(
     value: object, device_memory_bytes: int | None, *, allow_zero: bool, what: str
 ) -> int:
-    def fail(reason: str) -> ValueError:
-        return ValueError(f"invalid {what} {value!r}: {reason}. {_ACCEPTED}")
+    def fail(reason: str) -> BudgetError:
+        accepted = f"Accepted: {_ACCEPTED_TEXT}." if isinstance(value, str) else _ACCEPTED
+        return BudgetError(f"invalid {what} {value!r}: {reason}. {accepted}")
 
     least = "at least 0" if allow_zero else "positive"
     if isinstance(value, bool):
         raise fail(f"a {what} is a size, not a bool")
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):  # int and numpy's integers
         if value < 0 or (value == 0 and not allow_zero):
             raise fail(f"a {what} must be {least}")
-        return value
-    if isinstance(value, float):
+        return int(value)
+    if isinstance(value, numbers.Real):
         raise fail("a float of bytes is ambiguous; give an int or a unit")
     if not isinstance(value, str):
         raise fail(f"a {what} must be an int or a string, not {type(value).__name__}")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autoplan.errors import DeviceError
+
 _GB = 2**30  # datasheet "80GB" of GPU memory is 80 GiB (nvidia-smi counts MiB)
 _T = 1e12
 
@@ -145,10 +147,8 @@ _ALIASES = {
     "h100": "h100-80gb",
     "h100-sxm": "h100-80gb",
     "h200-141gb": "h200",
-    "a100": "a100-80gb",
     "a100-40": "a100-40gb",
     "a100-80": "a100-80gb",
-    "v100": "v100-32gb",
     "v100-16": "v100-16gb",
     "v100-32": "v100-32gb",
     "3090": "rtx-3090",
@@ -176,37 +176,51 @@ def list_devices() -> list[Device]:
     return sorted(DEVICES.values(), key=lambda d: d.name)
 
 
-def get_device(spec: str | Device | None = None) -> Device:
+def get_device(spec: str | Device | torch.device | None = None) -> Device:
     """Resolve ``spec`` to a ``Device``.
 
     A ``Device`` is returned as is. A string is a device name or alias
-    (case-insensitive, e.g. "h100", "A100", "4090"). ``device=None`` means the
+    (case-insensitive, e.g. "h100", "4090"); a family sold with more than one
+    memory size ("a100", "v100") must say which. ``device=None`` means the
     current CUDA device if CUDA is available, else the "cpu" device; a
-    detected GPU reports its real memory from torch.
+    detected GPU reports its real memory from torch. A ``torch.device`` is the
+    CPU profile or that CUDA device of this machine.
     """
     if isinstance(spec, Device):
         return spec
     if spec is None:
         return _current_device()
+    if isinstance(spec, torch.device):
+        return _torch_device(spec)
     if not isinstance(spec, str):
-        raise TypeError(f"device must be a name or a Device, got {spec!r}")
+        raise DeviceError(f"device must be a name (see autoplan devices), a Device or a torch.device; got {spec!r}")
     key = re.sub(r"[\s_]+", "-", spec.strip().lower())
     key = _ALIASES.get(key, key)
+    sizes = _FAMILIES.get(key, ())
+    if key not in DEVICES and len(sizes) > 1:
+        raise DeviceError(f"{spec!r} comes with different memory sizes: name one of {', '.join(sizes)}")
     if key not in DEVICES:
         known = ", ".join(sorted(DEVICES))
-        raise ValueError(f"unknown device {spec!r}. Known devices: {known}")
+        raise DeviceError(f"unknown device {spec!r}. Known devices: {known}")
     return DEVICES[key]
+
+
+def _torch_device(device: torch.device) -> Device:
+    if device.type == "cpu":
+        return DEVICES["cpu"]
+    if device.type != "cuda":
+        raise DeviceError(f"autoplan plans for CUDA GPUs and the CPU; got torch.device({str(device)!r})")
+    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        raise DeviceError(f"{device} is not a CUDA device of this machine: name the GPU to plan for, e.g. 'h100-80gb'")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    props = torch.cuda.get_device_properties(index)
+    return _match_gpu(torch.cuda.get_device_name(index), int(props.total_memory), index, props.major)
 
 
 def _current_device() -> Device:
     if not torch.cuda.is_available():
         return DEVICES["cpu"]
-    index = torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    return _match_gpu(
-        torch.cuda.get_device_name(index), int(props.total_memory), index,
-        props.major,
-    )
+    return _torch_device(torch.device("cuda", torch.cuda.current_device()))
 
 
 def _match_gpu(name: str, memory_bytes: int, index: int, major: int) -> Device:

@@ -12,13 +12,14 @@ autoplan recognises a Hugging Face model by duck typing (`config` + `main_input_
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from autoplan.errors import MissingExtraError, UnknownModelError
+from autoplan.errors import MissingExtraError, ModelConfigError, OptionError, UnknownModelError
 from autoplan.runtime.signatures import accepts_argument
 
 # name -> (transformers config class, the checkpoint's public config.json values)
@@ -29,6 +30,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2-xl": ("GPT2Config", dict(
         architectures=["GPT2LMHeadModel"], vocab_size=50257, n_positions=1024, n_embd=1600, n_layer=48, n_head=25,
         activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False, tie_word_embeddings=True)),
+    "llama-3.2-1b": ("LlamaConfig", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192))),
     "llama-3-8b": ("LlamaConfig", dict(
         architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -72,7 +83,8 @@ _AUTO_HEADS = (
 DEFAULT_SEQ_LEN_CAP = 2048  # seq_len when not given: the config's max positions, at most this
 
 
-def _transformers():
+def require_transformers():
+    """The transformers module, or MissingExtraError saying how to install it."""
     try:
         import transformers
     except ImportError:
@@ -86,7 +98,7 @@ def is_hf_model(model: torch.nn.Module) -> bool:
 
 
 def _config_from_spec(spec: str):
-    transformers = _transformers()
+    transformers = require_transformers()
     if spec in PRESETS:
         class_name, values = PRESETS[spec]
         return getattr(transformers, class_name)(**values)
@@ -94,21 +106,41 @@ def _config_from_spec(spec: str):
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" and path.is_file():
-        values = json.loads(path.read_text())
-        model_type = values.pop("model_type", None)
-        if model_type is None:
-            raise ValueError(f"{path} has no 'model_type'; it is not a transformers config.json")
-        try:
-            return transformers.AutoConfig.for_model(model_type, **values)
-        except ValueError as error:
-            raise ValueError(f"{path}: transformers {transformers.__version__} does not know it: {error}") from None
+        return _config_from_file(transformers, path)
     raise UnknownModelError(
         f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}) or the path of a local config.json"
     )
 
 
+def _config_from_file(transformers, path: Path):
+    """A local config.json as transformers' config; anything it rejects is a ModelConfigError saying why."""
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelConfigError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(values, dict):
+        raise ModelConfigError(f"{path} holds a JSON {type(values).__name__}; a config.json is a JSON object of config values")
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ModelConfigError(f"{path} has no 'model_type'; it is not a transformers config.json")
+    known = list(transformers.CONFIG_MAPPING.keys())
+    if model_type not in known:
+        close = difflib.get_close_matches(str(model_type), known, n=3)
+        raise ModelConfigError(f"{path}: transformers {transformers.__version__} knows no model_type {model_type!r}"
+                               + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    try:
+        return transformers.AutoConfig.for_model(model_type, **values)
+    except Exception as error:  # noqa: BLE001 - transformers validates with errors of many classes
+        raise ModelConfigError(f"{path}: transformers rejects it: {_one_line(error)}") from error
+
+
+def _one_line(error: BaseException) -> str:
+    """transformers' validation errors span lines: one line of at most 300 characters."""
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
+
 def _model_class(config):
-    transformers = _transformers()
+    transformers = require_transformers()
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -119,7 +151,7 @@ def _model_class(config):
         except KeyError:
             continue
         return getattr(transformers, head).from_config
-    raise ValueError(f"transformers has no model for config {type(config).__name__}")
+    raise ModelConfigError(f"transformers has no model for config {type(config).__name__}")
 
 
 def model_from_config(spec: str, *, meta: bool = True) -> torch.nn.Module:
@@ -127,23 +159,31 @@ def model_from_config(spec: str, *, meta: bool = True) -> torch.nn.Module:
 
     meta=True builds it on the meta device: parameters have shapes but no memory, which is all
     planning needs (a 70B model takes seconds and no RAM). Such a model can be planned, not trained.
+    A config transformers rejects, or cannot build a model from, is a ModelConfigError.
     """
     config = _config_from_spec(spec)
     build = _model_class(config)
     context = torch.device("meta") if meta else torch.device("cpu")
-    with context:
-        model = build(config)
-    return model
+    try:
+        with context:
+            return build(config)
+    except Exception as error:  # noqa: BLE001 - a model's __init__ checks its config (heads divide the width, ...)
+        raise ModelConfigError(f"{spec}: transformers cannot build a model from this {type(config).__name__}: {_one_line(error)}") from error
+
+
+def max_positions(model: torch.nn.Module) -> tuple[int, str] | None:
+    """The longest sequence the model's config allows, and the config key that says so (None: no limit)."""
+    for key in ("max_position_embeddings", "n_positions", "max_target_positions"):
+        value = getattr(model.config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value, key
+    return None
 
 
 def default_seq_len(model: torch.nn.Module) -> int:
     """The config's maximum positions, capped at DEFAULT_SEQ_LEN_CAP (512 when the config has none)."""
-    config = model.config
-    for key in ("max_position_embeddings", "n_positions", "max_target_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return min(value, DEFAULT_SEQ_LEN_CAP)
-    return 512
+    limit = max_positions(model)
+    return min(limit[0], DEFAULT_SEQ_LEN_CAP) if limit else 512
 
 
 def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -160,6 +200,10 @@ def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) ->
         raise TypeError(f"example_inputs_for() takes a transformers model; got {type(model).__name__}")
     if not (isinstance(batch_size, int) and batch_size > 0 and isinstance(seq_len, int) and seq_len > 0):
         raise ValueError(f"batch_size and seq_len must be positive ints; got {batch_size!r}, {seq_len!r}")
+    limit = max_positions(model)
+    if limit and seq_len > limit[0] and model.main_input_name in ("input_ids", "input_features"):
+        raise OptionError(f"a sequence length of {seq_len} is more than {type(model).__name__} takes: at most {limit[0]} "
+                          f"positions (config.{limit[1]})")
     config = model.config
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 2
@@ -188,8 +232,7 @@ def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) ->
     elif main == "input_features":
         frames = 2 * getattr(config, "max_source_positions", 1500)  # the encoder's two convolutions halve it
         inputs["input_features"] = torch.randn(batch_size, config.num_mel_bins, frames, generator=generator)
-        length = min(seq_len, getattr(config, "max_target_positions", seq_len))
-        labels = tokens(length)
+        labels = tokens(seq_len)
     else:
         raise ValueError(
             f"autoplan cannot make inputs for {type(model).__name__} (main input {main!r}); pass example_inputs="

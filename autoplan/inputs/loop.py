@@ -2,12 +2,38 @@
 
 A frozen value handed to `autoplan.plan(..., loop=...)`. The default is the loop of the
 PyTorch tutorials and the transformers documentation: the model's outputs stay alive through
-backward, one micro-batch per optimizer step, `zero_grad(set_to_none=True)`.
+backward, one micro-batch per optimizer step, `zero_grad(set_to_none=True)`:
+
+    for batch in loader:
+        outputs = model(**batch)            # alive until the next step's forward returns
+        loss = outputs.loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+What each field changes in memory (docs/loops.md has the measurements):
+- keep_outputs: True, the outputs (logits) stay alive through backward, the optimizer step and
+  the next step's forward (the loop's variable is reassigned only when that forward returns);
+  False (`loss = loss_fn(model(batch))`), they die once the loss is computed, unless the loss
+  saved them for backward.
+- accumulation_steps N > 1: every micro-batch after the first runs forward and backward with all
+  gradients alive; the loss is divided by N. The example batch is one micro-batch.
+- zero_grad_set_to_none=False: gradients are zeroed, not freed, so they are alive through the
+  next forward and backward too.
+- optimizer_impl: the temporaries of `optimizer.step()`: "foreach" (torch's CUDA default) makes
+  them for all parameters at once, "for-loop" (its CPU default) one parameter at a time, "fused"
+  none; "auto" is torch's default for the device planned for.
+- grad_scaler: the scaled loss, the scale and the unscale before the step (a few scalars).
+- loss_in_model: True, the loss is the output's `.loss` (an error if there is none); False, it is
+  `loss_fn(output)` (default: the sum of the floating-point outputs); None, the output's `.loss`
+  when there is one, else `loss_fn`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Mapping
 
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for-loop")
 
@@ -26,3 +52,58 @@ class TrainingLoop:
             raise ValueError(f"accumulation_steps must be a whole number, at least 1; got {self.accumulation_steps!r}")
         if self.optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
             raise ValueError(f"optimizer_impl must be one of {OPTIMIZER_IMPLEMENTATIONS}; got {self.optimizer_impl!r}")
+        for name in ("keep_outputs", "zero_grad_set_to_none", "grad_scaler"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if not (self.loss_in_model is None or isinstance(self.loss_in_model, bool)):
+            raise ValueError(f"loss_in_model must be True, False or None; got {self.loss_in_model!r}")
+
+    @property
+    def gradients_alive_in_forward(self) -> bool:
+        """Whether the steady-state forward runs with every gradient already allocated."""
+        return self.accumulation_steps > 1 or not self.zero_grad_set_to_none
+
+    def accumulating(self, micro_batches: int) -> TrainingLoop:
+        """This loop with each batch split into `micro_batches` micro-batches (gradient accumulation)."""
+        return dataclasses.replace(self, accumulation_steps=self.accumulation_steps * micro_batches)
+
+    def optimizer_implementation(self, device_kind: str) -> str:
+        """"foreach", "fused" or "for-loop": "auto" resolved to torch's default for `device_kind`."""
+        if self.optimizer_impl != "auto":
+            return self.optimizer_impl
+        return "foreach" if device_kind == "cuda" else "for-loop"
+
+    def describe(self) -> str:
+        """One line for the report: the loop as its code would say it."""
+        parts = ["outputs kept through backward" if self.keep_outputs else "outputs dropped before backward"]
+        if self.accumulation_steps > 1:
+            parts.append(f"{self.accumulation_steps} micro-batches per optimizer step")
+        parts.append("zero_grad(set_to_none=True)" if self.zero_grad_set_to_none else "zero_grad(set_to_none=False)")
+        parts.append(f"{self.optimizer_impl} optimizer")
+        if self.grad_scaler:
+            parts.append("GradScaler")
+        if self.loss_in_model is not None:
+            parts.append("loss from the model's labels" if self.loss_in_model else "loss computed outside the model")
+        return ", ".join(parts)
+
+
+def check_loop(loop: object) -> TrainingLoop:
+    """`loop` as a TrainingLoop (None: the common loop; a mapping: those fields changed), or a TypeError saying what to pass."""
+    if loop is None:
+        return TrainingLoop()
+    if isinstance(loop, Mapping):  # the fields that differ from the common loop, as plan.request records them
+        unknown = sorted(set(loop) - {field.name for field in dataclasses.fields(TrainingLoop)})
+        if unknown:
+            raise TypeError(f"loop has no field {unknown[0]!r}; its fields are {[f.name for f in dataclasses.fields(TrainingLoop)]}")
+        return TrainingLoop(**loop)
+    if not isinstance(loop, TrainingLoop):
+        raise TypeError(
+            f"loop must be an autoplan.TrainingLoop, e.g. TrainingLoop(keep_outputs=False, accumulation_steps=4); "
+            f"got {type(loop).__name__}"
+        )
+    return loop
+
+
+def changed_fields(loop: TrainingLoop) -> dict[str, object]:
+    """The fields of `loop` that differ from the common loop: what `check_loop` needs to make it again."""
+    return {field.name: getattr(loop, field.name) for field in dataclasses.fields(loop) if getattr(loop, field.name) != field.default}

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map_only
 
-from autoplan.errors import FactoryError, TargetNotFoundError, TargetUsageError, UnknownModelError
+from autoplan.errors import FactoryError, ModelConfigError, TargetNotFoundError, TargetUsageError, UnknownModelError
 from autoplan.inputs import hf_models
 from autoplan.runtime.formatting import first_line
 from autoplan.runtime.signatures import accepts_argument
@@ -62,28 +62,48 @@ def _load_file(path_text: str):
     path = Path(path_text)
     if not path.is_file():
         raise TargetNotFoundError(f"no such file: {path_text}")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # like `python file.py` run from here: sibling packages import
+    _import_paths(first=path.resolve().parent)
     unique = f"autoplan_target_{abs(hash(str(path.resolve())))}"
     loader = importlib.util.spec_from_file_location(unique, path)
     module = importlib.util.module_from_spec(loader)
     sys.modules[unique] = module  # dataclasses and pickling look their module up here
     try:
         loader.loader.exec_module(module)
+    except SystemExit as error:
+        raise FactoryError(_exited(f"importing {path_text}", error)) from error
     except Exception as error:
         raise FactoryError(f"importing {path_text} raised {type(error).__name__}: {first_line(error)}") from error
     return module
 
 
+def _import_paths(first: Path | None = None) -> None:
+    """Where the target's own imports come from, as `python path/to/file.py` would have it.
+
+    The target file's folder goes first (its sibling modules import, from any working directory).
+    The working directory goes last, after the standard library and installed packages: its
+    packages import, but a `profile.py` or `copy.py` lying there shadows nothing autoplan or torch needs.
+    """
+    if first is not None and str(first) not in sys.path[:1]:
+        sys.path.insert(0, str(first))
+    if str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.append(str(Path.cwd()))
+
+
+def _exited(what: str, error: SystemExit) -> str:
+    return (f"{what} called sys.exit({error.code!r}) (SystemExit; argparse exits like this): a target is imported and its "
+            "factory called, so put the script's argument parsing and main code under `if __name__ == \"__main__\":`")
+
+
 def _load_module(name: str):
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
+    _import_paths()
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as error:
         if error.name and name.startswith(error.name):
             raise TargetNotFoundError(f"no module named {name!r}") from error
         raise FactoryError(f"importing {name} raised {type(error).__name__}: {first_line(error)}") from error
+    except SystemExit as error:
+        raise FactoryError(_exited(f"importing {name}", error)) from error
     except Exception as error:
         raise FactoryError(f"importing {name} raised {type(error).__name__}: {first_line(error)}") from error
 
@@ -108,6 +128,8 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
     def build(**sizes_now) -> tuple[torch.nn.Module, Any]:
         try:
             result = factory(**sizes_now)
+        except SystemExit as error:
+            raise FactoryError(_exited(f"{name}()", error)) from error
         except Exception as error:
             raise FactoryError(f"{name}() raised {type(error).__name__}: {first_line(error)}") from error
         if isinstance(result, torch.nn.Module):
@@ -130,13 +152,15 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
 def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None, meta: bool = True) -> Target:
     try:
         model = hf_models.model_from_config(config, meta=meta)  # needs transformers: MissingExtraError without it
+    except ModelConfigError as error:
+        raise TargetNotFoundError(f"hf:{first_line(error)}") from error
     except (FileNotFoundError, KeyError, ValueError, OSError) as error:
         hint = "" if isinstance(error, UnknownModelError) else f" (presets: {', '.join(sorted(hf_models.PRESETS))}, or a path to config.json)"
         raise TargetNotFoundError(f"hf:{config}: {first_line(error)}{hint}") from error
     batch = batch_size or HF_DEFAULT_BATCH
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    seq = seq_len or (min(HF_DEFAULT_SEQ, limit) if limit else HF_DEFAULT_SEQ)
-    inputs = hf_models.example_inputs_for(model, batch, seq)
+    limit = hf_models.max_positions(model)
+    seq = seq_len or (min(HF_DEFAULT_SEQ, limit[0]) if limit else HF_DEFAULT_SEQ)
+    inputs = hf_models.example_inputs_for(model, batch, seq)  # a seq_len over the model's positions: OptionError
     rebuild = lambda micro: (model, hf_models.example_inputs_for(model, micro, seq))  # noqa: E731
     return Target(spec, model, inputs, batch, seq, parameter_count(model), rebuild)
 

@@ -1,15 +1,17 @@
 """One simulated training step, phase by phase: the ground truth the memory model is built on.
 
-`simulate_training` runs step 2 of training on a fake copy of the model — forward, loss, backward,
-`optimizer.step()`, `zero_grad(set_to_none=True)` — after a step 1 of the optimizer alone (step 2 is
-the steady state the person will see: optimizer state exists, gradients start empty), and records, for every unit, the
-peak of its forward and of its backward, the rest of the model in between, and the optimizer step.
-It also records what each unit was called with, so a unit can later be profiled on its own.
+`simulate_training` runs a steady-state step of the person's training loop (`TrainingLoop`) on a
+fake copy of the model — forward, loss, backward, `optimizer.step()`, `zero_grad` — after what
+the earlier steps leave (optimizer state, gradients the loop keeps, the outputs its variables
+still hold), and records, for every unit, the peak of its forward and of its backward, the rest
+of the model in between, and the optimizer step. It also records what each unit was called with,
+so a unit can later be profiled on its own.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,13 +19,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
+from autoplan.errors import RepeatedUnitError
 from autoplan.inputs.devices import Device
+from autoplan.inputs.hf_paths import real_mask_decisions
+from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase
-from autoplan.runtime.fake import fake_tree
-from autoplan.runtime.names import unit_endpoints
+from autoplan.runtime.fake import FakeGradScaler, fake_tree, scaled_optimizer_step
+from autoplan.runtime.names import call_site, unit_endpoints
 from autoplan.runtime.tensors import storage_bytes, tensors_of, unique_storage_bytes
 from autoplan.runtime.tracker import LiveBytesTracker, TrackedPhase
-from autoplan.runtime.training import default_loss, make_optimizer, optimizer_state_tensors
+from autoplan.runtime.training import default_loss, loss_function, make_optimizer, optimizer_state_tensors
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class Timeline:
     unit_calls: tuple[UnitCall, ...]  # forward order
     static: StaticBytes
     boundaries: tuple[Boundary, ...] = ()
+    carried_bytes: int = 0  # what the loop's variables hold from the previous step through this forward (outputs, loss)
 
     @property
     def step_time_s(self) -> float:
@@ -132,10 +138,36 @@ class _UnitRecorder:
         self._last_key = 0
         self._handles = []
         self.in_forward = False  # recomputation in backward calls the unit's layers again: not a new call
+        self._started: Counter[int] = Counter()  # per module: calls begun in the recorded forward
+        self._finished: Counter[int] = Counter()
+        called = {}
         for name in units:
             first, last = unit_endpoints(model, name)
-            self._handles.append(first.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-            self._handles.append(last.register_forward_hook(self._post_hook(name), with_kwargs=True))
+            pre, post = self._pre_hook(name), self._post_hook(name)
+            site = call_site(name)
+            if site is not None:  # one call of a module that runs several times: its hooks act on that call only
+                pre = self._on_call(first, site.index + 1, pre, self._started)  # its own call already counted
+                post = self._on_call(first, site.index, post, self._finished)  # not yet counted as finished
+                called[id(first)] = first
+            self._handles.append(first.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(last.register_forward_hook(post, with_kwargs=True))
+        for module in called.values():  # counted before the pre-hooks and after the post-hooks above
+            self._handles.append(module.register_forward_pre_hook(self._count(self._started), prepend=True))
+            self._handles.append(module.register_forward_hook(self._count(self._finished)))
+
+    def _count(self, counter: Counter) -> Callable:
+        def hook(module, *_):
+            if self.recording and self.in_forward:
+                counter[id(module)] += 1
+
+        return hook
+
+    @staticmethod
+    def _on_call(module: torch.nn.Module, count: int, hook: Callable, counter: Counter) -> Callable:
+        def on_call(*args):
+            return hook(*args) if counter[id(module)] == count else None
+
+        return on_call
 
     def key(self, tensor: torch.Tensor) -> int:
         """A number for this tensor's storage, the same for every tensor sharing it, never reused."""
@@ -176,9 +208,9 @@ class _UnitRecorder:
             if not (self.recording and self.in_forward):
                 return None
             if name in self.calls:
-                raise RuntimeError(
-                    f"unit {name!r} ran more than once in one forward; autoplan needs each unit to run once "
-                    "per step. Pass units= naming modules that run once."
+                raise RepeatedUnitError(
+                    f"unit {name!r} ran more than once in one forward; autoplan plans a module called several "
+                    "times per call, but not a run of a Sequential's layers. Pass units= naming modules."
                 )
             self.begin(Phase("fwd", name))
             tensors = tensors_of((args, kwargs))
@@ -255,8 +287,10 @@ class _UnitRecorder:
             handle.remove()
 
 
-def _phase_sample(tracked: TrackedPhase, grad_bytes: int) -> PhaseSample:
-    return PhaseSample(tracked.label, tracked.start_bytes, tracked.peak_bytes, grad_bytes, tracked.time_s, tracked.flops)
+def _phase_sample(tracked: TrackedPhase, grad_bytes: int, carried_bytes: int) -> PhaseSample:
+    # the previous step's outputs (or loss) stay alive until this step's forward returns
+    extra = carried_bytes if tracked.label.kind == "fwd" else 0
+    return PhaseSample(tracked.label, tracked.start_bytes + extra, tracked.peak_bytes + extra, grad_bytes, tracked.time_s, tracked.flops)
 
 
 def simulate_training(
@@ -268,47 +302,62 @@ def simulate_training(
     device: Device,
     optimizer: str | torch.optim.Optimizer,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    steps: int = 2,
+    loop: TrainingLoop | None = None,
 ) -> Timeline:
-    """Simulate training step number `steps` of `model` (a fake copy) and return its timeline.
+    """Simulate a steady-state training step of `model` (a fake copy) in `loop`; return its timeline.
 
-    The earlier steps matter only for the optimizer state they leave, so they are optimizer steps
-    alone; the recorded step is whole: forward, loss, backward, optimizer.step(), zero_grad.
+    The earlier steps matter only for what they leave: the optimizer state, the gradients of the
+    earlier micro-batches (accumulation) or zeroed ones (`zero_grad(set_to_none=False)`), and the
+    outputs the loop's variables still hold. So they are made directly, and the recorded step is
+    the last micro-batch of a step, the one that runs with every gradient alive, then
+    optimizer.step() and zero_grad.
     """
+    loop = loop or TrainingLoop()
     tracker = LiveBytesTracker(device)
     recorder = _UnitRecorder(tracker, model, units)
-    loss_fn = loss_fn or default_loss
+    # looked up when called, so that the module's default_loss is the one used
+    loss_of = loss_function(loss_fn, loop.loss_in_model, default=lambda output: default_loss(output))
     try:
-        with fake_mode, tracker:
+        # transformers' mask shortcuts are decided on the real batch, before it is faked
+        with real_mask_decisions(example_inputs), fake_mode, tracker:
             tracker.adopt(list(model.parameters()) + list(model.buffers()))
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = tensors_of((args, kwargs))
-            input_bytes = unique_storage_bytes(batch)
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-            opt = make_optimizer(optimizer, trainable, foreach=device.kind == "cuda")
-            for _ in range(steps - 1):
-                _warm_up_optimizer(opt, trainable)
+            opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind))
+            scaler = FakeGradScaler() if loop.grad_scaler else None
+            _warm_up(opt, trainable, loop, scaler)
             first_phase = tracker.phase_count
-            calls, boundaries = _recorded_step(model, recorder, opt, (args, kwargs), loss_fn)
-            state = optimizer_state_tensors(opt)
+            step = _recorded_step(model, recorder, opt, (args, kwargs), loss_of, loop, scaler)
             static = StaticBytes(
                 parameters=unique_storage_bytes(list(model.parameters()) + list(model.buffers())),
                 gradients=unique_storage_bytes(trainable),
-                optimizer=unique_storage_bytes(state),
-                inputs=input_bytes,
+                optimizer=unique_storage_bytes(optimizer_state_tensors(opt)),
+                inputs=unique_storage_bytes(batch),
             )
+            # what the loop's variables still hold when the next step's forward runs
+            alive = tracker.live_bytes
+            step.held.clear()
+            carried = alive - tracker.live_bytes
     finally:
         recorder.remove()
     phases = tuple(
-        _phase_sample(phase, grad) for phase, grad in zip(tracker.phases(first_phase), recorder.grad_bytes, strict=True)
+        _phase_sample(phase, grad, carried) for phase, grad in zip(tracker.phases(first_phase), recorder.grad_bytes, strict=True)
     )
-    missing = [name for name in units if name not in {call.name for call in calls}]
+    missing = [name for name in units if name not in {call.name for call in step.calls}]
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
-    return Timeline(phases, max(p.peak_bytes for p in phases), calls, static, boundaries)
+    return Timeline(phases, max(p.peak_bytes for p in phases), step.calls, static, step.boundaries, carried)
 
 
-def _recorded_step(model, recorder: _UnitRecorder, opt, batch: tuple[tuple, dict], loss_fn: Callable) -> tuple[tuple[UnitCall, ...], tuple[Boundary, ...]]:
+@dataclass
+class _RecordedStep:
+    calls: tuple[UnitCall, ...]
+    boundaries: tuple[Boundary, ...]
+    held: list[Any]  # what the loop's variables hold after the step: the outputs (when kept) and the loss
+
+
+def _recorded_step(model, recorder: _UnitRecorder, opt, batch: tuple[tuple, dict], loss_of: Callable, loop: TrainingLoop, scaler) -> _RecordedStep:
     """The step the timeline records, phase by phase: forward, loss, backward, optimizer.step(), zero_grad."""
     args, kwargs = batch
     recorder.recording = True
@@ -316,37 +365,44 @@ def _recorded_step(model, recorder: _UnitRecorder, opt, batch: tuple[tuple, dict
     recorder.in_forward = True
     with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _identity):
         output = model(*args, **kwargs)
-        loss = loss_fn(output)
+        loss = loss_of(output)
+        if loop.accumulation_steps > 1:
+            loss = loss / loop.accumulation_steps
     recorder.in_forward = False
     calls = tuple(recorder.calls.values())
-    # alive whatever the units choose: the batch, and parameters a unit is handed as an
-    # argument (a graph unit of `x * self.scale`)
-    held = {recorder.key(t) for t in tensors_of(batch) + list(model.parameters()) + list(model.buffers())}
-    boundaries = recorder.boundaries(held)
-    # as in a training loop (`loss = model(x).loss`), the output lives on only if the loss
-    # saved it for backward
-    del output
+    # alive whatever the units choose: the batch, parameters a unit is handed as an argument
+    # (a graph unit of `x * self.scale`), and the outputs when the loop holds them
+    held = tensors_of(batch) + list(model.parameters()) + list(model.buffers()) + (tensors_of(output) if loop.keep_outputs else [])
+    boundaries = recorder.boundaries({recorder.key(t) for t in held})
+    del held
+    if not loop.keep_outputs:
+        # `loss = loss_fn(model(x))`: the output lives on only if the loss saved it for backward
+        output = None
     recorder.begin(BACKWARD_START)
-    loss.backward()
-    del loss
+    (scaler.scale(loss) if scaler is not None else loss).backward()
     recorder.begin(OPTIMIZER_STEP)
-    opt.step()
+    scaled_optimizer_step(opt, scaler)
     recorder.begin(ZERO_GRAD)
-    opt.zero_grad(set_to_none=True)
-    return calls, boundaries
+    opt.zero_grad(set_to_none=loop.zero_grad_set_to_none)
+    return _RecordedStep(calls, boundaries, [output, loss])
 
 
-def _warm_up_optimizer(opt: torch.optim.Optimizer, trainable: list[torch.Tensor]) -> None:
-    """What a first training step leaves behind for the second: the optimizer's state, no gradients.
+def _warm_up(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], loop: TrainingLoop, scaler) -> None:
+    """What the earlier steps leave behind for the recorded one: the optimizer's state, and the gradients.
 
     Under fake tensors the values do not matter, so gradients made here stand in for a forward and
-    backward; the steady-state step that follows sees exactly what it would after a real first
-    step, at a fraction of the simulation's cost (the forward and backward are most of it).
+    backward; the step that follows sees exactly what it would after real ones, at a fraction of
+    the simulation's cost (the forward and backward are most of it). With accumulation the
+    recorded micro-batch is a later one: the earlier micro-batches' gradients are alive and its
+    backward adds into them (a micro-batch with them alive peaks at least as high as the first).
     """
     for param in trainable:
         param.grad = torch.empty_like(param)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    scaled_optimizer_step(opt, scaler)
+    opt.zero_grad(set_to_none=loop.zero_grad_set_to_none)
+    if loop.accumulation_steps > 1 and loop.zero_grad_set_to_none:
+        for param in trainable:
+            param.grad = torch.zeros_like(param)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

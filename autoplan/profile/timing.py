@@ -19,13 +19,14 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from autoplan.inputs.devices import Device
+from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import DTYPES, Choice
 from autoplan.profile.timeline import TensorSpec
 from autoplan.profile.units import Profile, UnitCost
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of
-from autoplan.runtime.training import Timer, make_optimizer, model_device, preserved, train_step
+from autoplan.runtime.training import LoopRunner, Timer, make_optimizer, model_device, preserved
 from autoplan.runtime.wrappers import PlannedForward
 from autoplan.trace.tracer import Traced
 
@@ -66,16 +67,22 @@ def _time_unit(module, inputs, choice: Choice, rest: str, device, warmup: int, r
     return statistics.median(fwd_times), statistics.median(bwd_times)
 
 
-def _time_steps(model, example_inputs, optimizer, device: Device, loss_fn, warmup: int, runs: int) -> float:
+def _time_steps(model, example_inputs, optimizer, device: Device, loss_fn, warmup: int, runs: int, loop: TrainingLoop) -> float:
+    """Median seconds of one micro-batch of `loop` and its optimizer step, as the timeline times it."""
+    loop = dataclasses.replace(loop, accumulation_steps=1)
     args, kwargs = example_inputs
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(optimizer, params, foreach=device.kind == "cuda")
+    opt = make_optimizer(optimizer, params, implementation=loop.optimizer_implementation(device.kind))
+    runner = LoopRunner(model, opt, loop, loss_fn, model_device(model).type)
     timer = Timer(model_device(model))
     times = []
-    for run in range(warmup + runs):
-        seconds, _ = timer(lambda: train_step(model, args, kwargs, opt, loss_fn))
-        if run >= warmup:
-            times.append(seconds)
+    try:
+        for run in range(warmup + runs):
+            seconds, _ = timer(lambda: runner.step(args, kwargs))
+            if run >= warmup:
+                times.append(seconds)
+    finally:
+        runner.close()
     return statistics.median(times)
 
 
@@ -117,7 +124,7 @@ def measure_times(
         for name, choices, rest_precision in (("base", base, rest), ("reference", {}, "fp32")):
             apply_choices(model, choices, rest_precision=rest_precision)
             try:
-                steps[name] = _time_steps(model, traced.example_inputs, optimizer, profile.device, loss_fn, warmup, runs)
+                steps[name] = _time_steps(model, traced.example_inputs, optimizer, profile.device, loss_fn, warmup, runs, profile.loop)
             finally:
                 remove_plan(model)
     source = "measured (CUDA events)" if device.type == "cuda" else "measured (CPU wall clock)"

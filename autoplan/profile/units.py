@@ -23,11 +23,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autoplan.inputs.devices import Device
+from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
 from autoplan.profile.timeline import TensorSpec, Timeline, UnitCall, simulate_training
-from autoplan.runtime.fake import fake_copy
+from autoplan.runtime.fake import ROUTING_NOTE, fake_copy, new_fake_mode
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
@@ -90,6 +91,8 @@ class Profile:
     reference_step_time_s: float | None = None  # measured whole step with no plan
     rest_param_layout: tuple[ParamShape, ...] = ()  # parameters outside the units: FSDP's root group
     buffer_bytes: int = 0  # buffers (FSDP does not shard them)
+    routing: str = ""  # how data-dependent expert routing was profiled ("" when the model routes nothing)
+    loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
@@ -120,9 +123,12 @@ def run_timeline(
     optimizer: str | torch.optim.Optimizer,
     rest_precision: str = "fp32",
     loss_fn: Callable | None = None,
+    fake_mode: FakeTensorMode | None = None,
+    loop: TrainingLoop | None = None,
 ) -> Timeline:
-    """Simulate two training steps of the model rewritten with `choices`."""
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with
+    `choices`, under `fake_mode` (or a new one)."""
+    fake_mode = fake_mode or new_fake_mode()
     model = _simulation_model(traced, fake_mode, choices, rest_precision)
     return simulate_training(
         model,
@@ -132,6 +138,7 @@ def run_timeline(
         device=device,
         optimizer=optimizer,
         loss_fn=loss_fn,
+        loop=loop,
     )
 
 
@@ -293,6 +300,7 @@ def profile(
     progress: Callable[[str], None] | None = None,
     menu_size: int = DEFAULT_MENU_SIZE,
     compile: bool = False,
+    loop: TrainingLoop | None = None,
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
@@ -301,20 +309,26 @@ def profile(
     keep/selective/full (`profile.menu`); 0 for the three modes only. `compile`: price the units
     as torch.compile runs them (`runtime.tracker.FusedElementwiseRates`: ops without FLOPs cost
     no time), so recomputing elementwise ops is free and the menu saves only matmul/attention outputs.
+    `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
+    costs the same in any loop.
     """
+    loop = check_loop(loop)
     if not isinstance(traced, Traced):
         raise TypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
     rest = rest_precision
     base = {name: Choice("keep", rest) for name in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
-    timeline = run_timeline(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn)
+    timeline_mode = new_fake_mode()
+    timeline = run_timeline(
+        traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, fake_mode=timeline_mode, loop=loop
+    )
     reference = timeline
     if rest != "fp32":
         fp32 = {name: Choice("keep", "fp32") for name in traced.units}
-        reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn)
+        reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn, loop=loop)
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = new_fake_mode()
     model = _simulation_model(traced, fake_mode, {}, "fp32")
     measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, str]]] = {}
     units = []
@@ -345,4 +359,6 @@ def profile(
         time_source="roofline, compiled (elementwise fused)" if compile else "roofline",
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
+        routing=ROUTING_NOTE if timeline_mode.grouped_matmuls else "",
+        loop=loop,
     )

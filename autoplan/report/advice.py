@@ -13,10 +13,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import PhaseBytes, phase_bytes, predict_peak, predict_step_time, sharded_peak, unit_windows
 from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
 from autoplan.profile.units import Profile
-from autoplan.runtime.formatting import format_bytes, format_count, format_ms
+from autoplan.runtime.formatting import format_bytes, format_count, format_flops, format_seconds
 from autoplan.solve.worlds import fewest_ranks
 
 QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)
@@ -70,6 +71,33 @@ class Advice:
         }
 
 
+@dataclass(frozen=True)
+class StateBound:
+    """Why nothing fits when no unit's choice matters: bytes every training step holds whatever the units do."""
+
+    state_bytes: int  # parameters (and buffers), gradients and optimizer state
+    step_bytes: int  # what optimizer.step() allocates on top at the peak (0: the state alone is over the budget)
+
+
+def state_bound(plan: "Plan") -> StateBound | None:
+    """The weights, gradients and optimizer state, not the activations, are why `plan` does not fit.
+
+    Either they alone exceed the usable budget, or the lowest reachable peak is in optimizer.step(),
+    where no activation is alive: checkpointing and precision change neither. One GPU only; an
+    FSDP plan prints its per-rank arithmetic instead.
+    """
+    if plan.feasible or plan.world_size > 1:
+        return None
+    b = plan.breakdown
+    state = plan.state_bytes or b.parameters + b.gradients + b.optimizer
+    if state > plan.usable_bytes:
+        return StateBound(state, 0)
+    if plan.peak_phase.kind == "step":
+        state = b.parameters + b.gradients + b.optimizer
+        return StateBound(state, b.total - state)
+    return None
+
+
 def _all(profile: Profile, mode: str, precision: str) -> dict[str, Choice] | None:
     choice = Choice(mode, precision)
     if any(choice not in unit.options for unit in profile.units):
@@ -87,8 +115,8 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
         faster = profile.reference.step_time_s - profile.timeline.step_time_s
         detail = (f"chosen (--precision {profile.rest_precision}): the whole model under autocast peaks at "
                   f"{format_bytes(profile.timeline.peak_bytes)} with no checkpointing, against "
-                  f"{format_bytes(profile.reference.peak_bytes)} in fp32; step {format_ms(profile.timeline.step_time_s)} vs "
-                  f"{format_ms(profile.reference.step_time_s)}")
+                  f"{format_bytes(profile.reference.peak_bytes)} in fp32; step {format_seconds(profile.timeline.step_time_s)} vs "
+                  f"{format_seconds(profile.reference.step_time_s)}")
         return Step(key, title, "chosen", detail, saves, -faster, code)
     fp32, lowered = _all(profile, "keep", "fp32"), _all(profile, "keep", low)
     if lowered is None:
@@ -96,8 +124,9 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
     saves = predict_peak(profile, fp32).bytes - predict_peak(profile, lowered).bytes
     change = predict_step_time(profile, lowered) - predict_step_time(profile, fp32)
     used = sum(1 for unit in plan.units if unit.choice.precision == low)
+    pace = f"{format_seconds(abs(change))} {'faster' if change <= 0 else 'slower'}"
     detail = (f"every unit in {low} (no checkpointing) peaks {format_bytes(saves)} lower than in fp32 and the step "
-              f"is {format_ms(-change)} faster; the plan runs {used} of {len(plan.units)} units in {low}, the rest of "
+              f"is {pace}; the plan runs {used} of {len(plan.units)} units in {low}, the rest of "
               f"the model in fp32 (--precision {low} puts all of it under autocast)")
     return Step(key, title, "chosen" if used else "try", detail, saves, change, code)
 
@@ -115,8 +144,10 @@ def _tf32(plan: Plan, profile: Profile) -> Step:
     if fp32_flops == 0:
         return Step("tf32", "TF32 matmuls", "n/a", "no matmul of this plan runs in fp32")
     saves_s = fp32_flops / device.peak_flops["fp32"] - fp32_flops / device.peak_flops["tf32"]
-    detail = (f"{fp32_flops / 1e9:,.1f} GFLOP per step still run in fp32; at {device.name}'s TF32 rate they take up to "
-              f"{format_ms(saves_s)} less (roofline; memory-bound ops do not speed up). No memory change")
+    if saves_s <= 0:
+        return Step("tf32", "TF32 matmuls", "n/a", f"{device.name}'s TF32 rate is no higher than its fp32 rate")
+    detail = (f"{format_flops(fp32_flops)} per step still run in fp32; at {device.name}'s TF32 rate they take up to "
+              f"{format_seconds(saves_s)} less (roofline; memory-bound ops do not speed up). No memory change")
     return Step("tf32", "TF32 matmuls", "try", detail, 0, -saves_s, code)
 
 
@@ -156,7 +187,7 @@ def _compile(plan: Plan, profile: Profile) -> Step:
         cost = units[d.name].options[d.choice]
         compute_s += (cost.fwd_flops + cost.bwd_flops) / device.flops_for(DTYPES[d.choice.precision])
     bound = max(0.0, plan.predicted_step_time_s - compute_s)
-    detail = (f"{format_ms(bound)} of the {format_ms(plan.predicted_step_time_s)} roofline step is memory traffic of ops that are not "
+    detail = (f"{format_seconds(bound)} of the {format_seconds(plan.predicted_step_time_s)} roofline step is memory traffic of ops that are not "
               "compute-bound (elementwise, norms, casts): what Inductor's fusion attacks. autoplan does not predict how "
               "much it recovers, nor compile's memory effect; the planned model compiles as is")
     detail += ("; plan with compile=True to price recomputation as compiled code runs it (elementwise ops fused, "
@@ -174,7 +205,7 @@ def _checkpointing(plan: Plan, profile: Profile) -> Step:
     flops = sum(d.recompute_flops for d in plan.units)
     counts = ", ".join(f"{n} {mode}" for mode, n in modes.items() if n)
     detail = (f"units: {counts}; the same precisions without checkpointing peak {format_bytes(saves)} higher; "
-              f"recomputing {flops / 1e9:,.1f} GFLOP costs {format_ms(cost)} per step")
+              f"recomputing {format_flops(flops)} costs {format_seconds(cost)} per step")
     status = "chosen" if modes["selective"] + modes["full"] else "n/a"
     if status == "n/a":
         detail = "not needed: every unit keeps its activations" + ("" if plan.feasible else " (nothing to gain)")
@@ -190,6 +221,27 @@ def _optimizer_time(profile: Profile) -> float:
     return sum(phase.time_s for phase in profile.timeline.phases if phase.kind == "step")
 
 
+def _accumulation_peak(profile: Profile, phases: list[PhaseBytes], fraction: float, loop: TrainingLoop) -> int:
+    """Peak of a micro-batch `fraction` of the batch in `loop`: activations scale linearly, and when the
+    loop accumulates every gradient is alive through forward and backward; optimizer.step() does not scale."""
+    peak = 0
+    for sample, phase in zip(profile.timeline.phases, phases):
+        if phase.kind == "step":
+            peak = max(peak, phase.live_bytes)
+            continue
+        missing_grads = profile.timeline.static.gradients - sample.grad_bytes if loop.gradients_alive_in_forward else 0
+        peak = max(peak, phase.static_bytes + missing_grads + int(phase.activation_bytes * fraction))
+    return peak
+
+
+def _accumulation_code(loop: TrainingLoop, micro: int, steps: int) -> str:
+    """The loop the advice is for, as code: the planned loop with the batch split into `steps` micro-batches."""
+    backward = (f"    outputs = model(micro)\n    (outputs.loss / {steps}).backward()" if loop.keep_outputs
+                else f"    (model(micro).loss / {steps}).backward()")
+    return (f"for micro in batch.split({micro}):  # {steps} micro-batches\n{backward}\n"
+            f"optimizer.step(); optimizer.zero_grad(set_to_none={loop.zero_grad_set_to_none})")
+
+
 def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan) -> Step:
     title, key = "gradient accumulation", "grad_accumulation"
     if plan.feasible:
@@ -197,17 +249,19 @@ def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan)
     if not batch_size or batch_size < 2:
         return Step(key, title, "n/a", "batch size unknown or 1: pass --batch-size to a factory that takes batch_size")
     divisors = [b for b in range(batch_size - 1, 0, -1) if batch_size % b == 0]
-    estimate = {b: _scaled_peak(phases, lambda i, p, b=b: p.activation_bytes * b / batch_size) for b in divisors}
+    loops = {b: profile.loop.accumulating(batch_size // b) for b in divisors}
+    estimate = {b: _accumulation_peak(profile, phases, b / batch_size, loops[b]) for b in divisors}
     fitting = [b for b in divisors if estimate[b] <= plan.usable_bytes]
     if not fitting:
         return Step(key, title, "n/a", f"even a micro-batch of 1 would peak at about {format_bytes(estimate[1])} "
-                    f"(activations scaled linearly): parameters, gradients and optimizer state alone do not fit")
-    micro, how = fitting[0], "estimated: activations scale linearly with the batch"
+                    f"(activations scaled linearly, gradients alive between micro-batches): parameters, gradients and "
+                    "optimizer state alone do not fit")
+    micro, how = fitting[0], "estimated: activations scale linearly with the batch, gradients stay alive between micro-batches"
     peak, micro_time = estimate[micro], None
     for candidate in fitting[:2] if replan else []:
-        checked = replan(candidate)
+        checked = replan(candidate, loops[candidate])
         micro, peak, micro_time = candidate, checked.predicted_peak_bytes, checked.predicted_step_time_s
-        how = f"verified by planning batch {candidate} again: {'fits' if checked.feasible else 'does not fit'}"
+        how = f"verified by planning batch {candidate} again in that loop: {'fits' if checked.feasible else 'does not fit'}"
         if checked.feasible:
             break
     steps = batch_size // micro
@@ -216,10 +270,9 @@ def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan)
         micro_time = (plan.predicted_step_time_s - optimizer_s) * micro / batch_size + optimizer_s
     global_time = steps * (micro_time - optimizer_s) + optimizer_s
     detail = (f"micro-batch {micro} × {steps} accumulation steps keeps the global batch of {batch_size}; peak about "
-              f"{format_bytes(peak)} ({how}); {format_ms(global_time)} per global batch vs {format_ms(plan.predicted_step_time_s)}")
-    code = (f"for micro in batch.split({micro}):  # {steps} steps\n    (model(micro).loss / {steps}).backward()\n"
-            "optimizer.step(); optimizer.zero_grad(set_to_none=True)")
-    return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s, code)
+              f"{format_bytes(peak)} ({how}); {format_seconds(global_time)} per global batch vs {format_seconds(plan.predicted_step_time_s)}")
+    return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s,
+                _accumulation_code(profile.loop, micro, steps))
 
 
 def _shorter_sequences(plan: Plan, profile: Profile, phases, seq_len, choices) -> Step:
@@ -238,7 +291,7 @@ def _shorter_sequences(plan: Plan, profile: Profile, phases, seq_len, choices) -
         if peak <= plan.usable_bytes:
             step_time = (plan.predicted_step_time_s - optimizer_s) * r + optimizer_s
             detail = (f"sequences of {shorter} instead of {seq_len}: peak about {format_bytes(peak)} (activations ∝ T, "
-                      f"attention matrices ∝ T²); {format_ms(step_time)} per step for {r:.0%} of the tokens; the model sees less context")
+                      f"attention matrices ∝ T²); {format_seconds(step_time)} per step for {r:.0%} of the tokens; the model sees less context")
             return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, step_time - plan.predicted_step_time_s)
     return Step(key, title, "n/a", f"even sequences of {max(1, seq_len // 8)} would not fit: the peak is not in the activations")
 
@@ -265,6 +318,13 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
                  saves, None, "peft.prepare_model_for_kbit_training(AutoModel.from_pretrained(..., quantization_config="
                  "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')))")
     return [eight_bit, qlora]
+
+
+ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing")  # what changes activations or speed
+
+
+def _no_help(step: Step) -> Step:
+    return Step(step.key, step.title, "n/a", "no help here: the state is over the budget, not the activations", code=step.code)
 
 
 def least_activation_choices(profile: Profile) -> dict[str, Choice]:
@@ -325,14 +385,15 @@ def advise(
     seq_len: int | None = None,
     world_size: int | None = None,
     parameter_count: int | None = None,
-    replan: Callable[[int], Plan] | None = None,
+    replan: Callable[[int, TrainingLoop], Plan] | None = None,
 ) -> Advice:
     """Escalation advice for `plan` (from `profile`), each step with what it saves and costs here.
 
     batch_size, seq_len: what was planned, for gradient accumulation and shorter sequences.
     world_size: also estimate the per-GPU FSDP peak on this many GPUs. parameter_count: for QLoRA
-    (default: from the gradients' bytes, assuming fp32). replan(micro_batch) -> Plan: plan again at a
-    smaller batch, to verify the gradient-accumulation estimate (skipped when None).
+    (default: from the gradients' bytes, assuming fp32). replan(micro_batch, loop) -> Plan: plan again at a
+    smaller batch in the planned loop with that many more micro-batches per optimizer step, to verify the
+    gradient-accumulation estimate (skipped when None).
     """
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise TypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
@@ -353,6 +414,8 @@ def advise(
         *_optimizer_state(plan, profile, parameter_count),
         _fsdp(plan, profile, found, least),
     ]
+    if state_bound(plan) is not None:  # the units' choices do not matter: say so rather than advise on them
+        steps = [_no_help(step) if step.key in ACTIVATION_SIDE else step for step in steps]
     first_fix = None
     if not plan.feasible:
         first_fix = next((s.key for s in steps if s.status == "try" and s.saves_bytes is not None

@@ -2,13 +2,17 @@
 
 `report_renderables` builds it — verdict first, then the memory breakdown, the units (repeated
 identical units folded into one row: `layers.0–31 ×32`), step times, the code that applies the
-plan, an FSDP estimate when asked, and the advice. `format_report` renders the same to plain text
-without colour, which is what `Plan.report()` returns. Nothing here prints: the CLI does.
+plan, an FSDP estimate when asked, and the advice. When the weights, gradients and optimizer state
+alone decide that nothing fits, the verdict says that in one line and no units or times follow:
+no choice of theirs would matter. Every number goes through `autoplan.runtime.formatting`.
+`format_report` renders the same to plain text without colour, which is what `Plan.report()`
+returns. Nothing here prints: the CLI does.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 from autoplan.plan import register_report_formatter
-from autoplan.runtime.formatting import format_bytes, format_count, format_ms
+from autoplan.report.advice import state_bound
+from autoplan.runtime.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds
 
 if TYPE_CHECKING:
     from autoplan.plan import Plan, ShardedPeak, UnitDecision
@@ -64,25 +69,40 @@ def _continues(previous: "UnitDecision", unit: "UnitDecision") -> bool:
 
 def _verdict(plan: "Plan") -> Text:
     usable = format_bytes(plan.usable_bytes)
+    over = f"over the {usable} usable ({format_bytes(plan.budget_bytes)} budget)"
     on = plan.device if plan.world_size == 1 else f"{plan.world_size} × {plan.device} (per GPU, FSDP)"
+    bound = state_bound(plan)
     if plan.feasible:
         text = Text("FITS", style="bold green")
         text.append(f"  {plan.model_name} on {on}: predicted peak {format_bytes(plan.predicted_peak_bytes)} "
                     f"of {usable} usable ({format_bytes(plan.budget_bytes)} budget)", style="bold")
+    elif bound is not None:
+        state = f"parameters, gradients and {plan.optimizer} state"
+        why = (f"{state} alone are {format_bytes(bound.state_bytes)}, {over}" if not bound.step_bytes else
+               f"{state} ({format_bytes(bound.state_bytes)}) with optimizer.step()'s temporaries "
+               f"({format_bytes(bound.step_bytes)}) peak at {format_bytes(plan.minimum_peak_bytes)}, {over}")
+        text = Text("DOES NOT FIT", style="bold red")
+        text.append(f"  {plan.model_name} on {on}: {why}: no checkpointing or precision choice changes that", style="bold")
+        text.append(f"\nit needs a {format_bytes(plan.minimum_budget_bytes)} budget; simulated training step: "
+                    f"{format_bytes(plan.simulated_peak_bytes)}")
+        return text
     else:
         text = Text("DOES NOT FIT", style="bold red")
         text.append(f"  {plan.model_name} on {on}: the lowest peak autoplan reaches is "
-                    f"{format_bytes(plan.minimum_peak_bytes)}, over the {usable} usable ({format_bytes(plan.budget_bytes)} "
-                    f"budget) by {format_bytes(plan.minimum_peak_bytes - plan.usable_bytes)}; it needs a "
+                    f"{format_bytes(plan.minimum_peak_bytes)}, {over} by "
+                    f"{format_bytes(plan.minimum_peak_bytes - plan.usable_bytes)}; it needs a "
                     f"{format_bytes(plan.minimum_budget_bytes)} budget", style="bold")
     text.append(f"\nsimulated training step: {format_bytes(plan.simulated_peak_bytes)}; no plan (all keep/fp32): "
                 f"{format_bytes(plan.baseline_peak_bytes)}")
+    if plan.loop is not None:  # every peak above is for this loop (docs/loops.md)
+        text.append(f"\ntraining loop: {plan.loop.describe()}")
     return text
 
 
 def _breakdown(plan: "Plan") -> Table:
     b = plan.breakdown
-    table = Table(title=f"memory at the peak ({plan.peak_phase})", title_justify="left", show_edge=False)
+    # names from the model (units, phases) are text, never rich markup: "graph[fc_in:gelu]" would vanish
+    table = Table(title=Text(f"memory at the peak ({plan.peak_phase})"), title_justify="left", show_edge=False)
     table.add_column("part")
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
@@ -105,19 +125,19 @@ def _units(plan: "Plan") -> Table:
     title = "units" + ("" if plan.feasible else " (the lowest-peak choices)")
     table = Table(title=title, title_justify="left", show_edge=False)
     for name, justify in (("unit", "left"), ("mode", "left"), ("precision", "left"), ("saved each", "right"),
-                          ("recompute GFLOP each", "right"), ("time each", "right")):
+                          ("recompute each", "right"), ("time each", "right")):
         table.add_column(name, justify=justify, no_wrap=name == "unit")
     for row in fold_units(plan.units):
         unit = row.first
-        table.add_row(row.label, unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes),
-                      f"{unit.recompute_flops / 1e9:,.2f}", format_ms(unit.step_time_s))
+        table.add_row(Text(row.label), unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes),
+                      format_flops(unit.recompute_flops), format_seconds(unit.step_time_s))
     return table
 
 
 def _policies(plan: "Plan") -> list[Text]:
     """Each menu point the plan chose, in words (selective units that save ops of their own choosing)."""
     lines = [
-        f"  {row.label}: {row.first.policy} ({format_bytes(row.first.saved_bytes)} saved, {format_ms(row.first.step_time_s)})"
+        f"  {row.label}: {row.first.policy} ({format_bytes(row.first.saved_bytes)} saved, {format_seconds(row.first.step_time_s)})"
         for row in fold_units(plan.units)
         if row.first.policy
     ]
@@ -126,22 +146,48 @@ def _policies(plan: "Plan") -> list[Text]:
 
 def _times(plan: "Plan") -> Text:
     slower = plan.predicted_step_time_s / plan.fastest_step_time_s - 1 if plan.fastest_step_time_s else 0.0
-    return Text(f"step time ({plan.time_source}): {format_ms(plan.predicted_step_time_s)} planned, "
-                f"{format_ms(plan.fastest_step_time_s)} for the fastest plan ignoring memory ({slower:+.1%}), "
-                f"{format_ms(plan.baseline_step_time_s)} with no plan")
+    return Text(f"step time ({plan.time_source}): {format_seconds(plan.predicted_step_time_s)} planned, "
+                f"{format_seconds(plan.fastest_step_time_s)} for the fastest plan ignoring memory ({slower:+.1%}), "
+                f"{format_seconds(plan.baseline_step_time_s)} with no plan")
 
 
 def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
-    budget = budget_text or format_bytes(plan.budget_bytes).replace(" ", "")
-    extra = ""
-    if plan.rest_precision != "fp32":
-        extra = f', precision="{plan.rest_precision}"'
-    if plan.world_size > 1:
-        extra += f", world_size={plan.world_size}"
-    code = f'model = autoplan.optimize(model, "{budget}", example_inputs=batch, device="{plan.device}"{extra})'
+    """The call that makes this plan again and applies it: plan()'s arguments as given (`plan.request`).
+
+    An argument that was an object only the caller has (a loss function, an optimizer) is passed by its
+    own name; `batch` is the caller's batch, unless the plan built its batch from batch_size/seq_len.
+    """
+    request = dict(plan.request) or _request_of(plan)
+    budget = request.pop("budget", None) or budget_text or format_bytes(plan.budget_bytes).replace(" ", "")
+    arguments = [_python(budget)]
+    if "batch_size" not in request and "seq_len" not in request:
+        arguments.append("example_inputs=batch")
+    arguments += [f"{name}={name if value is None else _python(value)}" for name, value in request.items()]
+    code = f"model = autoplan.optimize(model, {', '.join(arguments)})"
     if plan.needs_grad_scaler:
         code += "\nscaler = torch.amp.GradScaler()  # fp16 units: scale the loss"
     return code
+
+
+def _request_of(plan: "Plan") -> dict:
+    """For a Plan made without a record of its arguments: what its own fields say."""
+    request = {"device": plan.device}
+    if plan.rest_precision != "fp32":
+        request["precision"] = plan.rest_precision
+    if plan.world_size > 1:
+        request["world_size"] = plan.world_size
+    return request
+
+
+def _python(value) -> str:
+    """A literal of plan.request as Python source (strings in double quotes, as the README writes them)."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_python(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_python(key)}: {_python(item)}" for key, item in value.items()) + "}"
+    return repr(value)
 
 
 def _code(code: str) -> Text:
@@ -201,7 +247,9 @@ def _signed_bytes(saves: int | None) -> str:
 
 
 def _signed_time(change: float | None) -> str:
-    return "time: not predicted" if change is None else f"time {change * 1e3:+.3g} ms"
+    if change is None:
+        return "time: not predicted"
+    return "time: no change" if change == 0 else f"time {format_signed_seconds(change)}"
 
 
 def _advice(advice: "Advice") -> Group:
@@ -220,13 +268,15 @@ def _advice(advice: "Advice") -> Group:
 
 
 def report_renderables(
-    plan: "Plan", advice: "Advice | None" = None, *, budget_text: str | None = None
+    plan: "Plan", advice: "Advice | None" = None, *, budget_text: str | None = None, with_code: bool = True
 ) -> list[RenderableType]:
+    """The report's parts in order. with_code=False leaves out the line that applies the plan (it is applied)."""
     parts: list[RenderableType] = [_verdict(plan), _breakdown(plan)]
     if plan.world_size > 1 or plan.world_size_curve:
         parts.extend(_world_sizes(plan))
-    parts.extend([_units(plan), *_policies(plan), _times(plan)])
-    if plan.feasible:  # for a plan that does not fit, optimize() would raise: the advice says what to change
+    if state_bound(plan) is None:  # otherwise any choice of the units would do: they are not the problem
+        parts.extend([_units(plan), *_policies(plan), _times(plan)])
+    if plan.feasible and with_code:  # for a plan that does not fit, optimize() would raise: the advice says what to change
         parts.append(Text("apply it:", style="bold"))
         parts.append(_code(apply_code(plan, budget_text)))
     if advice is not None and advice.requested is not None and plan.world_size == 1:
@@ -246,11 +296,13 @@ def render(console: Console, parts: list[RenderableType]) -> None:
         console.print(part, soft_wrap=isinstance(part, Text) and bool(part.no_wrap))
 
 
-def format_report(plan: "Plan", advice: "Advice | None" = None, *, width: int = 110, budget_text: str | None = None) -> str:
+def format_report(
+    plan: "Plan", advice: "Advice | None" = None, *, width: int = 110, budget_text: str | None = None, with_code: bool = True
+) -> str:
     """The report as plain text (no colour, no terminal codes)."""
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
-    render(console, report_renderables(plan, advice, budget_text=budget_text))
+    render(console, report_renderables(plan, advice, budget_text=budget_text, with_code=with_code))
     return buffer.getvalue().rstrip() + "\n"
 
 
@@ -269,8 +321,8 @@ def verification_table(result: "Verification") -> Table:
     if result.measured_reserved_bytes is not None:
         table.add_row("reserved by the allocator", format_bytes(result.measured_reserved_bytes), "", "", "")
     table.add_row("usable budget", format_bytes(result.usable_bytes), "", "", "")
-    step = format_ms(result.measured_step_time_s) if result.measured_step_time_s is not None else "—"
-    table.add_row("step time", step, format_ms(result.predicted_step_time_s), "", "")
+    step = format_seconds(result.measured_step_time_s) if result.measured_step_time_s is not None else "—"
+    table.add_row("step time", step, format_seconds(result.predicted_step_time_s), "", "")
     return table
 
 

@@ -1,5 +1,5 @@
 """Fake twins of models and inputs: FakeTensors with the shapes, dtypes and ties of the real ones
-and no data, so a 70B-parameter model is simulated on a laptop.
+and no data, so a 70B-parameter model is simulated on a laptop; and a GradScaler that runs on them.
 """
 
 from __future__ import annotations
@@ -42,3 +42,71 @@ def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
         return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake
 
     return tree_map_only(torch.Tensor, to_fake, tree)
+
+
+class PlanningFakeMode(FakeTensorMode):
+    """torch's FakeTensorMode, plus the ops whose meta kernel is narrower than their CPU kernel.
+
+    `aten._grouped_mm` (mixture-of-experts layers: transformers runs every expert's tokens as one
+    grouped matmul) has a meta kernel that checks CUDA's dtype rule (bf16 only), while the CPU
+    runs it in fp32 too. Under this mode such a call is shaped in bf16 and cast back: same shapes,
+    the caller's dtype, no values. The shapes of a grouped matmul do not depend on routing (tokens
+    × experts per token rows, however they are spread over the experts), so nothing is assumed
+    about which expert gets which token.
+    """
+
+    grouped_matmuls = 0  # grouped matmuls shaped under this mode: the model routes tokens to experts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            self.grouped_matmuls += 1
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and kwargs.get("out_dtype") is None:
+            dispatch = super().__torch_dispatch__
+            cast = torch.ops.aten._to_copy.default
+            low = [dispatch(cast, types, (tensor,), {"dtype": torch.bfloat16}) for tensor in args[:2]]
+            out = dispatch(func, types, (*low, *args[2:]), kwargs)
+            return dispatch(cast, types, (out,), {"dtype": args[0].dtype})
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+ROUTING_NOTE = (
+    "mixture of experts: each expert layer runs as grouped matmuls over tokens × experts-per-token rows, "
+    "whose shapes do not depend on which expert gets which token; the profile holds for any routing "
+    "(no worst case or capacity assumed)"
+)
+
+
+def new_fake_mode() -> PlanningFakeMode:
+    """The fake-tensor mode every simulation runs under (real tensors allowed as inputs)."""
+    return PlanningFakeMode(allow_non_fake_inputs=True)
+class FakeGradScaler:
+    """torch.amp.GradScaler's tensors and ops under fake tensors, without its host reads (`.item()` has no value there).
+
+    Allocates what the real scaler does around a step: the scale and growth tracker, the scaled
+    loss, the inverse scale, the found-inf flag kept until the scale is updated.
+    """
+
+    def __init__(self) -> None:
+        self.scale_tensor = torch.full((), 2.0**16)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_tensor
+
+    def unscale_and_step(self, opt: torch.optim.Optimizer) -> None:
+        # GradScaler.unscale_: the inverse scale in double then float, a found-inf flag kept until update()
+        inverse = self.scale_tensor.double().reciprocal().float()
+        found_inf = torch.full((), 0.0)
+        grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse)
+        opt.step()
+        torch._amp_update_scale_(self.scale_tensor, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
+
+
+def scaled_optimizer_step(opt: torch.optim.Optimizer, scaler: FakeGradScaler | None) -> None:
+    """optimizer.step(), through the scaler's unscale and update when there is one."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.unscale_and_step(opt)

@@ -1,7 +1,15 @@
-"""Numbers and errors as a person reads them: bytes, counts, durations, an error's first line.
+"""Numbers and errors as a person reads them: bytes, counts, durations, FLOPs, an error's first line.
+
+Every number a report, an error or the CLI prints goes through one of these, so all of them read
+the same way: three significant digits and the unit that keeps the number between 1 and 1000
+("4.17 s", not "4.17e+03 ms"; "31.3 TFLOP", not "31,336.1 GFLOP").
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import traceback
 
 
 def format_bytes(n: int) -> str:
@@ -13,9 +21,7 @@ def format_bytes(n: int) -> str:
     units = ((10**3, "KB"), (10**6, "MB"), (10**9, "GB"), (10**12, "TB"), (10**15, "PB"))
     # Move up a unit when rounding would print "1000".
     scale, unit = next(((s, u) for s, u in units if n / s < 999.5), units[-1])
-    value = n / scale
-    decimals = 2 if value < 9.995 else 1 if value < 99.95 else 0
-    return f"{value:.{decimals}f} {unit}"
+    return f"{_three_digits(n / scale)} {unit}"
 
 
 def format_count(n: int) -> str:
@@ -23,8 +29,53 @@ def format_count(n: int) -> str:
     return next((f"{n / scale:.3g}{unit}" for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= scale), str(n))
 
 
-def format_ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+def _three_digits(value: float) -> str:
+    """A value in [0, 1000) with three significant digits: "4.17", "31.3", "432"."""
+    decimals = 2 if value < 9.995 else 1 if value < 99.95 else 0
+    return f"{value:.{decimals}f}"
+
+
+def _in_units(value: float, units: tuple[tuple[float, str], ...]) -> str:
+    """`value` in the largest of `units` (scale, name; largest first) that shows it as at least 1."""
+    for scale, name in units:
+        if value / scale >= 0.9995 or scale == units[-1][0]:
+            return f"{_three_digits(value / scale)} {name}"
+    raise AssertionError("unreachable: the last unit always matches")
+
+
+_SECONDS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns"))
+_FLOPS = ((1e18, "EFLOP"), (1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"), (1e3, "KFLOP"))
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration as people read one: "4.17 s", "432 ms", "17.3 µs", "2 min 5 s", "3 h 1 min"."""
+    if seconds < 0:
+        return "-" + format_seconds(-seconds)
+    if seconds == 0:
+        return "0 s"
+    if seconds >= 3599.5:
+        hours, minutes = divmod(round(seconds / 60), 60)
+        return f"{hours} h {minutes} min"
+    if seconds >= 59.995:
+        minutes, rest = divmod(round(seconds), 60)
+        return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+    return _in_units(seconds, _SECONDS)
+
+
+def format_signed_seconds(change: float) -> str:
+    """A change of duration with its sign: "+33.6 ms" (slower), "−2.31 s" (faster), "±0 s"."""
+    if change == 0:
+        return "±0 s"
+    return ("+" if change > 0 else "−") + format_seconds(abs(change))
+
+
+def format_flops(flops: float) -> str:
+    """A count of floating-point operations: "31.3 TFLOP", "1.10 GFLOP", "512 FLOP"."""
+    if flops < 0:
+        return "-" + format_flops(-flops)
+    if flops < 999.5:
+        return f"{round(flops)} FLOP"
+    return _in_units(flops, _FLOPS)
 
 
 def first_line(error: BaseException) -> str:
@@ -32,3 +83,21 @@ def first_line(error: BaseException) -> str:
     one-line message quotes of it."""
     text = str(error).strip().splitlines()
     return text[0][:300] if text else type(error).__name__
+
+
+# Frames in these folders are autoplan's or torch's own; the innermost frame outside them is the
+# line of the person's model that an error happened in.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (os.path.dirname(os.path.abspath(__file__)), getattr(importlib.util.find_spec("torch"), "origin", None))
+    if path
+)
+
+
+def where_in_user_code(error: BaseException) -> str:
+    """`, at file:line: code` for the innermost frame of `error` outside torch and autoplan ("" if none)."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f", at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"

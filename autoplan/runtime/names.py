@@ -2,7 +2,8 @@
 
 - a submodule's qualified name, e.g. "transformer.h.3";
 - a run of an nn.Sequential's layers, "features[0:4]" (parent "features", layers 0 to 3);
-- a run of graph nodes, "graph[fc1:relu]" (first and last fx node; see `runtime.graph`).
+- a run of graph nodes, "graph[fc1:relu]" (first and last fx node; see `runtime.graph`);
+- one call of a module that runs several times per forward, "block@2" (its third call).
 
 Patterns (`units=["layers.*"]`) are shell-style, matched with fnmatch against these names.
 """
@@ -19,6 +20,7 @@ from autoplan.errors import UnitPatternError
 
 RANGE_UNIT = re.compile(r"^(?P<parent>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 GRAPH_UNIT = re.compile(r"^graph\[(?P<first>[A-Za-z_][\w]*):(?P<last>[A-Za-z_][\w]*)\]$")
+CALL_UNIT = re.compile(r"^(?P<module>.+)@(?P<index>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,28 @@ def sequential_run(name: str) -> SequentialRun | None:
     return SequentialRun(match["parent"], int(match["start"]), int(match["stop"]))
 
 
+@dataclass(frozen=True)
+class CallSite:
+    """A unit that is call number `index` (from 0, per forward) of the module named `module`."""
+
+    module: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        return call_site_name(self.module, self.index)
+
+
+def call_site(name: str) -> CallSite | None:
+    """The call of a module a unit name denotes, or None for any other kind of unit."""
+    match = CALL_UNIT.match(name)
+    return None if match is None else CallSite(match["module"], int(match["index"]))
+
+
+def call_site_name(module: str, index: int) -> str:
+    return f"{module}@{index}"
+
+
 def is_range_unit(name: str) -> bool:
     return sequential_run(name) is not None
 
@@ -55,6 +79,10 @@ def is_graph_unit(name: str) -> bool:
 
 def unit_endpoints(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The first and last module a unit runs: the unit itself, or the ends of a Sequential run."""
+    site = call_site(name)
+    if site is not None:
+        module = model.get_submodule(site.module)
+        return module, module
     run = sequential_run(name)
     if run is None:
         module = model.get_submodule(name)
@@ -65,6 +93,9 @@ def unit_endpoints(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, 
 
 def unit_module(model: torch.nn.Module, name: str) -> torch.nn.Module:
     """The module that computes a unit; for a Sequential run, a new Sequential of the same layers."""
+    site = call_site(name)
+    if site is not None:
+        return model.get_submodule(site.module)
     run = sequential_run(name)
     if run is None:
         return model.get_submodule(name)

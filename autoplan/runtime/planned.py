@@ -18,7 +18,7 @@ import torch
 
 from autoplan.plan import Choice
 from autoplan.runtime.graph import split_by_units
-from autoplan.runtime.names import is_graph_unit, sequential_run
+from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, sequential_run
 from autoplan.runtime.wrappers import PlannedForward
 
 
@@ -70,6 +70,30 @@ class PlannedGraph:
         return PlannedGraph(copy.deepcopy(self.module, memo), split, dict(self.choices), copy.deepcopy(self.original, memo))
 
 
+@dataclass
+class PlannedCalls:
+    """The forward of a module that runs several times per forward (shared weights), planned per call.
+
+    Call k of a forward runs `calls[k]` (None: as it was). Calls are counted modulo their number,
+    so every forward starts again at call 0; recomputation in backward runs a call's own function,
+    not this, and does not count. One module, one set of parameters: only the forward is per call.
+    """
+
+    module: torch.nn.Module
+    calls: list[PlannedForward | None]
+    original: Any = None
+    count: int = 0
+
+    def __call__(self, *args, **kwargs):
+        planned = self.calls[self.count % len(self.calls)]
+        self.count += 1
+        if planned is not None:
+            return planned(*args, **kwargs)
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
 def _has_submodule(model: torch.nn.Module, name: str) -> bool:
     try:
         model.get_submodule(name)
@@ -79,7 +103,7 @@ def _has_submodule(model: torch.nn.Module, name: str) -> bool:
 
 
 def _is_planned(forward: Any) -> bool:
-    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph))
+    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph, PlannedCalls))
 
 
 def remove_plan(model: torch.nn.Module) -> torch.nn.Module:
@@ -114,8 +138,13 @@ def apply_choices(
         apply_choices(split, graph_choices)
         model.forward = PlannedGraph(model, split, graph_choices, original=model.__dict__.get("forward"))
     runs: dict[str, list[tuple[int, int, PlannedForward]]] = {}
+    calls: dict[str, dict[int, Choice]] = {}
     for name, choice in choices.items():
         if name in graph_choices:
+            continue
+        site = call_site(name)
+        if site is not None:
+            calls.setdefault(site.module, {})[site.index] = choice
             continue
         run = sequential_run(name)
         if run is None:
@@ -127,6 +156,12 @@ def apply_choices(
     for parent_name, parent_runs in runs.items():
         parent = model.get_submodule(parent_name)
         parent.forward = PlannedSequential(parent, sorted(parent_runs, key=lambda run: run[0]), parent.__dict__.get("forward"))
+    for module_name, by_call in calls.items():
+        module = model.get_submodule(module_name)
+        original = module.__dict__.get("forward")
+        planned = [by_call.get(i) for i in range(max(by_call) + 1)]
+        planned = [None if c is None else PlannedForward(module, c, original=original) for c in planned]
+        module.forward = PlannedCalls(module, planned, original)
     if rest_precision != "fp32":
         model.forward = PlannedForward(
             model, Choice("keep", rest_precision), original=model.__dict__.get("forward"), cast_outputs=False
@@ -143,6 +178,8 @@ def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
             forward = forward.original  # the root's autocast around a graph plan
         if isinstance(forward, PlannedGraph):
             choices.update(planned_choices(forward.split))
+        elif isinstance(forward, PlannedCalls):
+            choices.update({call_site_name(name, i): p.choice for i, p in enumerate(forward.calls) if p is not None})
         elif isinstance(forward, PlannedSequential):
             choices.update({f"{name}[{start}:{stop}]": run.choice for start, stop, run in forward.runs})
         elif isinstance(forward, PlannedForward) and name:

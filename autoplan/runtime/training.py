@@ -1,5 +1,6 @@
 """Training-step helpers every stage uses: the loss a step backpropagates, the optimizers autoplan
-counts, one real training step, timing, and putting a model back as it was after real steps.
+counts, real training steps (one as the plan's default loop, or the person's loop with
+`LoopRunner`), timing, and putting a model back as it was after real steps.
 """
 
 from __future__ import annotations
@@ -10,7 +11,23 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from autoplan.runtime.signatures import accepts_argument
 from autoplan.runtime.tensors import tensors_of
+
+
+def model_loss(output: Any) -> torch.Tensor | None:
+    """The loss the model computed itself (`.loss`, or `["loss"]`), None when it computed none."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def sum_of_outputs(output: Any) -> torch.Tensor:
+    """Every floating-point tensor of the output summed: each output gets a gradient of its size."""
+    tensors = [t for t in tensors_of(output) if t.is_floating_point() and t is not model_loss(output)]
+    if not tensors:
+        raise ValueError("the model's output has no floating-point tensor to backpropagate: return the loss (or the logits) from "
+                         "forward, or pass loss_fn= to compute the loss from the output")
+    return sum(t.sum() for t in tensors)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -19,13 +36,34 @@ def default_loss(output: Any) -> torch.Tensor:
     An output with a `.loss` (or a dict with "loss") that is not None is used as is; otherwise every
     floating-point tensor in the output is summed, which gives each output a gradient of its size.
     """
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
+    loss = model_loss(output)
+    return loss if loss is not None else sum_of_outputs(output)
+
+
+def loss_function(
+    loss_fn: Callable[[Any], torch.Tensor] | None, loss_in_model: bool | None, default: Callable[[Any], torch.Tensor] = default_loss
+) -> Callable[[Any], torch.Tensor]:
+    """What the training loop backpropagates, as a function of the model's output.
+
+    loss_in_model (a TrainingLoop's): True, the output's own `.loss`, an error when it has none;
+    False, `loss_fn` (default: the sum of the floating-point outputs); None, `loss_fn` when given,
+    else `default` (the model's own loss, else the sum).
+    """
+    if loss_in_model is None:
+        return loss_fn or default
+    if loss_in_model is False:
+        return loss_fn or sum_of_outputs
+
+    def own_loss(output: Any) -> torch.Tensor:
+        loss = model_loss(output)
+        if loss is None:
+            raise ValueError(
+                f"the loop says the model computes its loss (loss_in_model=True), but its {type(output).__name__} output "
+                "has no .loss: pass the labels in the batch, or TrainingLoop(loss_in_model=False) with loss_fn="
+            )
         return loss
-    tensors = [t for t in tensors_of(output) if t.is_floating_point()]
-    if not tensors:
-        raise ValueError("the model's output has no floating-point tensor to backpropagate; pass loss_fn=")
-    return sum(t.sum() for t in tensors)
+
+    return own_loss
 
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
@@ -39,23 +77,35 @@ def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
     return optimizer
 
 
-def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, *, foreach: bool) -> torch.optim.Optimizer:
-    """An optimizer over `params` that allocates what the real one would on the target device.
+OPTIMIZER_IMPLEMENTATION_FLAGS = {
+    "foreach": {"foreach": True, "fused": False},
+    "fused": {"foreach": False, "fused": True},
+    "for-loop": {"foreach": False, "fused": False},
+}
 
-    On CUDA, torch's optimizers default to the foreach implementation, whose temporaries are the
-    size of all parameters; on the CPU they default to a per-parameter loop. Fake tensors live on
-    the CPU, so the implementation is chosen explicitly: `foreach` for a CUDA target.
+
+def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, *, implementation: str) -> torch.optim.Optimizer:
+    """An optimizer over `params` that allocates what the real one would in the person's loop.
+
+    implementation: "foreach" (torch's CUDA default: temporaries the size of all parameters at
+    once), "for-loop" (its CPU default: one parameter at a time) or "fused" (one kernel, no
+    temporaries). Fake tensors live on the CPU, so it is always chosen explicitly; an instance
+    keeps `foreach`/`fused` when its owner set them.
     """
+    flags = OPTIMIZER_IMPLEMENTATION_FLAGS[implementation]
     if isinstance(optimizer, torch.optim.Optimizer):
-        defaults = dict(optimizer.defaults)
-        if "foreach" in defaults and defaults["foreach"] is None and not defaults.get("fused"):
-            defaults["foreach"] = foreach
-        return type(optimizer)(params, **defaults)
+        cls = type(optimizer)
+        # defaults can hold entries the constructor does not take (torch 2.13's AdamW keeps
+        # decoupled_weight_decay): pass only what it accepts
+        defaults = {key: value for key, value in optimizer.defaults.items() if accepts_argument(cls.__init__, key, through_kwargs=False)}
+        if defaults.get("foreach") is None and not defaults.get("fused"):
+            defaults.update({key: value for key, value in flags.items() if key in defaults})
+        return cls(params, **defaults)
     factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
-        "adamw": lambda: torch.optim.AdamW(params, foreach=foreach),
-        "adam": lambda: torch.optim.Adam(params, foreach=foreach),
-        "sgd": lambda: torch.optim.SGD(params, lr=1e-3, foreach=foreach),
-        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=foreach),
+        "adamw": lambda: torch.optim.AdamW(params, **flags),
+        "adam": lambda: torch.optim.Adam(params, **flags),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-3, **flags),
+        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **flags),
     }
     return factories[optimizer_name(optimizer)]()
 
@@ -99,6 +149,49 @@ def train_step(model, args, kwargs, opt, loss_fn=None, record_loss: Callable[[fl
     del loss
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+
+class LoopRunner:
+    """The person's training loop run for real, one optimizer step at a time, as the plan models it.
+
+    `loop` is the TrainingLoop planned for (autoplan.inputs.loop). Between steps the runner holds
+    what the loop's variables hold (`outputs`, `loss`), so the next forward runs with them alive,
+    as in `for batch in loader: outputs = model(**batch)`, where `outputs` is reassigned only when
+    the forward returns.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loop: Any, loss_fn=None, device_type: str = "cpu") -> None:
+        self.model, self.optimizer, self.loop = model, optimizer, loop
+        self.loss_of = loss_function(loss_fn, loop.loss_in_model)
+        self.scaler = torch.amp.GradScaler(device_type) if loop.grad_scaler else None
+        self.outputs: Any = None
+        self.loss: torch.Tensor | None = None
+
+    def step(self, args: tuple, kwargs: dict, record_loss: Callable[[float], None] | None = None) -> None:
+        """One optimizer step: every micro-batch's forward and backward, optimizer.step(), zero_grad."""
+        micro_batches = self.loop.accumulation_steps
+        for _ in range(micro_batches):
+            if self.loop.keep_outputs:
+                self.outputs = self.model(*args, **kwargs)
+                self.loss = self.loss_of(self.outputs)
+            else:
+                self.loss = self.loss_of(self.model(*args, **kwargs))
+            if micro_batches > 1:
+                self.loss = self.loss / micro_batches
+            if record_loss is not None:
+                record_loss(float(self.loss.detach()))
+            (self.scaler.scale(self.loss) if self.scaler is not None else self.loss).backward()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=self.loop.zero_grad_set_to_none)
+
+    def close(self) -> None:
+        """Drop what the loop holds (outputs, loss, gradients): the loop has ended."""
+        self.outputs = self.loss = None
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 class Timer:

@@ -32,18 +32,29 @@ from autoplan.memory.model import (
     transient_delta,
     unit_windows,
 )
+from autoplan.errors import SolverTimeoutError
 from autoplan.plan import MODES, Choice
 from autoplan.profile.units import Profile
 
 MIB = 2**20  # the program works in MiB so the solver's tolerances stay meaningful
 
 
+STOPPED_WITH_PLAN = "Stopped at the time limit"  # the status of a solve that ran out of time holding a feasible answer
+
+
 @dataclass(frozen=True)
 class Solution:
     choices: Mapping[str, Choice]  # one per unit; empty when no choice fits
-    status: str  # pulp's status: "Optimal", "Infeasible", ...
+    status: str  # pulp's status: "Optimal", "Infeasible", ..., or STOPPED_WITH_PLAN (feasible, maybe not the fastest)
     feasible: bool
     solve_time_s: float
+
+
+@dataclass(frozen=True)
+class LowestPeak:
+    choices: Mapping[str, Choice]  # one per unit: the lowest predicted peak the solver found
+    solve_time_s: float
+    proven: bool  # False when the solver stopped at its time limit: a lower peak may exist
 
 
 def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = None) -> list[list[Choice]]:
@@ -137,19 +148,31 @@ def _tie_break(choice: Choice) -> float:
     return 1e-12 * (MODES.index(choice.mode) + (choice.precision != "fp32"))
 
 
-def _run(problem: pulp.LpProblem, time_limit_s: float) -> None:
+def _run(problem: pulp.LpProblem, time_limit_s: float) -> bool:
+    """Solve; True when the solver holds a feasible answer. Running out of time without one is an error.
+
+    CBC reports "Not Solved" only when it stopped (at the time limit) before any feasible answer;
+    stopped with one, pulp says "Optimal" with the solution status "integer feasible".
+    """
     try:
         problem.solve(_solver(time_limit_s))
     except pulp.PulpSolverError:
         # CBC without preprocessing has crashed on some infeasible programs: ask again with defaults
         problem.solve(_solver(time_limit_s, preprocess=True))
+    if problem.status == pulp.LpStatusNotSolved:
+        raise SolverTimeoutError(time_limit_s)
+    return problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+
+
+def _stopped_early(problem: pulp.LpProblem) -> bool:
+    return problem.sol_status == pulp.LpSolutionIntegerFeasible
 
 
 def _solver(time_limit_s: float, preprocess: bool = False) -> pulp.LpSolver:
     """CBC: a `cbc` on PATH (pulp[cbc]) if there is one, else the binary that ships inside pulp.
 
     Preprocessing is off: CBC 2.10's preprocessing fixed variables of these programs wrongly and
-    reported a slower plan as optimal (tests/test_solve.py checks against brute force).
+    reported a slower plan as optimal (tests/test_solve_ilp.py checks against brute force).
     """
     options = {"msg": False, "timeLimit": time_limit_s, "gapRel": 1e-4, "options": [] if preprocess else ["preprocess off"]}
     solver = pulp.COIN_CMD(**options)
@@ -179,9 +202,8 @@ def solve(
     for point in constraints:
         problem += phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
     problem += pulp.lpSum((profile.units[u].options[c].time_s + _tie_break(c)) * x[u, c] for (u, c) in x), "step_time"
-    _run(problem, time_limit_s)
-    status = pulp.LpStatus[problem.status]
-    has_solution = problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    has_solution = _run(problem, time_limit_s)
+    status = STOPPED_WITH_PLAN if _stopped_early(problem) else pulp.LpStatus[problem.status]
     elapsed = time.perf_counter() - started
     if not has_solution:
         return Solution({}, status, False, elapsed)
@@ -215,8 +237,12 @@ def minimum_peak(
     pins: Mapping[str, tuple[Choice, ...]] | None = None,
     time_limit_s: float = 10.0,
     world_size: int = 1,
-) -> tuple[dict[str, Choice], float]:
-    """The choices with the lowest predicted peak (per rank on `world_size` ranks), and the solve time."""
+) -> LowestPeak:
+    """The choices with the lowest predicted peak (per rank on `world_size` ranks), and the solve time.
+
+    Every choice is feasible here (the peak is a variable), so the solver always holds an answer unless it
+    ran out of time first (SolverTimeoutError); stopped at the limit with one, `proven` is False.
+    """
     started = time.perf_counter()
     allowed = allowed_choices(profile, pins)
     problem, x, phase_bytes, constraints = _build(profile, allowed, "autoplan_lowest_peak", world_size)
@@ -225,12 +251,9 @@ def minimum_peak(
         problem += phase_bytes(point) <= peak, f"peak_at_{point.index}"
     # among the lowest-peak choices prefer fast ones: time is tiny next to MiB
     problem += peak + 1e-6 * pulp.lpSum(profile.units[u].options[c].time_s * x[u, c] for (u, c) in x), "peak"
-    _run(problem, time_limit_s)
-    if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        # cannot happen for a well-formed profile (every unit has a choice); fall back to the base
-        return {u.name: u.base for u in profile.units}, time.perf_counter() - started
-    choices = _read_choices(profile, allowed, x)
-    return choices, time.perf_counter() - started
+    if not _run(problem, time_limit_s):
+        raise RuntimeError(f"the lowest-peak program has no solution ({pulp.LpStatus[problem.status]}): a bug, every unit has a choice")
+    return LowestPeak(_read_choices(profile, allowed, x), time.perf_counter() - started, proven=not _stopped_early(problem))
 
 
 def fastest(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = None) -> dict[str, Choice]:

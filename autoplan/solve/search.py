@@ -15,7 +15,8 @@ from autoplan.memory.model import predict_peak
 from autoplan.plan import MODES, Choice
 from autoplan.profile.units import Profile
 from autoplan.runtime.names import match_units
-from autoplan.solve.ilp import minimum_peak, solve
+from autoplan.errors import SolverTimeoutError
+from autoplan.solve.ilp import STOPPED_WITH_PLAN, minimum_peak, solve
 
 MAX_RESOLVES = 4
 RESOLVE_SLACK_BYTES = 2**20  # tighten by the overshoot and a MiB more, so a re-solve cannot land on the same point
@@ -30,6 +31,7 @@ class SearchResult:
     solver_status: str  # pulp's status of the last solve
     solve_time_s: float  # every solve together
     resolves: int  # how often the budget was tightened and the program solved again
+    timed_out: bool = False  # the solver stopped at its time limit: the plan fits but may not be the fastest
 
 
 def pinned_choices(
@@ -64,23 +66,37 @@ def search(
 ) -> SearchResult:
     """The fastest choices whose predicted and simulated peaks both fit `usable_bytes`.
 
-    `simulate(choices)` returns the simulated peak of a training step with those choices.
+    `simulate(choices)` returns the simulated peak of a training step with those choices. When the
+    solver runs out of time, the answer is still one the memory model and the simulation agree fits
+    (the lowest-peak choices, or the best the solver held), with `timed_out` set; a time-out that
+    leaves it unknown whether anything fits is a SolverTimeoutError, never "does not fit".
     """
     say = progress or (lambda message: None)
     say("solving")
-    lowest, solve_time = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
-    lowest_peak = predict_peak(profile, lowest, world_size).bytes
+    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+    solve_time = lowest.solve_time_s
+    lowest_peak = predict_peak(profile, lowest.choices, world_size).bytes
     lowest_simulated = None  # a whole-step simulation is the slow part at scale: run it when it decides something
     if lowest_peak > usable_bytes:
-        lowest_simulated = simulate(lowest)
-        lowest_peak = max(lowest_peak, lowest_simulated)
+        # the linear model errs high where units' savings overlap; the whole-step simulation of
+        # these very choices is what a real step does, so it decides the floor
+        lowest_simulated = simulate(lowest.choices)
+        lowest_peak = lowest_simulated
+        if lowest_peak > usable_bytes and not lowest.proven:
+            raise SolverTimeoutError(time_limit_s, f"the solver ran out of time ({time_limit_s:g} s) before it could tell "
+                                     "whether any plan fits: raise time_limit_s (--time-limit on the command line)")
 
-    margin, resolves, status = 0, 0, "Infeasible"
-    chosen, simulated, feasible = lowest, lowest_simulated, False
+    margin, resolves, status, timed_out = 0, 0, "Infeasible", False
+    chosen, simulated, feasible = lowest.choices, lowest_simulated, False
     while lowest_peak <= usable_bytes and resolves <= MAX_RESOLVES:
-        solution = solve(profile, usable_bytes - margin, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+        try:
+            solution = solve(profile, usable_bytes - margin, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+        except SolverTimeoutError:
+            status, timed_out = "Not Solved (time limit)", True
+            break
         solve_time += solution.solve_time_s
         status = solution.status
+        timed_out = timed_out or status == STOPPED_WITH_PLAN
         if not solution.feasible:
             break
         say("verifying the plan with a simulated training step")
@@ -91,7 +107,15 @@ def search(
             break
         margin += max(simulated_peak, predicted) - usable_bytes + RESOLVE_SLACK_BYTES
         resolves += 1
-    if simulated is None:  # nothing fitted after all: report the lowest-peak choices as simulated
-        simulated = simulate(lowest)
+    if not feasible and lowest_simulated is not None and lowest_simulated <= usable_bytes:
+        chosen, simulated, feasible = lowest.choices, lowest_simulated, True  # no solution the linear model admits, but these fit
+    if not feasible and timed_out and lowest_peak <= usable_bytes:
+        # out of time before a faster plan that fits: the lowest-peak choices fit by the model; check them whole
+        say("verifying the lowest-peak plan with a simulated training step")
+        simulated = simulate(lowest.choices)
+        chosen, feasible = lowest.choices, simulated <= usable_bytes
         lowest_peak = max(lowest_peak, simulated)
-    return SearchResult(dict(chosen), feasible, simulated, lowest_peak, status, solve_time, resolves)
+    if simulated is None:  # nothing fitted after all: report the lowest-peak choices as simulated
+        simulated = simulate(lowest.choices)
+        lowest_peak = max(lowest_peak, simulated)
+    return SearchResult(dict(chosen), feasible, simulated, lowest_peak, status, solve_time, resolves, timed_out)

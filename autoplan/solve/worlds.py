@@ -20,14 +20,14 @@ from autoplan.solve.ilp import minimum_peak
 MAX_WORLD_SIZE = 65536  # beyond this the floor (activations, gathered units) is what does not fit
 
 
-def parameter_count(profile: Profile) -> int:
+def profiled_parameter_count(profile: Profile) -> int:
     """Parameters of the model (units and the rest), tied weights once."""
     layouts = [unit.param_layout for unit in profile.units] + [profile.rest_param_layout]
     return sum(p.rows * p.row_numel for layout in layouts for p in layout)
 
 
 def world_size_point(profile: Profile, pins, usable_bytes: int, world_size: int, time_limit_s: float) -> WorldSizePoint:
-    lowest, _ = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size).choices
     lowest_bytes = predict_peak(profile, lowest, world_size).bytes
     no_plan = {unit.name: unit.base for unit in profile.units}
     return WorldSizePoint(world_size, lowest_bytes, predict_peak(profile, no_plan, world_size).bytes, lowest_bytes <= usable_bytes)

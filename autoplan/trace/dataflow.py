@@ -13,17 +13,16 @@ and the error says where that is.
 
 from __future__ import annotations
 
-import os
-import traceback
 import weakref
+from collections import Counter
 
 import networkx as nx
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoplan.runtime.fake import fake_copy, fake_tree
-from autoplan.runtime.formatting import first_line
+from autoplan.runtime.fake import fake_copy, fake_tree, new_fake_mode
+from autoplan.runtime.formatting import first_line, where_in_user_code
+from autoplan.runtime.names import call_site, call_site_name
 from autoplan.runtime.tensors import tensors_of
 
 
@@ -72,24 +71,28 @@ def runtime_unit_graph(
     from autoplan.runtime.names import unit_endpoints
     from autoplan.runtime.planned import remove_plan
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = new_fake_mode()
     twin = remove_plan(fake_copy(model, fake_mode))
     twin.train()  # the step being planned is a training step: dropout and friends as in training
     provenance = _Provenance()
     order: list[str] = []
     handles = []
 
+    calls: Counter[str] = Counter()
+
     def enter(name: str):
         def hook(module, args):
-            if name not in order:
-                order.append(name)
-            provenance.running.append(name)
+            # every call its own unit for now; a module called once is renamed back below
+            calls[name] += 1
+            site = call_site_name(name, calls[name] - 1)
+            order.append(site)
+            provenance.running.append(site)
 
         return hook
 
     def leave(name: str):
         def hook(module, args, output):
-            if provenance.running and provenance.running[-1] == name:
+            if provenance.running and call_site(provenance.running[-1]).module == name:
                 provenance.running.pop()
 
         return hook
@@ -106,7 +109,7 @@ def runtime_unit_graph(
             output = twin(*args, **kwargs)
             finished = frozenset().union(*(provenance.sources(t) for t in tensors_of(output)))
     except Exception as error:  # noqa: BLE001 - reported with where it happened
-        raise RuntimeError(f"{type(error).__name__}: {first_line(error)}{_user_frame(error)}") from error
+        raise RuntimeError(f"{type(error).__name__}: {first_line(error)}{where_in_user_code(error)}") from error
     finally:
         for handle in handles:
             handle.remove()
@@ -114,18 +117,5 @@ def runtime_unit_graph(
     graph.add_nodes_from(["input", *order, "output"])
     graph.add_edges_from(provenance.edges)
     graph.add_edges_from((source, "output") for source in finished)
-    return order, graph
-
-
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(module.__file__) + os.sep for module in (torch,) if getattr(module, "__file__", None)
-) + (os.path.dirname(__file__) + os.sep,)
-
-
-def _user_frame(error: Exception) -> str:
-    """`, at file:line: code` for the innermost frame outside torch and autoplan, if any."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
-    if not frames:
-        return ""
-    frame = frames[-1]
-    return f", at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    once = {call_site_name(name, 0): name for name, count in calls.items() if count == 1}
+    return [once.get(site, site) for site in order], nx.relabel_nodes(graph, once)

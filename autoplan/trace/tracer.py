@@ -22,6 +22,7 @@ across units.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.runtime.formatting import first_line
 from autoplan.runtime.graph import split_by_units
-from autoplan.runtime.names import is_graph_unit, is_range_unit, sequential_run
+from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, is_range_unit, sequential_run
 from autoplan.trace.units import find_units
 
 
@@ -49,6 +50,15 @@ class Traced:
     unit_graph: nx.DiGraph  # unit -> unit dataflow ("input" and "output" included)
     skip_edges: tuple[tuple[str, str], ...]  # dataflow between units that are not neighbours
     trace_errors: tuple[str, ...] = ()  # what each tracer tripped on, when one did
+    never_ran: tuple[str, ...] = ()  # units found in the model that its forward never calls: not planned
+
+
+# What a failure under fake tensors most often is, and its fix (trace and profile both run there).
+FAKE_TENSOR_HINT = (
+    "autoplan runs the forward on fake tensors, which have shapes but no values: code that needs a tensor's value "
+    "(`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run there. Compute it with tensor ops (torch.where) or move it "
+    "out of forward."
+)
 
 
 # -- finding units ------------------------------------------------------------------------
@@ -92,12 +102,18 @@ def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.
         run = sequential_run(unit)
         for layer in run.layer_names() if run is not None else [unit]:
             module_units[layer] = unit
+    # a unit module called several times (shared weights) is one unit per call: "block@0", "block@1", ...
+    calls = Counter(str(node.target) for node in graph.nodes if node.op == "call_module" and str(node.target) in units)
+    seen: Counter[str] = Counter()
     sources: dict[torch.fx.Node, set[str]] = {}
     order: list[str] = []
     dataflow = nx.DiGraph()
     dataflow.add_nodes_from(["input", "output"])
     for node in graph.nodes:
         unit = _node_unit(node, module_units)
+        if unit is not None and node.op == "call_module" and calls[unit] > 1:
+            seen[unit] += 1
+            unit = call_site_name(unit, seen[unit] - 1)
         incoming = set().union(*(sources.get(arg, set()) for arg in node.all_input_nodes)) if node.all_input_nodes else set()
         if node.op == "placeholder":
             sources[node] = {"input"}
@@ -116,7 +132,9 @@ def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.
     return order, dataflow
 
 
-def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None) -> Traced:
+def trace(
+    model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None, *, unit_names: tuple[str, ...] | None = None
+) -> Traced:
     """Find the units of `model` and trace how data flows between them.
 
     Tracers are tried in order: `torch.fx.symbolic_trace`, `torch.export(strict=False)`, then a
@@ -128,7 +146,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None =
     from autoplan.trace.dataflow import runtime_unit_graph
 
     inputs = normalize_inputs(example_inputs)
-    unit_names = find_units(model, units)
+    unit_names = list(unit_names) if unit_names else find_units(model, units)  # unit_names: one level of `unit_levels`
     if all(is_graph_unit(name) for name in unit_names):
         model = split_by_units(model, unit_names)  # the same layers, one submodule per unit
     leaves = {u for u in unit_names if not is_range_unit(u)}
@@ -153,16 +171,18 @@ def trace(model: torch.nn.Module, example_inputs: Any, units: list[str] | None =
             executed, dataflow = _unit_graph(graph, unit_names)
         return _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors)
     raise TraceError(
-        f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n"
-        "autoplan runs the forward on fake tensors, which have shapes but no values: code that needs a "
-        "tensor's value (`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run there. Compute it with "
-        "tensor ops (torch.where) or move it out of forward. If the units were the problem, pass "
-        "units=['pattern', ...] naming the submodules to plan (e.g. its blocks)."
+        f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n" + FAKE_TENSOR_HINT + " If the "
+        "units were the problem, name the submodules to plan, e.g. its blocks (units=['pattern', ...]; --units on the "
+        "command line)."
     )
 
 
 def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors) -> Traced:
-    ordered = executed + [u for u in unit_names if u not in executed]
+    # A unit the forward never calls (a layer built but unused, a branch not taken) has nothing to plan:
+    # it is left out, and the plan names it. When a tracer placed no unit at all, none is left out.
+    called = {site.module for site in map(call_site, executed) if site is not None}  # units planned per call site
+    never_ran = tuple(u for u in unit_names if u not in executed and u not in called) if executed else ()
+    ordered = list(executed) if executed else list(unit_names)
     neighbours = {(a, b) for a, b in zip(["input", *ordered], [*ordered, "output"])}
     skips = tuple(sorted((a, b) for a, b in dataflow.edges if (a, b) not in neighbours and a != "input" and b != "output"))
-    return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors))
+    return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors), never_ran)

@@ -1,27 +1,68 @@
-"""Unit discovery: which parts of a model the plan decides about.
+"""Unit discovery: which parts of a model the plan decides about, at every level where blocks nest.
 
-In order of preference: the layers transformers marks as checkpointable, submodules of a class the
-model repeats (its blocks), runs of an nn.Sequential's layers between cut points, and, for a model
-with none of these, runs of fx graph nodes (`runtime.graph.graph_units`). `units=` patterns name
-them instead.
+Units are found by structure, not by class name. Two modules are the same block when their
+*structural signature* agrees: the tree of their submodules' classes and parameter shapes
+(`structural_signature`); modules of one class of the user's own count as repeated too, whatever
+their widths. Whatever holds them (`nn.ModuleList`, `nn.ModuleDict`, `nn.Sequential`, a custom
+module, at any depth), a repeated block brings its *siblings* (every child with parameters of the
+module that holds it; in a Sequential with parameter-free layers, runs of its layers) and its
+*cousins* (the same place in another stage: `stages.1.blocks.0` for `stages.0.blocks.1`).
+
+Where blocks nest, there is more than one **level**: stages, then the blocks inside them (a level
+goes one deeper when the next one repeats at least twice inside most of its members; members with
+nothing repeating inside stay whole, so a level can mix stages and blocks), and the finest level
+of every repeated block however deep it sits. Each level is a complete, non-overlapping set of
+units; `api.plan` plans every level and keeps the best, so the plan space always holds
+"checkpoint every block by hand".
+
+Found in this order (`unit_levels`):
+1. `units=["layers.*"]`: modules whose qualified names match the patterns (outermost wins);
+2. a Hugging Face model's own layers (its `GradientCheckpointingLayer`s: what
+   `gradient_checkpointing_enable()` checkpoints), one level;
+3. repeated blocks by structure, coarse to fine;
+4. a model with nothing repeated: an `nn.Sequential` model cut into runs (one block per run led by
+   its first parametric layer's class, then one parametric layer per run); else runs of the fx
+   graph between articulation points (`runtime.graph`) and the model's own children.
+A module that runs several times per forward becomes one unit per call, "block@0", "block@1"
+(`trace.tracer`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 
-import networkx as nx
 import torch
 
 from autoplan.errors import TraceError, UnitPatternError
 from autoplan.runtime.graph import graph_units
+from autoplan.runtime.names import sequential_run, unit_module
 from autoplan.runtime.training import parameter_count
 
-_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+_LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # hold blocks, but are never called themselves
+MAX_LEVELS = 2  # nested levels of repeated blocks (plus the finest); each level costs a whole profile
 
 
-def _outermost(names: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class UnitLevel:
+    """One complete set of units the plan may decide about, and where it came from."""
+
+    units: tuple[str, ...]
+    source: str  # "units= patterns", "transformers layers", "repeated blocks", "Sequential runs", ...
+
+
+def structural_signature(module: torch.nn.Module) -> tuple:
+    """What makes two modules the same block: their submodules' names, classes and parameter shapes."""
+    return tuple(
+        (name, type(sub).__qualname__, tuple((n, tuple(p.shape)) for n, p in sub.named_parameters(recurse=False)))
+        for name, sub in module.named_modules()
+    )
+
+
+def outermost(names: list[str]) -> list[str]:
+    """The names no other name of the list contains (`a.b` is inside `a`)."""
     kept: list[str] = []
     for name in sorted(names, key=lambda n: n.count(".")):
         if not any(name.startswith(outer + ".") for outer in kept):
@@ -29,27 +70,160 @@ def _outermost(names: list[str]) -> list[str]:
     return kept
 
 
-def _repeated_class_units(model: torch.nn.Module) -> list[str]:
-    by_class: dict[type, list[str]] = defaultdict(list)
-    for name, module in model.named_modules():
-        cls = type(module)
-        if not name or isinstance(module, _CONTAINERS) or cls.__module__.startswith("torch.nn."):
-            continue
-        if parameter_count(module) > 0:
-            by_class[cls].append(name)
+def _module_name(unit: str) -> str:
+    """The module a unit lives in: itself, or for a Sequential run, the run's first layer."""
+    run = sequential_run(unit)
+    if run is None:
+        return unit
+    return run.layer_names()[0]
 
-    def coverage(names: list[str]) -> tuple[int, int]:
-        outer = _outermost(names)
-        return sum(parameter_count(model.get_submodule(n)) for n in outer), -min(n.count(".") for n in outer)
 
-    candidates = {cls: _outermost(names) for cls, names in by_class.items() if len(_outermost(names)) >= 2}
-    if not candidates:
+def _overlaps(name: str, others: list[str]) -> bool:
+    return any(name == o or name.startswith(o + ".") or o.startswith(name + ".") for o in others)
+
+
+def _is_layer(module: torch.nn.Module) -> bool:
+    """A single layer (Linear, Conv2d, a norm of the model's own): inside every block, never one itself."""
+    return next(module.children(), None) is None
+
+
+def sequential_runs(name: str, seq: torch.nn.Sequential, starts_at=None) -> list[str]:
+    """`seq`'s layers cut into runs, each starting at a layer `starts_at` accepts (default: one with
+    parameters), so parameter-free layers (ReLU, pooling) ride with the layer before them."""
+    accept = starts_at or (lambda layer: parameter_count(layer) > 0)
+    starts = [i for i, layer in enumerate(seq) if accept(layer)]
+    if not starts:
         return []
-    best = max(candidates, key=lambda cls: coverage(candidates[cls]))
-    return candidates[best]
+    starts[0] = 0
+    bounds = starts + [len(seq)]
+    return [f"{name}[{a}:{b}]" for a, b in zip(bounds, bounds[1:])]
 
 
-def _checkpointing_layer_units(model: torch.nn.Module) -> list[str]:
+def _siblings(model: torch.nn.Module, name: str) -> list[str]:
+    """Every child with parameters of the module that holds `name` (the model, for a top-level one)."""
+    parent = name.rsplit(".", 1)[0] if "." in name else ""
+    holder = model.get_submodule(parent)
+    if isinstance(holder, torch.nn.Sequential) and any(parameter_count(child) == 0 for child in holder):
+        return sequential_runs(parent, holder)
+    prefix = f"{parent}." if parent else ""
+    return [f"{prefix}{child}" for child, module in holder.named_children() if parameter_count(module) > 0 and not isinstance(module, _LISTS)]
+
+
+def _cousins(model: torch.nn.Module, name: str) -> list[str]:
+    """Modules at the same place in another stage: `stages.1.blocks.0` for `stages.0.blocks.1`."""
+    parts = [r"\d+" if part.isdigit() else re.escape(part) for part in name.split(".")]
+    pattern = re.compile("^" + r"\.".join(parts) + "$")
+    return [n for n, m in model.named_modules() if n and pattern.match(n) and parameter_count(m) > 0 and not isinstance(m, _LISTS)]
+
+
+def _groups(model: torch.nn.Module, *, with_members: bool = False) -> list:
+    """Repeated modules (one structural signature, or one class of the user's own), each widened to
+    its siblings and cousins (with_members: pairs of the repeated modules themselves and that)."""
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for name, module in model.named_modules():
+        if not name or isinstance(module, _LISTS) or _is_layer(module) or parameter_count(module) == 0:
+            continue
+        groups[structural_signature(module)].append(name)
+        if not type(module).__module__.startswith("torch.nn."):
+            groups[("class", type(module))].append(name)
+    widened: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for names in groups.values():
+        names = outermost(names)
+        if len(names) < 2:
+            continue
+        cousins = {c for n in names for c in _cousins(model, n)}
+        around = cousins | {s for n in {*names, *cousins} for s in _siblings(model, _module_name(n))}
+        # a sibling or cousin that holds one of the blocks (a module calling a shared block) is not one itself
+        found = set(names) | {s for s in around if not any(_module_name(n).startswith(_module_name(s) + ".") for n in names)}
+        widened.setdefault(tuple(sorted(outermost(sorted(found)), key=_unit_order(model))), tuple(names))
+    if with_members:
+        return sorted((members, group) for group, members in widened.items())
+    return sorted(widened)
+
+
+def _unit_order(model: torch.nn.Module):
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+
+    def key(unit: str) -> tuple[int, int]:
+        run = sequential_run(unit)
+        return (order[unit], 0) if run is None else (order[run.parent], run.start + 1)
+
+    return key
+
+
+def _coverage(model: torch.nn.Module, units) -> int:
+    return sum(parameter_count(unit_module(model, unit)) for unit in units)
+
+
+def _level(model: torch.nn.Module, groups: list[tuple[str, ...]], first: tuple[str, ...]) -> tuple[str, ...]:
+    """`first`, and every other group of at least a tenth of its coverage that does not overlap it."""
+    chosen = list(first)
+    least = _coverage(model, first) / 10
+    for names in sorted(groups, key=lambda g: _coverage(model, g), reverse=True):
+        modules = [_module_name(c) for c in chosen]
+        if _coverage(model, names) >= least and not any(_overlaps(_module_name(n), modules) for n in names):
+            chosen.extend(names)
+    return tuple(sorted(chosen, key=_unit_order(model)))
+
+
+def _inside(unit: str, container: str) -> bool:
+    return sequential_run(container) is None and _module_name(unit).startswith(container + ".")
+
+
+def _repeats_inside(model: torch.nn.Module, level: tuple[str, ...], names: tuple[str, ...]) -> bool:
+    """Whether `names` nest in `level`, at least two alike (signature or class) inside most of its members."""
+    if not all(any(_inside(n, outer) for outer in level) for n in names):
+        return False
+    repeated = 0
+    for outer in level:
+        inner = [unit_module(model, n) for n in names if _inside(n, outer)]
+        inner = [m for m in inner if not _is_layer(m)]
+        kinds = Counter(type(m) for m in inner) + Counter(structural_signature(m) for m in inner)
+        repeated += any(count >= 2 for count in kinds.values())
+    return 2 * repeated >= len(level)
+
+
+def nested_levels(model: torch.nn.Module, max_levels: int = MAX_LEVELS) -> list[tuple[str, ...]]:
+    """Levels of repeated blocks, coarse to fine.
+
+    The coarsest is the shallowest group covering at least half the parameters the widest group
+    covers; each next level is the widest group that repeats inside it.
+    """
+    groups = _groups(model)
+    if not groups:
+        return []
+    widest = max(_coverage(model, g) for g in groups)
+    candidates = [g for g in groups if 2 * _coverage(model, g) >= widest]
+    first = min(candidates, key=lambda g: (sum(_module_name(n).count(".") for n in g) / len(g), -_coverage(model, g)))
+    levels = [_level(model, candidates, first)]
+    while len(levels) < max_levels:
+        inner = [g for g in groups if _repeats_inside(model, levels[-1], g)]
+        if not inner:
+            break
+        finer = _level(model, inner, max(inner, key=lambda g: _coverage(model, g)))
+        # members with nothing repeating inside stay whole, so each level covers what the one before did
+        whole = [outer for outer in levels[-1] if not any(_inside(unit, outer) for unit in finer)]
+        levels.append(tuple(sorted((*finer, *whole), key=_unit_order(model))))
+    return levels
+
+
+def _finest_blocks(model: torch.nn.Module) -> tuple[str, ...]:
+    """The widest group of repeated blocks on its own (most members on ties): every block, however
+    deep each one sits, checkpointable one by one, as a person would by hand."""
+    pairs = _groups(model, with_members=True)
+    if not pairs:
+        return ()
+    # ranked by what the repeated modules themselves cover, not their siblings: a block's attention
+    # repeats once per block, the blocks are what repeats
+    def rank(pair) -> tuple[int, int, float]:  # on ties the more, then the deeper, blocks
+        members = pair[0]
+        return _coverage(model, members), len(members), sum(n.count(".") for n in members) / len(members)
+
+    _, widest = max(pairs, key=rank)
+    return _level(model, [group for _, group in pairs], widest)
+
+
+def _checkpointing_layer_units(model: torch.nn.Module, innermost: bool = False) -> tuple[str, ...]:
     """A transformers model's own layers: what it would checkpoint itself (`GradientCheckpointingLayer`).
 
     Covers encoder and decoder layers of different classes (Whisper) and both stacks of T5.
@@ -60,43 +234,89 @@ def _checkpointing_layer_units(model: torch.nn.Module) -> list[str]:
         for name, module in model.named_modules()
         if name and any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__[1:])
     ]
-    outer = _outermost(names)
-    return outer if len(outer) >= 2 else []
+    if innermost:
+        chosen = [n for n in names if not any(other.startswith(n + ".") for other in names)]
+    else:
+        chosen = outermost(names)
+    return tuple(chosen) if len(chosen) >= 2 else ()
 
 
-def _sequential_units(model: torch.nn.Module) -> list[str]:
-    """Cut the longest Sequential into runs that each start at a layer with parameters."""
+def _sequential_levels(model: torch.nn.Module) -> list[tuple[str, ...]]:
+    """The Sequential with most parameters, cut into blocks led by its first parametric layer's class
+    (conv–BN–ReLU), then into one parametric layer per run."""
     sequentials = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Sequential) and len(m) >= 2]
     if not sequentials:
         return []
     name, seq = max(sequentials, key=lambda item: (parameter_count(item[1]), -item[0].count(".")))
-    chain = nx.path_graph(["input", *range(len(seq)), "output"])
-    cut_points = set(nx.articulation_points(chain))  # in a Sequential every layer boundary is one
-    starts = [i for i in range(len(seq)) if i in cut_points and parameter_count(seq[i]) > 0]
-    if len(starts) < 2:
-        return []
-    starts[0] = 0
-    bounds = starts + [len(seq)]
-    return [f"{name}[{a}:{b}]" for a, b in zip(bounds, bounds[1:])]
+    leading = next((type(layer) for layer in seq if parameter_count(layer) > 0), None)
+    levels = [
+        tuple(sequential_runs(name, seq, lambda layer: type(layer) is leading)),
+        tuple(sequential_runs(name, seq)),
+    ]
+    return [level for level in dict.fromkeys(levels) if len(level) >= 2]
+
+
+def _children_level(model: torch.nn.Module) -> tuple[str, ...]:
+    """The model's own children with parameters (the contents of a ModuleList/ModuleDict child)."""
+    units: list[str] = []
+    for name, child in model.named_children():
+        if isinstance(child, _LISTS):
+            units.extend(f"{name}.{n}" for n, grandchild in child.named_children() if parameter_count(grandchild) > 0)
+        elif parameter_count(child) > 0:
+            units.append(name)
+    return tuple(units) if len(units) >= 2 else ()
+
+
+def _matching(model: torch.nn.Module, patterns) -> tuple[str, ...]:
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    modules = [n for n, _ in model.named_modules() if n]
+    # every pattern must name something: a typo among good patterns would otherwise go unnoticed
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in modules)]
+    if unmatched:
+        tops = ", ".join(n for n, _ in model.named_children()) or "(none)"
+        raise UnitPatternError(
+            f"units {unmatched} matched no submodule of {type(model).__name__}; "
+            f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
+        )
+    return tuple(outermost([n for n in modules if any(fnmatch.fnmatchcase(n, p) for p in patterns)]))
+
+
+def unit_levels(model: torch.nn.Module, patterns: list[str] | None = None) -> list[UnitLevel]:
+    """Every level of units the plan may decide about, the preferred first (see the module docstring)."""
+    if patterns:
+        return [UnitLevel(_matching(model, patterns), "units= patterns")]
+    transformers_layers = _checkpointing_layer_units(model)
+    if transformers_layers:
+        # what gradient_checkpointing_enable() checkpoints: where its layers nest (Swin's stages
+        # and their blocks), transformers checkpoints both, so both levels are offered
+        inner = _checkpointing_layer_units(model, innermost=True)
+        levels = [UnitLevel(transformers_layers, "transformers layers")]
+        return levels + ([UnitLevel(inner, "transformers layers inside them")] if inner != transformers_layers else [])
+    blocks = nested_levels(model)
+    finest = _finest_blocks(model)
+    if finest and finest not in blocks:
+        blocks = [*blocks[-1:], finest]  # at most two levels: each costs a whole profile
+    if blocks:
+        return [UnitLevel(level, "repeated blocks") for level in blocks]
+    sequential = _sequential_levels(model)
+    if isinstance(model, torch.nn.Sequential):
+        levels = [UnitLevel(level, "Sequential runs") for level in sequential]
+    else:
+        # a Sequential inside (its runs, as before), else the fx graph's runs; and the model's children
+        graph = () if sequential else tuple(graph_units(model))
+        first = [UnitLevel(sequential[-1], "Sequential runs")] if sequential else [UnitLevel(graph, "graph runs")] if graph else []
+        children = _children_level(model)
+        levels = first + ([UnitLevel(children, "the model's children")] if children else [])
+    if not levels:
+        raise TraceError(
+            f"{type(model).__name__} has no repeated submodule, no nn.Sequential, no two children with parameters and "
+            "no fx graph that cuts into two or more parametric runs; name the submodules to plan (units=['name.pattern', ...]; "
+            "--units on the command line)."
+        )
+    return levels
 
 
 def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> list[str]:
-    """Names of the modules (or Sequential runs) the plan will decide about."""
-    if patterns:
-        if isinstance(patterns, str):
-            patterns = [patterns]
-        names = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-        if not names:
-            tops = ", ".join(n for n, _ in model.named_children()) or "(none)"
-            raise UnitPatternError(
-                f"units={patterns} matched no submodule of {type(model).__name__}; "
-                f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
-            )
-        return _outermost(names)
-    units = _checkpointing_layer_units(model) or _repeated_class_units(model) or _sequential_units(model) or graph_units(model)
-    if not units:
-        raise TraceError(
-            f"{type(model).__name__} has no repeated submodule, no nn.Sequential, and no fx graph that cuts "
-            "into two or more parametric runs; pass units=['name.pattern', ...] naming the submodules to plan."
-        )
-    return units
+    """Names of the modules (or Sequential runs) of the preferred level (`unit_levels`' first)."""
+    return list(unit_levels(model, patterns)[0].units)

@@ -20,18 +20,20 @@ import torch
 
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.inputs.devices import get_device
+from autoplan.inputs.hf_models import training_inputs
+from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
 from autoplan.runtime.planned import apply_choices, planned_choices
 from autoplan.runtime.tensors import tensors_of
 from autoplan.runtime.tracker import LiveBytesTracker
 from autoplan.runtime.training import (
     OPTIMIZERS,
+    LoopRunner,
     Timer,
     make_optimizer,
     model_device,
     optimizer_state_tensors,
     preserved,
-    train_step,
 )
 
 
@@ -52,6 +54,7 @@ class Verification:
     predicted_step_time_s: float
     out_of_memory: bool
     held: bool  # no OOM and the measured peak within the usable budget
+    loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the steps ran
 
     @property
     def peak_error(self) -> float | None:
@@ -73,14 +76,17 @@ def verify(
     optimizer: str | torch.optim.Optimizer | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     enforce_budget: bool = True,
+    loop: TrainingLoop | None = None,
 ) -> Verification:
     """Train `steps` real steps of `model` run as `plan` says, and measure what the plan predicted.
 
     The model is rewritten with the plan if it is not already, and runs on the device its
-    parameters are on. On CUDA the budget is enforced (the allocator may not go beyond it), so a
-    plan that does not hold ends in an out-of-memory error, reported here rather than raised.
-    Parameters, buffers and the RNG state are put back afterwards. `optimizer` defaults to the one
-    the plan counted.
+    parameters are on. Each step is one optimizer step of the training loop the plan was made for
+    (`plan.loop`; `loop=` overrides it): its micro-batches, the outputs kept or dropped as it says,
+    its optimizer implementation, zero_grad and GradScaler. On CUDA the budget is enforced (the
+    allocator may not go beyond it), so a plan that does not hold ends in an out-of-memory error,
+    reported here rather than raised. Parameters, buffers and the RNG state are put back
+    afterwards. `optimizer` defaults to the one the plan counted.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"verify() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
@@ -94,10 +100,11 @@ def verify(
         raise ValueError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
     if planned_choices(model) != plan.choices():
         apply_choices(model, plan.choices(), rest_precision=plan.rest_precision)
-    args, kwargs = normalize_inputs(example_inputs)
+    loop = check_loop(loop if loop is not None else plan.loop)
+    args, kwargs = training_inputs(model, normalize_inputs(example_inputs))  # as planned: no KV cache
     cuda = device.type == "cuda"
     with preserved(model), _budget_enforced(plan.budget_bytes if enforce_budget and cuda else None, device):
-        run = _run_steps(model, (args, kwargs), get_device(plan.device), optimizer, loss_fn, steps)
+        run = _run_steps(model, (args, kwargs), get_device(plan.device), optimizer, loss_fn, steps, loop)
     peak, reserved, times, out_of_memory = run.peak_bytes, run.reserved_bytes, run.step_times_s, run.out_of_memory
     held = not out_of_memory and peak is not None and peak <= plan.usable_bytes
     return Verification(
@@ -114,6 +121,7 @@ def verify(
         predicted_step_time_s=plan.predicted_step_time_s,
         out_of_memory=out_of_memory,
         held=held,
+        loop=loop,
     )
 
 
@@ -125,13 +133,14 @@ class _StepsRun:
     out_of_memory: bool
 
 
-def _run_steps(model, batch: tuple[tuple, dict], profile_device, optimizer, loss_fn, steps: int) -> _StepsRun:
-    """`steps` real training steps; the peak is counted from the second (optimizer state exists)."""
+def _run_steps(model, batch: tuple[tuple, dict], profile_device, optimizer, loss_fn, steps: int, loop: TrainingLoop) -> _StepsRun:
+    """`steps` real optimizer steps of `loop`; the peak is counted from the second (optimizer state exists)."""
     args, kwargs = batch
     device = model_device(model)
     cuda = device.type == "cuda"
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(optimizer, params, foreach=profile_device.kind == "cuda")
+    opt = make_optimizer(optimizer, params, implementation=loop.optimizer_implementation(profile_device.kind))
+    runner = LoopRunner(model, opt, loop, loss_fn, device.type)
     timer = Timer(device)
     tracker = None if cuda else LiveBytesTracker(profile_device)
     times: list[float] = []
@@ -140,7 +149,7 @@ def _run_steps(model, batch: tuple[tuple, dict], profile_device, optimizer, loss
             if step == 1:
                 _start_peak(tracker, device, model, opt, batch)
             with tracker if tracker is not None else contextlib.nullcontext():
-                seconds, _ = timer(lambda: train_step(model, args, kwargs, opt, loss_fn))
+                seconds, _ = timer(lambda: runner.step(args, kwargs))
             if step >= 1:
                 times.append(seconds)
         peak, reserved = _read_peak(tracker, device)
@@ -148,7 +157,7 @@ def _run_steps(model, batch: tuple[tuple, dict], profile_device, optimizer, loss
     except torch.cuda.OutOfMemoryError:
         return _StepsRun(None, None, times, True)
     finally:
-        opt.zero_grad(set_to_none=True)
+        runner.close()
 
 
 def _start_peak(tracker: LiveBytesTracker | None, device: torch.device, model, opt, batch) -> None:

@@ -1,0 +1,148 @@
+"""The Plan a search produced: its choices with what they cost, the notes a person needs, and, where
+blocks nest, the best of the levels planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autoplan.inputs.budget import Budget, budget_needed_for
+from autoplan.inputs.devices import Device
+from autoplan.memory.model import predict_peak, predict_step_time, rank_offsets
+from autoplan.plan import Plan, UnitDecision
+from autoplan.profile.units import Profile
+from autoplan.runtime.formatting import format_bytes
+from autoplan.solve.ilp import fastest
+from autoplan.solve.search import SearchResult
+from autoplan.solve.worlds import profiled_parameter_count
+from autoplan.trace.tracer import Traced
+from autoplan.trace.units import UnitLevel
+
+
+def best_level(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel], tried: int) -> tuple[Plan, Profile]:
+    """The plan of the level that fits fastest (or, if none fits, reaches the lowest peak), and its profile.
+
+    Its minimum peak is the lowest any level reaches: the plan space is all the levels'. `levels`
+    are those planned, of `tried` (a level whose Sequential run is called twice cannot be).
+    """
+    fitting = [item for item in planned if item[0].feasible]
+    if fitting:
+        best = min(fitting, key=lambda item: item[0].predicted_step_time_s)
+    else:
+        best = min(planned, key=lambda item: item[0].minimum_peak_bytes)
+    if tried == 1:
+        return best
+    lowest = min((plan for plan, _ in planned), key=lambda plan: plan.minimum_peak_bytes)
+    index = planned.index(best)
+    others = ", ".join(f"{level.source} ({len(level.units)} units)" for i, level in enumerate(levels) if i != index)
+    note = f"units: {levels[index].source} ({len(levels[index].units)} units), the best of {tried} levels"
+    note += f"; also planned: {others}" if others else ""
+    note += f"; {tried - len(levels)} could not be planned (a Sequential run called more than once)" if tried > len(levels) else ""
+    plan = dataclasses.replace(
+        best[0],
+        minimum_peak_bytes=lowest.minimum_peak_bytes,
+        minimum_budget_bytes=lowest.minimum_budget_bytes,
+        notes=(*best[0].notes, note),
+    )
+    return plan, best[1]
+
+
+
+def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget: Budget, target: Device,
+           time_limit_s: float) -> list[str]:
+    """What a person should know about the plan beyond its numbers."""
+    notes = []
+    if budget.total_bytes > target.memory_bytes:
+        notes.append(f"the budget ({format_bytes(budget.total_bytes)}) is more than {target.name}'s {format_bytes(target.memory_bytes)} "
+                     "of memory (allow_over_device): the plan fits the budget, not the device")
+    if not found.feasible:
+        notes.append("no choice fits the budget: the plan holds the lowest-peak choices")
+    if measured.time_source.startswith("roofline, compiled"):
+        notes.append("planned for torch.compile: recomputing ops without FLOPs is priced as free (fused); the peaks are "
+                     "the eager model's, which the compiled one usually stays under; compile after applying the plan")
+    elif found.timed_out:
+        notes.append(f"the solver ran out of time ({time_limit_s:g} s): this plan fits, but a faster one may exist; raise "
+                     "time_limit_s (--time-limit on the command line)")
+    if traced.never_ran:
+        notes.append(f"{', '.join(traced.never_ran)} never ran in the forward (built but unused, or a branch not taken): "
+                     "skipped, not planned")
+    if measured.routing:
+        notes.append(measured.routing)
+    if traced.skip_edges:
+        notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
+    if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in found.choices.values()):
+        notes.append("fp16 units need torch.amp.GradScaler in the training loop")
+    return notes
+
+
+
+def assemble_plan(
+    measured: Profile, traced: Traced, found: SearchResult, *, budget: Budget, reserve, target: Device, pins, world: int,
+    time_limit_s: float,
+) -> Plan:
+    """The Plan: the search's choices with what they cost, and the numbers a person checks them by."""
+    rest = measured.rest_precision
+    chosen, feasible = found.choices, found.feasible
+    prediction = predict_peak(measured, chosen, world)
+    notes = plan_notes(traced, measured, found, budget=budget, target=target, time_limit_s=time_limit_s)
+    decisions = tuple(
+        UnitDecision(
+            name=unit.name,
+            choice=chosen[unit.name],
+            saved_bytes=unit.options[chosen[unit.name]].held_bytes,
+            recompute_flops=unit.recompute_flops(chosen[unit.name]),
+            step_time_s=unit.options[chosen[unit.name]].time_s,
+            policy=unit.policies.get(chosen[unit.name], ""),
+        )
+        for unit in measured.units
+    )
+    return Plan(
+        model_name=measured.model_name,
+        device=target.name,
+        low_precision=target.low_precision_name,
+        rest_precision=rest,
+        needs_grad_scaler=any(c.precision == "fp16" for c in chosen.values()) or rest == "fp16",
+        optimizer=measured.optimizer,
+        feasible=feasible,
+        budget_bytes=budget.total_bytes,
+        usable_bytes=budget.usable_bytes,
+        predicted_peak_bytes=prediction.bytes,
+        simulated_peak_bytes=found.simulated_peak_bytes,
+        baseline_peak_bytes=_per_rank_peak(measured.reference, measured, world),
+        minimum_peak_bytes=found.lowest_peak_bytes,
+        minimum_budget_bytes=budget_needed_for(found.lowest_peak_bytes, target, reserve),
+        predicted_step_time_s=predict_step_time(measured, chosen),
+        baseline_step_time_s=measured.reference_step_time_s or measured.reference.step_time_s,
+        fastest_step_time_s=predict_step_time(measured, fastest(measured, pins)),
+        time_source=measured.time_source,
+        breakdown=prediction.breakdown,
+        peak_phase=prediction.phase,
+        units=decisions,
+        solver_status=found.solver_status,
+        solve_time_s=found.solve_time_s,
+        resolves=found.resolves,
+        trace_method=traced.method,
+        notes=tuple(notes),
+        world_size=world,
+        fsdp=prediction.rank,
+        parameter_count=profiled_parameter_count(measured),
+        state_bytes=sum(getattr(measured.timeline.static, part) for part in ("parameters", "gradients", "optimizer")),
+        loop=measured.loop,
+    )
+
+
+
+def infeasible_message(plan: Plan) -> str:
+    return (
+        f"no plan fits {plan.device} in {format_bytes(plan.budget_bytes)} "
+        f"(usable {format_bytes(plan.usable_bytes)}): the lowest peak autoplan can reach is "
+        f"{format_bytes(plan.minimum_peak_bytes)}, which needs a budget of "
+        f"{format_bytes(plan.minimum_budget_bytes)}. Call autoplan.plan(...) to see the breakdown."
+    )
+
+
+
+def _per_rank_peak(timeline, measured: Profile, world: int) -> int:
+    """A simulated timeline's peak on one of `world` ranks (its own peak on one GPU)."""
+    offsets = rank_offsets(measured, world)
+    return max(phase.peak_bytes + offset for phase, offset in zip(timeline.phases, offsets))

@@ -1,0 +1,61 @@
+"""Floors: the lowest peak autoplan reaches against checkpointing every block by hand.
+
+For every structure of the test zoo (`tests/structures.py`: residual blocks in a ModuleList or
+ModuleDict, stages of blocks, a VGG-style Sequential, a U-Net, a shared block, transformers
+ResNet / ConvNext / Swin / Mixtral / Qwen2-MoE from tiny configs), measures on the CPU, with the
+live-bytes tracker `autoplan.verify` uses, a real training step (AdamW, fp32) checkpointed by hand
+(`torch.utils.checkpoint`, non-reentrant, around each block; `gradient_checkpointing_enable()`
+where transformers has it); then plans at a budget of exactly that peak (no reserve) and
+measures the planned step. Prints, per structure: autoplan's floor (`plan.minimum_peak_bytes`)
+over the by-hand peak, the planned step's measured peak, and the FLOPs each recomputes
+(FlopCounterMode, against the same step without checkpointing).
+
+    python benchmarks/floors.py
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.handmade import compare_with_plan  # noqa: E402
+from tests.structures import STRUCTURES  # noqa: E402
+
+
+def machine() -> str:
+    return f"{platform.node()} · {platform.processor() or platform.machine()} · Python {platform.python_version()} · torch {torch.__version__}"
+
+
+def kib(nbytes: int) -> str:
+    return f"{nbytes / 1024:,.0f} KiB"
+
+
+def main() -> None:
+    print(f"CPU, this machine: {machine()}; live tensor bytes of training step 2, AdamW, fp32\n")
+    print("| structure | by hand: peak | autoplan's floor | floor / by hand | autoplan at the by-hand peak: measured | recompute MFLOP by hand | recompute MFLOP autoplan |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for structure in STRUCTURES:
+        try:
+            row = compare_with_plan(structure, with_plain=True)
+        except Exception as error:  # noqa: BLE001 - a structure that fails is a row that says so
+            print(f"| {structure.name} | failed: {type(error).__name__}: {str(error).splitlines()[0][:120]} | | | | | |", flush=True)
+            continue
+        hand_recompute = (row.by_hand.flops - row.plain.flops) / 1e6
+        if row.planned is None:
+            planned, recompute = "does not fit", "–"
+        else:
+            planned, recompute = kib(row.planned.peak_bytes), f"{(row.planned.flops - row.plain.flops) / 1e6:,.1f}"
+        print(
+            f"| {structure.name} | {kib(row.by_hand.peak_bytes)} | {kib(row.floor_bytes)} | {row.floor_ratio:.2f}× "
+            f"| {planned} | {hand_recompute:,.1f} | {recompute} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Checkpointing by hand, measured: the baseline autoplan must never be worse than.
+
+`checkpoint_by_hand(model, structure)` does what a person writes without autoplan:
+`torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)` around each repeated block
+(every call of a shared block), `checkpoint_sequential` over a Sequential backbone, or
+`model.gradient_checkpointing_enable()` for a transformers model.
+
+`measured_step(model, inputs)` runs real training steps on the CPU and returns the steady-state
+peak (step 2: optimizer state exists) counted by the same live-bytes tracker `autoplan.verify`
+uses on the CPU, and the FLOPs of that step (`torch.utils.flop_counter.FlopCounterMode`); the
+difference of FLOPs to the same step without checkpointing is what a plan recomputes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoplan.inputs.batch import normalize_inputs
+from autoplan.inputs.devices import get_device
+from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.training import default_loss, make_optimizer, preserved, train_step
+
+from tests.structures import Structure
+
+
+def _checkpointed(forward: Callable) -> Callable:
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _checkpointed_sequential(module: torch.nn.Sequential, segments: int) -> Callable:
+    def run(input):
+        if not torch.is_grad_enabled():
+            return torch.nn.Sequential.forward(module, input)
+        return checkpoint_sequential(list(module), segments, input, use_reentrant=False)
+
+    return run
+
+
+def checkpoint_by_hand(model: torch.nn.Module, structure: Structure) -> torch.nn.Module:
+    """`model` (in place) with every block checkpointed the way a person would do it by hand."""
+    if structure.transformers_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif structure.sequential_segments is not None:
+        model.forward = _checkpointed_sequential(model, structure.sequential_segments(model))
+    else:
+        for block in structure.blocks(model):
+            block.forward = _checkpointed(block.forward)
+    return model
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    peak_bytes: int  # live tensor bytes at the peak of a steady-state training step (CPU tracker)
+    flops: int  # FLOPs of that step: forward, backward (recomputation included)
+
+
+def measured_step(
+    model: torch.nn.Module, example_inputs: Any, *, optimizer: str = "adamw", loss_fn: Callable | None = None
+) -> StepMeasurement:
+    """The steady-state peak and FLOPs of a real training step of `model` on the CPU.
+
+    Counted as `autoplan.verify` counts on the CPU: from step 2 on, what was alive when the step
+    began (parameters, buffers, optimizer state, the batch) plus every tensor made during it.
+    The model's parameters, buffers and the RNG are put back afterwards.
+    """
+    args, kwargs = normalize_inputs(example_inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = get_device("cpu")
+    with preserved(model):
+        opt = make_optimizer(optimizer, params, foreach=False)  # torch's default on the CPU
+        train_step(model, args, kwargs, opt, loss_fn)
+        tracker = LiveBytesTracker(device)
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        batch = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        with tracker:
+            tracker.adopt(list(model.parameters()) + list(model.buffers()) + state + batch)
+            tracker.begin_phase("steady")
+            train_step(model, args, kwargs, opt, loss_fn)
+        peak = max(phase.peak_bytes for phase in tracker.phases()[1:])
+        # FLOPs in a step of their own: FlopCounterMode's module tracking makes reference cycles that
+        # keep checkpoint's recomputed tensors alive until the garbage collector runs, which would
+        # make the peak depend on when it does
+        counter = FlopCounterMode(display=False)
+        with counter:
+            (loss_fn or default_loss)(model(*args, **kwargs)).backward()
+        opt.zero_grad(set_to_none=True)
+    return StepMeasurement(peak, counter.get_total_flops())
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One structure trained three ways: as built, checkpointed by hand."""
+
+    plain: StepMeasurement  # no checkpointing at all
+    by_hand: StepMeasurement  # every block checkpointed by hand
+
+    @property
+    def by_hand_recompute_flops(self) -> int:
+        return self.by_hand.flops - self.plain.flops
+
+
+def baseline(structure: Structure) -> Baseline:
+    model, inputs = structure.build()
+    model.train()
+    plain = measured_step(model, inputs)
+    by_hand = measured_step(checkpoint_by_hand(copy.deepcopy(model), structure), inputs)
+    return Baseline(plain, by_hand)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """autoplan against checkpointing every block by hand, on one structure (CPU, fp32, AdamW)."""
+
+    structure: str
+    by_hand: StepMeasurement
+    floor_bytes: int  # plan.minimum_peak_bytes: the lowest peak autoplan can reach
+    units: tuple[str, ...]  # the units of the plan at the by-hand peak
+    feasible: bool  # autoplan's plan at a budget of the by-hand peak (no reserve) fits, it says
+    planned: StepMeasurement | None  # that plan, measured (None when it said it does not fit)
+    plain: StepMeasurement | None = None  # no checkpointing at all, when asked for
+    plan: Any = None  # the autoplan.Plan at the by-hand peak
+
+    @property
+    def floor_ratio(self) -> float:
+        return self.floor_bytes / self.by_hand.peak_bytes
+
+
+def compare_with_plan(structure: Structure, *, with_plain: bool = False) -> Comparison:
+    """Measure the by-hand peak, then plan at exactly that budget (reserve 0) and measure the plan."""
+    import autoplan
+
+    model, inputs = structure.build()
+    model.train()
+    plain = measured_step(model, inputs) if with_plain else None
+    by_hand = measured_step(checkpoint_by_hand(copy.deepcopy(model), structure), inputs)
+    plan = autoplan.plan(model, budget=by_hand.peak_bytes, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
+    planned = measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs) if plan.feasible else None
+    units = tuple(unit.name for unit in plan.units)
+    return Comparison(structure.name, by_hand, plan.minimum_peak_bytes, units, plan.feasible, planned, plain, plan)

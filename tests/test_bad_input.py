@@ -1,0 +1,383 @@
+"""Bad and unusual input through `autoplan plan`, `autoplan verify` and the Python API (issue 13).
+
+Every case is one a new user hits: the answer must be a documented exit code and one line on
+stderr naming what was wrong and what to do (never a traceback, never a plan that claims to fit
+when it does not). The CLI table runs in-process through typer's CliRunner; the cases that depend
+on the process itself (a closed pipe, `sys.path`, torch's own logging) run `autoplan` in a
+subprocess. Targets are the tiny factories of tests/cli_factories.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+import autoplan
+from autoplan.cli.app import ExitCode, app
+from tests.cli_factories import tiny_gpt, tiny_mlp
+from tests.test_cli import assert_one_line_error, words
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = "tests/cli_factories.py:tiny_gpt"
+MLP = "tests/cli_factories.py:tiny_mlp"
+runner = CliRunner()
+# the line of tests/cli_factories.py whose branch on a tensor's value the error must name
+BRANCH_LINE = next(i for i, line in enumerate((ROOT / "tests" / "cli_factories.py").read_text().splitlines(), 1)
+                   if "if y.sum() > 0:" in line)
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> Path:
+    """Target files that end the process or misuse argparse, and tiny hf: configs, broken on purpose."""
+    folder = tmp_path_factory.mktemp("targets")
+    write(folder / "argparse_at_import.py", """\
+        import argparse
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--lr", required=True)
+        args = parser.parse_args()  # runs on import: the script was not meant to be imported
+        def build():
+            raise AssertionError("never reached")
+        """)
+    small = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 32, "n_head": 2,
+             "n_positions": 64, "vocab_size": 128}
+    (folder / "gpt2_64.json").write_text(json.dumps(small))
+    (folder / "heads.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 65,
+                                                   "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 128}))
+    (folder / "string.json").write_text(json.dumps(small | {"n_layer": "two"}))
+    (folder / "array.json").write_text("[1, 2, 3]")
+    (folder / "unknown_type.json").write_text(json.dumps({"model_type": "nosuchmodel"}))
+    return folder
+
+
+# -- the table: one command, one exit code, one line naming the problem --------------------------------
+
+CASES = {
+    # 1. a budget above the device's memory is a mistake, not a FITS
+    "budget over the device": (["plan", GPT, "--budget", "240GB", "--device", "rtx-4090"], ExitCode.USAGE,
+                               ["240", "rtx-4090", "--allow-over-device"]),
+    # 4. a target that ends the process
+    "sys.exit in the factory": (["plan", "tests/cli_factories.py:exits", "--budget", "1GB"], ExitCode.FACTORY_FAILED,
+                                ["exits()", "SystemExit"]),
+    "sys.exit in the factory (verify)": (["verify", "tests/cli_factories.py:exits", "--budget", "1GB", "--on", "cpu"],
+                                         ExitCode.FACTORY_FAILED, ["SystemExit"]),
+    "argparse at import": (["plan", "{targets}/argparse_at_import.py:build", "--budget", "1GB"], ExitCode.FACTORY_FAILED,
+                           ["SystemExit", "__main__"]),
+    # 6. a solver time limit that is no limit
+    "time limit 0": (["plan", GPT, "--budget", "1GB", "--time-limit", "0"], ExitCode.USAGE, ["--time-limit"]),
+    # 8. torch's own output stays out of the one line (verify printed the failed export's graph)
+    "untraceable (verify)": (["verify", "tests/cli_factories.py:untraceable", "--budget", "1GB", "--on", "cpu"],
+                             ExitCode.CANNOT_PLAN, ["could not trace"]),
+    # 9. a branch on a tensor's value inside a unit: the model's line and the fix
+    "branch inside a unit": (["plan", "tests/cli_factories.py:branch_in_block", "--budget", "1GB"], ExitCode.CANNOT_PLAN,
+                             [f"cli_factories.py:{BRANCH_LINE}", "if y.sum() > 0", "torch.where"]),
+    # 12. the smaller ones
+    "reserve over the budget": (["plan", GPT, "--budget", "100MB", "--reserve", "200MB", "--device", "h100"], ExitCode.USAGE,
+                                ["reserve", "200", "100"]),
+    "a100 without a size": (["plan", GPT, "--budget", "1GB", "--device", "a100"], ExitCode.USAGE, ["a100-40gb", "a100-80gb"]),
+    "v100 without a size": (["plan", GPT, "--budget", "1GB", "--device", "v100"], ExitCode.USAGE, ["v100-16gb", "v100-32gb"]),
+    "budget without a unit": (["plan", GPT, "--budget", "20"], ExitCode.USAGE, ["needs a unit", '"20GB"']),
+    "units with a typo": (["plan", GPT, "--budget", "1GB", "--units", "transformer.h.*,typo"], ExitCode.USAGE, ["typo"]),
+    "world size not ASCII": (["plan", GPT, "--budget", "1GB", "--world-size", "²"], ExitCode.USAGE, ["--world-size"]),
+    "untraceable names the CLI option": (["plan", "tests/cli_factories.py:untraceable", "--budget", "1GB"],
+                                         ExitCode.CANNOT_PLAN, ["--units"]),
+}
+HF_CASES = {
+    # 2. a sequence longer than the model's positions
+    "seq-len over the positions": (["plan", "hf:{targets}/gpt2_64.json", "--budget", "1GB", "--device", "h100", "--seq-len", "65"],
+                                   ExitCode.USAGE, ["65", "64"]),
+    "seq-len over the positions (verify)": (["verify", "hf:{targets}/gpt2_64.json", "--budget", "1GB", "--on", "cpu",
+                                             "--seq-len", "65"], ExitCode.USAGE, ["65", "64"]),
+    # 7. a config with wrong values is the user's mistake (4), not a bug (1)
+    "config: heads do not divide": (["plan", "hf:{targets}/heads.json", "--budget", "1GB"], ExitCode.NOT_FOUND, ["65"]),
+    "config: a string for a number": (["plan", "hf:{targets}/string.json", "--budget", "1GB"], ExitCode.NOT_FOUND, ["n_layer"]),
+    "config: a JSON array": (["plan", "hf:{targets}/array.json", "--budget", "1GB"], ExitCode.NOT_FOUND, ["JSON object"]),
+    "config: unknown model_type": (["plan", "hf:{targets}/unknown_type.json", "--budget", "1GB"], ExitCode.NOT_FOUND,
+                                   ["nosuchmodel"]),
+}
+# An error that names a Python argument names the command line's way to the same fix too.
+CLI_WAY = {"units=[": "--units", "loss_fn=": "from forward", "allow_over_device": "--allow-over-device",
+           "time_limit_s": "--time-limit", "example_inputs=": "return (model, example_inputs)"}
+
+
+def _check(case: tuple, targets: Path):
+    argv, code, fragments = case
+    result = run(*(arg.replace("{targets}", str(targets)) for arg in argv))
+    assert_one_line_error(result, code, *fragments)
+    line = result.stderr.strip()
+    assert len(line) < 1000, f"{len(line)} characters on one line"  # a sentence or three, not a dump
+    for argument, cli in CLI_WAY.items():
+        assert argument not in line or cli in line, line
+    return result
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cli_bad_input(case: str, targets: Path) -> None:
+    _check(CASES[case], targets)
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_cli_bad_hf_config(case: str, targets: Path) -> None:
+    pytest.importorskip("transformers")
+    _check(HF_CASES[case], targets)
+
+
+def test_budget_error_lists_only_what_the_cli_takes() -> None:
+    line = run("plan", GPT, "--budget", "20").stderr
+    assert "int of bytes" not in line and "B" in line.split("Accepted:")[1]  # "1234B" is how the CLI says bytes
+
+
+def test_transformers_missing_is_exit_7(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    assert_one_line_error(run("plan", "hf:gpt2", "--budget", "1GB"), ExitCode.MISSING_EXTRA, "pip install")
+
+
+# -- 1. over the device, on purpose ---------------------------------------------------------------------
+
+
+def test_allow_over_device_plans_and_says_so() -> None:
+    result = run("plan", GPT, "--budget", "240GB", "--device", "rtx-4090", "--allow-over-device")
+    assert result.exit_code == ExitCode.FITS, result.output
+    assert "more than rtx-4090" in words(result.stdout)
+
+
+def test_api_budget_over_the_device() -> None:
+    model, inputs = tiny_gpt()
+    with pytest.raises(ValueError, match="allow_over_device=True"):
+        autoplan.plan(model, "240GB", example_inputs=inputs, device="rtx-4090")
+    plan = autoplan.plan(model, "240GB", example_inputs=inputs, device="rtx-4090", allow_over_device=True)
+    assert plan.feasible and any("more than rtx-4090" in note for note in plan.notes)
+    assert "more than rtx-4090" in plan.report()
+
+
+# -- 2. sequence length beyond the model's positions (API) ----------------------------------------------
+
+
+def test_api_seq_len_over_the_positions(targets: Path) -> None:
+    pytest.importorskip("transformers")
+    from autoplan.hf import example_inputs_for, model_from_config
+
+    model = model_from_config(str(targets / "gpt2_64.json"))
+    with pytest.raises(ValueError, match="64"):
+        autoplan.plan(model, "1GB", device="h100", seq_len=65)
+    with pytest.raises(ValueError, match="64"):
+        example_inputs_for(model, 1, 65)
+    assert autoplan.plan(model, "1GB", device="h100", seq_len=64).feasible  # the maximum itself is fine
+
+
+# -- 3. the "apply it:" snippet reproduces the plan -----------------------------------------------------
+
+VARYING = ("solve_time_s",)  # wall-clock time of the solver
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--reserve", "100MB", "--precision", "fp32", "--optimizer", "sgd", "--units", "transformer.h.0", "--world-size", "2"],
+        ["--precision", "bf16", "--optimizer", "sgd-momentum", "--units", "transformer.h.*", "--reserve", "0"],
+    ],
+)
+def test_apply_snippet_reproduces_the_plan(tmp_path, options) -> None:
+    path = tmp_path / "plan.json"
+    result = run("plan", GPT, "--budget", "1GB", "--device", "h100", *options, "--json", str(path))
+    assert result.exit_code == ExitCode.FITS, result.output
+    lines = result.stdout.splitlines()
+    code = "\n".join(line for line in lines[lines.index("apply it:") + 1:] if line.startswith(("model =", "scaler =")))
+    assert code.startswith("model = autoplan.optimize(model, ")
+    model, batch = tiny_gpt()
+    namespace = {"autoplan": autoplan, "torch": torch, "model": model, "batch": batch}
+    # optimize() is plan() then apply(); with world_size > 1 it needs torchrun, so compare the plan it makes
+    exec(code.replace("autoplan.optimize(", "autoplan.plan(", 1), namespace)
+    expected = json.loads(path.read_text())["plan"]
+    got = json.loads(namespace["model"].to_json())
+    for key in VARYING:
+        expected.pop(key), got.pop(key)
+    assert got == expected
+
+
+# -- 6. the solver's time limit -------------------------------------------------------------------------
+
+
+def test_solver_time_out_is_not_infeasible() -> None:
+    from autoplan.errors import SolverTimeoutError
+    from autoplan.solve.ilp import minimum_peak, solve
+    from tests.test_solve_ilp import keep_peak, random_chain
+
+    profile = random_chain(1, 200, three_modes=True, passed=True)  # CBC needs seconds for this one
+    with pytest.raises(SolverTimeoutError, match="ran out of time") as raised:
+        solve(profile, int(keep_peak(profile) * 0.7), time_limit_s=0.001)
+    assert raised.value.time_limit_s == 0.001 and "time_limit_s" in str(raised.value)
+    with pytest.raises(SolverTimeoutError):
+        minimum_peak(profile, time_limit_s=0.001)
+
+
+def test_time_out_of_the_fastest_plan_falls_back_to_a_plan_that_fits(monkeypatch) -> None:
+    """When the search for the fastest plan runs out of time, the lowest-peak plan (which fits) is the answer."""
+    import autoplan.solve.search as search
+    from autoplan.errors import SolverTimeoutError
+
+    def out_of_time(*args, time_limit_s, **kwargs):
+        raise SolverTimeoutError(time_limit_s)
+
+    monkeypatch.setattr(search, "solve", out_of_time)
+    model, inputs = tiny_gpt()
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0, time_limit_s=3)
+    assert plan.feasible and plan.predicted_peak_bytes == plan.minimum_peak_bytes <= plan.usable_bytes
+    assert any("ran out of time" in note and "time_limit_s" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("limit", [0, -1, float("nan"), float("inf")])
+def test_api_time_limit_must_be_positive(limit) -> None:
+    model, inputs = tiny_gpt()
+    with pytest.raises(ValueError, match="time_limit_s"):
+        autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", time_limit_s=limit)
+
+
+# -- 8. torch's loggers ----------------------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_torch_logs_are_silent_without_debug() -> None:
+    handler = _Records()
+    # torch's loggers do not all propagate (torch._logging gives some their own handlers): listen to each
+    names = ["torch", "torch.fx.experimental.symbolic_shapes"] + [n for n in logging.root.manager.loggerDict if n.startswith("torch.")]
+    loggers = {id(logger): logger for logger in map(logging.getLogger, names) if logger.name == "torch" or not logger.propagate}
+    for logger in loggers.values():
+        logger.addHandler(handler)
+    try:
+        result = run("verify", "tests/cli_factories.py:untraceable", "--budget", "1GB", "--on", "cpu")
+    finally:
+        for logger in loggers.values():
+            logger.removeHandler(handler)
+    assert result.exit_code == ExitCode.CANNOT_PLAN
+    assert [r.getMessage() for r in handler.records if r.levelno >= logging.WARNING] == []
+    assert logging.root.manager.disable == logging.NOTSET  # put back for whoever runs next in this process
+
+
+# -- 10. a repeated block that never runs -----------------------------------------------------------------
+
+
+def test_block_that_never_runs_is_skipped_and_named(tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    result = run("plan", "tests/cli_factories.py:unused_block", "--budget", "1GB", "--json", str(path))
+    assert result.exit_code == ExitCode.FITS, result.output
+    plan = json.loads(path.read_text())["plan"]
+    assert [u["name"] for u in plan["units"]] == ["blocks.0", "blocks.1"]
+    note = next(n for n in plan["notes"] if "blocks.2" in n)
+    assert "never ran" in note and "note: " + note in words(result.stdout)
+
+
+# -- 5 and 11: the process itself: a closed pipe, and where the target's imports come from ---------------
+
+
+def _autoplan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`autoplan ARGS | head -0` run from `cwd`: the reader is gone before anything is written."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    # -P: like the `autoplan` script, not like `python -c`, the working directory is not put first on sys.path
+    command = [sys.executable, "-P", "-c", "from autoplan.cli.app import app; app()", *args]
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    stderr = process.communicate(timeout=120)[1]
+    return subprocess.CompletedProcess(command, process.returncode, "", stderr)
+
+
+def test_closed_pipe_sibling_imports_and_a_profile_py_in_the_working_directory(tmp_path) -> None:
+    """One process (each costs seconds of imports) for the three things only a real process shows:
+    the target's sibling module imports from another directory (exit 5 if not), the working
+    directory's profile.py shadows no standard module (exit 6 if it does), and a reader that
+    stops early costs neither the --json file nor the exit code (exit 1 and no file if it does)."""
+    write(tmp_path / "project" / "helper.py", """\
+        import torch.nn as nn
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+            def forward(self, x):
+                return self.fc(x).relu()
+        """)
+    write(tmp_path / "project" / "model.py", """\
+        import torch
+        import torch.nn as nn
+        from helper import Block  # a sibling module: works from any working directory
+        def build():
+            return nn.Sequential(Block(), Block()), (torch.randn(2, 4),)
+        """)
+    elsewhere = tmp_path / "elsewhere"
+    write(elsewhere / "profile.py", 'raise RuntimeError("the profile.py of the working directory was imported")\n')
+    path = tmp_path / "plan.json"
+    result = _autoplan("plan", str(tmp_path / "project" / "model.py") + ":build", "--budget", "1GB", "--device", "h100",
+                       "--json", str(path), cwd=elsewhere)
+    assert result.returncode == ExitCode.FITS, result.stderr
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
+    assert json.loads(path.read_text())["plan"]["feasible"] is True
+
+
+# -- 12. the smaller ones ---------------------------------------------------------------------------------
+
+
+def test_graph_unit_names_survive_the_report() -> None:
+    result = run("plan", "tests/models.py:make_flat", "--budget", "1GB", "--device", "h100")
+    assert result.exit_code == ExitCode.FITS, result.output
+    assert "graph[fc_in:gelu]" in result.stdout
+
+
+def test_api_accepts_numpy_integers_and_torch_devices() -> None:
+    numpy = pytest.importorskip("numpy")
+    model, inputs = tiny_mlp()
+    by_int = autoplan.plan(model, 10**9, example_inputs=inputs, device="cpu")
+    by_numpy = autoplan.plan(model, numpy.int64(10**9), example_inputs=inputs, device=torch.device("cpu"))
+    assert by_numpy.budget_bytes == 10**9 and by_numpy.device == "cpu"
+    assert by_numpy.predicted_peak_bytes == by_int.predicted_peak_bytes
+    with pytest.raises(ValueError, match="bool"):
+        autoplan.plan(model, numpy.bool_(True), example_inputs=inputs, device="cpu")
+
+
+def test_api_units_with_a_typo() -> None:
+    model, inputs = tiny_gpt()
+    with pytest.raises(ValueError, match="typo"):
+        autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", units=["transformer.h.*", "typo"])
+
+
+# -- random option values never crash ---------------------------------------------------------------------
+
+SIZE_LIKE = st.from_regex(r"\s?[+-]?\d{0,4}(\.\d{0,2})?\s?(B|KB|MB|GB|TB|GiB|kb|%|e9|)?\s?", fullmatch=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(option=st.sampled_from(["--budget", "--reserve", "--device", "--world-size"]),
+       value=st.one_of(st.text(max_size=12), SIZE_LIKE, st.sampled_from(["h100", "cpu", "4090", "auto", "1", "0", "80%", "²", "٣", "1e999GB", "nan", "inf GB"])))
+def test_random_option_values_exit_cleanly(option: str, value: str) -> None:
+    args = {"--budget": "1GB", "--device": "h100"} | {option: value}
+    result = run("plan", MLP, *(f"{key}={text}" for key, text in args.items()))
+    assert result.exit_code in (ExitCode.FITS, ExitCode.USAGE, ExitCode.DOES_NOT_FIT), (args, result.output)
+    assert "Traceback" not in result.output
+    if result.exit_code == ExitCode.USAGE:
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr

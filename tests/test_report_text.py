@@ -1,0 +1,104 @@
+"""The text report: every number in human units, and a plan that cannot fit because of its state says so first.
+
+Small GPTs from examples/gpt.py planned for the h100-80gb profile (the optimizer's foreach
+temporaries are counted there) with no reserve, on fake tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import autoplan
+from autoplan.report.advice import advise, state_bound
+from autoplan.report.text import format_report
+from autoplan.report.trainer import measured_peak_line
+from autoplan.runtime.formatting import format_bytes
+from examples.gpt import build
+
+SCIENTIFIC = re.compile(r"\d[eE][+-]?\d")  # 4.17e+03
+THOUSANDS = re.compile(r"\d,\d{3}")  # 31,336.1
+UNIT_TABLE = re.compile(r"^units\b|┃ mode ┃", re.MULTILINE)  # the units table's title or header
+
+
+@functools.cache
+def state_heavy_gpt():
+    """A batch of one 4-token sequence: weights, gradients and AdamW state dwarf the activations."""
+    return build(n_layer=2, n_embd=64, n_head=2, block_size=16, vocab_size=256, batch_size=1, seq_len=4)
+
+
+@functools.cache
+def roomy_plan() -> autoplan.Plan:
+    model, inputs = state_heavy_gpt()
+    return autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0)
+
+
+def plan_at(budget: int) -> autoplan.Plan:
+    model, inputs = state_heavy_gpt()
+    return autoplan.plan(model, budget, example_inputs=inputs, device="h100", reserve=0)
+
+
+def test_every_number_reads_in_human_units_at_any_scale() -> None:
+    plan = roomy_plan()
+    # the same plan as if it ran a model a million times larger: seconds and TFLOP, not 1e+03 ms and 1,000 GFLOP
+    scaled = dataclasses.replace(
+        plan, predicted_step_time_s=4.17, fastest_step_time_s=3.9, baseline_step_time_s=125.0,
+        units=tuple(dataclasses.replace(u, recompute_flops=31_336_100_000_000, step_time_s=0.0000173) for u in plan.units),
+    )
+    for report in (format_report(plan), format_report(scaled)):
+        assert not SCIENTIFIC.search(report), report
+        assert not THOUSANDS.search(report), report
+        assert "GFLOP each" not in report
+    assert "step time (roofline): 4.17 s planned, 3.90 s for the fastest plan" in format_report(scaled)
+    assert "2 min 5 s with no plan" in " ".join(format_report(scaled).split())
+    assert "31.3 TFLOP" in format_report(scaled) and "17.3 µs" in format_report(scaled)
+
+
+def test_state_alone_over_the_budget_opens_the_report_with_that_and_no_unit_table() -> None:
+    plan = plan_at(roomy_plan().state_bytes // 2)
+    report = format_report(plan, width=400)  # one line per paragraph
+    first = report.splitlines()[0]
+    assert first.startswith("DOES NOT FIT")
+    assert f"parameters, gradients and adamw state alone are {format_bytes(plan.state_bytes)}" in first
+    assert "no checkpointing or precision choice changes that" in first
+    assert not UNIT_TABLE.search(report) and "step time" not in report  # no table of arbitrary tied choices
+    assert "memory at the peak" in report  # where the bytes are still says why
+    assert state_bound(plan).step_bytes == 0
+
+
+def test_a_peak_in_optimizer_step_says_its_temporaries_are_why() -> None:
+    roomy = roomy_plan()
+    model, inputs = state_heavy_gpt()
+    profiles = []
+    plan = autoplan.plan(model, (roomy.state_bytes + roomy.minimum_peak_bytes) // 2, example_inputs=inputs, device="h100",
+                         reserve=0, on_profile=profiles.append)  # the state fits, its optimizer step does not
+    assert not plan.feasible and plan.peak_phase.kind == "step"
+    bound = state_bound(plan)
+    assert bound.state_bytes + bound.step_bytes == plan.breakdown.total
+    first = format_report(plan, width=400).splitlines()[0]
+    assert "optimizer.step()'s temporaries" in first and "no checkpointing or precision choice changes that" in first
+    assert not UNIT_TABLE.search(format_report(plan))
+    # the advice does not advise on the units' choices either, but on the state
+    advice = advise(plan, profiles[0])
+    assert advice.step("checkpointing").status == "n/a" and "no help here" in advice.step("checkpointing").detail
+    assert advice.step("bf16").status == "n/a"
+    assert advice.step("optimizer_8bit").status == "try"
+
+
+def test_a_plan_short_of_activation_memory_still_shows_its_units() -> None:
+    model, inputs = build(n_layer=2, n_embd=32, n_head=2, block_size=64, vocab_size=64, batch_size=4, seq_len=32)
+    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
+    plan = autoplan.plan(model, lowest - 2**16, example_inputs=inputs, device="h100", reserve=0)
+    assert not plan.feasible and state_bound(plan) is None
+    report = format_report(plan)
+    assert "the lowest peak autoplan reaches is" in report.splitlines()[0]
+    assert "units (the lowest-peak choices)" in report
+
+
+def test_measured_peak_line_compares_with_the_prediction() -> None:
+    plan = roomy_plan()
+    line = measured_peak_line(plan, plan.predicted_peak_bytes * 11 // 10, step=2)
+    assert "step 2 peaked at" in line and "+10.0%" in line and "within the usable budget" in line
+    over = measured_peak_line(dataclasses.replace(plan, usable_bytes=plan.predicted_peak_bytes), plan.predicted_peak_bytes * 2, 2)
+    assert "OVER the usable budget" in over
