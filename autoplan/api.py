@@ -119,7 +119,7 @@ def plan(
     request = plan_request(budget, target, dict(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-        loop=loop, allow_over_device=allow_over_device))
+        loop=training_loop, allow_over_device=allow_over_device))
     say = progress or (lambda message: None)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`_best`)
@@ -172,6 +172,8 @@ def plan_request(budget, target: Device, given: Mapping[str, Any]) -> tuple[tupl
     for name, value in given.items():
         if name == "device" and value is None and target.name in DEVICES:
             value = target.name
+        if isinstance(value, TrainingLoop) and not changed_fields(value):
+            continue  # the common loop, however it was given
         if value is not defaults[name] and value != defaults[name]:
             request.append((name, _literal(value)))
     return tuple(request)

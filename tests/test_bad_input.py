@@ -195,6 +195,7 @@ VARYING = ("solve_time_s",)  # wall-clock time of the solver
     [
         ["--reserve", "100MB", "--precision", "fp32", "--optimizer", "sgd", "--units", "transformer.h.0", "--world-size", "2"],
         ["--precision", "bf16", "--optimizer", "sgd-momentum", "--units", "transformer.h.*", "--reserve", "0"],
+        ["--drop-outputs", "--accumulation-steps", "2", "--optimizer-impl", "fused"],  # another training loop
     ],
 )
 def test_apply_snippet_reproduces_the_plan(tmp_path, options) -> None:
