@@ -46,7 +46,6 @@ from autoplan.runtime.formatting import format_bytes
 from autoplan.runtime.signatures import accepts_argument
 
 
-
 def __getattr__(name: str) -> Any:
     # AutoplanCallback subclasses transformers' TrainerCallback: made on first use, so that importing
     # autoplan.hf neither needs transformers nor pays for importing its Trainer.

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
-from autoplan.hf import example_inputs_for
+from autoplan.inputs.hf_models import example_inputs_for
 
 BATCH, SEQ = 4, 256
 

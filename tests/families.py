@@ -21,7 +21,7 @@ import torch
 
 import autoplan
 from autoplan.inputs.batch import training_batch
-from autoplan.hf import example_inputs_for
+from autoplan.inputs.hf_models import example_inputs_for
 
 BATCH, SEQ = 4, 64
 _COMMON = dict(vocab_size=64)

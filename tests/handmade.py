@@ -24,7 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.inputs.devices import get_device
 from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.training import default_loss, make_optimizer, preserved, train_step
+from autoplan.inputs.loop import TrainingLoop
+from autoplan.runtime.training import LoopRunner, default_loss, make_optimizer, optimizer_state_tensors, preserved
 
 from tests.structures import Structure
 
@@ -78,16 +79,19 @@ def measured_step(
     params = [p for p in model.parameters() if p.requires_grad]
     device = get_device("cpu")
     with preserved(model):
-        opt = make_optimizer(optimizer, params, foreach=False)  # torch's default on the CPU
-        train_step(model, args, kwargs, opt, loss_fn)
+        opt = make_optimizer(optimizer, params, implementation="for-loop")  # torch's default on the CPU
+        # the common loop, as autoplan.verify runs it by default: the outputs stay alive through backward
+        runner = LoopRunner(model, opt, TrainingLoop(), loss_fn)
+        runner.step(args, kwargs)
         tracker = LiveBytesTracker(device)
-        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         batch = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        with tracker:
-            tracker.adopt(list(model.parameters()) + list(model.buffers()) + state + batch)
+        with tracker:  # steps 2 and 3, as autoplan.verify counts them: in step 3 step 2's outputs are still alive
+            tracker.adopt(list(model.parameters()) + list(model.buffers()) + optimizer_state_tensors(opt) + batch)
             tracker.begin_phase("steady")
-            train_step(model, args, kwargs, opt, loss_fn)
+            runner.step(args, kwargs)
+            runner.step(args, kwargs)
         peak = max(phase.peak_bytes for phase in tracker.phases()[1:])
+        runner.close()
         # FLOPs in a step of their own: FlopCounterMode's module tracking makes reference cycles that
         # keep checkpoint's recomputed tensors alive until the garbage collector runs, which would
         # make the peak depend on when it does

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import autoplan
-from autoplan.cli.app import ExitCode, app
+from autoplan.cli.exits import ExitCode
+from autoplan.cli.app import app
 from tests.cli_factories import tiny_gpt, tiny_mlp
 from tests.test_cli import assert_one_line_error, words
 
@@ -175,7 +176,7 @@ def test_api_budget_over_the_device() -> None:
 
 def test_api_seq_len_over_the_positions(targets: Path) -> None:
     pytest.importorskip("transformers")
-    from autoplan.hf import example_inputs_for, model_from_config
+    from autoplan.inputs.hf_models import example_inputs_for, model_from_config
 
     model = model_from_config(str(targets / "gpt2_64.json"))
     with pytest.raises(ValueError, match="64"):

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 import autoplan
 from autoplan.report.advice import least_activation_choices
 from autoplan.runtime.formatting import format_bytes
-from autoplan.cli.app import JSON_SCHEMA, ExitCode, app
+from autoplan.cli.app import JSON_SCHEMA, app
+from autoplan.cli.exits import ExitCode
 from autoplan.inputs.devices import DEVICES
 from autoplan.memory.model import sharded_peak
 from tests.cli_factories import tiny_gpt, wide_gpt_on_meta

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 import autoplan  # noqa: E402
 import autoplan.runtime.wrappers  # noqa: E402
-from autoplan.hf import PRESETS, default_seq_len, example_inputs_for, model_from_config, training_inputs
+from autoplan.inputs.hf_models import PRESETS, default_seq_len, example_inputs_for, model_from_config, training_inputs
 from tests import families  # noqa: E402
 from tests.families import BATCH, FAMILIES, SEQ  # noqa: E402
 

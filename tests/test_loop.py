@@ -145,7 +145,9 @@ def test_bad_loops_are_clear_errors():
         TrainingLoop(keep_outputs="yes")
     model, inputs = ALL_MODELS["mlp"]()  # returns a tensor: no .loss
     with pytest.raises(TypeError, match="TrainingLoop"):
-        autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop={"keep_outputs": False})
+        autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop="dropped")
+    with pytest.raises(TypeError, match="no field 'keep_output'"):  # a mapping of fields (plan.request's form) is checked
+        autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop={"keep_output": False})
     with pytest.raises(ValueError, match="loss_in_model=True"):
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop=TrainingLoop(loss_in_model=True))
 

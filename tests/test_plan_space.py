@@ -68,9 +68,9 @@ def check_structure(structure: Structure) -> None:
 
 PLAIN = [s for s in STRUCTURES if not s.needs_transformers]
 MOE = [s for s in STRUCTURES if "moe" in s.tags]
-# Under fake tensors transformers cannot read the batch's positions, so it builds the (B, 1, T, T)
-# causal mask a real step skips: the simulated floor of a causal LM is that mask above the real one.
-_MASK = pytest.mark.xfail(strict=True, reason="transformers builds a causal mask under fake tensors that the real step skips")
+# The MoE floors sit just above the by-hand peak (Qwen2-MoE by one 512-byte block once the causal-mask path
+# matched the real run; Mixtral by more): the fake-tensor step over-counts in transformers' MoE code path.
+_MASK = pytest.mark.xfail(strict=True, reason="MoE: the simulated floor over-counts slightly against the real by-hand step")
 HF = [pytest.param(s, marks=_MASK) if s in MOE else s for s in STRUCTURES if s.needs_transformers]
 
 

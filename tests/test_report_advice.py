@@ -10,7 +10,8 @@ import sys
 import pytest
 
 import autoplan
-from autoplan.report.advice import Advice, advise, held_attention, least_activation_choices, smallest_world_size
+from autoplan.report.advice import Advice, advise, least_activation_choices, smallest_world_size
+from autoplan.report.batch_steps import held_attention
 from autoplan.memory.model import phase_bytes, predict_peak, sharded_peak, unit_windows
 from autoplan.plan import Choice, UnitDecision
 from autoplan.errors import PlotUnavailable

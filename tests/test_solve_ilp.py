@@ -21,7 +21,8 @@ from autoplan.memory.model import live_bytes, points, predict_peak, predict_step
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase, Choice
 from autoplan.profile.units import Profile, UnitCost, UnitProfile
 from autoplan.solve.ilp import Solution, allowed_choices, check, fastest, minimum_peak, solve
-from autoplan.profile.timeline import Boundary, PhaseSample, StaticBytes, Timeline
+from autoplan.profile.recorder import Boundary
+from autoplan.profile.timeline import PhaseSample, StaticBytes, Timeline
 
 MIB = 2**20
 HALF = MIB // 2

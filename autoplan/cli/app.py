@@ -20,9 +20,9 @@ from rich.table import Table
 
 import autoplan
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, quiet, reported, write_stdout
+from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import get_device, list_devices
-from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.targets import Target, load_target
 from autoplan.report.advice import advise
 from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
@@ -210,17 +210,21 @@ def plan_command(
 
             advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
                             parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
-        # the files first: a reader that stops early (`| head`) must not cost them
-        if json_path is not None:
-            _write(json_path, json.dumps(json_document(loaded, plan, advice, budget), indent=2) + "\n", err)
-        if plot is not None:
-            try:
-                plot_memory(plan, profile, plot)
-            except OSError as error:
-                raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {plot}: {error.strerror or error}") from error
-            err.print(f"wrote {plot}", markup=False)
+        _write_files(json_path, plot, json_document(loaded, plan, advice, budget), plan, profile, err)
         print_report(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget))
     raise typer.Exit(int(ExitCode.FITS if plan.feasible else ExitCode.DOES_NOT_FIT))
+
+
+def _write_files(json_path: Optional[Path], plot: Optional[Path], document: dict, plan, profile, err: Console) -> None:
+    """--json and --plot, before the report: a reader that stops early (`| head`) must not cost them."""
+    if json_path is not None:
+        _write(json_path, json.dumps(document, indent=2) + "\n", err)
+    if plot is not None:
+        try:
+            plot_memory(plan, profile, plot)
+        except OSError as error:
+            raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {plot}: {error.strerror or error}") from error
+        err.print(f"wrote {plot}", markup=False)
 
 
 @app.command("verify")

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import DTYPES, Choice
-from autoplan.profile.timeline import TensorSpec
+from autoplan.profile.recorder import TensorSpec
 from autoplan.profile.units import Profile, UnitCost
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan

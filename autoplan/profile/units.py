@@ -27,7 +27,8 @@ from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
-from autoplan.profile.timeline import TensorSpec, Timeline, UnitCall, simulate_training
+from autoplan.profile.recorder import TensorSpec, UnitCall
+from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.runtime.fake import ROUTING_NOTE, fake_copy, new_fake_mode
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
@@ -289,6 +290,22 @@ def unit_choices(precisions: tuple[str, ...]) -> list[Choice]:
     return [Choice(mode, precision) for precision in precisions for mode in MODES]
 
 
+def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say) -> list[UnitProfile]:
+    """Every unit alone under every choice; identical units (class, parameter and input shapes) measured once."""
+    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, str]]] = {}
+    units = []
+    for index, call in enumerate(timeline.unit_calls):
+        module = unit_module(model, call.name)
+        key = _signature(module, call)
+        if key not in measured:
+            say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
+            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size)
+        params = list(module.parameters())
+        costs, policies = measured[key]
+        units.append(UnitProfile(call.name, costs, base[call.name], unique_storage_bytes(params), layout_of(params), policies=policies))
+    return units
+
+
 def profile(
     traced: Traced,
     device: Device,
@@ -330,22 +347,9 @@ def profile(
 
     fake_mode = new_fake_mode()
     model = _simulation_model(traced, fake_mode, {}, "fp32")
-    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, str]]] = {}
-    units = []
-    in_units: set[int] = set()
-    for index, call in enumerate(timeline.unit_calls):
-        module = unit_module(model, call.name)
-        key = _signature(module, call)
-        if key not in measured:
-            say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
-            rates = FusedElementwiseRates(device) if compile else device
-            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size)
-        params = list(module.parameters())
-        costs, policies = measured[key]
-        units.append(UnitProfile(
-            call.name, costs, base[call.name], unique_storage_bytes(params), layout_of(params), policies=policies
-        ))
-        in_units.update(id(p) for p in params)
+    rates = FusedElementwiseRates(device) if compile else device
+    units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say)
+    in_units = {id(p) for unit in units for p in unit_module(model, unit.name).parameters()}
     return Profile(
         model_name=type(traced.model).__name__,
         device=device,

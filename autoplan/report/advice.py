@@ -14,26 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.memory.model import PhaseBytes, phase_bytes, predict_peak, predict_step_time, sharded_peak, unit_windows
+from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
 from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
 from autoplan.profile.units import Profile
+from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
 from autoplan.runtime.formatting import format_bytes, format_count, format_flops, format_seconds
 from autoplan.solve.worlds import fewest_ranks
 
 QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One piece of advice."""
-
-    key: str  # stable identifier: bf16/fp16, tf32, sdpa, compile, checkpointing, grad_accumulation, ...
-    title: str
-    status: str  # "chosen" (the plan already does it), "try" (would help), "n/a" (does not apply here)
-    detail: str  # what it does for this model, with the numbers, or why it does not apply
-    saves_bytes: int | None = None  # estimated drop of the peak (negative: it costs memory); None: not predicted
-    time_change_s: float | None = None  # estimated change of the step time (positive: slower); None: not predicted
-    code: str = ""  # how to do it
 
 
 @dataclass(frozen=True)
@@ -151,16 +139,6 @@ def _tf32(plan: Plan, profile: Profile) -> Step:
     return Step("tf32", "TF32 matmuls", "try", detail, 0, -saves_s, code)
 
 
-def held_attention(profile: Profile, choices: dict[str, Choice], phase_index: int) -> int:
-    """Bytes of T×T attention matrices that keep-mode units hold at a phase of the step."""
-    total = 0
-    for unit, (forward, backward) in zip(profile.units, unit_windows(profile)):
-        choice = choices[unit.name]
-        if choice.mode == "keep" and forward < phase_index <= backward:
-            total += unit.options[choice].attention_bytes
-    return total
-
-
 def _sdpa(plan: Plan, profile: Profile, peak_index: int) -> Step:
     title = "fused attention (SDPA / FlashAttention)"
     per_unit = [unit.options.get(Choice("keep", d.choice.precision)) for unit, d in zip(profile.units, plan.units)]
@@ -210,90 +188,6 @@ def _checkpointing(plan: Plan, profile: Profile) -> Step:
     if status == "n/a":
         detail = "not needed: every unit keeps its activations" + ("" if plan.feasible else " (nothing to gain)")
     return Step("checkpointing", title, status, detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")
-
-
-def _scaled_peak(phases: list[PhaseBytes], scale: Callable[[int, PhaseBytes], float]) -> int:
-    """Peak if each phase's batch-dependent bytes were scaled; optimizer.step() does not scale."""
-    return max(p.static_bytes + (p.activation_bytes if p.kind == "step" else int(scale(i, p))) for i, p in enumerate(phases))
-
-
-def _optimizer_time(profile: Profile) -> float:
-    return sum(phase.time_s for phase in profile.timeline.phases if phase.kind == "step")
-
-
-def _accumulation_peak(profile: Profile, phases: list[PhaseBytes], fraction: float, loop: TrainingLoop) -> int:
-    """Peak of a micro-batch `fraction` of the batch in `loop`: activations scale linearly, and when the
-    loop accumulates every gradient is alive through forward and backward; optimizer.step() does not scale."""
-    peak = 0
-    for sample, phase in zip(profile.timeline.phases, phases):
-        if phase.kind == "step":
-            peak = max(peak, phase.live_bytes)
-            continue
-        missing_grads = profile.timeline.static.gradients - sample.grad_bytes if loop.gradients_alive_in_forward else 0
-        peak = max(peak, phase.static_bytes + missing_grads + int(phase.activation_bytes * fraction))
-    return peak
-
-
-def _accumulation_code(loop: TrainingLoop, micro: int, steps: int) -> str:
-    """The loop the advice is for, as code: the planned loop with the batch split into `steps` micro-batches."""
-    backward = (f"    outputs = model(micro)\n    (outputs.loss / {steps}).backward()" if loop.keep_outputs
-                else f"    (model(micro).loss / {steps}).backward()")
-    return (f"for micro in batch.split({micro}):  # {steps} micro-batches\n{backward}\n"
-            f"optimizer.step(); optimizer.zero_grad(set_to_none={loop.zero_grad_set_to_none})")
-
-
-def _grad_accumulation(plan: Plan, profile: Profile, phases, batch_size, replan) -> Step:
-    title, key = "gradient accumulation", "grad_accumulation"
-    if plan.feasible:
-        return Step(key, title, "n/a", f"not needed: batch {batch_size or '(as given)'} fits")
-    if not batch_size or batch_size < 2:
-        return Step(key, title, "n/a", "batch size unknown or 1: pass --batch-size to a factory that takes batch_size")
-    divisors = [b for b in range(batch_size - 1, 0, -1) if batch_size % b == 0]
-    loops = {b: profile.loop.accumulating(batch_size // b) for b in divisors}
-    estimate = {b: _accumulation_peak(profile, phases, b / batch_size, loops[b]) for b in divisors}
-    fitting = [b for b in divisors if estimate[b] <= plan.usable_bytes]
-    if not fitting:
-        return Step(key, title, "n/a", f"even a micro-batch of 1 would peak at about {format_bytes(estimate[1])} "
-                    f"(activations scaled linearly, gradients alive between micro-batches): parameters, gradients and "
-                    "optimizer state alone do not fit")
-    micro, how = fitting[0], "estimated: activations scale linearly with the batch, gradients stay alive between micro-batches"
-    peak, micro_time = estimate[micro], None
-    for candidate in fitting[:2] if replan else []:
-        checked = replan(candidate, loops[candidate])
-        micro, peak, micro_time = candidate, checked.predicted_peak_bytes, checked.predicted_step_time_s
-        how = f"verified by planning batch {candidate} again in that loop: {'fits' if checked.feasible else 'does not fit'}"
-        if checked.feasible:
-            break
-    steps = batch_size // micro
-    optimizer_s = _optimizer_time(profile)
-    if micro_time is None:
-        micro_time = (plan.predicted_step_time_s - optimizer_s) * micro / batch_size + optimizer_s
-    global_time = steps * (micro_time - optimizer_s) + optimizer_s
-    detail = (f"micro-batch {micro} × {steps} accumulation steps keeps the global batch of {batch_size}; peak about "
-              f"{format_bytes(peak)} ({how}); {format_seconds(global_time)} per global batch vs {format_seconds(plan.predicted_step_time_s)}")
-    return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s,
-                _accumulation_code(profile.loop, micro, steps))
-
-
-def _shorter_sequences(plan: Plan, profile: Profile, phases, seq_len, choices) -> Step:
-    title, key = "shorter sequences", "shorter_sequences"
-    if not seq_len:
-        return Step(key, title, "n/a", "sequence length unknown: pass --seq-len (to hf: targets or a factory taking seq_len)")
-    if plan.feasible:
-        return Step(key, title, "n/a", f"not needed: sequences of {seq_len} fit")
-    optimizer_s = _optimizer_time(profile)
-    for shorter in (seq_len // 2, seq_len // 4, seq_len // 8):
-        if shorter < 1:
-            break
-        r = shorter / seq_len
-        # Activations scale with T, the T×T attention matrices with T².
-        peak = _scaled_peak(phases, lambda i, p: (p.activation_bytes - (a := held_attention(profile, choices, i))) * r + a * r * r)
-        if peak <= plan.usable_bytes:
-            step_time = (plan.predicted_step_time_s - optimizer_s) * r + optimizer_s
-            detail = (f"sequences of {shorter} instead of {seq_len}: peak about {format_bytes(peak)} (activations ∝ T, "
-                      f"attention matrices ∝ T²); {format_seconds(step_time)} per step for {r:.0%} of the tokens; the model sees less context")
-            return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, step_time - plan.predicted_step_time_s)
-    return Step(key, title, "n/a", f"even sequences of {max(1, seq_len // 8)} would not fit: the peak is not in the activations")
 
 
 def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) -> list[Step]:
@@ -409,8 +303,8 @@ def advise(
         _sdpa(plan, profile, peak_index),
         _compile(plan, profile),
         _checkpointing(plan, profile),
-        _grad_accumulation(plan, profile, phases, batch_size, replan),
-        _shorter_sequences(plan, profile, phases, seq_len, least),
+        grad_accumulation_step(plan, profile, phases, batch_size, replan),
+        shorter_sequences_step(plan, profile, phases, seq_len, least),
         *_optimizer_state(plan, profile, parameter_count),
         _fsdp(plan, profile, found, least),
     ]

@@ -20,6 +20,7 @@ from typing import Mapping
 
 import pulp
 
+from autoplan.errors import SolverTimeoutError
 from autoplan.memory.model import (
     Point,
     alive_regardless,
@@ -32,7 +33,6 @@ from autoplan.memory.model import (
     transient_delta,
     unit_windows,
 )
-from autoplan.errors import SolverTimeoutError
 from autoplan.plan import MODES, Choice
 from autoplan.profile.units import Profile
 

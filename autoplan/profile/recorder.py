@@ -1,0 +1,228 @@
+"""Hooks on a model's units that split a simulated training step into phases at every unit boundary,
+forward and backward, and record what each unit was called with and which tensors it passed on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from autoplan.errors import RepeatedUnitError
+from autoplan.plan import Phase
+from autoplan.runtime.names import call_site, unit_endpoints
+from autoplan.runtime.tensors import storage_bytes, tensors_of, unique_storage_bytes
+from autoplan.runtime.tracker import LiveBytesTracker
+
+
+class UnitRecorder:
+    """Forward hooks on the units that open a phase at each unit boundary, forward and backward."""
+
+    def __init__(self, tracker: LiveBytesTracker, model: torch.nn.Module, units: list[str]) -> None:
+        self.tracker = tracker
+        self.params = list(model.parameters())
+        self.recording = False
+        self.grad_bytes: list[int] = []
+        self.calls: dict[str, UnitCall] = {}
+        self.in_rest = False
+        self.rest_saved: dict[int, Phase] = {}  # storage key -> the forward phase that saved it
+        self._keys: dict[int, tuple[weakref.ref, int]] = {}
+        self._last_key = 0
+        self._handles = []
+        self.in_forward = False  # recomputation in backward calls the unit's layers again: not a new call
+        self._started: Counter[int] = Counter()  # per module: calls begun in the recorded forward
+        self._finished: Counter[int] = Counter()
+        called = {}
+        for name in units:
+            first, last = unit_endpoints(model, name)
+            pre, post = self._pre_hook(name), self._post_hook(name)
+            site = call_site(name)
+            if site is not None:  # one call of a module that runs several times: its hooks act on that call only
+                pre = self._on_call(first, site.index + 1, pre, self._started)  # its own call already counted
+                post = self._on_call(first, site.index, post, self._finished)  # not yet counted as finished
+                called[id(first)] = first
+            self._handles.append(first.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(last.register_forward_hook(post, with_kwargs=True))
+        for module in called.values():  # counted before the pre-hooks and after the post-hooks above
+            self._handles.append(module.register_forward_pre_hook(self._count(self._started), prepend=True))
+            self._handles.append(module.register_forward_hook(self._count(self._finished)))
+
+    def _count(self, counter: Counter) -> Callable:
+        def hook(module, *_):
+            if self.recording and self.in_forward:
+                counter[id(module)] += 1
+
+        return hook
+
+    @staticmethod
+    def _on_call(module: torch.nn.Module, count: int, hook: Callable, counter: Counter) -> Callable:
+        def on_call(*args):
+            return hook(*args) if counter[id(module)] == count else None
+
+        return on_call
+
+    def key(self, tensor: torch.Tensor) -> int:
+        """A number for this tensor's storage, the same for every tensor sharing it, never reused."""
+        storage = tensor.untyped_storage()
+        known = self._keys.get(id(storage))
+        if known is not None and known[0]() is storage:
+            return known[1]
+        self._last_key += 1
+        key = self._last_key
+        self._keys[id(storage)] = (weakref.ref(storage), key)
+        return key
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.recording and self.in_forward and self.in_rest:
+            self.rest_saved[self.key(tensor)] = self.tracker.current_phase
+        return tensor
+
+    def begin(self, phase: Phase) -> None:
+        if not self.recording:
+            return
+        self.in_rest = phase.in_rest_of_forward
+        grads = [p.grad for p in self.params if p.grad is not None]
+        self.grad_bytes.append(unique_storage_bytes(grads))
+        self.tracker.begin_phase(phase)
+
+    def _once(self, phase: Phase) -> Callable:
+        fired = []
+
+        def hook(grad):
+            if not fired:
+                fired.append(True)
+                self.begin(phase)
+
+        return hook
+
+    def _pre_hook(self, name: str) -> Callable:
+        def hook(module, args, kwargs):
+            if not (self.recording and self.in_forward):
+                return None
+            if name in self.calls:
+                raise RepeatedUnitError(
+                    f"unit {name!r} ran more than once in one forward; autoplan plans a module called several "
+                    "times per call, but not a run of a Sequential's layers. Pass units= naming modules."
+                )
+            self.begin(Phase("fwd", name))
+            tensors = tensors_of((args, kwargs))
+            spec = tree_map_only(
+                torch.Tensor,
+                lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad),
+                (args, kwargs),
+            )
+            keys = tuple(self.key(t) for t in tensors)
+            for tensor, key in zip(tensors, keys):
+                self.tracker.watch(tensor, key)
+            self.calls[name] = UnitCall(name, spec, keys, tuple(storage_bytes(t) for t in tensors), (), ())
+            end_hook = self._once(Phase("bwd", name, "after"))
+            unit_outputs = {key for call in self.calls.values() for key in call.output_keys}
+            for tensor, key in zip(tensors, keys):
+                # A unit's output already opens its producer's backward phase, at the same moment;
+                # a second hook there would fire after that one and mislabel the producer's phase.
+                if tensor.requires_grad and key not in unit_outputs:
+                    tensor.register_hook(end_hook)
+            return None
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable:
+        def hook(module, args, kwargs, output):
+            if not (self.recording and self.in_forward):
+                return None
+            start_hook = self._once(Phase("bwd", name))
+            outputs = tensors_of(output)
+            for tensor in outputs:
+                if tensor.requires_grad:
+                    tensor.register_hook(start_hook)
+            call = self.calls[name]
+            self.calls[name] = UnitCall(
+                name, call.inputs, call.input_keys, call.input_bytes,
+                tuple(self.key(t) for t in outputs), tuple(storage_bytes(t) for t in outputs),
+            )
+            self.begin(Phase("fwd", name, "after"))
+            for tensor, key in zip(outputs, self.calls[name].output_keys):
+                self.tracker.watch(tensor, key)
+            return None
+
+        return hook
+
+    def boundaries(self, held_keys: set[int]) -> tuple[Boundary, ...]:
+        """Every tensor a unit receives or returns, with who made it, who uses it and who else keeps it.
+
+        held_keys: tensors alive through the whole step whatever the units choose (the batch, the
+        parameters).
+        """
+        produced = {key: (call.name, leaf) for call in self.calls.values() for leaf, key in enumerate(call.output_keys)}
+        sizes = {key: n for call in self.calls.values() for key, n in zip(call.output_keys, call.output_bytes)}
+        consumers: dict[int, tuple[tuple[str, int], ...]] = {key: () for key in produced}
+        for call in self.calls.values():
+            for leaf, (key, nbytes) in enumerate(zip(call.input_keys, call.input_bytes)):
+                consumers[key] = consumers.get(key, ()) + ((call.name, leaf),)
+                sizes[key] = nbytes
+        labels = [phase.label for phase in self.tracker.phases()]
+        return tuple(
+            Boundary(
+                key,
+                sizes[key],
+                produced.get(key),
+                used_by,
+                key in held_keys,
+                labels[self.tracker.last_use[key]] if key in self.tracker.last_use else None,
+                self.rest_saved.get(key),
+            )
+            for key, used_by in consumers.items()
+        )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and kind of a tensor a unit was called with; enough to make a fake one like it."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def materialize(self) -> torch.Tensor:
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="cpu")
+        return tensor.requires_grad_(self.requires_grad)
+
+
+
+@dataclass(frozen=True)
+class UnitCall:
+    """How a unit was called during the simulated forward, and where its tensors came from.
+
+    Tensors are named by storage keys (one per distinct storage in the step), so the memory model
+    can tell which unit's output is which unit's input, and count each such tensor once.
+    """
+
+    name: str
+    inputs: Any  # (args, kwargs) with TensorSpec leaves in place of tensors
+    input_keys: tuple[int, ...]  # storage key of each tensor leaf of the inputs, in flattening order
+    input_bytes: tuple[int, ...]
+    output_keys: tuple[int, ...]  # storage key of each tensor leaf of the output
+    output_bytes: tuple[int, ...]
+
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A tensor one unit hands another (or the rest of the model hands a unit)."""
+
+    key: int
+    bytes: int
+    producer: tuple[str, int] | None  # (unit, output leaf), None when made outside the units
+    consumers: tuple[tuple[str, int], ...]  # (unit, input leaf) in forward order
+    held_by_rest: bool  # the batch, or a parameter: alive through the whole step
+    last_forward_use: Phase | None = None  # the last forward phase in which any op read it
+    rest_saved_in: Phase | None = None  # the last forward phase in which an op outside the units saved it for backward
