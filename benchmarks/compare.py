@@ -153,7 +153,9 @@ def cuda_available(device: torch.device) -> bool:
 
 
 def checkpoint_every_block(model: torch.nn.Module) -> torch.nn.Module:
-    if hasattr(model, "gradient_checkpointing_enable"):  # what a Hugging Face user does
+    if hasattr(model, "activation_checkpointing_enable"):  # what a Hugging Face user does (transformers 5.x name)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
     return apply_choices(model, {unit: Choice("full", "fp32") for unit in find_units(model)})

@@ -48,10 +48,18 @@ def _checkpointed_sequential(module: torch.nn.Sequential, segments: int) -> Call
     return run
 
 
+def enable_transformers_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' own checkpointing of every layer, by its current name (5.x deprecated gradient_checkpointing_enable)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def checkpoint_by_hand(model: torch.nn.Module, structure: Structure) -> torch.nn.Module:
     """`model` (in place) with every block checkpointed the way a person would do it by hand."""
     if structure.transformers_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_transformers_checkpointing(model)
     elif structure.sequential_segments is not None:
         model.forward = _checkpointed_sequential(model, structure.sequential_segments(model))
     else:

@@ -22,6 +22,7 @@ import autoplan.runtime.wrappers  # noqa: E402
 from autoplan.inputs.hf_models import PRESETS, default_seq_len, example_inputs_for, model_from_config, training_inputs
 from tests import families  # noqa: E402
 from tests.families import BATCH, FAMILIES, SEQ  # noqa: E402
+from tests.handmade import enable_transformers_checkpointing  # noqa: E402
 
 NAMES = [family.name for family in FAMILIES]
 
@@ -107,13 +108,6 @@ def _count_hf_checkpointing(model: torch.nn.Module) -> list:
     return calls
 
 
-def _enable_hf_checkpointing(model: torch.nn.Module) -> None:
-    """transformers' own checkpointing of every layer, by its current name (5.x deprecated gradient_checkpointing_enable)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,12 +117,12 @@ def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch
     inputs = family.inputs(original)
     rewritten = copy.deepcopy(original)
     if when == "before":
-        _enable_hf_checkpointing(rewritten)
+        enable_transformers_checkpointing(rewritten)
         with pytest.warns(UserWarning, match="gradient checkpointing"):
             autoplan.apply(rewritten, plan)
     else:
         autoplan.apply(rewritten, plan)
-        _enable_hf_checkpointing(rewritten)
+        enable_transformers_checkpointing(rewritten)
     hf_calls = _count_hf_checkpointing(rewritten)
     ours = []
     real_checkpoint = autoplan.runtime.wrappers.checkpoint
