@@ -157,7 +157,7 @@ def _check_arguments(world_size, time_limit_s) -> None:
 
 def check_time_limit(time_limit_s: float) -> None:
     if not (isinstance(time_limit_s, numbers.Real) and not isinstance(time_limit_s, bool) and 0 < time_limit_s < math.inf):
-        raise OptionError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
+        raise OptionError(f"time_limit_s (--time-limit on the command line) must be a positive number of seconds; got {time_limit_s!r}")
 
 
 def plan_request(budget, target: Device, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -8,7 +8,6 @@ error: the report and the advice are printed and the exit code says "does not fi
 from __future__ import annotations
 
 import json
-import math
 import sys
 from enum import Enum
 from pathlib import Path
@@ -19,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 import autoplan
+from autoplan.api import check_time_limit
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, quiet, reported, write_stdout
 from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import make_budget
@@ -75,8 +75,7 @@ def _check_options(budget: str, device: Optional[str], reserve: Optional[str], w
                    time_limit: float = 10.0, allow_over_device: bool = False):
     make_budget(budget, get_device(device), reserve, allow_over_device=allow_over_device)  # BudgetError, DeviceError: exit 2
     _world_size(world_size)
-    if not 0 < time_limit < math.inf:
-        raise CliError(ExitCode.USAGE, f"--time-limit must be a positive number of seconds; got {time_limit}")
+    check_time_limit(time_limit)  # OptionError: exit 2
     if plot is not None:
         if plot.suffix.lower() not in FORMATS:
             raise CliError(ExitCode.USAGE, f"--plot file must end in {', '.join(FORMATS)}; got {plot.name!r}")
