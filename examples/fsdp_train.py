@@ -66,7 +66,7 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             peak, value = torch.cuda.max_memory_allocated(), loss.detach()
         else:
-            measured = measure_rank_peak(model, (batch, {}), optimizer, steps=1)
+            measured = measure_rank_peak(model, (batch, {}), optimizer, steps=1, loop=plan.loop)
             peak, value = measured.peak_bytes, torch.tensor(measured.losses[-1])
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         if rank == 0:

@@ -137,20 +137,6 @@ def preserved(model: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def train_step(model, args, kwargs, opt, loss_fn=None, record_loss: Callable[[float], None] | None = None) -> None:
-    """One real training step as the plan models it: loss, backward, optimizer.step(), zero_grad.
-
-    The loss is dropped before the optimizer steps; `record_loss` gets its value first.
-    """
-    loss = (loss_fn or default_loss)(model(*args, **kwargs))
-    if record_loss is not None:
-        record_loss(float(loss.detach()))
-    loss.backward()
-    del loss
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 class LoopRunner:
     """The person's training loop run for real, one optimizer step at a time, as the plan models it.
 

@@ -14,9 +14,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from autoplan.inputs.devices import get_device
+from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.runtime.tensors import rounded_bytes, tensors_of
 from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.training import optimizer_state_tensors, train_step
+from autoplan.runtime.training import LoopRunner, optimizer_state_tensors
 
 
 class _ShardedBytesTracker(LiveBytesTracker):
@@ -104,34 +106,38 @@ def measure_rank_peak(
     *,
     steps: int = 2,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loop: TrainingLoop | None = None,
 ) -> RankMeasurement:
-    """Train `steps` real steps on this rank; the live-tensor peak of the last one (the steady state).
+    """Train `steps` real optimizer steps of `loop` on this rank; the live-tensor peak of the last one.
 
-    The step is the one the plan models: loss.backward(), optimizer.step(), zero_grad(set_to_none=True).
-    Everything alive before the last step (shards, optimizer state, the batch) is counted from its start.
+    `loop` is the loop the plan was made for (`plan.loop`; default: the common loop, outputs kept
+    through backward), run by the same `LoopRunner` as `autoplan.verify`. Everything alive before
+    the last step (shards, optimizer state, the batch, the outputs the loop still holds) is counted
+    from its start.
     """
-    from autoplan.inputs.devices import get_device
-
     args, kwargs = batch
     tracker = _ShardedBytesTracker(get_device("cpu"))
-    losses = []
+    runner = LoopRunner(model, optimizer, check_loop(loop), loss_fn)
+    losses: list[float] = []
     with _reporting_resizes(tracker):
         for step in range(steps):
             if step == steps - 1:
-                _adopt_everything(tracker, model, optimizer, (args, kwargs))
+                held = tensors_of(runner.outputs) + ([runner.loss] if runner.loss is not None else [])
+                _adopt_everything(tracker, model, optimizer, (args, kwargs), held)
                 tracker.begin_phase("steady")
             with tracker if step == steps - 1 else contextlib.nullcontext():
-                train_step(model, args, kwargs, optimizer, loss_fn, record_loss=losses.append)
+                runner.step(args, kwargs, record_loss=losses.append)
+    runner.close()
     return RankMeasurement(max(phase.peak_bytes for phase in tracker.phases()[1:]), tuple(losses))
 
 
-def _adopt_everything(tracker: _ShardedBytesTracker, model, optimizer, batch) -> None:
+def _adopt_everything(tracker: _ShardedBytesTracker, model, optimizer, batch, held: list[torch.Tensor]) -> None:
     from torch.distributed.tensor import DTensor
 
     local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
     tensors = [local(t) for t in list(model.parameters()) + list(model.buffers())]
     tensors += [local(t) for t in optimizer_state_tensors(optimizer)]
-    tensors += tensors_of(batch)
+    tensors += tensors_of(batch) + held
     # FSDP's own persistent buffers: the padded shards behind each DTensor, and unsharded storages
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
