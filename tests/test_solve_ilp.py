@@ -319,7 +319,7 @@ def test_solver_matches_brute_force_three_modes(seed: int, n: int) -> None:
 )
 def test_solver_is_optimal_where_cbc_preprocessing_was_not(seed, n, three_modes, passed, fraction, best, cbc_answered) -> None:
     """Regression: CBC 2.10's preprocessing fixed variables of these programs wrongly and reported
-    the slower plans `cbc_answered` as 'Optimal'; solve() now runs CBC without it."""
+    the slower plans `cbc_answered` as 'Optimal'; solve() now runs HiGHS, or CBC without preprocessing."""
     profile = random_chain(seed, n, three_modes=three_modes, passed=passed)
     _, lowest = brute_force(profile, 0)
     usable = (lowest + int(fraction * (keep_peak(profile) - lowest))) // MIB * MIB + HALF
@@ -328,6 +328,35 @@ def test_solver_is_optimal_where_cbc_preprocessing_was_not(seed, n, three_modes,
     assert solution.feasible
     assert step_time(profile, solution.choices) == pytest.approx(best, abs=1e-9)
     assert step_time(profile, solution.choices) < cbc_answered
+
+
+@pytest.mark.parametrize(("seed", "n", "three_modes", "passed"), [(2, 8, False, False), (5, 6, True, False), (7, 7, False, True)])
+def test_cbc_fallback_matches_brute_force(monkeypatch, seed, n, three_modes, passed) -> None:
+    """Without a highspy wheel the solver is pulp's CBC; its plans are as optimal."""
+    import pulp
+
+    monkeypatch.setattr(pulp.HiGHS, "available", lambda self: False)
+    used = []
+    monkeypatch.setattr(pulp.COIN_CMD, "actualSolve", _recording(pulp.COIN_CMD.actualSolve, used))
+    _assert_solver_matches_brute_force(random_chain(seed, n, three_modes=three_modes, passed=passed))
+    assert used, "the fallback never ran CBC"
+
+
+def _recording(method, calls: list):
+    def recorded(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return method(self, *args, **kwargs)
+
+    return recorded
+
+
+def test_highs_is_the_solver_when_highspy_imports(monkeypatch) -> None:
+    import pulp
+
+    used = []
+    monkeypatch.setattr(pulp.HiGHS, "actualSolve", _recording(pulp.HiGHS.actualSolve, used))
+    profile = random_chain(3, 6, three_modes=True)
+    assert solve(profile, keep_peak(profile)).feasible and used == ["HiGHS"]
 
 
 @pytest.mark.parametrize(("seed", "n"), [(6, 5), (7, 7), (8, 8)])
