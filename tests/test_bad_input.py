@@ -368,6 +368,22 @@ def test_api_units_with_a_typo() -> None:
         autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", units=["transformer.h.*", "typo"])
 
 
+# -- 13. an integer batch into a float model -------------------------------------------------------------
+
+
+def test_integer_batch_into_a_float_layer_is_refused_not_planned() -> None:
+    """Fake tensors' matmul accepts int64 × float32; the real kernel refuses it: no plan may say FITS."""
+    from autoplan.errors import ProfileError
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    batch = torch.randint(0, 5, (8, 16))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(batch)  # what the user's first real step would do
+    with pytest.raises(ProfileError, match=r"different dtypes, float32 and int64.*\.float\(\)"):
+        autoplan.plan(model, "1GB", example_inputs=(batch,), device="cpu")
+    assert autoplan.plan(model, "1GB", example_inputs=(batch.float(),), device="cpu").feasible
+
+
 # -- random option values never crash ---------------------------------------------------------------------
 
 SIZE_LIKE = st.from_regex(r"\s?[+-]?\d{0,4}(\.\d{0,2})?\s?(B|KB|MB|GB|TB|GiB|kb|%|e9|)?\s?", fullmatch=True)

@@ -59,6 +59,8 @@ class PlanningFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _SAME_DTYPE_OPS:
+            check_same_dtype(func, args)
         if func is torch.ops.aten._grouped_mm.default:
             self.grouped_matmuls += 1
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and kwargs.get("out_dtype") is None:
@@ -68,6 +70,28 @@ class PlanningFakeMode(FakeTensorMode):
             out = dispatch(func, types, (*low, *args[2:]), kwargs)
             return dispatch(cast, types, (out,), {"dtype": args[0].dtype})
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+# Matmuls and convolutions whose CPU and CUDA kernels refuse operands of different dtypes, while
+# their meta kernels (all fake tensors run) accept them: an integer batch fed to a float Linear
+# would plan as fitting and fail on the first real step.
+_SAME_DTYPE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.convolution.default,
+}
+
+
+def check_same_dtype(func, args) -> None:
+    """Raise the error the real kernel raises when `func`'s tensor operands differ in dtype."""
+    dtypes = [arg.dtype for arg in args if isinstance(arg, torch.Tensor)]
+    if len(set(dtypes)) > 1:
+        names = " and ".join(str(dtype).removeprefix("torch.") for dtype in dict.fromkeys(dtypes))
+        hint = " (an integer batch into a float layer: convert it with .float(), or embed token ids first)" if any(
+            not dtype.is_floating_point for dtype in dtypes) else ""
+        raise RuntimeError(f"{func.overloadpacket.__name__} got operands of different dtypes, {names}, which the real kernel refuses{hint}")
 
 
 ROUTING_NOTE = (
