@@ -228,7 +228,8 @@ class Plan:
         data["units"] = [
             {"name": unit.name, "mode": unit.choice.mode, "precision": unit.choice.precision,
              "saves": None if unit.choice.saves is None else list(unit.choice.saves)}
-            | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice")}
+            | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice", "members")}
+            | {"members": list(unit.members)}  # a segment's units; empty for a unit on its own
             for unit in self.units
         ]
         data["notes"] = list(self.notes)

@@ -147,7 +147,7 @@ def _sdpa(plan: Plan, profile: Profile, peak_index: int) -> Step:
     materialised = sum(cost.attention_bytes for cost in per_unit if cost is not None)
     if materialised == 0:
         return Step("sdpa", title, "n/a", "the profile shows no saved T×T attention matrices (fused attention already, or none)")
-    at_peak = held_attention(profile, plan.choices(), peak_index)
+    at_peak = held_attention(profile, plan.unit_choices(), peak_index)
     worst = max(cost.attention_bytes for cost in per_unit if cost is not None)
     held = (f"at the peak the plan keeps {format_bytes(at_peak)} of them, which SDPA would not save" if at_peak
             else "the plan keeps none of them at the peak (those units are checkpointed), but recomputing one rebuilds "

@@ -38,6 +38,7 @@ from autoplan.plan import MODES, Choice
 from autoplan.profile.units import Profile
 
 MIB = 2**20  # the program works in MiB so the solver's tolerances stay meaningful
+MICROSECONDS = 1e6  # and its time objective in microseconds, for the same reason
 
 
 STOPPED_WITH_PLAN = "Stopped at the time limit"  # the status of a solve that ran out of time holding a feasible answer
@@ -265,7 +266,8 @@ def solve(
     problem = program.problem
     for point in program.constraints:
         problem += program.phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
-    problem += _time_objective(profile, program, segments), "step_time"
+    # in microseconds: a tiny model's step of a microsecond would sit at CBC's tolerances in seconds
+    problem += MICROSECONDS * _time_objective(profile, program, segments), "step_time"
     has_solution = _run(problem, time_limit_s)
     status = STOPPED_WITH_PLAN if _stopped_early(problem) else pulp.LpStatus[problem.status]
     elapsed = time.perf_counter() - started
