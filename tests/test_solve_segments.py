@@ -76,11 +76,13 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
     mixed, profile = _floor(model, inputs)
     # checkpointing every block by hand holds all 16 inputs; segments hold fewer
     assert mixed.minimum_peak_bytes < blocks.minimum_peak_bytes
-    assert any(unit.members for unit in mixed.units if unit.choice.mode == "full")
+    at_floor = autoplan.plan(model, mixed.minimum_peak_bytes + 1, example_inputs=inputs, device="cpu", precision="fp32",
+                             reserve=0, menu_size=0)
+    assert at_floor.feasible and any(unit.members for unit in at_floor.units)
     # the other single level, one segment over the whole run, recomputes everything at once: worse
     whole = {f"layers.0–layers.{len(model.layers) - 1}": Choice("full", "fp32")}
     traced = trace(model, inputs)
-    assert simulate_plan(traced, whole, device=DEVICE, optimizer="adamw").peak_bytes > mixed.minimum_peak_bytes
+    assert simulate_plan(traced, whole, device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes > mixed.minimum_peak_bytes
     assert predict_peak(profile, whole).bytes > mixed.minimum_peak_bytes
 
 
@@ -92,7 +94,7 @@ def test_candidates_are_runs_the_model_calls_back_to_back():
     assert {"layers.0–layers.1", "layers.0–layers.2", "layers.0–layers.5", "layers.4–layers.5"} <= names
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.15, 0.4])
+@pytest.mark.parametrize("fraction", [0.0, 0.3])
 def test_predicted_peak_of_mixed_plans_is_the_simulated_one(fraction):
     model, inputs = _chain(norm=True)
     floor, _ = _floor(model, inputs)
@@ -119,7 +121,7 @@ def _assert_trains_the_same(original, planned, inputs):
 
 
 def test_a_mixed_plan_trains_like_the_original_and_reads_back():
-    model, inputs = _chain(depth=8, norm=True)
+    model, inputs = _chain(norm=True)
     floor, _ = _floor(model, inputs)
     plan = autoplan.plan(model, floor.minimum_peak_bytes + 1, example_inputs=inputs, device="cpu", precision="fp32",
                          reserve=0, menu_size=0)
@@ -179,7 +181,7 @@ def test_llama_layers_form_segments_priced_and_trained_exactly():
     assert chains(profile) == [[0, 1, 2, 3]]  # decoder layers fed one another's hidden states
     choices = {"model.layers.0–model.layers.2": Choice("full", "fp32"), "model.layers.3": Choice("full", "fp32")}
     traced = trace(model, training_batch(model, batch, None, None))  # as plan() traces it
-    simulated = simulate_plan(traced, choices, device=DEVICE, optimizer="adamw").peak_bytes
+    simulated = simulate_plan(traced, choices, device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
     assert abs(predict_peak(profile, choices).bytes - simulated) <= 0.05 * simulated
     planned = apply_choices(copy.deepcopy(model), choices)
     losses = []
