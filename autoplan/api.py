@@ -67,6 +67,7 @@ def plan(
     compile: bool = False,
     loop: TrainingLoop | None = None,
     allow_over_device: bool = False,
+    segments: bool = True,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -108,6 +109,8 @@ def plan(
         that fits (and says so), or a SolverTimeoutError names the limit to raise.
     allow_over_device: plan for a budget above the device's memory (a BudgetOverDeviceError otherwise); the
         plan then says that it fits the budget, not the device.
+    segments: let the plan checkpoint runs of consecutive blocks as one region (a "segment", as in √n
+        checkpointing; memory.segments) besides each block on its own; False: each block on its own.
 
     plan.request holds the arguments that shaped the plan, as given; plan.report() shows the call that
     reproduces it.
@@ -119,11 +122,22 @@ def plan(
     request = plan_request(budget, target, dict(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-        loop=training_loop, allow_over_device=allow_over_device))
+        loop=training_loop, allow_over_device=allow_over_device, segments=segments))
     say = progress or (lambda message: None)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
-    # Where blocks nest (stages of blocks), every level is planned and the best kept (`_best`)
-    levels = unit_levels(model, units)
+    # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
+    # within a level, segments of consecutive blocks are candidates of the same program
+    chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, memory, say=say, settings=dict(
+        optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn,
+        profile=profile, loop=training_loop, menu_size=menu_size, compile=compile, world_size=world_size,
+        time_limit_s=time_limit_s, segments=segments))
+    if on_profile is not None:
+        on_profile(measured)
+    return dataclasses.replace(chosen, request=request)
+
+
+def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: Budget, *, say, settings: dict) -> tuple[Plan, Profile]:
+    """Every level traced, profiled and solved; the best plan of them and its profile."""
     planned: list[tuple[Plan, Profile]] = []
     planned_levels: list[UnitLevel] = []
     for number, level in enumerate(levels, 1):
@@ -131,22 +145,23 @@ def plan(
             say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
         try:
             traced, measured = _trace_and_profile(
-                model, batch, target, unit_names=level.units, optimizer=optimizer, precision=precision, keep_fp32=keep_fp32,
-                loss_fn=loss_fn, profile=profile, say=say, loop=training_loop, menu_size=menu_size, compile=compile,
+                model, batch, target, unit_names=level.units, optimizer=settings["optimizer"], precision=settings["precision"],
+                keep_fp32=settings["keep_fp32"], loss_fn=settings["loss_fn"], profile=settings["profile"], say=say,
+                loop=settings["loop"], menu_size=settings["menu_size"], compile=settings["compile"],
             )
         except RepeatedUnitError:
             if number == len(levels) and not planned:
                 raise
             continue  # a Sequential run called twice: the other levels are the plan space
         planned_levels.append(level)
-        pins = pinned_choices(list(traced.units), precision_options(precision, target), keep_fp32, checkpoint)
-        decided = _decide(traced, measured, budget=memory, reserve=reserve, target=target, pins=pins, world_size=world_size,
-                          optimizer=optimizer, loss_fn=loss_fn, time_limit_s=time_limit_s, say=say)
+        measured = dataclasses.replace(measured, segments=settings["segments"])
+        pins = pinned_choices(list(traced.units), precision_options(settings["precision"], target), settings["keep_fp32"],
+                              settings["checkpoint"])
+        decided = _decide(traced, measured, budget=memory, reserve=settings["reserve"], target=target, pins=pins,
+                          world_size=settings["world_size"], optimizer=settings["optimizer"], loss_fn=settings["loss_fn"],
+                          time_limit_s=settings["time_limit_s"], say=say)
         planned.append((decided, measured))
-    chosen, measured = best_level(planned, planned_levels, tried=len(levels))
-    if on_profile is not None:
-        on_profile(measured)
-    return dataclasses.replace(chosen, request=request)
+    return best_level(planned, planned_levels, tried=len(levels))
 
 
 def _check_arguments(world_size, time_limit_s) -> None:

@@ -22,6 +22,10 @@ class RepeatedUnitError(TraceError):
     """A unit ran more than once per forward where autoplan could not tell its calls apart."""
 
 
+class SegmentError(RuntimeError):
+    """A planned segment's blocks were not called as planned (out of order, or not fed one another's output)."""
+
+
 class ProfileError(ValueError):
     """The traced model failed while its training step ran on fake tensors; names the model's line."""
 

@@ -126,6 +126,7 @@ class UnitDecision:
     recompute_flops: int  # extra FLOPs its backward spends recomputing the forward
     step_time_s: float  # its forward + backward (+ recompute) time under this choice
     policy: str = ""  # a menu point's policy in words: what it saves and what it recomputes
+    members: tuple[str, ...] = ()  # a segment (consecutive units checkpointed as one region): its units, in order
 
 
 @dataclass(frozen=True)
@@ -218,12 +219,17 @@ class Plan:
     def choices(self) -> dict[str, Choice]:
         return {unit.name: unit.choice for unit in self.units}
 
+    def unit_choices(self) -> dict[str, Choice]:
+        """Per unit, its choice; a segment's units each with the segment's (full: what each does in forward)."""
+        return {name: unit.choice for unit in self.units for name in unit.members or (unit.name,)}
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["units"] = [
             {"name": unit.name, "mode": unit.choice.mode, "precision": unit.choice.precision,
              "saves": None if unit.choice.saves is None else list(unit.choice.saves)}
-            | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice")}
+            | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice", "members")}
+            | {"members": list(unit.members)}  # a segment's units; empty for a unit on its own
             for unit in self.units
         ]
         data["notes"] = list(self.notes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
+from autoplan.memory.segments import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
 from autoplan.memory.sharded import RankTerms, rank_terms
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
 from autoplan.profile.units import Profile, UnitProfile
@@ -40,13 +41,6 @@ class Point:
     phase: Phase
     base_bytes: int  # the timeline's peak in this phase
     relations: tuple[tuple[int, Relation], ...]  # (unit index, how that unit's choice reaches this phase)
-
-
-def unit_windows(profile: Profile) -> list[tuple[int, int]]:
-    """For each unit: the index of its forward phase and of its backward phase."""
-    index = {sample.phase: i for i, sample in enumerate(profile.timeline.phases)}
-    end = index[OPTIMIZER_STEP]
-    return [(index[Phase("fwd", unit.name)], index.get(Phase("bwd", unit.name), end)) for unit in profile.units]
 
 
 def points(profile: Profile, world_size: int = 1) -> list[Point]:
@@ -67,8 +61,11 @@ def points(profile: Profile, world_size: int = 1) -> list[Point]:
     return result
 
 
-def transient_delta(unit: UnitProfile, relation: Relation, choice: Choice) -> int:
-    """How much `choice` (instead of the base) changes the unit's own peak in its forward or backward."""
+def transient_delta(unit: UnitProfile, relation: Relation, choice: Choice | Covered) -> int:
+    """How much `choice` (instead of the base) changes the unit's own peak in its forward or backward
+    (inside a segment: nothing here, the segment's own terms say it)."""
+    if isinstance(choice, Covered):
+        return 0
     cost, base = unit.options[choice], unit.options[unit.base]
     if relation == "fwd":
         return cost.fwd_peak_bytes - base.fwd_peak_bytes
@@ -132,7 +129,9 @@ def _rest_backward_end(profile: Profile, forward_phase: Phase, phase_index: dict
     return following[0] - 1 if following else end
 
 
-def holds(profile: Profile, holder: Holder, choice: Choice) -> bool:
+def holds(profile: Profile, holder: Holder, choice: Choice | Covered) -> bool:
+    if isinstance(choice, Covered):
+        return choice.first and holder.side == "in"  # a segment's region saves its first unit's inputs
     cost = profile.units[holder.unit].options[choice]
     flags = cost.holds_outputs if holder.side == "out" else cost.holds_inputs
     return flags[holder.leaf] if holder.leaf < len(flags) else True  # unknown: assume kept
@@ -151,8 +150,14 @@ def shared_bytes(profile: Profile, chosen: list[Choice], tensors: list[SharedTen
     return extra
 
 
-def _choices_list(profile: Profile, choices: Mapping[str, Choice]) -> list[Choice]:
-    return [choices.get(unit.name, unit.base) for unit in profile.units]
+def _choices_list(profile: Profile, choices: Mapping[str, Choice]) -> list[Choice | Covered]:
+    """Per unit: its choice, or what it does inside a chosen segment (`memory.segments.Covered`)."""
+    covered = covered_units(profile, choices)
+    return [covered.get(u, choices.get(unit.name, unit.base)) for u, unit in enumerate(profile.units)]
+
+
+def _delta_held(profile: Profile, u: int, choice: Choice | Covered) -> int:
+    return member_held_delta(profile, u) if isinstance(choice, Covered) else profile.units[u].delta_held(choice)
 
 
 def held_changes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
@@ -161,7 +166,7 @@ def held_changes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
     base = [unit.base for unit in profile.units]
     tensors = shared_tensors(profile)
     extra, base_extra = shared_bytes(profile, chosen, tensors), shared_bytes(profile, base, tensors)
-    return [unit.delta_held(c) + e - b for unit, c, e, b in zip(profile.units, chosen, extra, base_extra)]
+    return [_delta_held(profile, u, c) + e - b for u, (c, e, b) in enumerate(zip(chosen, extra, base_extra))]
 
 
 def kept_flags(profile: Profile, tensor: SharedTensor, chosen: list[Choice]) -> list[bool]:
@@ -216,6 +221,9 @@ def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
         kept, kept_base = kept_flags(profile, tensor, chosen), kept_flags(profile, tensor, base)
         for index, last in alive_regardless(tensor, windows).items():
             live[index] += tensor.bytes * (kept_base[last] - kept[last])
+    for candidate, choice in chosen_segments(profile, choices):
+        for index, nbytes in segment_terms(profile, candidate, choice).phase_bytes.items():
+            live[index] += nbytes
     return live
 
 
@@ -268,7 +276,8 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: in
 def predict_step_time(profile: Profile, choices: Mapping[str, Choice]) -> float:
     """Step time: the base step's (roofline, or measured), with each unit's time swapped for its chosen one."""
     chosen = _choices_list(profile, choices)
-    change = sum(unit.options[c].time_s - unit.options[unit.base].time_s for unit, c in zip(profile.units, chosen))
+    change = sum((0.0 if isinstance(c, Covered) else unit.options[c].time_s) - unit.options[unit.base].time_s for unit, c in zip(profile.units, chosen))
+    change += sum(segment_terms(profile, candidate, choice).time_s for candidate, choice in chosen_segments(profile, choices))
     base = profile.base_step_time_s if profile.base_step_time_s is not None else profile.timeline.step_time_s
     return base + change
 

@@ -94,6 +94,7 @@ class Profile:
     buffer_bytes: int = 0  # buffers (FSDP does not shard them)
     routing: str = ""  # how data-dependent expert routing was profiled ("" when the model routes nothing)
     loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
+    segments: bool = True  # whether the plan may checkpoint runs of consecutive units as one (memory.segments)
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)

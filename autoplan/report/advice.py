@@ -111,10 +111,11 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
         return Step(key, title, "n/a", f"not measured: precision was forced to fp32; plan with --precision auto to measure {low}")
     saves = predict_peak(profile, fp32).bytes - predict_peak(profile, lowered).bytes
     change = predict_step_time(profile, lowered) - predict_step_time(profile, fp32)
-    used = sum(1 for unit in plan.units if unit.choice.precision == low)
+    chosen = plan.unit_choices()
+    used = sum(1 for choice in chosen.values() if choice.precision == low)
     pace = f"{format_seconds(abs(change))} {'faster' if change <= 0 else 'slower'}"
     detail = (f"every unit in {low} (no checkpointing) peaks {format_bytes(saves)} lower than in fp32 and the step "
-              f"is {pace}; the plan runs {used} of {len(plan.units)} units in {low}, the rest of "
+              f"is {pace}; the plan runs {used} of {len(chosen)} units in {low}, the rest of "
               f"the model in fp32 (--precision {low} puts all of it under autocast)")
     return Step(key, title, "chosen" if used else "try", detail, saves, change, code)
 
@@ -125,8 +126,8 @@ def _tf32(plan: Plan, profile: Profile) -> Step:
     if "tf32" not in device.peak_flops or device.kind != "cuda":
         return Step("tf32", "TF32 matmuls", "n/a", f"{device.name} has no TF32 tensor cores")
     units = {unit.name: unit for unit in profile.units}
-    fp32_flops = sum(units[d.name].options[d.choice].fwd_flops + units[d.name].options[d.choice].bwd_flops
-                     for d in plan.units if d.choice.precision == "fp32")
+    fp32_flops = sum(units[name].options[choice].fwd_flops + units[name].options[choice].bwd_flops
+                     for name, choice in plan.unit_choices().items() if choice.precision == "fp32")
     if profile.rest_precision == "fp32":
         fp32_flops += sum(phase.flops for phase in profile.timeline.phases if phase.unit is None)
     if fp32_flops == 0:
@@ -141,11 +142,12 @@ def _tf32(plan: Plan, profile: Profile) -> Step:
 
 def _sdpa(plan: Plan, profile: Profile, peak_index: int) -> Step:
     title = "fused attention (SDPA / FlashAttention)"
-    per_unit = [unit.options.get(Choice("keep", d.choice.precision)) for unit, d in zip(profile.units, plan.units)]
+    chosen = plan.unit_choices()
+    per_unit = [unit.options.get(Choice("keep", chosen[unit.name].precision)) for unit in profile.units]
     materialised = sum(cost.attention_bytes for cost in per_unit if cost is not None)
     if materialised == 0:
         return Step("sdpa", title, "n/a", "the profile shows no saved T×T attention matrices (fused attention already, or none)")
-    at_peak = held_attention(profile, plan.choices(), peak_index)
+    at_peak = held_attention(profile, plan.unit_choices(), peak_index)
     worst = max(cost.attention_bytes for cost in per_unit if cost is not None)
     held = (f"at the peak the plan keeps {format_bytes(at_peak)} of them, which SDPA would not save" if at_peak
             else "the plan keeps none of them at the peak (those units are checkpointed), but recomputing one rebuilds "
@@ -161,9 +163,9 @@ def _compile(plan: Plan, profile: Profile) -> Step:
     device = profile.device
     units = {unit.name: unit for unit in profile.units}
     compute_s = sum(phase.flops for phase in profile.timeline.phases if phase.unit is None) / device.flops_for(DTYPES[profile.rest_precision])
-    for d in plan.units:
-        cost = units[d.name].options[d.choice]
-        compute_s += (cost.fwd_flops + cost.bwd_flops) / device.flops_for(DTYPES[d.choice.precision])
+    for name, choice in plan.unit_choices().items():
+        cost = units[name].options[choice]
+        compute_s += (cost.fwd_flops + cost.bwd_flops) / device.flops_for(DTYPES[choice.precision])
     bound = max(0.0, plan.predicted_step_time_s - compute_s)
     detail = (f"{format_seconds(bound)} of the {format_seconds(plan.predicted_step_time_s)} roofline step is memory traffic of ops that are not "
               "compute-bound (elementwise, norms, casts): what Inductor's fusion attacks. autoplan does not predict how "
@@ -177,7 +179,7 @@ def _compile(plan: Plan, profile: Profile) -> Step:
 def _checkpointing(plan: Plan, profile: Profile) -> Step:
     title = "activation checkpointing (autoplan's choice per unit)"
     modes = {mode: sum(1 for d in plan.units if d.choice.mode == mode) for mode in ("keep", "selective", "full")}
-    kept = {d.name: Choice("keep", d.choice.precision) for d in plan.units}
+    kept = {name: Choice("keep", choice.precision) for name, choice in plan.unit_choices().items()}
     saves = predict_peak(profile, kept).bytes - plan.predicted_peak_bytes
     cost = plan.predicted_step_time_s - predict_step_time(profile, kept)
     flops = sum(d.recompute_flops for d in plan.units)

@@ -122,7 +122,7 @@ def held_attention(profile: Profile, choices: dict[str, Choice], phase_index: in
     """Bytes of T×T attention matrices that keep-mode units hold at a phase of the step."""
     total = 0
     for unit, (forward, backward) in zip(profile.units, unit_windows(profile)):
-        choice = choices[unit.name]
-        if choice.mode == "keep" and forward < phase_index <= backward:
+        choice = choices.get(unit.name)  # None inside a segment: it keeps nothing of its own until recomputed
+        if choice is not None and choice.mode == "keep" and forward < phase_index <= backward:
             total += unit.options[choice].attention_bytes
     return total

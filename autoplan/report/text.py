@@ -54,7 +54,7 @@ def fold_units(units: tuple["UnitDecision", ...]) -> list[UnitRow]:
             rows.append([unit])
     folded = []
     for run in rows:
-        label = run[0].name
+        label = run[0].name + (" (segment)" if run[0].members else "")  # one region over its members
         if len(run) > 1:
             label = f"{run[0].name}–{_NUMBERED.match(run[-1].name)['index']} ×{len(run)}"
         folded.append(UnitRow(label, run[0], len(run)))

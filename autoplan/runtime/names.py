@@ -3,7 +3,9 @@
 - a submodule's qualified name, e.g. "transformer.h.3";
 - a run of an nn.Sequential's layers, "features[0:4]" (parent "features", layers 0 to 3);
 - a run of graph nodes, "graph[fc1:relu]" (first and last fx node; see `runtime.graph`);
-- one call of a module that runs several times per forward, "block@2" (its third call).
+- one call of a module that runs several times per forward, "block@2" (its third call);
+- a segment: consecutive units checkpointed as one region, "layers.0–layers.3" (first and last
+  unit, an en dash between; `runtime.segments`).
 
 Patterns (`units=["layers.*"]`) are shell-style, matched with fnmatch against these names.
 """
@@ -69,6 +71,46 @@ def call_site_name(module: str, index: int) -> str:
     return f"{module}@{index}"
 
 
+SEGMENT_DASH = "\u2013"  # an en dash: no module or run name contains one
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A unit that is the consecutive units `members` (forward order), checkpointed as one region."""
+
+    members: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return segment_name(self.members[0], self.members[-1])
+
+
+def segment_name(first: str, last: str) -> str:
+    return f"{first}{SEGMENT_DASH}{last}"
+
+
+def segment_ends(name: str) -> tuple[str, str] | None:
+    """The first and last unit a segment name denotes, or None for any other kind of unit."""
+    first, dash, last = name.partition(SEGMENT_DASH)
+    return (first, last) if dash and first and last else None
+
+
+def segment_members(model: torch.nn.Module, name: str) -> list[str]:
+    """The modules of a segment: its first and last unit and the siblings between them (one container)."""
+    ends = segment_ends(name)
+    if ends is None:
+        raise ValueError(f"{name!r} is not a segment name")
+    first, last = ends
+    parent, _, start = first.rpartition(".")
+    last_parent, _, stop = last.rpartition(".")
+    holder = model.get_submodule(parent)
+    names = [child for child, _ in holder.named_children()]
+    if parent != last_parent or start not in names or stop not in names or names.index(stop) <= names.index(start):
+        raise ValueError(f"segment {name!r}: {first} and {last} are not two children of one module, in order")
+    prefix = f"{parent}." if parent else ""
+    return [prefix + child for child in names[names.index(start) : names.index(stop) + 1]]
+
+
 def is_range_unit(name: str) -> bool:
     return sequential_run(name) is not None
 
@@ -78,7 +120,11 @@ def is_graph_unit(name: str) -> bool:
 
 
 def unit_endpoints(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The first and last module a unit runs: the unit itself, or the ends of a Sequential run."""
+    """The first and last module a unit runs: the unit itself, or the ends of a Sequential run or a segment."""
+    ends = segment_ends(name)
+    if ends is not None:
+        members = segment_members(model, name)
+        return model.get_submodule(members[0]), model.get_submodule(members[-1])
     site = call_site(name)
     if site is not None:
         module = model.get_submodule(site.module)

@@ -1,8 +1,9 @@
 """Make a model run its units the way a set of choices says, in place.
 
 Each unit's `forward` is replaced *on the instance* by a `PlannedForward` (`runtime.wrappers`); a
-run of an nn.Sequential's layers by a `PlannedSequential` on the Sequential, and graph units by a
-`PlannedGraph` on the model. Nothing else changes: the class, the parameter objects,
+run of an nn.Sequential's layers by a `PlannedSequential` on the Sequential, graph units by a
+`PlannedGraph` on the model, and each block of a segment by a `SegmentMember` of one
+`PlannedSegment` (`runtime.segments`). Nothing else changes: the class, the parameter objects,
 `state_dict()` keys and the model's own methods stay as they were, `copy.deepcopy` copies the
 wrappers with the model, and `remove_plan(model)` puts the original forwards back. The profile
 uses this on fake twins; the apply stage on the caller's model.
@@ -18,7 +19,8 @@ import torch
 
 from autoplan.plan import Choice
 from autoplan.runtime.graph import split_by_units
-from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, sequential_run
+from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, segment_ends, segment_members, sequential_run
+from autoplan.runtime.segments import PlannedSegment, SegmentMember
 from autoplan.runtime.wrappers import PlannedForward
 
 
@@ -103,7 +105,7 @@ def _has_submodule(model: torch.nn.Module, name: str) -> bool:
 
 
 def _is_planned(forward: Any) -> bool:
-    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph, PlannedCalls))
+    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph, PlannedCalls, SegmentMember))
 
 
 def remove_plan(model: torch.nn.Module) -> torch.nn.Module:
@@ -142,6 +144,9 @@ def apply_choices(
     for name, choice in choices.items():
         if name in graph_choices:
             continue
+        if segment_ends(name) is not None:
+            _apply_segment(model, name, choice)
+            continue
         site = call_site(name)
         if site is not None:
             calls.setdefault(site.module, {})[site.index] = choice
@@ -169,6 +174,14 @@ def apply_choices(
     return model
 
 
+def _apply_segment(model: torch.nn.Module, name: str, choice: Choice) -> None:
+    modules = [model.get_submodule(member) for member in segment_members(model, name)]
+    originals = [module.__dict__.get("forward") for module in modules]
+    segment = PlannedSegment(name, modules, choice, originals)
+    for index, (module, original) in enumerate(zip(modules, originals)):
+        module.forward = SegmentMember(segment, index, original)
+
+
 def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
     """The choice each unit of a rewritten model runs with (the root's own autocast excluded)."""
     choices: dict[str, Choice] = {}
@@ -182,6 +195,8 @@ def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
             choices.update({call_site_name(name, i): p.choice for i, p in enumerate(forward.calls) if p is not None})
         elif isinstance(forward, PlannedSequential):
             choices.update({f"{name}[{start}:{stop}]": run.choice for start, stop, run in forward.runs})
+        elif isinstance(forward, SegmentMember) and forward.index == 0:
+            choices[forward.segment.name] = forward.choice
         elif isinstance(forward, PlannedForward) and name:
             choices[name] = forward.choice
     return choices

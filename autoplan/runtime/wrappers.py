@@ -138,11 +138,11 @@ class PlannedForward:
         else:
             function = self._forward_in_precision
             if _has_running_stats(self.module):
-                function = _without_second_stats_update(self.module, function)
+                function = without_second_stats_update(self.module, function)
             # Only selective mode passes a context_fn: torch.compile rejects a custom one that
             # returns no dispatch modes, so full mode keeps checkpoint's default.
             extra = {"context_fn": self._context_fn()} if self.choice.mode == "selective" else {}
-            args, kwargs = _without_cache_writes(self.module, args, kwargs)
+            args, kwargs = without_cache_writes(self.module, args, kwargs)
             output = checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
         if self.cast_outputs and self.choice.precision != "fp32":
             output = _cast_like_inputs(output, args, kwargs, self.module)
@@ -167,7 +167,7 @@ def _class_forward(cls: type) -> Any:
 _CACHE_KWARGS = ("past_key_values", "layer_past")
 
 
-def _without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A transformers layer checkpointed in training must not write its KV cache.
 
     Recomputation would append the keys and values a second time (and the replay would no longer
@@ -194,19 +194,31 @@ def _without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) ->
     return bound.args[1:], bound.kwargs
 
 
-def _without_second_stats_update(module: torch.nn.Module, function):
+def without_second_stats_update(module: torch.nn.Module, function):
     """Recomputing a BatchNorm in backward would update its running statistics a second time.
 
     The first call (the forward) runs as is; later calls (recomputation) restore the running
     statistics afterwards, so the buffers end the step as they would without checkpointing.
     """
     calls = []
+    restoring = restoring_running_stats(module, function)
 
     @functools.wraps(function)
     def run(*args, **kwargs):
         if not calls:
             calls.append(True)
             return function(*args, **kwargs)
+        return restoring(*args, **kwargs)
+
+    return run
+
+
+def restoring_running_stats(module: torch.nn.Module, function):
+    """`function`, after which the BatchNorm running statistics in `module` are put back as they were:
+    for a recomputation (a segment's only ever runs in backward)."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
         buffers = [b for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) for b in m.buffers()]
         # Outside the dispatch modes: selective checkpointing replays exactly the forward's ops
         # during recomputation and would reject these extra ones.

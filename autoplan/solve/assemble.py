@@ -9,6 +9,7 @@ import dataclasses
 from autoplan.inputs.budget import Budget, budget_needed_for
 from autoplan.inputs.devices import Device
 from autoplan.memory.model import predict_peak, predict_step_time, rank_offsets
+from autoplan.memory.segments import chosen_segments, segment_terms
 from autoplan.plan import Plan, UnitDecision
 from autoplan.profile.units import Profile
 from autoplan.runtime.formatting import format_bytes
@@ -85,17 +86,7 @@ def assemble_plan(
     chosen, feasible = found.choices, found.feasible
     prediction = predict_peak(measured, chosen, world)
     notes = plan_notes(traced, measured, found, budget=budget, target=target, time_limit_s=time_limit_s)
-    decisions = tuple(
-        UnitDecision(
-            name=unit.name,
-            choice=chosen[unit.name],
-            saved_bytes=unit.options[chosen[unit.name]].held_bytes,
-            recompute_flops=unit.recompute_flops(chosen[unit.name]),
-            step_time_s=unit.options[chosen[unit.name]].time_s,
-            policy=unit.policies.get(chosen[unit.name], ""),
-        )
-        for unit in measured.units
-    )
+    decisions = _decisions(measured, chosen)
     return Plan(
         model_name=measured.model_name,
         device=target.name,
@@ -130,6 +121,31 @@ def assemble_plan(
         loop=measured.loop,
     )
 
+
+
+def _decisions(measured: Profile, chosen) -> tuple[UnitDecision, ...]:
+    """One decision per unit, in forward order; a chosen segment is one decision, where its first unit was."""
+    segments = {candidate.members[0]: (candidate, choice) for candidate, choice in chosen_segments(measured, chosen)}
+    inside = {u for candidate, _ in segments.values() for u in candidate.members}
+    decisions = []
+    for u, unit in enumerate(measured.units):
+        if u in segments:
+            candidate, choice = segments[u]
+            terms = segment_terms(measured, candidate, choice)
+            first = measured.units[candidate.members[0]]
+            decisions.append(UnitDecision(
+                name=candidate.name, choice=choice, saved_bytes=first.options[choice].held_bytes,
+                recompute_flops=terms.recompute_flops, step_time_s=terms.time_s,
+                members=tuple(measured.units[m].name for m in candidate.members),
+            ))
+        elif u not in inside:
+            choice = chosen[unit.name]
+            decisions.append(UnitDecision(
+                name=unit.name, choice=choice, saved_bytes=unit.options[choice].held_bytes,
+                recompute_flops=unit.recompute_flops(choice), step_time_s=unit.options[choice].time_s,
+                policy=unit.policies.get(choice, ""),
+            ))
+    return tuple(decisions)
 
 
 def infeasible_message(plan: Plan) -> str:

@@ -33,6 +33,7 @@ from autoplan.memory.model import (
     transient_delta,
     unit_windows,
 )
+from autoplan.memory.segments import SegmentCandidate, SegmentTerms, member_held_delta, segment_candidates, segment_choices, segment_terms
 from autoplan.plan import MODES, Choice
 from autoplan.profile.units import Profile
 
@@ -72,16 +73,46 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
     return result
 
 
-def _build(profile: Profile, allowed: list[list[Choice]], name: str, world_size: int = 1):
+@dataclass(frozen=True)
+class SegmentOption:
+    """One segment in one choice, as the program sees it."""
+
+    candidate: SegmentCandidate
+    choice: Choice
+    terms: SegmentTerms
+
+
+def segment_options(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = None, world_size: int = 1) -> list[SegmentOption]:
+    """Every segment the program may choose (none on several GPUs: FSDP wraps blocks one by one)."""
+    if world_size != 1 or not profile.segments:
+        return []
+    return [
+        SegmentOption(candidate, choice, segment_terms(profile, candidate, choice))
+        for candidate in segment_candidates(profile)
+        for choice in segment_choices(profile, candidate, pins)
+    ]
+
+
+def _build(profile: Profile, allowed: list[list[Choice]], name: str, world_size: int = 1, segments: list[SegmentOption] = ()):
     problem = pulp.LpProblem(name, pulp.LpMinimize)
     x = {
         (u, c): problem.add_variable(f"x_{u}_{i}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
         for u, options in enumerate(allowed)
         for i, c in enumerate(options)
     }
+    y = [problem.add_variable(f"segment_{g}_{option.choice.precision}", cat=pulp.LpBinary) for g, option in enumerate(segments)]
+    covering: dict[int, list[tuple[object, bool]]] = {}
+    for variable, option in zip(y, segments):
+        for position, u in enumerate(option.candidate.members):
+            covering.setdefault(u, []).append((variable, position == 0))
+    # every unit is covered once: by a choice of its own, or by one segment
     for u, options in enumerate(allowed):
-        problem += pulp.lpSum(x[u, c] for c in options) == 1, f"one_choice_unit_{u}"
-    held, corrections = _held_expressions(profile, allowed, x, problem)
+        problem += pulp.lpSum(x[u, c] for c in options) + pulp.lpSum(v for v, _ in covering.get(u, [])) == 1, f"one_choice_unit_{u}"
+    held, corrections = _held_expressions(profile, allowed, x, problem, covering)
+    segment_bytes: dict[int, list] = {}
+    for variable, option in zip(y, segments):
+        for index, nbytes in option.terms.phase_bytes.items():
+            segment_bytes.setdefault(index, []).append(nbytes / MIB * variable)
     # prefix[i] = held-bytes change of the units that have finished their forward, in forward order
     windows = unit_windows(profile)
     forward_order = sorted(range(len(allowed)), key=lambda u: windows[u][0])
@@ -103,12 +134,22 @@ def _build(profile: Profile, allowed: list[list[Choice]], name: str, world_size:
             if r != "held"
             for c in allowed[u]
         )
-        return point.base_bytes / MIB + held_now + own + pulp.lpSum(corrections.get(point.index, []))
+        extra = pulp.lpSum(corrections.get(point.index, [])) + pulp.lpSum(segment_bytes.get(point.index, []))
+        return point.base_bytes / MIB + held_now + own + extra
 
-    return problem, x, phase_bytes, points(profile, world_size)
+    return Program(problem, x, y, phase_bytes, points(profile, world_size))
 
 
-def _held_expressions(profile: Profile, allowed, x, problem) -> list:
+@dataclass(frozen=True)
+class Program:
+    problem: pulp.LpProblem
+    x: dict  # (unit, choice) -> binary
+    y: list  # per segment option -> binary
+    phase_bytes: object  # Point -> the phase's bytes in MiB, an expression of x and y
+    constraints: list
+
+
+def _held_expressions(profile: Profile, allowed, x, problem, covering) -> list:
     """Per unit, in MiB: its held-bytes change plus the passed-along tensors alive because of it.
 
     A passed-along tensor is alive in holder j's window when any of holders 1..j keeps it:
@@ -120,6 +161,7 @@ def _held_expressions(profile: Profile, allowed, x, problem) -> list:
     corrections: dict[int, list] = {}
     held = [
         pulp.lpSum(profile.units[u].delta_held(c) / MIB * x[u, c] for c in allowed[u]) - base[u] / MIB
+        + pulp.lpSum(member_held_delta(profile, u) / MIB * v for v, _ in covering.get(u, []))
         for u in range(len(allowed))
     ]
     for t, tensor in enumerate(shared_tensors(profile)):
@@ -127,6 +169,8 @@ def _held_expressions(profile: Profile, allowed, x, problem) -> list:
         kept_by = []
         for j, holder in enumerate(tensor.holders):
             keeps = pulp.lpSum(x[holder.unit, c] for c in allowed[holder.unit] if holds(profile, holder, c))
+            if holder.side == "in":  # a segment's region saves its first unit's inputs
+                keeps = keeps + pulp.lpSum(v for v, first in covering.get(holder.unit, []) if first)
             if j == 0:
                 kept = keeps
             else:
@@ -194,10 +238,28 @@ def _solver(time_limit_s: float, preprocess: bool = False) -> pulp.LpSolver:
     return solver
 
 
-def _read_choices(profile: Profile, allowed, x) -> dict[str, Choice]:
-    return {
-        unit.name: max(allowed[u], key=lambda c: x[u, c].value() or 0.0) for u, unit in enumerate(profile.units)
-    }
+def _read_choices(profile: Profile, allowed, program: Program, segments: list[SegmentOption]) -> dict[str, Choice]:
+    """Per unit its choice; a chosen segment under its own name, in place of its members."""
+    choices: dict[str, Choice] = {}
+    covered: set[int] = set()
+    for variable, option in zip(program.y, segments):
+        if (variable.value() or 0.0) > 0.5:
+            choices[option.candidate.name] = option.choice
+            covered.update(option.candidate.members)
+    for u, unit in enumerate(profile.units):
+        if u not in covered:
+            choices[unit.name] = max(allowed[u], key=lambda c: program.x[u, c].value() or 0.0)
+    return choices
+
+
+def _time_objective(profile: Profile, program: Program, segments: list[SegmentOption]):
+    units = pulp.lpSum((profile.units[u].options[c].time_s + _tie_break(c)) * v for (u, c), v in program.x.items())
+    # a segment takes as long as its members each checkpointed: between the two, prefer the members
+    grouped = pulp.lpSum(
+        (option.terms.time_s + 1e-12 * (len(option.candidate.members) * MODES.index("full") + 1)) * v
+        for v, option in zip(program.y, segments)
+    )
+    return units + grouped
 
 
 def solve(
@@ -211,19 +273,21 @@ def solve(
     """The fastest choices whose predicted peak fits `usable_bytes` (per rank, on `world_size` FSDP ranks)."""
     started = time.perf_counter()
     allowed = allowed_choices(profile, pins)
-    problem, x, phase_bytes, constraints = _build(profile, allowed, "autoplan_fastest", world_size)
-    for point in constraints:
-        problem += phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
+    segments = segment_options(profile, pins, world_size)
+    program = _build(profile, allowed, "autoplan_fastest", world_size, segments)
+    problem = program.problem
+    for point in program.constraints:
+        problem += program.phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
     # in units of the fastest step: the solvers' absolute tolerances (HiGHS: 1e-6) would call any plan
     # optimal when a tiny model's step takes microseconds
     scale = sum(min(option.time_s for option in unit.options.values()) for unit in profile.units) or 1.0
-    problem += pulp.lpSum((profile.units[u].options[c].time_s / scale + _tie_break(c)) * x[u, c] for (u, c) in x), "step_time"
+    problem += _time_objective(profile, program, segments) / scale, "step_time"
     has_solution = _run(problem, time_limit_s)
     status = STOPPED_WITH_PLAN if _stopped_early(problem) else pulp.LpStatus[problem.status]
     elapsed = time.perf_counter() - started
     if not has_solution:
         return Solution({}, status, False, elapsed)
-    choices = _prefer_less_rewriting(profile, allowed, _read_choices(profile, allowed, x), usable_bytes, world_size)
+    choices = _prefer_less_rewriting(profile, allowed, _read_choices(profile, allowed, program, segments), usable_bytes, world_size)
     return Solution(choices, status, True, time.perf_counter() - started)
 
 
@@ -235,6 +299,8 @@ def _prefer_less_rewriting(
     The solver's optimality gap is far larger than the objective's tie-break, so ties are settled here.
     """
     for u, unit in enumerate(profile.units):
+        if unit.name not in choices:
+            continue  # inside a chosen segment
         current = choices[unit.name]
         for option in sorted(allowed[u], key=_tie_break):
             if _tie_break(option) >= _tie_break(current):
@@ -261,15 +327,18 @@ def minimum_peak(
     """
     started = time.perf_counter()
     allowed = allowed_choices(profile, pins)
-    problem, x, phase_bytes, constraints = _build(profile, allowed, "autoplan_lowest_peak", world_size)
+    segments = segment_options(profile, pins, world_size)
+    program = _build(profile, allowed, "autoplan_lowest_peak", world_size, segments)
+    problem = program.problem
     peak = problem.add_variable("peak_mib")
-    for point in constraints:
-        problem += phase_bytes(point) <= peak, f"peak_at_{point.index}"
+    for point in program.constraints:
+        problem += program.phase_bytes(point) <= peak, f"peak_at_{point.index}"
     # among the lowest-peak choices prefer fast ones: time is tiny next to MiB
-    problem += peak + 1e-6 * pulp.lpSum(profile.units[u].options[c].time_s * x[u, c] for (u, c) in x), "peak"
+    problem += peak + 1e-6 * _time_objective(profile, program, segments), "peak"
     if not _run(problem, time_limit_s):
         raise RuntimeError(f"the lowest-peak program has no solution ({pulp.LpStatus[problem.status]}): a bug, every unit has a choice")
-    return LowestPeak(_read_choices(profile, allowed, x), time.perf_counter() - started, proven=not _stopped_early(problem))
+    choices = _read_choices(profile, allowed, program, segments)
+    return LowestPeak(choices, time.perf_counter() - started, proven=not _stopped_early(problem))
 
 
 def fastest(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = None) -> dict[str, Choice]:
