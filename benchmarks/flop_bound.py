@@ -31,17 +31,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan_quality import CPU, SIZES, flops_of, machine, peak_of  # noqa: E402
+from plan_quality import CPU, SIZES, flops_of, machine, peak_of, setup  # noqa: E402
 
 from autoplan.memory.model import predict_peak  # noqa: E402
 from autoplan.plan import Choice  # noqa: E402
 from autoplan.profile.menu import describe, record_ops  # noqa: E402
-from autoplan.profile.units import profile, with_choices  # noqa: E402
+from autoplan.profile.units import with_choices  # noqa: E402
 from autoplan.runtime.formatting import format_bytes  # noqa: E402
 from autoplan.runtime.planned import apply_choices  # noqa: E402
 from autoplan.solve.ilp import solve  # noqa: E402
-from autoplan.trace.tracer import trace  # noqa: E402
-from examples.llama import Llama, example_batch  # noqa: E402
+from examples.llama import Llama  # noqa: E402
 
 FLOP_SECONDS = 1e-12  # a FLOP priced as a picosecond: the ILP's "time" becomes FLOPs
 
@@ -68,14 +67,9 @@ def priced_in_flops(measured):
 
 def main(size: str) -> None:
     config, batch, seq = SIZES[size]
-    torch.manual_seed(0)
-    original = Llama(config)
-    inputs = example_batch(config, batch, seq)
-    traced = trace(original, inputs)
-    measured = profile(traced, CPU, precisions=("fp32",), menu_size=0)
-    static = measured.timeline.static
-    floor = static.parameters + static.optimizer + static.gradients
-    activations = measured.reference.peak_bytes - floor
+    made = setup(size)
+    original, inputs, traced, measured = made.original, made.inputs, made.traced, made.measured
+    floor, activations = made.floor, made.activations
     plain_flops = flops_of(copy.deepcopy(original), inputs)
     print(f"machine: {machine()}\nLlama-style {config.n_layers} layers, d={config.dim}, batch {batch}×{seq}, fp32; static "
           f"{format_bytes(floor)}, activations {format_bytes(activations)}; plain step {plain_flops / 1e9:.1f} GFLOP (FlopCounterMode)\n")

@@ -236,7 +236,19 @@ class Config:
     compile_budget: float | None = None  # torch.compile with this activation_memory_budget; None: eager
 
 
-def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: bool) -> None:
+@dataclass(frozen=True)
+class Setup:
+    """The benchmark's model at one size, traced and profiled with the three modes, and its memory split."""
+
+    original: Llama
+    inputs: tuple
+    traced: object
+    measured: object  # the Profile (menu off)
+    floor: int  # static: parameters + gradients + optimizer state
+    activations: int  # the simulated no-plan peak above the floor
+
+
+def setup(size: str) -> Setup:
     config, batch, seq = SIZES[size]
     torch.manual_seed(0)
     original = Llama(config)
@@ -245,7 +257,13 @@ def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: b
     measured = profile(traced, CPU, precisions=("fp32",), menu_size=0)
     static = measured.timeline.static
     floor = static.parameters + static.optimizer + static.gradients
-    activations = measured.reference.peak_bytes - floor
+    return Setup(original, inputs, traced, measured, floor, measured.reference.peak_bytes - floor)
+
+
+def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: bool) -> None:
+    config, batch, seq = SIZES[size]
+    made = setup(size)
+    original, inputs, floor, activations = made.original, made.inputs, made.floor, made.activations
     print(f"Llama-style {config.n_layers} layers, d={config.dim}, ffn {config.ffn_dim}, vocab {config.vocab_size}, "
           f"batch {batch}×{seq}, fp32, AdamW; static {format_bytes(floor)}, activations {format_bytes(activations)} "
           f"(simulated); {pairs} alternating pairs, 1 thread")
