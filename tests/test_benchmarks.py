@@ -43,3 +43,43 @@ def test_compare_cpu_mode_runs_every_eager_configuration(monkeypatch):
     planned = by_name["autoplan @ 50%"]
     assert planned.result.peak_bytes <= planned.budget
     assert planned.predicted_bytes == pytest.approx(planned.result.peak_bytes, rel=0.01)
+
+
+def test_plan_quality_counts_compiled_graph_flops_like_flop_counter():
+    quality = load("plan_quality")
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def step(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+
+    args = (torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 4))
+    graph = make_fx(step, tracing_mode="fake")(*args).graph
+    quality.COMPILED_FLOPS.clear()
+    quality._count_graph_flops(graph)
+    with FlopCounterMode(display=False) as counter:
+        step(*args)
+    assert quality.COMPILED_FLOPS == [counter.get_total_flops()] and counter.get_total_flops() > 0
+
+
+def test_plan_quality_auto_sac_names_ops_autoplan_can_apply():
+    pytest.importorskip("pwlf")  # torch's auto-SAC fits its trade-off curves with it
+    quality = load("plan_quality")
+    from autoplan.runtime.planned import apply_choices
+    from examples.llama import Llama, LlamaConfig, example_batch
+
+    config = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=192, max_seq_len=64)
+    torch.manual_seed(0)
+    model, inputs = Llama(config), example_batch(config, 2, 64)
+    assert quality.auto_sac_choices(config, inputs, budget_bytes=1) is None  # nothing fits
+    # its memory model counts less than autoplan's (no logits, ...): below autoplan's floor it still checkpoints
+    choices = quality.auto_sac_choices(config, inputs, int(0.75 * quality._plan(model, "100%", inputs, 0).minimum_peak_bytes))
+    assert choices and set(choices) <= {"layers.0", "layers.1"}
+    assert all(c.mode == "selective" and all("#" in name for name in c.saves) for c in choices.values())
+    reference, planned = Llama(config), Llama(config)
+    planned.load_state_dict(reference.state_dict())
+    apply_choices(planned, choices)
+    for m in (reference, planned):
+        m(*inputs).backward()
+    for (name, a), (_, b) in zip(planned.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)

@@ -194,3 +194,35 @@ def test_compile_plans_price_only_flops_and_the_policy_runs_compiled():
     torch.testing.assert_close(compiled(*inputs), reference(*inputs))
     for (name, a), (_, b) in zip(planned.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_ops_that_early_stop_never_reruns_are_free_and_never_saved():
+    model, inputs = _tiny_llama()
+    ops, points = _menu_of(model, inputs, size=6)
+    matmuls = [op for op in ops if op.occurrence.startswith("aten.mm")]
+    # the block's last matmul (w2) feeds only the residual add: its output is never needed in
+    # backward, so the recomputation stops before it
+    assert matmuls[-1].module == "feed_forward.w2" and matmuls[-1].recompute_s == 0.0
+    assert all(op.recompute_s > 0 for op in matmuls[:-1])
+    assert points and all(matmuls[-1].occurrence not in p.choice.saves for p in points)
+    # what the records say is what backward does: saving nothing reruns exactly the other matmuls
+    apply_choices(model, {unit: Choice("selective", "fp32", saves=()) for unit in find_units(model)})
+    with _OpCounter() as counter:
+        model(*inputs).backward()
+    forward_mm = 2 * len(matmuls) + 1  # every block's matmuls and the output head
+    backward_mm = 2 * forward_mm  # grad of input and of weight per matmul (2 blocks, + head)
+    assert counter.counts["aten.mm"] - forward_mm - backward_mm == 2 * (len(matmuls) - 1)
+
+
+def test_menu_points_spread_over_the_time_they_spare():
+    model, inputs = _tiny_llama()
+    ops, points = _menu_of(model, inputs, size=4)
+    total_s = sum(op.recompute_s for op in ops)
+    spared = [total_s - p.estimated_recompute_s for p in points]
+    assert len(points) >= 3 and spared == sorted(spared)
+    # one point per quarter of the time saving everything spares: the shortest prefix past each quarter,
+    # overshooting it by less than one op
+    longest_op_s = max(op.recompute_s for op in ops)
+    for quarter in (1, 2, 3, 4):
+        target = quarter * spared[-1] / 4
+        assert any(target * (1 - 1e-9) <= s < target + longest_op_s for s in spared), (quarter, spared)

@@ -13,18 +13,22 @@ model stays exact whatever the estimate here got wrong.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from autoplan.plan import Choice
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
 from autoplan.runtime.tracker import RooflineRates, op_roofline
 from autoplan.runtime.wrappers import PlannedForward, can_save
 
-DEFAULT_MENU_SIZE = 0  # menu points per unit and precision (keep and full not counted); opt in with menu_size=6: it multiplies profiling work
+DEFAULT_MENU_SIZE = 6  # menu points per unit and precision (keep and full not counted); 0: the three modes only
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class OpRecord:
     occurrence: str  # "aten.mm#3"
     module: str  # the innermost submodule it ran in, relative to the unit ("" for the unit's own body)
     saved_bytes: int  # bytes of its output (new storage only): what saving it holds until backward
-    recompute_s: float  # roofline time of running it again
+    recompute_s: float  # roofline time of running it again (0: checkpoint's early stop never reruns it)
     flops: int
     savable: bool  # not an in-place op or a view
 
@@ -78,15 +82,64 @@ def record_ops(module: torch.nn.Module, args: tuple, kwargs: dict, precision: st
     hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
     try:
         with torch.enable_grad():
-            planned(*args, **kwargs)
+            output = planned(*args, **kwargs)
     finally:
         for hook in hooks:
             hook.remove()
-    return tuple(dataclasses.replace(op, savable=False) if i in mutated else op for i, op in enumerate(records))
+    recomputed = _recomputed_prefix(output, [op.occurrence for op in records])
+    for param in module.parameters():
+        param.grad = None  # the recording's backward leaves gradients behind
+    return tuple(
+        dataclasses.replace(op, savable=op.savable and i not in mutated, recompute_s=op.recompute_s if i < recomputed else 0.0)
+        for i, op in enumerate(records)
+    )
+
+
+class _OpSequence(TorchDispatchMode):
+    """The aten ops run under it, by name, as the selective-checkpoint policy sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in SAC_IGNORED_OPS:
+            self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _recomputed_prefix(output, occurrences: list[str]) -> int:
+    """How many of the forward's ops (in order) the save-nothing policy's backward recomputes.
+
+    Checkpoint's early stop ends the recomputation once every tensor backward needs is back, so
+    the ops after that (often a block's last matmul: its output feeds only an add) never rerun and
+    saving them spares nothing. The recomputation replays the forward from its first op, so it
+    shows in the backward's op sequence as the longest run matching the forward's.
+    """
+    needs_grad = [t for t in tensors_of(output) if t.requires_grad]
+    if not needs_grad or not occurrences:
+        return len(occurrences)
+    forward = [occurrence.split("#")[0] for occurrence in occurrences]
+    with _OpSequence() as seen:
+        torch.autograd.backward(needs_grad, [torch.ones_like(t) for t in needs_grad])
+    longest = 0
+    for start in range(len(seen.names)):
+        matched = 0
+        while matched < len(forward) and start + matched < len(seen.names) and seen.names[start + matched] == forward[matched]:
+            matched += 1
+        longest = max(longest, matched)
+    return longest
 
 
 def menu_points(ops: tuple[OpRecord, ...], precision: str, size: int = DEFAULT_MENU_SIZE) -> list[MenuPoint]:
-    """Up to `size` policies along the front of saved bytes vs recompute time (greedy by time per byte)."""
+    """Up to `size` policies along the front of saved bytes vs recompute time (greedy by time per byte).
+
+    Saving ever longer prefixes of the ops sorted by recompute time per byte saved walks the
+    front's lower hull (a fractional knapsack's order). The points are spread evenly over the
+    recompute time they spare (one per `1/size` of it): the solver mixes points across units, and
+    what it loses to the menu's gaps is at most one step of time per unit. Ops that checkpoint's
+    early stop never recomputes (`recompute_s` 0: e.g. a block's last matmul) are never saved.
+    """
     candidates = sorted(
         (op for op in ops if op.savable and op.saved_bytes > 0 and op.recompute_s > 0),
         key=lambda op: op.recompute_s / op.saved_bytes,
@@ -95,28 +148,16 @@ def menu_points(ops: tuple[OpRecord, ...], precision: str, size: int = DEFAULT_M
     if not candidates or size <= 0:
         return []
     total_s = sum(op.recompute_s for op in ops)
-    total_bytes = sum(op.saved_bytes for op in candidates)
-    cumulative_s, cumulative_bytes, prefix_ends = 0.0, 0, []
-    for op in candidates:
-        cumulative_s += op.recompute_s
-        cumulative_bytes += op.saved_bytes
-        prefix_ends.append((total_s - cumulative_s, cumulative_bytes))
-    # Where the front bends: the prefixes that leave a falling share of the time to recompute
-    # (matmuls first) and ones spread evenly over the bytes (elementwise ops after them).
-    wanted = set()
-    for share in (0.5, 0.25, 0.1, 0.04, 0.01):
-        wanted.add(next((i for i, (left, _) in enumerate(prefix_ends) if left <= share * total_s), len(candidates) - 1))
-    for share in (0.25, 0.5, 0.75):
-        wanted.add(next(i for i, (_, held) in enumerate(prefix_ends) if held >= share * total_bytes))
-    ends = sorted(wanted)
-    if len(ends) > size:  # thin evenly, keeping the last (the most saved)
-        ends = sorted({ends[round((i + 1) * (len(ends) - 1) / size)] for i in range(size)})
+    spared = list(itertools.accumulate(op.recompute_s for op in candidates))
+    held = list(itertools.accumulate(op.saved_bytes for op in candidates))
+    ends = sorted({min(bisect.bisect_left(spared, step * spared[-1] / size * (1 - 1e-9)), len(candidates) - 1)
+                   for step in range(1, size + 1)})
     order = {op.occurrence: index for index, op in enumerate(ops)}
     points = []
     for end in ends:
         saved = sorted((op.occurrence for op in candidates[: end + 1]), key=order.__getitem__)
         choice = Choice("selective", precision, saves=tuple(saved))
-        points.append(MenuPoint(choice, describe(ops, choice.saves), prefix_ends[end][1], prefix_ends[end][0]))
+        points.append(MenuPoint(choice, describe(ops, choice.saves), held[end], total_s - spared[end]))
     return points
 
 

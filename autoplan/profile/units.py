@@ -13,10 +13,11 @@ Identical units (same class, parameter shapes and input shapes) are measured onc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -367,3 +368,24 @@ def profile(
         routing=ROUTING_NOTE if timeline_mode.grouped_matmuls else "",
         loop=loop,
     )
+
+
+def with_choices(traced: Traced, measured: Profile, extra: Iterable[Choice], *, compile: bool = False) -> Profile:
+    """`measured` with `extra` choices measured for every unit as well (identical units once).
+
+    For studies of the plan space (benchmarks/flop_bound.py prices every subset of a unit's
+    matmuls); planning itself measures only the menu `profile` builds.
+    """
+    extra = tuple(extra)
+    fake_mode = new_fake_mode()
+    model = _simulation_model(traced, fake_mode, {}, "fp32")
+    rates = FusedElementwiseRates(measured.device) if compile else measured.device
+    by_signature: dict[tuple, dict[Choice, UnitCost]] = {}
+    units = []
+    for call, unit in zip(measured.timeline.unit_calls, measured.units):
+        module = unit_module(model, call.name)
+        key = _signature(module, call)
+        if key not in by_signature:
+            by_signature[key] = {c: _measure_unit(module, call, c, measured.rest_precision, rates, fake_mode) for c in extra}
+        units.append(dataclasses.replace(unit, options=MappingProxyType({**unit.options, **by_signature[key]})))
+    return dataclasses.replace(measured, units=tuple(units))

@@ -1,0 +1,121 @@
+"""The fewest extra FLOPs any op-level save policy can reach at a memory budget, on plan_quality's Llama.
+
+Extra FLOPs are what torch's FlopCounterMode counts (matmul/conv/attention kernels; on the CPU it
+has no formula for `_scaled_dot_product_flash_attention_for_cpu`, so attention counts zero here).
+Under that metric a unit's ops without FLOPs (norms, RoPE, SiLU, adds) are free to recompute, and
+saving one can never spare a matmul's recomputation (checkpoint replays the forward in order and
+skips only cached ops), so the FLOP-minimal op-level policies of a unit are the subsets of its
+matmuls that it saves, recomputing everything else. This script measures every such subset of
+the Llama block (2^7 with its 7 matmuls) like any other choice (fake tensors: held bytes, forward
+and backward peaks, FLOPs), adds them to the profile beside keep/selective/full, and asks
+autoplan's own ILP and memory model for the choices of fewest recomputed FLOPs under each budget
+(the ILP's objective priced in FLOPs instead of roofline time). Each answer is then run for real:
+FlopCounterMode over one step and the live-bytes peak of step 2, as in plan_quality.py.
+
+    python benchmarks/flop_bound.py --size issue     # about 3 minutes on 2 shared cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import sys
+import time
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plan_quality import CPU, SIZES, flops_of, machine, peak_of, setup  # noqa: E402
+
+from autoplan.memory.model import predict_peak  # noqa: E402
+from autoplan.plan import Choice  # noqa: E402
+from autoplan.profile.menu import describe, record_ops  # noqa: E402
+from autoplan.profile.units import with_choices  # noqa: E402
+from autoplan.runtime.formatting import format_bytes  # noqa: E402
+from autoplan.runtime.planned import apply_choices  # noqa: E402
+from autoplan.solve.ilp import solve  # noqa: E402
+from examples.llama import Llama  # noqa: E402
+
+FLOP_SECONDS = 1e-12  # a FLOP priced as a picosecond: the ILP's "time" becomes FLOPs
+
+
+def block_ops(model: Llama, inputs: tuple):
+    """The first block's ops, recorded on the real model (every block is the same)."""
+    captured = {}
+    handle = model.layers[0].register_forward_pre_hook(lambda m, a, k: captured.setdefault("call", (a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model(*inputs)
+    handle.remove()
+    args, kwargs = captured["call"]
+    args = tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args)
+    return record_ops(model.layers[0], args, kwargs, "fp32", CPU)
+
+
+def priced_in_flops(measured):
+    """The profile with every option's time replaced by its FLOPs (forward + backward with recompute)."""
+    def flops_cost(cost):
+        return dataclasses.replace(cost, fwd_time_s=cost.fwd_flops * FLOP_SECONDS, bwd_time_s=cost.bwd_flops * FLOP_SECONDS)
+    units = tuple(dataclasses.replace(u, options=MappingProxyType({c: flops_cost(k) for c, k in u.options.items()})) for u in measured.units)
+    return dataclasses.replace(measured, units=units)
+
+
+def main(size: str) -> None:
+    config, batch, seq = SIZES[size]
+    made = setup(size)
+    original, inputs, traced, measured = made.original, made.inputs, made.traced, made.measured
+    floor, activations = made.floor, made.activations
+    plain_flops = flops_of(copy.deepcopy(original), inputs)
+    print(f"machine: {machine()}\nLlama-style {config.n_layers} layers, d={config.dim}, batch {batch}×{seq}, fp32; static "
+          f"{format_bytes(floor)}, activations {format_bytes(activations)}; plain step {plain_flops / 1e9:.1f} GFLOP (FlopCounterMode)\n")
+
+    ops = block_ops(original, inputs)
+    matmuls = [op for op in ops if op.savable and op.flops > 0]
+    print("the block's ops with FLOPs (the only ones whose recomputation the metric counts):")
+    for op in matmuls:
+        print(f"  {op.occurrence:10} {op.module:18} output {format_bytes(op.saved_bytes):>9}  {op.flops / 1e9:5.2f} GFLOP  "
+              f"{op.flops / op.saved_bytes * 2**20 / 1e9:5.3f} GFLOP per MiB saved")
+    started = time.perf_counter()
+    subsets = [Choice("selective", "fp32", saves=tuple(op.occurrence for op in chosen))
+               for k in range(len(matmuls) + 1) for chosen in itertools.combinations(matmuls, k)]
+    studied = with_choices(traced, measured, subsets)
+    print(f"measured {len(subsets)} subsets in {time.perf_counter() - started:.0f} s\n")
+    unit = studied.units[0]
+    keep_bwd = unit.options[Choice("keep")].bwd_flops
+    print("per block, the subsets on the front of held bytes vs recomputed FLOPs (measured):")
+    front = sorted(unit.options.items(), key=lambda item: (item[1].held_bytes, item[1].bwd_flops))
+    best = None
+    for choice, cost in front:
+        if best is None or cost.bwd_flops < best:
+            best = cost.bwd_flops
+            what = choice.mode if choice.saves is None else describe(ops, choice.saves).split(";")[0]
+            print(f"  holds {format_bytes(cost.held_bytes):>9}  recomputes {(cost.bwd_flops - keep_bwd) / 1e9:5.2f} GFLOP  {what}")
+
+    flop_priced = priced_in_flops(studied)
+    print("\n| budget | fewest extra FLOPs (predicted) | measured peak | measured extra FLOPs | per block |\n|---|---|---|---|---|")
+    for fraction in (0.5, 0.25):
+        budget = floor + int(fraction * activations)
+        solution = solve(flop_priced, budget, time_limit_s=60)
+        if not solution.feasible:
+            print(f"| static + {fraction:.0%} ({format_bytes(budget)}) | nothing fits | | | |")
+            continue
+        predicted = sum(studied.unit(n).recompute_flops(c) for n, c in solution.choices.items())
+        model = copy.deepcopy(original)
+        apply_choices(model, solution.choices)
+        real_flops = flops_of(copy.deepcopy(model), inputs) / plain_flops - 1
+        peak = peak_of(copy.deepcopy(model), inputs)
+        per_block = ", ".join(c.mode if c.saves is None else f"{len(c.saves)} mm" for c in solution.choices.values())
+        print(f"| static + {fraction:.0%} ({format_bytes(budget)}) | {predicted / plain_flops:+.1%} "
+              f"(peak {format_bytes(predict_peak(studied, solution.choices).bytes)}) | {format_bytes(peak)} | {real_flops:+.1%} | {per_block} |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="issue")
+    torch.set_num_threads(1)
+    main(parser.parse_args().size)
