@@ -35,10 +35,22 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
 
 
 def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
-    """Replace every tensor in a pytree of inputs by a fake of the same shape, dtype and grad flag."""
+    """Replace every tensor in a pytree of inputs by a fake of the same shape, dtype and grad flag.
+
+    Tensors that share storage in the batch share it in the fakes too (`labels=input_ids` is one
+    tensor passed twice; a batch may hold views of one buffer), so the simulated step counts the
+    batch's bytes once, as the real step holds them.
+    """
+    bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (storage, dtype) -> a fake over all its bytes
 
     def to_fake(tensor: torch.Tensor) -> torch.Tensor:
-        fake = _fake_like(tensor, fake_mode)
+        storage = tensor.untyped_storage()
+        key = (storage._cdata, tensor.dtype)
+        if key not in bases:
+            with fake_mode:
+                bases[key] = torch.empty(storage.nbytes() // tensor.element_size(), dtype=tensor.dtype, device="cpu")
+        with fake_mode:
+            fake = bases[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).detach()
         return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake
 
     return tree_map_only(torch.Tensor, to_fake, tree)
