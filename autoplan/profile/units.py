@@ -29,7 +29,8 @@ from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
 from autoplan.profile.recorder import TensorSpec, UnitCall
 from autoplan.profile.timeline import Timeline, simulate_training
-from autoplan.runtime.fake import ROUTING_NOTE, fake_copy, new_fake_mode
+from autoplan.runtime.fake import PlanningFakeMode, fake_copy, new_fake_mode
+from autoplan.runtime.routing import MoeRoutingBound
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
@@ -93,6 +94,7 @@ class Profile:
     rest_param_layout: tuple[ParamShape, ...] = ()  # parameters outside the units: FSDP's root group
     buffer_bytes: int = 0  # buffers (FSDP does not shard them)
     routing: str = ""  # how data-dependent expert routing was profiled ("" when the model routes nothing)
+    routing_assumed: str = ""  # in a word (Plan.moe_routing): "worst case", "capacity 1.25", "any", ""
     loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
 
     def unit(self, name: str) -> UnitProfile:
@@ -129,7 +131,7 @@ def run_timeline(
 ) -> Timeline:
     """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with
     `choices`, under `fake_mode` (or a new one)."""
-    fake_mode = fake_mode or new_fake_mode()
+    fake_mode = fake_mode or new_fake_mode(traced.routing)
     model = _simulation_model(traced, fake_mode, choices, rest_precision)
     return simulate_training(
         model,
@@ -336,7 +338,7 @@ def profile(
     base = {name: Choice("keep", rest) for name in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
-    timeline_mode = new_fake_mode()
+    timeline_mode = new_fake_mode(traced.routing)
     timeline = run_timeline(
         traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, fake_mode=timeline_mode, loop=loop
     )
@@ -345,7 +347,7 @@ def profile(
         fp32 = {name: Choice("keep", "fp32") for name in traced.units}
         reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn, loop=loop)
 
-    fake_mode = new_fake_mode()
+    fake_mode = new_fake_mode(traced.routing)
     model = _simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(device) if compile else device
     units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say)
@@ -363,6 +365,14 @@ def profile(
         time_source="roofline, compiled (elementwise fused)" if compile else "roofline",
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
-        routing=ROUTING_NOTE if timeline_mode.grouped_matmuls else "",
+        routing="; ".join(filter(None, (timeline_mode.routing_note(), _unused_capacity_note(traced.routing, timeline_mode)))),
+        routing_assumed=timeline_mode.routing_assumed(),
         loop=loop,
     )
+
+
+def _unused_capacity_note(routing: MoeRoutingBound, mode: PlanningFakeMode) -> str:
+    if routing.capacity is None or mode.routing_assumed() == routing.name:
+        return ""
+    return (f"moe_capacity={routing.capacity:g} was given, but no routing in this model decides a shape (no per-expert "
+            "torch.where/nonzero after a router): it changed nothing")
