@@ -3,7 +3,7 @@
 A MoE layer written the common eager way (per expert `torch.where(mask[e])`, a gather, `index_add_`)
 has shapes that depend on the routing. autoplan profiles it at the worst case (every expert receives
 every token), or at `moe_capacity` × tokens × top_k / experts tokens per expert. Measured on the CPU
-with the live-bytes tracker `autoplan.verify` uses: the worst-case plan holds for skewed and spread
+by `autoplan.verify` (the live-bytes tracker, real steps): the worst-case plan holds for skewed and spread
 routing; a capacity plan holds for routing within it (and the note's warning is real: routing above
 it peaks higher); the planned model trains like the original (fp32: loss, gradients, buffers).
 """
@@ -17,7 +17,7 @@ import pytest
 
 import autoplan
 from autoplan.errors import OptionError
-from tests.handmade import measured_step
+from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound, RouterShape
 from tests.structures import Structure, _MOE, _hf, _tokens, build_eager_moe, build_residual_list
 from tests.test_plan_space import assert_trains_the_same
 
@@ -27,7 +27,8 @@ def _plan(model, inputs, budget="1GB", **options) -> autoplan.Plan:
 
 
 def _measured(model, plan, inputs) -> int:
-    return measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs).peak_bytes
+    """The live tensor bytes of real steps of `model` (a copy) rewritten with `plan` (autoplan.verify on the CPU)."""
+    return autoplan.verify(copy.deepcopy(model), plan, example_inputs=inputs, steps=2).measured_peak_bytes
 
 
 def _routed(model, *experts):
@@ -73,8 +74,9 @@ def test_a_capacity_plans_that_many_tokens_per_expert_and_holds_within_it(worst_
     assert _measured(model, balanced, inputs) <= balanced.simulated_peak_bytes
     # routing above the capacity peaks above the plan, as the note warns
     assert _measured(_routed(model, 0, 1), balanced, inputs) > balanced.simulated_peak_bytes
-    # at capacity experts / top_k = 2 every expert receives every token: the worst case
-    assert _plan(model, inputs, moe_capacity=2.0, units=["layers.*"]).baseline_peak_bytes == worst.baseline_peak_bytes  # same shapes, other values
+    # at capacity experts / top_k every expert receives every token: the worst case
+    router = RouterShape(tokens=64, top_k=2, experts=4)
+    assert MoeRoutingBound(2.0).rows_per_expert(router) == MoeRoutingBound(3.0).rows_per_expert(router) == WORST_CASE.rows_per_expert(router) == 64
 
 
 @pytest.mark.parametrize("capacity", [0, -1.0, float("nan"), float("inf"), "1.25", True])
