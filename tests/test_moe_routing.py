@@ -123,3 +123,21 @@ def test_command_line_capacity_reaches_the_plan(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(path.read_text())["plan"]["moe_routing"] == "capacity 1.25"
     assert "capacity 1.25, 40 tokens per expert" in " ".join(result.output.split())
+
+
+def test_nonzero_after_a_router_is_bounded_by_what_its_mask_can_hold():
+    """One expert's mask (tokens × top_k elements) gets the capacity's rows; any other mask every element."""
+    import torch
+
+    from autoplan.runtime.fake import new_fake_mode
+
+    mode = new_fake_mode(MoeRoutingBound(1.0))
+    with mode:
+        with pytest.raises(Exception, match="nonzero"):  # no router ran: fake tensors' own refusal stands
+            torch.nonzero(torch.empty(2, 64, dtype=torch.bool))
+        torch.topk(torch.empty(64, 4), 2, dim=-1)  # the router: 64 tokens, top-2 of 4 experts
+        other = torch.nonzero(torch.empty(3, 64, dtype=torch.bool))
+        assert mode.routing_assumed() == "worst case" and "did not apply" in mode.routing_note()
+        one_expert = torch.nonzero(torch.empty(2, 64, dtype=torch.bool))
+    assert tuple(other.shape) == (192, 2) and tuple(one_expert.shape) == (32, 2)  # 1.0 × 64 × 2 / 4
+    assert mode.routing_assumed() == "capacity 1" and "capacity 1, 32 tokens per expert" in mode.routing_note()

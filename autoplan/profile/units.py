@@ -372,7 +372,7 @@ def profile(
 
 
 def _unused_capacity_note(routing: MoeRoutingBound, mode: PlanningFakeMode) -> str:
-    if routing.capacity is None or mode.routing_assumed() == routing.name:
+    if routing.capacity is None or mode.routing_assumed():  # it applied, or the routing note says why not
         return ""
     return (f"moe_capacity={routing.capacity:g} was given, but no routing in this model decides a shape (no per-expert "
             "torch.where/nonzero after a router): it changed nothing")

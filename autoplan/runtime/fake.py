@@ -105,9 +105,7 @@ class PlanningFakeMode(FakeTensorMode):
 
     def routing_assumed(self) -> str:
         """The same in a word (`Plan.moe_routing`): "worst case", "capacity 1.25", "any" (grouped matmuls), ""."""
-        if self.routing.bounded_calls:
-            return self.routing.bound.name
-        return "any" if self.grouped_matmuls else ""
+        return self.routing.assumed or ("any" if self.grouped_matmuls else "")
 
 
 ROUTING_NOTE = (

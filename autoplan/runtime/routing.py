@@ -131,6 +131,7 @@ class RoutingTracker:
         self.values = ValueTable()
         self.router: RouterShape | None = None
         self.bounded_calls = 0  # nonzeros answered with rows_per_expert: one per expert per layer run
+        self.whole_calls = 0  # nonzeros after a router answered with every element: which experts ran, or a mask of another shape
         self.largest_router: RouterShape | None = None
 
     def before(self, func, args, kwargs, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> Any:
@@ -162,6 +163,7 @@ class RoutingTracker:
         if one_expert and not expert_list:
             self.bounded_calls += 1
             return min(elements, self.bound.rows_per_expert(router))
+        self.whole_calls += 1
         return elements  # every element nonzero: the most any tensor of this size can give
 
     def after(self, func, args, kwargs, out: Any) -> None:
@@ -188,10 +190,17 @@ class RoutingTracker:
         if self.largest_router is None or self.router.tokens > self.largest_router.tokens:
             self.largest_router = self.router
 
+    @property
+    def assumed(self) -> str:
+        """How routing was profiled, in a word (`Plan.moe_routing`); "" when no routing decided a shape."""
+        if self.bounded_calls:
+            return self.bound.name
+        return WORST_CASE.name if self.whole_calls else ""
+
     def note(self) -> str:
         """How routing was profiled, for the plan's notes ("" when no routing decided a shape)."""
         if not self.bounded_calls:
-            return ""
+            return self._whole_note() if self.whole_calls else ""
         router = self.largest_router
         rows = self.bound.rows_per_expert(router)
         if self.bound.capacity is None:
@@ -203,3 +212,9 @@ class RoutingTracker:
                 f"capacity {self.bound.capacity:g}, {rows} tokens per expert ({self.bound.capacity:g} × {router.tokens} tokens "
                 f"× top-{router.top_k} / {router.experts} experts): a batch whose routing sends an expert more tokens than "
                 f"that may peak above the plan")
+
+    def _whole_note(self) -> str:
+        unused = (f"; moe_capacity={self.bound.capacity:g} did not apply: no nonzero had the shape of one expert's mask "
+                  "(tokens, or tokens × top_k elements, after a topk router)") if self.bound.capacity is not None else ""
+        return ("mixture of experts: routing decides shapes here (nonzero after a router); profiled at the worst case, "
+                "every element of each such mask nonzero: the plan holds for any routing" + unused)
