@@ -100,6 +100,19 @@ def test_optimize_without_a_process_group_says_what_to_do() -> None:
             autoplan.optimize(model, "1GB", example_inputs=batch, device="cpu", world_size=world_size)
 
 
+def one_process_losses(model: torch.nn.Module, loss_of_step) -> list[float]:
+    """STEPS steps of AdamW (lr 1e-2, as the workers) on one process; the loss of each."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        loss = loss_of_step()
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
@@ -125,14 +138,7 @@ def test_fsdp_trains_like_one_process_on_both_batches(two_ranks) -> None:
                                         precision="fp32", profile="roofline"))
     batches = [rank_batch(config, rank) for rank in (0, 1)]
     tokens, targets = (torch.cat(parts) for parts in zip(*batches))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference = []
-    for _ in range(STEPS):
-        loss = model(tokens, targets)
-        reference.append(loss.item())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    reference = one_process_losses(model, lambda: model(tokens, targets))
     # each rank's loss is the mean over its half; FSDP averages gradients, i.e. the full batch's mean
     sharded = [(a + b) / 2 for a, b in zip(two_ranks[0]["losses"], two_ranks[1]["losses"])]
     assert sharded == pytest.approx(reference, rel=1e-4)
@@ -186,13 +192,6 @@ def test_fsdp_with_call_sites_trains_like_one_process_and_fits_its_prediction(sh
         assert rank["plan"]["feasible"] and rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"], rank["peak_bytes"]
     model = apply_choices(shared_block(), {name: Choice(mode, "fp32") for name, mode in modes.items()})
     batch = torch.cat([shared_batch(rank)[0] for rank in (0, 1)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference = []
-    for _ in range(STEPS):
-        loss = model(batch).sum() / 2  # FSDP averages the two ranks' gradients of their own sums
-        reference.append(loss.item())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    reference = one_process_losses(model, lambda: model(batch).sum() / 2)  # FSDP averages the ranks' gradients of their sums
     sharded = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
     assert sharded == pytest.approx(reference, rel=1e-4)
