@@ -34,6 +34,7 @@ from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
 from autoplan.runtime.formatting import first_line, where_in_user_code
+from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound, check_moe_capacity
 from autoplan.runtime.training import model_device
 from autoplan.solve.assemble import assemble_plan, best_level, infeasible_message
 from autoplan.solve.search import pinned_choices, search
@@ -68,6 +69,7 @@ def plan(
     loop: TrainingLoop | None = None,
     allow_over_device: bool = False,
     segments: bool = True,
+    moe_capacity: float | None = None,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -107,6 +109,11 @@ def plan(
         `plan.loop` states it; `autoplan.verify` runs it.
     time_limit_s: seconds the ILP solver may take per solve; when it runs out, the plan is the best one found
         that fits (and says so), or a SolverTimeoutError names the limit to raise.
+    moe_capacity: mixture-of-experts layers whose routing decides shapes (a per-expert loop over
+        torch.where/nonzero of the expert mask) are profiled with every expert receiving every token
+        (None, the worst case: the plan holds for any routing), or with moe_capacity × tokens × top_k /
+        experts tokens each (1.0: balanced routing; a batch routed less evenly may peak above the plan).
+        plan.moe_routing and the notes say which was assumed.
     allow_over_device: plan for a budget above the device's memory (a BudgetOverDeviceError otherwise); the
         plan then says that it fits the budget, not the device.
     segments: let the plan checkpoint runs of consecutive blocks as one region (a "segment", as in √n
@@ -116,13 +123,13 @@ def plan(
     reproduces it.
     """
     training_loop = check_loop(loop)
-    _check_arguments(world_size, time_limit_s)  # before minutes of tracing and profiling
+    routing = _check_arguments(world_size, time_limit_s, moe_capacity)  # before minutes of tracing and profiling
     target = get_device(device)
     memory = make_budget(budget, target, reserve, allow_over_device=allow_over_device)
     request = plan_request(budget, target, dict(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-        loop=training_loop, allow_over_device=allow_over_device, segments=segments))
+        loop=training_loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity))
     say = progress or (lambda message: None)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
@@ -130,10 +137,10 @@ def plan(
     chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, memory, say=say, settings=dict(
         optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn,
         profile=profile, loop=training_loop, menu_size=menu_size, compile=compile, world_size=world_size,
-        time_limit_s=time_limit_s, segments=segments))
+        time_limit_s=time_limit_s, segments=segments, routing=routing))
     if on_profile is not None:
         on_profile(measured)
-    return dataclasses.replace(chosen, request=request)
+    return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed)
 
 
 def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: Budget, *, say, settings: dict) -> tuple[Plan, Profile]:
@@ -147,7 +154,7 @@ def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: 
             traced, measured = _trace_and_profile(
                 model, batch, target, unit_names=level.units, optimizer=settings["optimizer"], precision=settings["precision"],
                 keep_fp32=settings["keep_fp32"], loss_fn=settings["loss_fn"], profile=settings["profile"], say=say,
-                loop=settings["loop"], menu_size=settings["menu_size"], compile=settings["compile"],
+                loop=settings["loop"], menu_size=settings["menu_size"], compile=settings["compile"], routing=settings["routing"],
             )
         except RepeatedUnitError:
             if number == len(levels) and not planned:
@@ -164,10 +171,12 @@ def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: 
     return best_level(planned, planned_levels, tried=len(levels))
 
 
-def _check_arguments(world_size, time_limit_s) -> None:
+def _check_arguments(world_size, time_limit_s, moe_capacity) -> MoeRoutingBound:
+    """Checks the arguments that need no model; returns how expert routing is to be profiled."""
     if world_size != "auto":
         check_world_size(world_size)
     check_time_limit(time_limit_s)
+    return check_moe_capacity(moe_capacity)
 
 
 def check_time_limit(time_limit_s: float) -> None:
@@ -233,7 +242,7 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
 
 
 def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, precision, keep_fp32, loss_fn, profile, say, loop,
-                       menu_size: int = DEFAULT_MENU_SIZE, compile: bool = False):
+                       menu_size: int = DEFAULT_MENU_SIZE, compile: bool = False, routing: MoeRoutingBound = WORST_CASE):
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
@@ -242,7 +251,7 @@ def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, p
         precisions = (*precisions, "fp32")
     rest = "fp32" if precision == "auto" else precision
     say("tracing")
-    traced = trace(model, batch, unit_names=unit_names)
+    traced = trace(model, batch, unit_names=unit_names, routing=routing)
     if compile and profile == "measure":
         raise ValueError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
                          "use profile='roofline' or 'auto'")

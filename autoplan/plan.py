@@ -214,6 +214,7 @@ class Plan:
     parameter_count: int = 0  # trainable and frozen parameters, tied weights once
     state_bytes: int = 0  # parameters + gradients + optimizer state on one GPU, before sharding
     loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the peak was predicted for
+    moe_routing: str = ""  # mixture-of-experts routing assumed: "worst case", "capacity 1.25", "any" (shapes do not depend on it), "" (none)
     request: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
 
     def choices(self) -> dict[str, Choice]:

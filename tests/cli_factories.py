@@ -128,3 +128,10 @@ def branch_in_block():
 def exits():
     """A factory that ends the process (a script's main() reused as a factory)."""
     sys.exit(0)
+
+
+def eager_moe():
+    """A mixture of experts whose routing decides shapes (tests/structures.py)."""
+    from tests.structures import build_eager_moe
+
+    return build_eager_moe()

@@ -1,4 +1,4 @@
-"""The model and batches tests/test_apply_fsdp.py trains, shared by the test and its torchrun worker."""
+"""The models and batches tests/test_apply_fsdp.py trains, shared by the test and its torchrun worker."""
 
 from __future__ import annotations
 
@@ -17,3 +17,14 @@ def tiny_llama() -> tuple[Llama, LlamaConfig]:
 
 def rank_batch(config: LlamaConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return example_batch(config, BATCH, SEQ, seed=100 + rank)
+
+
+def shared_block() -> torch.nn.Module:
+    """One block applied six times per forward (ALBERT-style): six call-site units, one set of parameters."""
+    from tests.structures import build_shared
+
+    return build_shared()[0]
+
+
+def shared_batch(rank: int) -> tuple[torch.Tensor]:
+    return (torch.randn(256, 32, generator=torch.Generator().manual_seed(100 + rank)),)

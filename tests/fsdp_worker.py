@@ -1,6 +1,7 @@
 """One rank of tests/test_apply_fsdp.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
 
-Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET`.
+Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET [MODEL]`,
+MODEL "llama" (default: tests/fsdp_model.tiny_llama) or "shared" (one block called six times per forward).
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autoplan  # noqa: E402
 from autoplan.verify.fsdp import measure_rank_peak
-from tests.fsdp_model import BATCH, SEQ, STEPS, rank_batch, tiny_llama  # noqa: E402
+from tests.fsdp_model import BATCH, SEQ, STEPS, rank_batch, shared_batch, shared_block, tiny_llama  # noqa: E402
 
 
-def main(out: str, budget: str) -> None:
+def main(out: str, budget: str, kind: str = "llama") -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, config = tiny_llama()
-    batch = rank_batch(config, rank)
-    plan = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, world_size=world, profile="roofline")
+    precision = "auto"
+    if kind == "shared":  # compared with one process in fp32
+        model, batch, precision = shared_block(), shared_batch(rank), "fp32"
+    else:
+        model, config = tiny_llama()
+        batch = rank_batch(config, rank)
+    plan = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, world_size=world, profile="roofline",
+                         precision=precision)
     autoplan.apply(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     measured = measure_rank_peak(model, (batch, {}), optimizer, steps=STEPS, loop=plan.loop)
@@ -35,4 +41,4 @@ def main(out: str, budget: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -191,6 +191,72 @@ def build_shared():
     return SharedBlock(), (_inputs(),)
 
 
+# -- a mixture of experts written the common eager way: routing decides the shapes ----------------
+
+
+class EagerMoE(nn.Module):
+    """Top-k routing, then per expert `torch.where` on its mask, a gather and `index_add_`.
+
+    The router is a linear layer with a bias, so a test can fix the routing: `route_all_to(0, 1)`
+    sends every token to experts 0 and 1 (the most skewed routing); the default input pattern of
+    `build_eager_moe(balanced=True)` gives every expert the same number of tokens.
+    """
+
+    def __init__(self, width: int = WIDTH, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k, self.experts = top_k, experts
+        self.router = nn.Linear(width, experts)
+        self.expert = nn.ModuleList(mlp_block(width, 2 * width) for _ in range(experts))
+
+    def forward(self, x):
+        weights, chosen = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
+        mask = F.one_hot(chosen, self.experts).permute(2, 1, 0)  # (experts, top_k, tokens)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.expert):
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, expert(x.index_select(0, token)) * weights[token, slot, None])
+        return out
+
+
+class EagerMoEModel(nn.Module):
+    def __init__(self, depth: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EagerMoE() for _ in range(depth))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+    def route_all_to(self, *experts: int) -> None:
+        """Every token to `experts`, whatever its value: the router's weights 0, its bias picks them."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.router.weight.zero_()
+                layer.router.bias.fill_(-10.0)
+                for rank, expert in enumerate(experts):
+                    layer.router.bias[expert] = 10.0 - rank
+
+
+def build_eager_moe(balanced: bool = False):
+    """The eager MoE model and a batch; balanced: routers read a pattern in the input that gives each expert
+    tokens × top_k / experts tokens (token t goes to experts t mod 4 and t + 1 mod 4)."""
+    torch.manual_seed(SEED)
+    model, x = EagerMoEModel(), torch.randn(64, WIDTH)
+    if balanced:
+        tokens = torch.arange(64)
+        with torch.no_grad():
+            x[:, :4] = 0.0
+            x[tokens, tokens % 4] = 100.0
+            x[tokens, (tokens + 1) % 4] = 50.0
+            for layer in model.layers:
+                layer.router.weight.zero_()
+                layer.router.weight[:, :4] = 0.1 * torch.eye(4)  # logits 10, 5, 0, 0: more than the layers add
+                layer.router.bias.zero_()
+    return model, (x,)
+
+
 # -- transformers, from tiny configs (random weights, nothing downloaded) --------------------------
 
 

@@ -21,7 +21,8 @@ import autoplan
 from autoplan.plan import Choice
 from autoplan.errors import DistributedSetupError
 from examples.llama import build
-from tests.fsdp_model import STEPS, rank_batch, tiny_llama
+from autoplan.runtime.planned import apply_choices
+from tests.fsdp_model import STEPS, rank_batch, shared_batch, shared_block, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 distributed = pytest.mark.skipif(
@@ -99,6 +100,19 @@ def test_optimize_without_a_process_group_says_what_to_do() -> None:
             autoplan.optimize(model, "1GB", example_inputs=batch, device="cpu", world_size=world_size)
 
 
+def one_process_losses(model: torch.nn.Module, loss_of_step) -> list[float]:
+    """STEPS steps of AdamW (lr 1e-2, as the workers) on one process; the loss of each."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        loss = loss_of_step()
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
@@ -124,14 +138,7 @@ def test_fsdp_trains_like_one_process_on_both_batches(two_ranks) -> None:
                                         precision="fp32", profile="roofline"))
     batches = [rank_batch(config, rank) for rank in (0, 1)]
     tokens, targets = (torch.cat(parts) for parts in zip(*batches))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference = []
-    for _ in range(STEPS):
-        loss = model(tokens, targets)
-        reference.append(loss.item())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    reference = one_process_losses(model, lambda: model(tokens, targets))
     # each rank's loss is the mean over its half; FSDP averages gradients, i.e. the full batch's mean
     sharded = [(a + b) / 2 for a, b in zip(two_ranks[0]["losses"], two_ranks[1]["losses"])]
     assert sharded == pytest.approx(reference, rel=1e-4)
@@ -144,3 +151,47 @@ def test_measured_rank_peak_matches_the_plan(two_ranks) -> None:
         predicted = rank["plan"]["predicted_peak_bytes"]
         assert rank["plan"]["feasible"] and rank["plan"]["world_size"] == 2
         assert abs(rank["peak_bytes"] - predicted) <= 0.05 * predicted, (rank["peak_bytes"], predicted)
+
+
+# -- a module called several times per forward: its call sites share one FSDP group ----------------
+
+
+def _run_workers(out: Path, budget: str, kind: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "tests" / "fsdp_worker.py"), str(out), budget, kind]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def shared_two_ranks(tmp_path_factory):
+    model, batch = shared_block(), shared_batch(0)
+    free = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=2, profile="roofline", precision="fp32")
+    budget = (free.minimum_peak_bytes + free.predicted_peak_bytes) // 2  # per rank: some calls keep, some recompute
+    return free, _run_workers(tmp_path_factory.mktemp("fsdp_shared"), f"{budget}B", "shared")
+
+
+def test_call_sites_of_one_module_are_one_fsdp_group_in_the_plan(shared_two_ranks) -> None:
+    free, _ = shared_two_ranks
+    model = shared_block()
+    assert [unit.name for unit in free.units] == ["embed", *(f"block@{k}" for k in range(6)), "head"]
+    # the block's parameters count once per rank (about half of them on 2 ranks), not once per call
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert free.fsdp.parameters < parameter_bytes and free.parameter_count == sum(p.numel() for p in model.parameters())
+
+
+@distributed
+def test_fsdp_with_call_sites_trains_like_one_process_and_fits_its_prediction(shared_two_ranks) -> None:
+    _, ranks = shared_two_ranks
+    plan = ranks[0]["plan"]
+    modes = {unit["name"]: unit["mode"] for unit in plan["units"]}
+    assert "keep" in modes.values() and set(modes.values()) - {"keep"}  # FSDP composed with per-call checkpointing
+    for rank in ranks:
+        assert rank["plan"]["feasible"] and rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"], rank["peak_bytes"]
+    model = apply_choices(shared_block(), {name: Choice(mode, "fp32") for name, mode in modes.items()})
+    batch = torch.cat([shared_batch(rank)[0] for rank in (0, 1)])
+    reference = one_process_losses(model, lambda: model(batch).sum() / 2)  # FSDP averages the ranks' gradients of their sums
+    sharded = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    assert sharded == pytest.approx(reference, rel=1e-4)

@@ -205,6 +205,7 @@ def test_plot_writes_an_image(tmp_path) -> None:
         (["--budget", "1GB", "--reserve", "lots"], ExitCode.USAGE, "invalid reserve"),
         (["--budget", "1GB", "--world-size", "0"], ExitCode.USAGE, "--world-size"),
         (["--budget", "1GB", "--plot", "memory.txt"], ExitCode.USAGE, ".png"),
+        (["--budget", "1GB", "--moe-capacity", "0"], ExitCode.USAGE, "moe_capacity (--moe-capacity on the command line) must be a positive"),
     ],
 )
 def test_bad_option_values(args, code, fragment) -> None:

@@ -68,10 +68,7 @@ def check_structure(structure: Structure) -> None:
 
 PLAIN = [s for s in STRUCTURES if not s.needs_transformers]
 MOE = [s for s in STRUCTURES if "moe" in s.tags]
-# The MoE floors sit just above the by-hand peak (Qwen2-MoE by one 512-byte block once the causal-mask path
-# matched the real run; Mixtral by more): the fake-tensor step over-counts in transformers' MoE code path.
-_MASK = pytest.mark.xfail(strict=True, reason="MoE: the simulated floor over-counts slightly against the real by-hand step")
-HF = [pytest.param(s, marks=_MASK) if s in MOE else s for s in STRUCTURES if s.needs_transformers]
+HF = [s for s in STRUCTURES if s.needs_transformers]
 
 
 @pytest.mark.parametrize("structure", PLAIN, ids=lambda s: s.name)
@@ -79,7 +76,7 @@ def test_never_worse_than_checkpointing_every_block_by_hand_and_trains_the_same(
     check_structure(structure)
 
 
-@pytest.mark.parametrize("structure", HF, ids=lambda s: getattr(s, "name", s))
+@pytest.mark.parametrize("structure", HF, ids=lambda s: s.name)
 def test_transformers_models_never_worse_than_by_hand(structure):
     pytest.importorskip("transformers")
     assert_never_worse_than_by_hand(compare_with_plan(structure))
@@ -127,8 +124,7 @@ def test_mixture_of_experts_plans_rewrites_and_trains(structure):
     pytest.importorskip("transformers")
     model, inputs = structure.build()
     by_hand = measured_step(checkpoint_by_hand(copy.deepcopy(model), structure), inputs)
-    budget = by_hand.peak_bytes * 105 // 100  # room for the causal mask the simulation builds (see _MASK)
-    plan = autoplan.plan(model, budget=budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
+    plan = autoplan.plan(model, budget=by_hand.peak_bytes, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
     assert plan.feasible and ROUTING_NOTE in plan.notes
-    assert measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs).peak_bytes <= budget
+    assert measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs).peak_bytes <= by_hand.peak_bytes
     assert_trains_the_same(structure, plan)

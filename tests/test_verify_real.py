@@ -122,3 +122,27 @@ def test_an_optimizer_instance_is_counted_as_itself():
     by_object = autoplan.plan(model, "100%", example_inputs=batch, device="cpu", optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
     assert by_object.optimizer == "AdamW"
     assert by_object.breakdown.optimizer == by_name.breakdown.optimizer > 0
+
+
+class _Regressor(torch.nn.Module):
+    """A model given one batch tensor twice (`labels=input_ids` style) and a view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)) for _ in range(3))
+
+    def forward(self, x, target, first_row):
+        for block in self.blocks:
+            x = x + block(x)
+        return ((x - target) ** 2).mean() + first_row.sum()
+
+
+def test_a_batch_tensor_passed_twice_is_counted_once():
+    """Regression: each batch tensor was faked on its own, so `labels=input_ids` counted the batch twice."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 8)
+    inputs = {"x": x, "target": x, "first_row": x[0]}
+    model = _Regressor()
+    plan = tight_plan(model, inputs)
+    result = autoplan.verify(model, plan, example_inputs=inputs, steps=3)
+    assert result.measured_peak_bytes == result.predicted_peak_bytes == plan.simulated_peak_bytes

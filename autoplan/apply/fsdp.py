@@ -20,6 +20,7 @@ import torch
 
 from autoplan.errors import DistributedSetupError
 from autoplan.plan import Plan
+from autoplan.memory.sharded import fsdp_group
 from autoplan.runtime.names import is_graph_unit, sequential_run
 from autoplan.runtime.planned import apply_choices
 
@@ -81,8 +82,9 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
     require_process_group(plan.world_size)
     apply_choices(model, plan.choices(), rest_precision=plan.rest_precision)
     options = {"mesh": mesh} if mesh is not None else {}
-    for unit in plan.units:
-        fully_shard(_unit_modules(model, unit.name), **options)
+    # the call sites of one module (block@0, block@1, ...) are one group: FSDP2 gathers it again for every call
+    for group in dict.fromkeys(fsdp_group(unit.name) for unit in plan.units):
+        fully_shard(_unit_modules(model, group), **options)
     fully_shard(model, **options)
     return model
 

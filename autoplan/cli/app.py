@@ -19,6 +19,7 @@ from rich.table import Table
 
 import autoplan
 from autoplan.api import check_time_limit
+from autoplan.runtime.routing import check_moe_capacity
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, quiet, reported, write_stdout
 from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import make_budget
@@ -72,10 +73,11 @@ def _world_size(text: Optional[str]) -> int | str | None:
 
 
 def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path],
-                   time_limit: float = 10.0, allow_over_device: bool = False):
+                   time_limit: float = 10.0, allow_over_device: bool = False, moe_capacity: Optional[float] = None):
     make_budget(budget, get_device(device), reserve, allow_over_device=allow_over_device)  # BudgetError, DeviceError: exit 2
     _world_size(world_size)
     check_time_limit(time_limit)  # OptionError: exit 2
+    check_moe_capacity(moe_capacity)  # OptionError: exit 2
     if plot is not None:
         if plot.suffix.lower() not in FORMATS:
             raise CliError(ExitCode.USAGE, f"--plot file must end in {', '.join(FORMATS)}; got {plot.name!r}")
@@ -189,14 +191,17 @@ def plan_command(
     time_limit: float = typer.Option(10.0, "--time-limit", help="Seconds the solver may take per solve."),
     allow_over_device: bool = typer.Option(False, "--allow-over-device", help="Plan for a budget above the device's "
                                            "memory (an error otherwise); the report says it fits the budget, not the device."),
+    moe_capacity: Optional[float] = typer.Option(None, "--moe-capacity", help="Mixture-of-experts layers whose routing decides "
+                                                 "shapes: profile each expert with CAPACITY × tokens × top_k / experts tokens "
+                                                 "(1.0: balanced routing). Default: the worst case, every expert gets every token."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
     out, err = Console(highlight=False), Console(file=sys.stderr)  # bound now: planning may swap sys.stderr
     with reported(debug):
-        _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device)
+        _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device, moe_capacity)
         options = _plan_options(device, optimizer, precision, units, reserve, _loop(drop_outputs, accumulation_steps, optimizer_impl),
-                                world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device)
+                                world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
         with progress, quiet(debug):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)

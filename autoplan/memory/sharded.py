@@ -13,7 +13,11 @@ knows FSDP2's buffers (torch.distributed.fsdp.fully_shard, read from its source 
 - in backward each group's gradients are made unsharded by autograd, copied into one flat
   reduce-scatter input (kept until the next group's reduce-scatter) and reduced into one flat
   shard per rank, which holds that rank's gradients of the group until zero_grad;
-- buffers are not sharded.
+- buffers are not sharded;
+- a module called k times per forward (call-site units `block@0` … `block@{k-1}`) is one group:
+  its shards, its gradient shard and its optimizer state count once, but every call gathers it
+  again (in forward and in backward), and its gradient shard exists from the first call whose
+  backward finishes (later calls' gradients are reduced into it).
 
 Sizes are rounded like the caching allocator (512 bytes per storage). Rank 0 holds the largest
 shards (the ceiling), so these are its bytes: the rank that peaks.
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from autoplan.plan import Phase
 from autoplan.profile.layout import ParamShape
+from autoplan.runtime.names import call_site
 from autoplan.runtime.tensors import rounded_bytes
 
 if TYPE_CHECKING:
@@ -76,8 +81,9 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
     per-rank constraints are its single-GPU ones with a different constant.
     """
     units = [GroupBytes.of(unit.param_layout, world_size) for unit in profile.units]
+    group = [fsdp_group(unit.name) for unit in profile.units]  # the module each unit runs: call sites share one
     root = GroupBytes.of(profile.rest_param_layout, world_size)
-    groups = units + [root]
+    groups = list({key: units[i] for i, key in enumerate(group)}.values()) + [root]  # each module once
     phase_count = len(profile.timeline.phases)
     position = {unit.name: i for i, unit in enumerate(profile.units)}  # forward order
     phase_index = {sample.phase: i for i, sample in enumerate(profile.timeline.phases)}
@@ -96,13 +102,16 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
     result = []
     last_forward_group = root  # whose flat all-gather output is still alive in forward
     done: list[int] = []  # units whose backward has finished, in the order they finished
+    reduced: set[str] = set()  # groups with a gradient shard: one of their calls finished backward
     done_full = done_shards = 0
     for index, phase in enumerate(profile.timeline.phases):
         running = position.get(phase.unit) if phase.unit is not None else None
         while len(done) < len(units) and backward_order[len(done)][0] < index:
             unit = backward_order[len(done)][1]
             done.append(unit)
-            done_full, done_shards = done_full + units[unit].full, done_shards + units[unit].grad_shard
+            if group[unit] not in reduced:
+                reduced.add(group[unit])
+                done_full, done_shards = done_full + units[unit].full, done_shards + units[unit].grad_shard
         if phase.kind == "step":
             gradients = sum(g.grad_shard for g in groups) if phase.grad_bytes else 0
             result.append(RankTerms(parameters, gradients, optimizer, 0, 0, share))
@@ -119,7 +128,8 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
         # units, the next unit to run backward (prefetched by the one that just finished)
         remaining = len(units) - len(done)  # units at positions < remaining have not finished backward
         if running is not None:
-            gathered = root.unsharded + units[running].unsharded + (units[running - 1].unsharded if running > 0 else 0)
+            prefetched = running > 0 and group[running - 1] != group[running]  # a module gathered once, however many calls
+            gathered = root.unsharded + units[running].unsharded + (units[running - 1].unsharded if prefetched else 0)
         else:
             gathered = root.unsharded + (units[remaining - 1].unsharded if remaining > 0 else 0)
         buffers = max(units[done[-1]].flat if done else 0, units[running].flat if running is not None else 0)
@@ -128,3 +138,9 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
         gradients = done_shards + max(0, phase.grad_bytes - done_full)  # the root's stay unsharded until the end
         result.append(RankTerms(parameters, gradients, optimizer, gathered, buffers, 1.0))
     return result
+
+
+def fsdp_group(unit: str) -> str:
+    """The FSDP group a unit runs in: its module (`block` for the call site `block@2`), else itself."""
+    site = call_site(unit)
+    return unit if site is None else site.module

@@ -30,7 +30,8 @@ from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
 from autoplan.profile.recorder import TensorSpec, UnitCall
 from autoplan.profile.timeline import Timeline, simulate_training
-from autoplan.runtime.fake import ROUTING_NOTE, fake_copy, new_fake_mode
+from autoplan.runtime.fake import PlanningFakeMode, fake_copy, new_fake_mode
+from autoplan.runtime.routing import MoeRoutingBound
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
@@ -94,6 +95,7 @@ class Profile:
     rest_param_layout: tuple[ParamShape, ...] = ()  # parameters outside the units: FSDP's root group
     buffer_bytes: int = 0  # buffers (FSDP does not shard them)
     routing: str = ""  # how data-dependent expert routing was profiled ("" when the model routes nothing)
+    routing_assumed: str = ""  # in a word (Plan.moe_routing): "worst case", "capacity 1.25", "any", ""
     loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
     segments: bool = True  # whether the plan may checkpoint runs of consecutive units as one (memory.segments)
 
@@ -131,7 +133,7 @@ def run_timeline(
 ) -> Timeline:
     """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with
     `choices`, under `fake_mode` (or a new one)."""
-    fake_mode = fake_mode or new_fake_mode()
+    fake_mode = fake_mode or new_fake_mode(traced.routing)
     model = _simulation_model(traced, fake_mode, choices, rest_precision)
     return simulate_training(
         model,
@@ -338,7 +340,7 @@ def profile(
     base = {name: Choice("keep", rest) for name in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
-    timeline_mode = new_fake_mode()
+    timeline_mode = new_fake_mode(traced.routing)
     timeline = run_timeline(
         traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, fake_mode=timeline_mode, loop=loop
     )
@@ -347,7 +349,7 @@ def profile(
         fp32 = {name: Choice("keep", "fp32") for name in traced.units}
         reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn, loop=loop)
 
-    fake_mode = new_fake_mode()
+    fake_mode = new_fake_mode(traced.routing)
     model = _simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(device) if compile else device
     units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say)
@@ -365,7 +367,8 @@ def profile(
         time_source="roofline, compiled (elementwise fused)" if compile else "roofline",
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
-        routing=ROUTING_NOTE if timeline_mode.grouped_matmuls else "",
+        routing="; ".join(filter(None, (timeline_mode.routing_note(), _unused_capacity_note(traced.routing, timeline_mode)))),
+        routing_assumed=timeline_mode.routing_assumed(),
         loop=loop,
     )
 
@@ -389,3 +392,10 @@ def with_choices(traced: Traced, measured: Profile, extra: Iterable[Choice], *, 
             by_signature[key] = {c: _measure_unit(module, call, c, measured.rest_precision, rates, fake_mode) for c in extra}
         units.append(dataclasses.replace(unit, options=MappingProxyType({**unit.options, **by_signature[key]})))
     return dataclasses.replace(measured, units=tuple(units))
+
+
+def _unused_capacity_note(routing: MoeRoutingBound, mode: PlanningFakeMode) -> str:
+    if routing.capacity is None or mode.routing_assumed():  # it applied, or the routing note says why not
+        return ""
+    return (f"moe_capacity={routing.capacity:g} was given, but no routing in this model decides a shape (no per-expert "
+            "torch.where/nonzero after a router): it changed nothing")

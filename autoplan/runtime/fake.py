@@ -11,6 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
+from autoplan.runtime.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
+
 
 def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
     with fake_mode:
@@ -35,17 +37,29 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
 
 
 def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
-    """Replace every tensor in a pytree of inputs by a fake of the same shape, dtype and grad flag."""
+    """Replace every tensor in a pytree of inputs by a fake of the same shape, dtype and grad flag.
+
+    Tensors that share storage in the batch share it in the fakes too (`labels=input_ids` is one
+    tensor passed twice; a batch may hold views of one buffer), so the simulated step counts the
+    batch's bytes once, as the real step holds them.
+    """
+    bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (storage, dtype) -> a fake over all its bytes
 
     def to_fake(tensor: torch.Tensor) -> torch.Tensor:
-        fake = _fake_like(tensor, fake_mode)
+        storage = tensor.untyped_storage()
+        key = (storage._cdata, tensor.dtype)
+        if key not in bases:
+            with fake_mode:
+                bases[key] = torch.empty(storage.nbytes() // tensor.element_size(), dtype=tensor.dtype, device="cpu")
+        with fake_mode:
+            fake = bases[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).detach()
         return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake
 
     return tree_map_only(torch.Tensor, to_fake, tree)
 
 
 class PlanningFakeMode(FakeTensorMode):
-    """torch's FakeTensorMode, plus the ops whose meta kernel is narrower than their CPU kernel.
+    """torch's FakeTensorMode, plus the ops fake tensors cannot answer the way a training step needs.
 
     `aten._grouped_mm` (mixture-of-experts layers: transformers runs every expert's tokens as one
     grouped matmul) has a meta kernel that checks CUDA's dtype rule (bf16 only), while the CPU
@@ -53,23 +67,47 @@ class PlanningFakeMode(FakeTensorMode):
     the caller's dtype, no values. The shapes of a grouped matmul do not depend on routing (tokens
     × experts per token rows, however they are spread over the experts), so nothing is assumed
     about which expert gets which token.
+
+    Routing written as a per-expert loop (`torch.where(expert_mask[e])`) has shapes that depend on
+    the data: `routing` answers those with a bound (`runtime.routing`: the worst case, or a capacity).
     """
 
     grouped_matmuls = 0  # grouped matmuls shaped under this mode: the model routes tokens to experts
+
+    def __init__(self, routing: MoeRoutingBound = WORST_CASE, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.routing = RoutingTracker(routing)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SAME_DTYPE_OPS:
             check_same_dtype(func, args)
+        dispatch = super().__torch_dispatch__
         if func is torch.ops.aten._grouped_mm.default:
             self.grouped_matmuls += 1
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and kwargs.get("out_dtype") is None:
-            dispatch = super().__torch_dispatch__
             cast = torch.ops.aten._to_copy.default
             low = [dispatch(cast, types, (tensor,), {"dtype": torch.bfloat16}) for tensor in args[:2]]
             out = dispatch(func, types, (*low, *args[2:]), kwargs)
             return dispatch(cast, types, (out,), {"dtype": args[0].dtype})
-        return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return dispatch(torch.ops.aten.empty.memory_format, types, (list(shape),), {"dtype": dtype, "device": args[0].device})
+
+        answer = self.routing.before(func, args, kwargs, empty)
+        if answer is not NOT_ANSWERED:
+            return answer
+        out = dispatch(func, types, args, kwargs)
+        self.routing.after(func, args, kwargs, out)
+        return out
+
+    def routing_note(self) -> str:
+        """How routing was profiled under this mode, for the plan's notes ("" when the model routes nothing)."""
+        return self.routing.note() or (ROUTING_NOTE if self.grouped_matmuls else "")
+
+    def routing_assumed(self) -> str:
+        """The same in a word (`Plan.moe_routing`): "worst case", "capacity 1.25", "any" (grouped matmuls), ""."""
+        return self.routing.assumed or ("any" if self.grouped_matmuls else "")
 
 
 # Matmuls and convolutions whose CPU and CUDA kernels refuse operands of different dtypes, while
@@ -101,9 +139,11 @@ ROUTING_NOTE = (
 )
 
 
-def new_fake_mode() -> PlanningFakeMode:
+def new_fake_mode(routing: MoeRoutingBound = WORST_CASE) -> PlanningFakeMode:
     """The fake-tensor mode every simulation runs under (real tensors allowed as inputs)."""
-    return PlanningFakeMode(allow_non_fake_inputs=True)
+    return PlanningFakeMode(routing, allow_non_fake_inputs=True)
+
+
 class FakeGradScaler:
     """torch.amp.GradScaler's tensors and ops under fake tensors, without its host reads (`.item()` has no value there).
 

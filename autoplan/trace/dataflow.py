@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.runtime.fake import fake_copy, fake_tree, new_fake_mode
+from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound
 from autoplan.runtime.formatting import first_line, where_in_user_code
 from autoplan.runtime.names import call_site, call_site_name
 from autoplan.runtime.tensors import tensors_of
@@ -61,7 +62,7 @@ class _Provenance(TorchDispatchMode):
 
 
 def runtime_unit_graph(
-    model: torch.nn.Module, inputs: tuple[tuple, dict], units: list[str]
+    model: torch.nn.Module, inputs: tuple[tuple, dict], units: list[str], routing: MoeRoutingBound = WORST_CASE
 ) -> tuple[list[str], nx.DiGraph]:
     """Run `model` once on fake tensors; return its units in call order and the unit dataflow graph.
 
@@ -71,7 +72,7 @@ def runtime_unit_graph(
     from autoplan.runtime.names import unit_endpoints
     from autoplan.runtime.planned import remove_plan
 
-    fake_mode = new_fake_mode()
+    fake_mode = new_fake_mode(routing)
     twin = remove_plan(fake_copy(model, fake_mode))
     twin.train()  # the step being planned is a training step: dropout and friends as in training
     provenance = _Provenance()

@@ -21,6 +21,7 @@ across units.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.runtime.formatting import first_line
 from autoplan.runtime.graph import split_by_units
+from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound
 from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, is_range_unit, sequential_run
 from autoplan.trace.units import find_units
 
@@ -51,6 +53,7 @@ class Traced:
     skip_edges: tuple[tuple[str, str], ...]  # dataflow between units that are not neighbours
     trace_errors: tuple[str, ...] = ()  # what each tracer tripped on, when one did
     never_ran: tuple[str, ...] = ()  # units found in the model that its forward never calls: not planned
+    routing: MoeRoutingBound = WORST_CASE  # how every fake-tensor run of this model answers data-dependent expert routing
 
 
 # What a failure under fake tensors most often is, and its fix (trace and profile both run there).
@@ -133,14 +136,16 @@ def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.
 
 
 def trace(
-    model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None, *, unit_names: tuple[str, ...] | None = None
+    model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None, *, unit_names: tuple[str, ...] | None = None,
+    routing: MoeRoutingBound = WORST_CASE,
 ) -> Traced:
     """Find the units of `model` and trace how data flows between them.
 
     Tracers are tried in order: `torch.fx.symbolic_trace`, `torch.export(strict=False)`, then a
     forward on fake tensors with hooks (`trace.dataflow`, method "hooks", no fx graph). Hugging Face
     models start with the hooks: export of a large one takes seconds per layer, and symbolic_trace
-    cannot follow their keyword-only forwards.
+    cannot follow their keyword-only forwards. `routing`: how mixture-of-experts routing whose shapes
+    depend on the data is profiled (`runtime.routing`); the later stages read it from the result.
     """
     from autoplan.inputs.hf_models import is_hf_model
     from autoplan.trace.dataflow import runtime_unit_graph
@@ -153,7 +158,7 @@ def trace(
     tracers = {
         "symbolic_trace": ("torch.fx.symbolic_trace", lambda: _symbolic_trace(model, leaves)),
         "export": ("torch.export(strict=False)", lambda: _export(model, inputs)),
-        "hooks": ("a forward on fake tensors", lambda: runtime_unit_graph(model, inputs, unit_names)),
+        "hooks": ("a forward on fake tensors", lambda: runtime_unit_graph(model, inputs, unit_names, routing)),
     }
     order = ("hooks", "export") if is_hf_model(model) else ("symbolic_trace", "export", "hooks")
     errors: list[str] = []
@@ -169,7 +174,7 @@ def trace(
         else:
             graph = result
             executed, dataflow = _unit_graph(graph, unit_names)
-        return _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors)
+        return dataclasses.replace(_traced(model, inputs, unit_names, graph, method, executed, dataflow, errors), routing=routing)
     raise TraceError(
         f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n" + FAKE_TENSOR_HINT + " If the "
         "units were the problem, name the submodules to plan, e.g. its blocks (units=['pattern', ...]; --units on the "
