@@ -24,7 +24,7 @@ extra FLOPs any op-level policy of the blocks reaches at the same budgets.
     python benchmarks/plan_quality.py --size small    # 4 layers, d=256, 4×256 tokens: about 6 minutes
     python benchmarks/plan_quality.py --size issue    # the issue's model (8 layers, d=512, 4×512 tokens)
 
-Needs `pwlf` (torch's auto-SAC fits its trade-off curves with it): pip install pwlf.
+Needs `pwlf` (torch's auto-SAC fits its trade-off curves with it): pip install -e ".[bench]".
 """
 
 from __future__ import annotations

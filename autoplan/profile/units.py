@@ -30,8 +30,7 @@ from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
 from autoplan.profile.recorder import TensorSpec, UnitCall
 from autoplan.profile.timeline import Timeline, simulate_training
-from autoplan.runtime.fake import PlanningFakeMode, fake_copy, new_fake_mode
-from autoplan.runtime.routing import MoeRoutingBound
+from autoplan.runtime.fake import fake_copy, new_fake_mode
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
@@ -367,7 +366,7 @@ def profile(
         time_source="roofline, compiled (elementwise fused)" if compile else "roofline",
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
-        routing="; ".join(filter(None, (timeline_mode.routing_note(), _unused_capacity_note(traced.routing, timeline_mode)))),
+        routing="; ".join(filter(None, (timeline_mode.routing_note(), timeline_mode.unused_capacity_note(traced.routing)))),
         routing_assumed=timeline_mode.routing_assumed(),
         loop=loop,
     )
@@ -392,10 +391,3 @@ def with_choices(traced: Traced, measured: Profile, extra: Iterable[Choice], *, 
             by_signature[key] = {c: _measure_unit(module, call, c, measured.rest_precision, rates, fake_mode) for c in extra}
         units.append(dataclasses.replace(unit, options=MappingProxyType({**unit.options, **by_signature[key]})))
     return dataclasses.replace(measured, units=tuple(units))
-
-
-def _unused_capacity_note(routing: MoeRoutingBound, mode: PlanningFakeMode) -> str:
-    if routing.capacity is None or mode.routing_assumed():  # it applied, or the routing note says why not
-        return ""
-    return (f"moe_capacity={routing.capacity:g} was given, but no routing in this model decides a shape (no per-expert "
-            "torch.where/nonzero after a router): it changed nothing")

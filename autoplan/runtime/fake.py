@@ -105,6 +105,13 @@ class PlanningFakeMode(FakeTensorMode):
         """How routing was profiled under this mode, for the plan's notes ("" when the model routes nothing)."""
         return self.routing.note() or (ROUTING_NOTE if self.grouped_matmuls else "")
 
+    def unused_capacity_note(self, routing: MoeRoutingBound) -> str:
+        """A note when a capacity was given but no routing under this mode decided a shape ("" otherwise)."""
+        if routing.capacity is None or self.routing_assumed():  # it applied, or the routing note says why not
+            return ""
+        return (f"moe_capacity={routing.capacity:g} was given, but no routing in this model decides a shape (no per-expert "
+                "torch.where/nonzero after a router): it changed nothing")
+
     def routing_assumed(self) -> str:
         """The same in a word (`Plan.moe_routing`): "worst case", "capacity 1.25", "any" (grouped matmuls), ""."""
         return self.routing.assumed or ("any" if self.grouped_matmuls else "")
