@@ -191,7 +191,7 @@ class Plan:
     feasible: bool  # the simulated peak of one training step fits the usable budget
     budget_bytes: int  # the budget as given
     usable_bytes: int  # budget minus the reserve (CUDA context, fragmentation)
-    predicted_peak_bytes: int  # the linear memory model's peak for these choices
+    predicted_peak_bytes: int  # the higher of the linear memory model's peak and the simulated step's, for these choices
     simulated_peak_bytes: int  # peak of one real training step of the rewritten model, under fake tensors
     baseline_peak_bytes: int  # simulated peak with no plan (every unit keep/fp32)
     minimum_peak_bytes: int  # the lowest peak any choice reaches (everything turned on)

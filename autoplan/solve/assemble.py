@@ -97,7 +97,9 @@ def assemble_plan(
         feasible=feasible,
         budget_bytes=budget.total_bytes,
         usable_bytes=budget.usable_bytes,
-        predicted_peak_bytes=prediction.bytes,
+        # the higher of the two estimates: the linear model can miss a few hundred bytes the whole step holds
+        # (a view of a batch tensor), and the plan's number must not be below what the step measures
+        predicted_peak_bytes=max(prediction.bytes, found.simulated_peak_bytes),
         simulated_peak_bytes=found.simulated_peak_bytes,
         baseline_peak_bytes=_per_rank_peak(measured.reference, measured, world),
         minimum_peak_bytes=found.lowest_peak_bytes,
