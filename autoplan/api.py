@@ -118,6 +118,7 @@ def plan(
         plan then says that it fits the budget, not the device.
     segments: let the plan checkpoint runs of consecutive blocks as one region (a "segment", as in √n
         checkpointing; memory.segments) besides each block on its own; False: each block on its own.
+        Off with compile=True: a segment's region runs eagerly between compiled graphs.
 
     plan.request holds the arguments that shaped the plan, as given; plan.report() shows the call that
     reproduces it.
@@ -137,7 +138,7 @@ def plan(
     chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, memory, say=say, settings=dict(
         optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn,
         profile=profile, loop=training_loop, menu_size=menu_size, compile=compile, world_size=world_size,
-        time_limit_s=time_limit_s, segments=segments, routing=routing))
+        time_limit_s=time_limit_s, segments=segments and not compile, routing=routing))
     if on_profile is not None:
         on_profile(measured)
     return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed)
