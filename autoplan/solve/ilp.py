@@ -262,6 +262,12 @@ def _time_objective(profile: Profile, program: Program, segments: list[SegmentOp
     return units + grouped
 
 
+def _fastest_step(profile: Profile) -> float:
+    """The units' fastest step time: objectives are in this unit, so the solvers' absolute tolerances
+    (HiGHS: 1e-6) cannot call any plan optimal when a tiny model's step takes microseconds."""
+    return sum(min(option.time_s for option in unit.options.values()) for unit in profile.units) or 1.0
+
+
 def solve(
     profile: Profile,
     usable_bytes: int,
@@ -278,10 +284,7 @@ def solve(
     problem = program.problem
     for point in program.constraints:
         problem += program.phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
-    # in units of the fastest step: the solvers' absolute tolerances (HiGHS: 1e-6) would call any plan
-    # optimal when a tiny model's step takes microseconds
-    scale = sum(min(option.time_s for option in unit.options.values()) for unit in profile.units) or 1.0
-    problem += _time_objective(profile, program, segments) / scale, "step_time"
+    problem += _time_objective(profile, program, segments) / _fastest_step(profile), "step_time"
     has_solution = _run(problem, time_limit_s)
     status = STOPPED_WITH_PLAN if _stopped_early(problem) else pulp.LpStatus[problem.status]
     elapsed = time.perf_counter() - started
@@ -333,8 +336,10 @@ def minimum_peak(
     peak = problem.add_variable("peak_mib")
     for point in program.constraints:
         problem += program.phase_bytes(point) <= peak, f"peak_at_{point.index}"
-    # among the lowest-peak choices prefer fast ones: time is tiny next to MiB
-    problem += peak + 1e-6 * _time_objective(profile, program, segments), "peak"
+    # among the lowest-peak choices prefer fast ones: time in units of the fastest step (about 1) is
+    # worth 1e-4 MiB, under the 512 B that peaks differ by, yet above the solvers' absolute tolerance
+    # (in seconds it fell under it, and which equal-peak plan came back changed with the solver's version)
+    problem += peak + 1e-4 * _time_objective(profile, program, segments) / _fastest_step(profile), "peak"
     if not _run(problem, time_limit_s):
         raise RuntimeError(f"the lowest-peak program has no solution ({pulp.LpStatus[problem.status]}): a bug, every unit has a choice")
     choices = _read_choices(profile, allowed, program, segments)
