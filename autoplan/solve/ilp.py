@@ -93,7 +93,10 @@ def segment_options(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
     ]
 
 
-def _build(profile: Profile, allowed: list[list[Choice]], name: str, world_size: int = 1, segments: list[SegmentOption] = ()):
+def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name: str, world_size: int = 1) -> "Program":
+    """The program both objectives share: one choice per unit or a covering segment, and each phase's bytes."""
+    allowed = allowed_choices(profile, pins)
+    segments = segment_options(profile, pins, world_size)
     problem = pulp.LpProblem(name, pulp.LpMinimize)
     x = {
         (u, c): problem.add_variable(f"x_{u}_{i}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
@@ -137,12 +140,14 @@ def _build(profile: Profile, allowed: list[list[Choice]], name: str, world_size:
         extra = pulp.lpSum(corrections.get(point.index, [])) + pulp.lpSum(segment_bytes.get(point.index, []))
         return point.base_bytes / MIB + held_now + own + extra
 
-    return Program(problem, x, y, phase_bytes, points(profile, world_size))
+    return Program(problem, allowed, segments, x, y, phase_bytes, points(profile, world_size))
 
 
 @dataclass(frozen=True)
 class Program:
     problem: pulp.LpProblem
+    allowed: list[list[Choice]]  # per unit, the choices it may take (allowed_choices)
+    segments: list[SegmentOption]  # the segments it may take instead
     x: dict  # (unit, choice) -> binary
     y: list  # per segment option -> binary
     phase_bytes: object  # Point -> the phase's bytes in MiB, an expression of x and y
@@ -238,26 +243,26 @@ def _solver(time_limit_s: float, preprocess: bool = False) -> pulp.LpSolver:
     return solver
 
 
-def _read_choices(profile: Profile, allowed, program: Program, segments: list[SegmentOption]) -> dict[str, Choice]:
+def _read_choices(profile: Profile, program: Program) -> dict[str, Choice]:
     """Per unit its choice; a chosen segment under its own name, in place of its members."""
     choices: dict[str, Choice] = {}
     covered: set[int] = set()
-    for variable, option in zip(program.y, segments):
+    for variable, option in zip(program.y, program.segments):
         if (variable.value() or 0.0) > 0.5:
             choices[option.candidate.name] = option.choice
             covered.update(option.candidate.members)
     for u, unit in enumerate(profile.units):
         if u not in covered:
-            choices[unit.name] = max(allowed[u], key=lambda c: program.x[u, c].value() or 0.0)
+            choices[unit.name] = max(program.allowed[u], key=lambda c: program.x[u, c].value() or 0.0)
     return choices
 
 
-def _time_objective(profile: Profile, program: Program, segments: list[SegmentOption]):
+def _time_objective(profile: Profile, program: Program):
     units = pulp.lpSum((profile.units[u].options[c].time_s + _tie_break(c)) * v for (u, c), v in program.x.items())
     # a segment takes as long as its members each checkpointed: between the two, prefer the members
     grouped = pulp.lpSum(
         (option.terms.time_s + 1e-12 * (len(option.candidate.members) * MODES.index("full") + 1)) * v
-        for v, option in zip(program.y, segments)
+        for v, option in zip(program.y, program.segments)
     )
     return units + grouped
 
@@ -278,19 +283,17 @@ def solve(
 ) -> Solution:
     """The fastest choices whose predicted peak fits `usable_bytes` (per rank, on `world_size` FSDP ranks)."""
     started = time.perf_counter()
-    allowed = allowed_choices(profile, pins)
-    segments = segment_options(profile, pins, world_size)
-    program = _build(profile, allowed, "autoplan_fastest", world_size, segments)
+    program = _build(profile, pins, "autoplan_fastest", world_size)
     problem = program.problem
     for point in program.constraints:
         problem += program.phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
-    problem += _time_objective(profile, program, segments) / _fastest_step(profile), "step_time"
+    problem += _time_objective(profile, program) / _fastest_step(profile), "step_time"
     has_solution = _run(problem, time_limit_s)
     status = STOPPED_WITH_PLAN if _stopped_early(problem) else pulp.LpStatus[problem.status]
     elapsed = time.perf_counter() - started
     if not has_solution:
         return Solution({}, status, False, elapsed)
-    choices = _prefer_less_rewriting(profile, allowed, _read_choices(profile, allowed, program, segments), usable_bytes, world_size)
+    choices = _prefer_less_rewriting(profile, program.allowed, _read_choices(profile, program), usable_bytes, world_size)
     return Solution(choices, status, True, time.perf_counter() - started)
 
 
@@ -329,9 +332,7 @@ def minimum_peak(
     ran out of time first (SolverTimeoutError); stopped at the limit with one, `proven` is False.
     """
     started = time.perf_counter()
-    allowed = allowed_choices(profile, pins)
-    segments = segment_options(profile, pins, world_size)
-    program = _build(profile, allowed, "autoplan_lowest_peak", world_size, segments)
+    program = _build(profile, pins, "autoplan_lowest_peak", world_size)
     problem = program.problem
     peak = problem.add_variable("peak_mib")
     for point in program.constraints:
@@ -339,10 +340,10 @@ def minimum_peak(
     # among the lowest-peak choices prefer fast ones: time in units of the fastest step (about 1) is
     # worth 1e-4 MiB, under the 512 B that peaks differ by, yet above the solvers' absolute tolerance
     # (in seconds it fell under it, and which equal-peak plan came back changed with the solver's version)
-    problem += peak + 1e-4 * _time_objective(profile, program, segments) / _fastest_step(profile), "peak"
+    problem += peak + 1e-4 * _time_objective(profile, program) / _fastest_step(profile), "peak"
     if not _run(problem, time_limit_s):
         raise RuntimeError(f"the lowest-peak program has no solution ({pulp.LpStatus[problem.status]}): a bug, every unit has a choice")
-    choices = _read_choices(profile, allowed, program, segments)
+    choices = _read_choices(profile, program)
     return LowestPeak(choices, time.perf_counter() - started, proven=not _stopped_early(problem))
 
 
