@@ -227,9 +227,9 @@ def _stopped_early(problem: pulp.LpProblem) -> bool:
 def _solver(time_limit_s: float, preprocess: bool = False) -> pulp.LpSolver:
     """HiGHS (highspy, a dependency) when it imports, else CBC.
 
-    HiGHS proves these programs optimal where CBC cannot: 24 identical layers near a tight budget
-    (Qwen2.5-0.5B, 2 x 2048 on a 24 GB card) take HiGHS 0.3 s and CBC more than 30 s, because
-    CBC's branching is lost among the layers' symmetric choices. CBC is the fallback on platforms
+    HiGHS proves these programs optimal where CBC cannot: with 24 identical layers near a tight
+    budget (the README's Qwen2.5-0.5B sample) CBC stopped at its time limit unproven, its branching
+    lost among the layers' symmetric choices, and HiGHS proves the plan well within it. CBC is the fallback on platforms
     without a highspy wheel: a `cbc` on PATH if there is one, else the binary inside pulp; its
     preprocessing stays off (CBC 2.10's preprocessing fixed variables of these programs wrongly and
     reported a slower plan as optimal; tests/test_solve_ilp.py checks against brute force).
