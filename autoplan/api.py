@@ -70,6 +70,7 @@ def plan(
     allow_over_device: bool = False,
     segments: bool = True,
     moe_capacity: float | None = None,
+    fuse_loss: bool = True,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -119,6 +120,11 @@ def plan(
     segments: let the plan checkpoint runs of consecutive blocks as one region (a "segment", as in √n
         checkpointing; memory.segments) besides each block on its own; False: each block on its own.
         Off with compile=True: a segment's region runs eagerly between compiled graphs.
+    fuse_loss: where the forward takes F.cross_entropy of its output Linear's logits, compute the
+        loss and that Linear's gradients together in chunks of rows (a fused linear cross-entropy,
+        autoplan.runtime.loss_head): the log-softmax and the logits' gradient are never held whole,
+        and no FLOP is added. plan.fused_loss names the logits. Off with compile=True and on more
+        than one GPU; False: the loss runs as written.
 
     plan.request holds the arguments that shaped the plan, as given; plan.report() shows the call that
     reproduces it.
@@ -130,7 +136,7 @@ def plan(
     request = plan_request(budget, target, dict(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-        loop=training_loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity))
+        loop=training_loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
     say = progress or (lambda message: None)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
@@ -138,7 +144,8 @@ def plan(
     chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, memory, say=say, settings=dict(
         optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn,
         profile=profile, loop=training_loop, menu_size=menu_size, compile=compile, world_size=world_size,
-        time_limit_s=time_limit_s, segments=segments and not compile, routing=routing))
+        time_limit_s=time_limit_s, segments=segments and not compile, routing=routing,
+        fuse_loss=fuse_loss and not compile and world_size == 1))
     if on_profile is not None:
         on_profile(measured)
     return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed)
@@ -156,6 +163,7 @@ def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: 
                 model, batch, target, unit_names=level.units, optimizer=settings["optimizer"], precision=settings["precision"],
                 keep_fp32=settings["keep_fp32"], loss_fn=settings["loss_fn"], profile=settings["profile"], say=say,
                 loop=settings["loop"], menu_size=settings["menu_size"], compile=settings["compile"], routing=settings["routing"],
+                fuse_loss=settings["fuse_loss"],
             )
         except RepeatedUnitError:
             if number == len(levels) and not planned:
@@ -233,7 +241,7 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
     def simulate(choices: Mapping[str, Choice]) -> int:
         return simulate_plan(
             traced, choices, device=target, optimizer=optimizer, rest_precision=measured.rest_precision, loss_fn=loss_fn,
-            rank_offsets=offsets, loop=measured.loop,
+            rank_offsets=offsets, loop=measured.loop, fused_loss=bool(measured.timeline.fused_loss),
         ).peak_bytes
 
     found = search(measured, budget.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
@@ -243,7 +251,8 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
 
 
 def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, precision, keep_fp32, loss_fn, profile, say, loop,
-                       menu_size: int = DEFAULT_MENU_SIZE, compile: bool = False, routing: MoeRoutingBound = WORST_CASE):
+                       menu_size: int = DEFAULT_MENU_SIZE, compile: bool = False, routing: MoeRoutingBound = WORST_CASE,
+                       fuse_loss: bool = False):
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
@@ -259,7 +268,7 @@ def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, p
     try:
         measured = profile_units(
             traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say, loop=loop,
-            menu_size=menu_size, compile=compile,
+            menu_size=menu_size, compile=compile, fuse_loss=fuse_loss,
         )
         if not compile and _should_measure(profile, model, target):
             measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)

@@ -186,6 +186,7 @@ class Plan:
     device: str  # the device profile planned for, e.g. "h100-80gb"
     low_precision: Precision  # the autocast dtype a low-precision unit uses on this device
     rest_precision: Precision  # precision of everything outside the units (autocast around the forward if low)
+    fused_loss: str  # the logits ("4096×32000 logits") whose cross-entropy is fused with the output head; "": none
     needs_grad_scaler: bool  # fp16 units need torch.amp.GradScaler in the training loop
     optimizer: str  # the optimizer whose state was counted
     feasible: bool  # the simulated peak of one training step fits the usable budget

@@ -9,7 +9,9 @@ matmuls that it saves, recomputing everything else. This script measures every s
 the Llama block (2^7 with its 7 matmuls) like any other choice (fake tensors: held bytes, forward
 and backward peaks, FLOPs), adds them to the profile beside keep/selective/full, and asks
 autoplan's own ILP and memory model for the choices of fewest recomputed FLOPs under each budget
-(the ILP's objective priced in FLOPs instead of roofline time). Each answer is then run for real:
+(the ILP's objective priced in FLOPs instead of roofline time), with the loss head as autoplan plans
+it (fused, runtime.loss_head; --loss-as-written for F.cross_entropy as the model writes it). Each
+answer is then run for real:
 FlopCounterMode over one step and the live-bytes peak of step 2, as in plan_quality.py.
 
     python benchmarks/flop_bound.py --size issue     # about 3 minutes on 2 shared cores
@@ -34,10 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_quality import CPU, SIZES, flops_of, machine, peak_of, setup  # noqa: E402
 
 from autoplan.memory.model import predict_peak  # noqa: E402
+from autoplan.memory.segments import chosen_segments  # noqa: E402
 from autoplan.plan import Choice  # noqa: E402
 from autoplan.profile.menu import describe, record_ops  # noqa: E402
 from autoplan.profile.units import with_choices  # noqa: E402
 from autoplan.runtime.formatting import format_bytes  # noqa: E402
+from autoplan.runtime.names import segment_ends  # noqa: E402
 from autoplan.runtime.planned import apply_choices  # noqa: E402
 from autoplan.solve.ilp import solve  # noqa: E402
 from examples.llama import Llama  # noqa: E402
@@ -65,14 +69,22 @@ def priced_in_flops(measured):
     return dataclasses.replace(measured, units=units)
 
 
-def main(size: str) -> None:
+def recomputed_flops(profile, choices) -> int:
+    """FLOPs the choices recompute; a chosen segment recomputes each of its members whole."""
+    segments = sum(profile.units[u].recompute_flops(Choice("full", choice.precision))
+                   for candidate, choice in chosen_segments(profile, choices) for u in candidate.members)
+    return segments + sum(profile.unit(n).recompute_flops(c) for n, c in choices.items() if segment_ends(n) is None)
+
+
+def main(size: str, fuse_loss: bool) -> None:
     config, batch, seq = SIZES[size]
-    made = setup(size)
+    made = setup(size, fuse_loss)
     original, inputs, traced, measured = made.original, made.inputs, made.traced, made.measured
     floor, activations = made.floor, made.activations
     plain_flops = flops_of(copy.deepcopy(original), inputs)
     print(f"machine: {machine()}\nLlama-style {config.n_layers} layers, d={config.dim}, batch {batch}×{seq}, fp32; static "
-          f"{format_bytes(floor)}, activations {format_bytes(activations)}; plain step {plain_flops / 1e9:.1f} GFLOP (FlopCounterMode)\n")
+          f"{format_bytes(floor)}, activations {format_bytes(activations)}; loss head "
+          f"{'fused (' + measured.timeline.fused_loss + ')' if measured.timeline.fused_loss else 'as written'}; plain step {plain_flops / 1e9:.1f} GFLOP (FlopCounterMode)\n")
 
     ops = block_ops(original, inputs)
     matmuls = [op for op in ops if op.savable and op.flops > 0]
@@ -104,9 +116,9 @@ def main(size: str) -> None:
         if not solution.feasible:
             print(f"| static + {fraction:.0%} ({format_bytes(budget)}) | nothing fits | | | |")
             continue
-        predicted = sum(studied.unit(n).recompute_flops(c) for n, c in solution.choices.items())
+        predicted = recomputed_flops(studied, solution.choices)
         model = copy.deepcopy(original)
-        apply_choices(model, solution.choices)
+        apply_choices(model, solution.choices, fused_loss=bool(studied.timeline.fused_loss))
         real_flops = flops_of(copy.deepcopy(model), inputs) / plain_flops - 1
         peak = peak_of(copy.deepcopy(model), inputs)
         per_block = ", ".join(c.mode if c.saves is None else f"{len(c.saves)} mm" for c in solution.choices.values())
@@ -117,5 +129,7 @@ def main(size: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="issue")
+    parser.add_argument("--loss-as-written", action="store_true", help="the bound without autoplan's fused loss head")
     torch.set_num_threads(1)
-    main(parser.parse_args().size)
+    options = parser.parse_args()
+    main(options.size, not options.loss_as_written)

@@ -15,9 +15,10 @@ random weights, fp32, AdamW), every row measured in real CPU training steps in t
 
 Rows: no plan; checkpointing every layer (full); at static + 50% and + 25% of the activation memory
 (static = parameters + gradients + optimizer state, activations = the rest of the no-plan peak)
-autoplan's plan (its default menu; --fixed-modes adds the plans of keep/selective/full only) and
-torch's auto-SAC (`sac_estimator` + `sac_milp`, patched to price ops on the CPU: `auto_sac_choices`);
-torch.compile with `activation_memory_budget` 1.0 / 0.5 / 0.25, and autoplan's two plans compiled.
+autoplan's plan (its default menu and fused loss head), the same with the loss as written
+(fuse_loss=False; --fixed-modes adds the plans of keep/selective/full only) and torch's auto-SAC
+(`sac_estimator` + `sac_milp`, patched to price ops on the CPU: `auto_sac_choices`); torch.compile
+with `activation_memory_budget` 1.0 / 0.5 / 0.25, and autoplan's compile=True plans compiled.
 Then the ILP's solve time on 24, 96 and 384 units. benchmarks/flop_bound.py gives the fewest
 extra FLOPs any op-level policy of the blocks reaches at the same budgets.
 
@@ -234,6 +235,7 @@ class Config:
     choices: dict | None  # autoplan's Choice per unit (None: no plan fitted)
     budget_bytes: int | None = None
     compile_budget: float | None = None  # torch.compile with this activation_memory_budget; None: eager
+    fused_loss: bool = False  # the loss head fused (autoplan's plan.fused_loss)
 
 
 @dataclass(frozen=True)
@@ -243,18 +245,18 @@ class Setup:
     original: Llama
     inputs: tuple
     traced: object
-    measured: object  # the Profile (menu off)
+    measured: object  # the Profile (menu off; the loss head fused unless setup(fuse_loss=False))
     floor: int  # static: parameters + gradients + optimizer state
     activations: int  # the simulated no-plan peak above the floor
 
 
-def setup(size: str) -> Setup:
+def setup(size: str, fuse_loss: bool = True) -> Setup:
     config, batch, seq = SIZES[size]
     torch.manual_seed(0)
     original = Llama(config)
     inputs = example_batch(config, batch, seq)
     traced = trace(original, inputs)
-    measured = profile(traced, CPU, precisions=("fp32",), menu_size=0)
+    measured = profile(traced, CPU, precisions=("fp32",), menu_size=0, fuse_loss=fuse_loss)
     static = measured.timeline.static
     floor = static.parameters + static.optimizer + static.gradients
     return Setup(original, inputs, traced, measured, floor, measured.reference.peak_bytes - floor)
@@ -273,13 +275,21 @@ def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: b
     plans = {}
     for fraction in (0.5, 0.25):
         budget = floor + int(fraction * activations)
-        for label, menu in (("autoplan", None), ("autoplan, 3 fixed modes", 0))[: 2 if with_fixed_modes else 1]:
+        variants = [("autoplan", {}), ("autoplan, loss as written", {"fuse_loss": False})]
+        variants += [("autoplan, 3 fixed modes", {"menu_size": 0})] if with_fixed_modes else []
+        for label, options in variants:
             started = time.perf_counter()
-            plan = _plan(original, budget, inputs, menu)
+            plan = _plan(original, budget, inputs, **options)
             print(f"  planned {label} at static + {fraction:.0%} in {time.perf_counter() - started:.0f} s: "
+                  f"{', '.join(f'{n}× {c}' for c, n in Counter(str(d.choice) for d in plan.units).items())}"
+                  + (f"; fused loss ({plan.fused_loss})" if plan.fused_loss else ""))
+            configs.append(Config(f"{label} at static + {fraction:.0%}", plan.choices() if plan.feasible else None, budget,
+                                  fused_loss=bool(plan.fused_loss)))
+        if with_compile:
+            plan = _plan(original, budget, inputs, compile=True)
+            print(f"  planned autoplan compile=True at static + {fraction:.0%}: "
                   f"{', '.join(f'{n}× {c}' for c, n in Counter(str(d.choice) for d in plan.units).items())}")
-            configs.append(Config(f"{label} at static + {fraction:.0%}", plan.choices() if plan.feasible else None, budget))
-            plans.setdefault(fraction, configs[-1].choices)
+            plans[fraction] = plan.choices() if plan.feasible else None
         started = time.perf_counter()
         sac = auto_sac_choices(config, inputs, budget)
         print(f"  planned torch auto-SAC at static + {fraction:.0%} in {time.perf_counter() - started:.0f} s: "
@@ -287,8 +297,8 @@ def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: b
         configs.append(Config(f"torch auto-SAC at static + {fraction:.0%}", sac, budget))
     if with_compile:
         configs += [Config(f"torch.compile, activation_memory_budget {knob}", {}, None, knob) for knob in (1.0, 0.5, 0.25)]
-        configs += [Config(f"autoplan at static + {fraction:.0%}, compiled", plans[fraction], floor + int(fraction * activations), 1.0)
-                    for fraction in (0.5, 0.25)]
+        configs += [Config(f"autoplan (compile=True) at static + {fraction:.0%}, compiled", plans[fraction],
+                           floor + int(fraction * activations), 1.0) for fraction in (0.5, 0.25)]
     rows = [measure_row(entry, original, inputs, plain_flops, pairs) for entry in configs if entry.choices is not None]
     for entry in configs:
         if entry.choices is None:
@@ -302,7 +312,7 @@ def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: b
 
 def measure_row(entry: Config, original, inputs, plain_flops: int, pairs: int) -> Row:
     model = copy.deepcopy(original)
-    apply_choices(model, entry.choices)
+    apply_choices(model, entry.choices, fused_loss=entry.fused_loss)
     if entry.compile_budget is None:
         return Row(entry.label, peak_of(copy.deepcopy(model), inputs), time_ratio(copy.deepcopy(original), model, inputs, pairs),
                    flops_of(copy.deepcopy(model), inputs) / plain_flops - 1, entry.budget_bytes, rss_peak_of(copy.deepcopy(model), inputs))
@@ -315,9 +325,8 @@ def measure_row(entry: Config, original, inputs, plain_flops: int, pairs: int) -
                sum(COMPILED_FLOPS) / plain_flops - 1, entry.budget_bytes, rss)
 
 
-def _plan(model, budget, inputs, menu_size=None):
-    """autoplan's plan for `budget`; menu_size 0 profiles the three fixed modes only (None: autoplan's default menu)."""
-    options = {} if menu_size is None else {"menu_size": menu_size}
+def _plan(model, budget, inputs, **options):
+    """autoplan's plan for `budget` (options: menu_size=0 for the three fixed modes only, fuse_loss=False, compile=True)."""
     return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
 
 

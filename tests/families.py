@@ -91,7 +91,7 @@ class PlanCheck:
 def half_activation_budget(family: Family, precision: str = "fp32", loop: autoplan.TrainingLoop | None = None) -> int:
     """Static memory (parameters, gradients, AdamW state) plus half the no-plan activation memory of `loop`."""
     from autoplan.inputs.devices import get_device
-    from autoplan.profile.units import run_timeline
+    from autoplan.profile.simulation import run_timeline
     from autoplan.trace.tracer import trace
 
     model = family.build()

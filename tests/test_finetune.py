@@ -25,7 +25,7 @@ def _static(model, example_inputs=None, batch_size=None, seq_len=None):
     """The static bytes of one simulated training step (the profile stage's ground truth)."""
     from autoplan.inputs.batch import training_batch
     from autoplan.inputs.devices import get_device
-    from autoplan.profile.units import run_timeline
+    from autoplan.profile.simulation import run_timeline
     from autoplan.trace.tracer import trace
 
     traced = trace(model, training_batch(model, example_inputs, batch_size, seq_len))

@@ -194,6 +194,9 @@ def plan_command(
     moe_capacity: Optional[float] = typer.Option(None, "--moe-capacity", help="Mixture-of-experts layers whose routing decides "
                                                  "shapes: profile each expert with CAPACITY × tokens × top_k / experts tokens "
                                                  "(1.0: balanced routing). Default: the worst case, every expert gets every token."),
+    fuse_loss: bool = typer.Option(True, "--fuse-loss/--loss-as-written", help="Fuse the cross-entropy of the output head's "
+                                   "logits with that Linear (gradients in chunks, during the forward; no FLOP added), or keep the "
+                                   "loss as the model writes it."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
@@ -201,7 +204,8 @@ def plan_command(
     with reported(debug):
         _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device, moe_capacity)
         options = _plan_options(device, optimizer, precision, units, reserve, _loop(drop_outputs, accumulation_steps, optimizer_impl),
-                                world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity)
+                                world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity,
+                                                      fuse_loss=fuse_loss)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
         with progress, quiet(debug):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)

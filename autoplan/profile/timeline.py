@@ -70,6 +70,7 @@ class Timeline:
     static: StaticBytes
     boundaries: tuple[Boundary, ...] = ()
     carried_bytes: int = 0  # what the loop's variables hold from the previous step through this forward (outputs, loss)
+    fused_loss: str = ""  # the logits whose cross-entropy the step fused with the output head (runtime.loss_head), "" for none
 
     @property
     def step_time_s(self) -> float:

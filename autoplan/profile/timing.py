@@ -121,8 +121,9 @@ def measure_times(
         say("timing whole training steps")
         base = {u.name: u.base for u in profile.units}
         steps = {}
-        for name, choices, rest_precision in (("base", base, rest), ("reference", {}, "fp32")):
-            apply_choices(model, choices, rest_precision=rest_precision)
+        fused = bool(profile.timeline.fused_loss)
+        for name, choices, rest_precision, fused_loss in (("base", base, rest, fused), ("reference", {}, "fp32", False)):
+            apply_choices(model, choices, rest_precision=rest_precision, fused_loss=fused_loss)
             try:
                 steps[name] = _time_steps(model, traced.example_inputs, optimizer, profile.device, loss_fn, warmup, runs, profile.loop)
             finally:

@@ -29,10 +29,10 @@ from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
 from autoplan.profile.recorder import TensorSpec, UnitCall
-from autoplan.profile.timeline import Timeline, simulate_training
-from autoplan.runtime.fake import fake_copy, new_fake_mode
+from autoplan.profile.simulation import base_timelines, simulation_model
+from autoplan.profile.timeline import Timeline
+from autoplan.runtime.fake import new_fake_mode
 from autoplan.runtime.names import unit_module
-from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
 from autoplan.runtime.tracker import FusedElementwiseRates, LiveBytesTracker
 from autoplan.runtime.training import optimizer_name
@@ -111,39 +111,6 @@ def precision_options(precision: str, device: Device) -> tuple[str, ...]:
     if precision == "bf16" and not device.supports_bf16:
         raise ValueError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
     return (precision,)
-
-
-def _simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping[str, Choice], rest: str):
-    model = remove_plan(fake_copy(traced.model, fake_mode))
-    model.train()  # plans are for training: dropout on, BatchNorm updating its statistics
-    return apply_choices(model, choices, rest_precision=rest)
-
-
-def run_timeline(
-    traced: Traced,
-    choices: Mapping[str, Choice],
-    *,
-    device: Device,
-    optimizer: str | torch.optim.Optimizer,
-    rest_precision: str = "fp32",
-    loss_fn: Callable | None = None,
-    fake_mode: FakeTensorMode | None = None,
-    loop: TrainingLoop | None = None,
-) -> Timeline:
-    """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with
-    `choices`, under `fake_mode` (or a new one)."""
-    fake_mode = fake_mode or new_fake_mode(traced.routing)
-    model = _simulation_model(traced, fake_mode, choices, rest_precision)
-    return simulate_training(
-        model,
-        traced.example_inputs,
-        fake_mode=fake_mode,
-        units=list(traced.units),
-        device=device,
-        optimizer=optimizer,
-        loss_fn=loss_fn,
-        loop=loop,
-    )
 
 
 def _signature(module: torch.nn.Module, call: UnitCall) -> tuple:
@@ -321,6 +288,7 @@ def profile(
     menu_size: int = DEFAULT_MENU_SIZE,
     compile: bool = False,
     loop: TrainingLoop | None = None,
+    fuse_loss: bool = True,
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
@@ -330,7 +298,8 @@ def profile(
     as torch.compile runs them (`runtime.tracker.FusedElementwiseRates`: ops without FLOPs cost
     no time), so recomputing elementwise ops is free and the menu saves only matmul/attention outputs.
     `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
-    costs the same in any loop.
+    costs the same in any loop. `fuse_loss`: the timeline runs the forward with its output head's
+    cross-entropy fused where that lowers the peak (`profile.simulation`; `timeline.fused_loss` says if it did).
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
@@ -340,16 +309,12 @@ def profile(
     say = progress or (lambda message: None)
     say("simulating a training step")
     timeline_mode = new_fake_mode(traced.routing)
-    timeline = run_timeline(
-        traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn, fake_mode=timeline_mode, loop=loop
-    )
-    reference = timeline
-    if rest != "fp32":
-        fp32 = {name: Choice("keep", "fp32") for name in traced.units}
-        reference = run_timeline(traced, fp32, device=device, optimizer=optimizer, loss_fn=loss_fn, loop=loop)
+    timelines = base_timelines(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
+                               fake_mode=timeline_mode, loop=loop, fuse_loss=fuse_loss)
+    timeline, reference = timelines.timeline, timelines.reference
 
     fake_mode = new_fake_mode(traced.routing)
-    model = _simulation_model(traced, fake_mode, {}, "fp32")
+    model = simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(device) if compile else device
     units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say)
     in_units = {id(p) for unit in units for p in unit_module(model, unit.name).parameters()}
@@ -380,7 +345,7 @@ def with_choices(traced: Traced, measured: Profile, extra: Iterable[Choice], *, 
     """
     extra = tuple(extra)
     fake_mode = new_fake_mode()
-    model = _simulation_model(traced, fake_mode, {}, "fp32")
+    model = simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(measured.device) if compile else measured.device
     by_signature: dict[tuple, dict[Choice, UnitCost]] = {}
     units = []

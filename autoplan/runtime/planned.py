@@ -19,6 +19,7 @@ import torch
 
 from autoplan.plan import Choice
 from autoplan.runtime.graph import split_by_units
+from autoplan.runtime.loss_head import FusedLossForward
 from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, segment_ends, segment_members, sequential_run
 from autoplan.runtime.segments import PlannedSegment, SegmentMember
 from autoplan.runtime.wrappers import PlannedForward
@@ -105,7 +106,7 @@ def _has_submodule(model: torch.nn.Module, name: str) -> bool:
 
 
 def _is_planned(forward: Any) -> bool:
-    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph, PlannedCalls, SegmentMember))
+    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph, PlannedCalls, SegmentMember, FusedLossForward))
 
 
 def remove_plan(model: torch.nn.Module) -> torch.nn.Module:
@@ -126,11 +127,13 @@ def apply_choices(
     choices: Mapping[str, Choice],
     *,
     rest_precision: str = "fp32",
+    fused_loss: bool = False,
 ) -> torch.nn.Module:
     """Wrap each named unit of `model` (in place) to run with its choice; returns `model`.
 
     `rest_precision` is the precision of everything outside the units: when it is low, the whole
-    forward runs under autocast, and units chosen fp32 switch it off for themselves.
+    forward runs under autocast, and units chosen fp32 switch it off for themselves. `fused_loss`:
+    the forward's cross-entropy of its output head is fused (`runtime.loss_head`).
     """
     remove_plan(model)
     # graph units of the user's model; on the planner's split GraphModule they are submodules
@@ -167,6 +170,8 @@ def apply_choices(
         planned = [by_call.get(i) for i in range(max(by_call) + 1)]
         planned = [None if c is None else PlannedForward(module, c, original=original) for c in planned]
         module.forward = PlannedCalls(module, planned, original)
+    if fused_loss:
+        model.forward = FusedLossForward(model, original=model.__dict__.get("forward"))
     if rest_precision != "fp32":
         model.forward = PlannedForward(
             model, Choice("keep", rest_precision), original=model.__dict__.get("forward"), cast_outputs=False
@@ -187,8 +192,8 @@ def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
     choices: dict[str, Choice] = {}
     for name, module in model.named_modules():
         forward = module.__dict__.get("forward")
-        while isinstance(forward, PlannedForward) and not name and forward.original is not None:
-            forward = forward.original  # the root's autocast around a graph plan
+        while isinstance(forward, (PlannedForward, FusedLossForward)) and not name and forward.original is not None:
+            forward = forward.original  # the root's autocast or fused loss around a graph plan
         if isinstance(forward, PlannedGraph):
             choices.update(planned_choices(forward.split))
         elif isinstance(forward, PlannedCalls):
@@ -200,3 +205,23 @@ def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
         elif isinstance(forward, PlannedForward) and name:
             choices[name] = forward.choice
     return choices
+
+
+def has_fused_loss(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward runs with its loss head fused (`apply_choices(..., fused_loss=True)`)."""
+    forward = model.__dict__.get("forward")
+    while _is_planned(forward):
+        if isinstance(forward, FusedLossForward):
+            return True
+        forward = forward.original
+    return False
+
+
+def fused_losses(model: torch.nn.Module) -> tuple[str, ...]:
+    """The logits' shapes whose cross-entropy the model's last forward fused (empty: none)."""
+    forward = model.__dict__.get("forward")
+    while _is_planned(forward):
+        if isinstance(forward, FusedLossForward):
+            return forward.fused
+        forward = forward.original
+    return ()

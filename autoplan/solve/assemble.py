@@ -92,6 +92,7 @@ def assemble_plan(
         device=target.name,
         low_precision=target.low_precision_name,
         rest_precision=rest,
+        fused_loss=measured.timeline.fused_loss,
         needs_grad_scaler=any(c.precision == "fp16" for c in chosen.values()) or rest == "fp16",
         optimizer=measured.optimizer,
         feasible=feasible,

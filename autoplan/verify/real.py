@@ -23,7 +23,7 @@ from autoplan.inputs.devices import get_device
 from autoplan.inputs.hf_models import training_inputs
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
-from autoplan.runtime.planned import apply_choices, planned_choices
+from autoplan.runtime.planned import apply_choices, has_fused_loss, planned_choices
 from autoplan.runtime.tensors import tensors_of
 from autoplan.runtime.tracker import LiveBytesTracker
 from autoplan.runtime.training import (
@@ -98,8 +98,8 @@ def verify(
     optimizer = optimizer if optimizer is not None else plan.optimizer
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ValueError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
-    if planned_choices(model) != plan.choices():
-        apply_choices(model, plan.choices(), rest_precision=plan.rest_precision)
+    if planned_choices(model) != plan.choices() or has_fused_loss(model) != bool(plan.fused_loss):
+        apply_choices(model, plan.choices(), rest_precision=plan.rest_precision, fused_loss=bool(plan.fused_loss))
     loop = check_loop(loop if loop is not None else plan.loop)
     args, kwargs = training_inputs(model, normalize_inputs(example_inputs))  # as planned: no KV cache
     cuda = device.type == "cuda"

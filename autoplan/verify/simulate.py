@@ -16,7 +16,7 @@ import torch
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, Phase
-from autoplan.profile.units import run_timeline
+from autoplan.profile.simulation import run_timeline
 from autoplan.trace.tracer import Traced
 
 
@@ -37,15 +37,17 @@ def simulate_plan(
     loss_fn: Callable | None = None,
     rank_offsets: Mapping[Phase, int] | None = None,
     loop: TrainingLoop | None = None,
+    fused_loss: bool = False,
 ) -> Simulation:
     """Simulate a training step of `traced.model` rewritten with `choices`.
 
     rank_offsets: per phase, what FSDP changes on one rank (`memory.model.rank_offsets`): the
     simulated activations with FSDP's shards, gathered parameters and buffers, for a per-rank peak.
-    loop: the training loop to run (default: the common loop).
+    loop: the training loop to run (default: the common loop). fused_loss: the loss head fused (runtime.loss_head).
     """
     timeline = run_timeline(
-        traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn, loop=loop
+        traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn, loop=loop,
+        fused_loss=fused_loss,
     )
     offsets = rank_offsets or {}
     peak = max(timeline.phases, key=lambda sample: sample.peak_bytes + offsets.get(sample.phase, 0))

@@ -1,0 +1,148 @@
+"""The fused loss head (runtime.loss_head): the same training, less memory, no more FLOPs, and a plan that says so."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+import autoplan
+from autoplan.inputs.devices import get_device
+from autoplan.runtime.planned import apply_choices, fused_losses, remove_plan
+from autoplan.runtime.tracker import LiveBytesTracker
+from examples.llama import Llama, LlamaConfig, example_batch
+
+CONFIG = LlamaConfig(vocab_size=2048, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)
+LOGITS_BYTES = 4 * 64 * 2048 * 4  # batch × sequence × vocabulary, fp32
+
+
+def _llama(tie: bool = False):
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**{**CONFIG.__dict__, "tie_embeddings": tie})), example_batch(CONFIG, 4, 64)
+
+
+def _train(model, inputs, steps: int = 3):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], []
+    for _ in range(steps):
+        loss = model(*inputs)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["own head", "tied to the embedding"])
+def test_the_fused_head_trains_like_the_loss_as_written(tie):
+    written, inputs = _llama(tie)
+    fused = apply_choices(copy.deepcopy(written), {}, fused_loss=True)
+    expected, fused_run = _train(written, inputs), _train(fused, inputs)
+    assert fused_losses(fused) == ("256×2048",)
+    torch.testing.assert_close(torch.stack(fused_run[0]), torch.stack(expected[0]))
+    for step_grads, expected_grads in zip(fused_run[1], expected[1]):
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(step_grads[name], grad, msg=name)
+    for (name, p), q in zip(written.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q, p, msg=name)
+
+
+def _peak_and_flops(model, inputs):
+    with FlopCounterMode(display=False) as counter:
+        model(*inputs).backward()
+    model.zero_grad(set_to_none=True)
+    tracker = LiveBytesTracker(get_device("cpu"))
+    with tracker:
+        tracker.adopt(list(model.parameters()))
+        model(*inputs).backward()
+    model.zero_grad(set_to_none=True)
+    return max(phase.peak_bytes for phase in tracker.phases()), counter.get_total_flops()
+
+
+def test_the_fused_head_holds_less_and_adds_no_flops():
+    written, inputs = _llama()
+    fused = apply_choices(copy.deepcopy(written), {}, fused_loss=True)
+    written_peak, written_flops = _peak_and_flops(written, inputs)
+    fused_peak, fused_flops = _peak_and_flops(fused, inputs)
+    assert fused_flops == written_flops
+    # as written, backward starts holding the log-softmax and two gradients of the logits' size; fused,
+    # the peak is the logits themselves at the end of the forward, beside the gradients of the head
+    assert fused_peak <= written_peak - LOGITS_BYTES
+
+
+class _Head(torch.nn.Module):
+    """A linear head and a cross-entropy written one of several ways."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.body = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, x, target):
+        logits = self.head(torch.relu(self.body(x)))
+        if self.kind == "ignore_index, sum":
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=-100, reduction="sum")
+        if self.kind == "float, mean":
+            return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+        if self.kind == "reduction none":
+            return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").mean()
+        if self.kind == "label smoothing":
+            return F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
+        if self.kind == "class dimension second":
+            return F.cross_entropy(logits.transpose(1, 2), target)
+        if self.kind == "logits used twice":
+            return F.cross_entropy(logits.flatten(0, 1), target.flatten()) + 1e-3 * logits.pow(2).mean()
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind, fuses", [
+    ("ignore_index, sum", True), ("float, mean", True), ("logits used twice", True),
+    ("reduction none", False), ("label smoothing", False), ("class dimension second", False),
+])
+def test_what_it_fuses_and_what_runs_as_written(kind, fuses):
+    torch.manual_seed(0)
+    written = _Head(kind)
+    x, target = torch.randn(3, 5, 8), torch.randint(0, 32, (3, 5))
+    target[0, :2] = -100 if kind == "ignore_index, sum" else target[0, :2]
+    fused = apply_choices(copy.deepcopy(written), {}, fused_loss=True)
+    expected, got = written(x, target), fused(x, target)
+    assert bool(fused_losses(fused)) == fuses
+    torch.testing.assert_close(got, expected)
+    expected.backward()
+    got.backward()
+    for (name, p), q in zip(written.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_without_gradients_the_loss_runs_as_written_and_a_second_derivative_is_refused():
+    written, inputs = _llama()
+    fused = apply_choices(copy.deepcopy(written), {}, fused_loss=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*inputs), written(*inputs))
+    assert fused_losses(fused) == ()
+    loss = fused(*inputs)
+    (grad,) = torch.autograd.grad(loss, fused.output.weight, create_graph=True)
+    with pytest.raises(RuntimeError):  # the saved gradients are constants: an error, never a wrong second derivative
+        grad.sum().backward()
+    assert remove_plan(fused).__dict__.get("forward") is None
+
+
+def test_the_plan_fuses_the_head_and_the_step_measures_what_it_predicts():
+    model, inputs = _llama()
+    options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
+    fused = autoplan.plan(model, "100MB", **options)
+    written = autoplan.plan(model, "100MB", **options, fuse_loss=False)
+    assert fused.fused_loss == "256×2048 logits" and written.fused_loss == ""
+    assert fused.baseline_peak_bytes == written.baseline_peak_bytes  # no plan: the loss as written
+    assert fused.predicted_peak_bytes <= written.predicted_peak_bytes - LOGITS_BYTES
+    assert fused.minimum_peak_bytes < written.minimum_peak_bytes
+    assert "fused" in fused.report() and fused.to_dict()["fused_loss"] == "256×2048 logits"
+    applied = autoplan.apply(copy.deepcopy(model), fused)
+    check = autoplan.verify(applied, fused, example_inputs=inputs)
+    assert check.measured_peak_bytes == fused.predicted_peak_bytes
+    assert autoplan.plan(model, "100MB", **options, compile=True).fused_loss == ""
