@@ -146,3 +146,25 @@ def test_the_plan_fuses_the_head_and_the_step_measures_what_it_predicts():
     check = autoplan.verify(applied, fused, example_inputs=inputs)
     assert check.measured_peak_bytes == fused.predicted_peak_bytes
     assert autoplan.plan(model, "100MB", **options, compile=True).fused_loss == ""
+
+
+def test_fused_only_where_no_phase_holds_more():
+    """A caller that keeps the logits through backward keeps the head's input alive with them: that phase
+    would hold more fused, so the loss stays as written; dropping the outputs first, it is fused."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    options = dict(example_inputs=batch, device="cpu", precision="fp32", reserve=0)
+    kept = autoplan.plan(model, "100MB", **options)
+    dropped_loop = autoplan.TrainingLoop(keep_outputs=False)
+    dropped = autoplan.plan(model, "100MB", **options, loop=dropped_loop)
+    assert kept.fused_loss == "" and dropped.fused_loss == "64×256 logits"
+    written = autoplan.plan(model, "100MB", **options, loop=dropped_loop, fuse_loss=False)
+    assert dropped.predicted_peak_bytes < written.predicted_peak_bytes
+    assert dropped.minimum_peak_bytes <= written.minimum_peak_bytes
+    check = autoplan.verify(autoplan.apply(copy.deepcopy(model), dropped), dropped, example_inputs=batch, loop=dropped_loop)
+    assert check.measured_peak_bytes == dropped.predicted_peak_bytes

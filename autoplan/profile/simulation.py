@@ -3,11 +3,14 @@
 `run_timeline` simulates one steady-state step of the model rewritten with a set of choices, under
 fake tensors. `base_timelines` gives the profile its *timeline* (every unit at its base choice) and
 its *reference* (no plan at all), and decides the loss head: fused (`runtime.loss_head`) only
-where that lowers the step's peak around the head. Fusing trades the log-softmax and two
-logits-sized gradients at the start of backward for the head's weight and input gradients held
-from the end of forward, so it pays off when the vocabulary is wider than the model (a language
-model) and not when it is narrower; the blocks hold the same bytes there either way, so the
-comparison made with every unit kept holds for every plan.
+where the fused step holds no more than the step as written in every phase and less in some.
+The memory model changes a phase by what the units' choices change, the same in both, so a
+step that is nowhere higher at the base choices is nowhere higher under any plan: the plan
+space with the head fused holds everything the plan space without it does. Fusing trades the
+log-softmax and two logits-sized gradients at the start of backward for the head's weight and
+input gradients held from the end of forward: a language model gains; a model whose vocabulary
+is narrower than its width does not, nor one whose caller keeps the logits through backward
+(the head's Linear then keeps its input to the end of backward, which can raise a later phase).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import BACKWARD_START, Choice
+from autoplan.plan import Choice
 from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.runtime.fake import fake_copy, new_fake_mode
 from autoplan.runtime.planned import apply_choices, fused_losses, remove_plan
@@ -58,12 +61,12 @@ def run_timeline(
     return dataclasses.replace(timeline, fused_loss=", ".join(f"{shape} logits" for shape in fused_losses(model)))
 
 
-def head_peak_bytes(timeline: Timeline) -> int:
-    """The step's peak from the end of the last forward phase to the start of backward: where the loss head is."""
-    phases = timeline.phases
-    last_forward = max(i for i, sample in enumerate(phases) if sample.phase.kind == "fwd")
-    backward_start = next((i for i, sample in enumerate(phases) if sample.phase == BACKWARD_START), last_forward)
-    return max(sample.peak_bytes for sample in phases[last_forward : backward_start + 1])
+def holds_less(fused: Timeline, written: Timeline) -> bool:
+    """Whether the fused step peaks no higher than the step as written in every phase, and lower in one."""
+    if [s.phase for s in fused.phases] != [s.phase for s in written.phases]:
+        return False
+    pairs = list(zip(fused.phases, written.phases))
+    return all(f.peak_bytes <= w.peak_bytes for f, w in pairs) and any(f.peak_bytes < w.peak_bytes for f, w in pairs)
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ def base_timelines(
     traced: Traced, base: Mapping[str, Choice], *, device: Device, optimizer, rest_precision: str, loss_fn, fake_mode: FakeTensorMode,
     loop: TrainingLoop, fuse_loss: bool,
 ) -> BaseTimelines:
-    """The profile's timeline and reference; with `fuse_loss`, the head fused where that lowers the peak around it."""
+    """The profile's timeline and reference; with `fuse_loss`, the head fused where that holds less (`holds_less`)."""
     def simulate(choices, rest: str, fused: bool, mode: FakeTensorMode | None = None) -> Timeline:
         return run_timeline(traced, choices, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
                             fake_mode=mode, loop=loop, fused_loss=fused)
@@ -85,8 +88,8 @@ def base_timelines(
     written = timeline
     if timeline.fused_loss:
         written = simulate(base, rest_precision, False)
-        if head_peak_bytes(timeline) >= head_peak_bytes(written):
-            timeline = written  # fusing would not lower the peak (a vocabulary narrower than the model)
+        if not holds_less(timeline, written):
+            timeline = written
     if rest_precision == "fp32":
         return BaseTimelines(timeline, written)
     return BaseTimelines(timeline, simulate({name: Choice("keep", "fp32") for name in base}, "fp32", False))

@@ -75,13 +75,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 picked = torch.where(keep, target[rows], 0).unsqueeze(1)
                 log_total = torch.logsumexp(chunk, dim=1)
                 total += torch.where(keep, log_total - chunk.gather(1, picked).squeeze(1), 0.0).sum()
-                grad = torch.exp(chunk - log_total.unsqueeze(1))
-                grad.scatter_add_(1, picked, -torch.ones_like(picked, dtype=grad.dtype))
-                grad = (grad * (keep.unsqueeze(1) * scale)).to(dtype)
+                # in place wherever it can: each temporary here is a chunk, and the peak of the head is made of them
+                grad = chunk - log_total.unsqueeze(1)
+                grad.exp_().scatter_add_(1, picked, -torch.ones_like(picked, dtype=grad.dtype))
+                grad = grad.mul_(keep.unsqueeze(1) * scale).to(dtype)
                 if need_hidden:
-                    grad_hidden[rows] = (grad @ matrix).to(hidden.dtype)
-                if need_weight:
-                    grad_weight += (grad.t() @ hidden[rows].to(dtype)).float()
+                    grad_hidden[rows] = grad @ matrix
+                if need_weight:  # accumulated in fp32 without a weight-sized temporary per chunk
+                    torch.addmm(grad_weight, grad.t().float(), hidden[rows].float(), out=grad_weight)  # addmm_ escapes FlopCounterMode
                 if need_bias:
                     grad_bias += grad.float().sum(0)
         ctx.save_for_backward(
