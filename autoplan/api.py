@@ -123,8 +123,9 @@ def plan(
     fuse_loss: where the forward takes F.cross_entropy of its output Linear's logits, compute the
         loss and that Linear's gradients together in chunks of rows (a fused linear cross-entropy,
         autoplan.runtime.loss_head): the log-softmax and the logits' gradient are never held whole,
-        and no FLOP is added. plan.fused_loss names the logits. Off with compile=True and on more
-        than one GPU; False: the loss runs as written.
+        and no FLOP is added; only where the simulated step then holds no more in any phase (a caller
+        keeping the logits through backward keeps the loss as written). plan.fused_loss names the
+        logits. Off with compile=True and on more than one GPU; False: the loss runs as written.
 
     plan.request holds the arguments that shaped the plan, as given; plan.report() shows the call that
     reproduces it.
