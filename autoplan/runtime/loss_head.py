@@ -162,7 +162,7 @@ class LossHeadMode(TorchFunctionMode):
         )
         if source is None or not plain or logits.dim() != 2 or not isinstance(target, torch.Tensor):
             return None
-        if target.dim() != 1 or target.dtype not in (torch.int64, torch.int32) or torch.compiler.is_compiling():
+        if target.dim() != 1 or target.dtype != torch.int64 or torch.compiler.is_compiling():
             return None
         if not any(t is not None and t.requires_grad for t in (source.hidden, source.weight, source.bias)):
             return None
