@@ -98,7 +98,7 @@ def _verdict(plan: "Plan") -> Text:
         text.append(f"\ntraining loop: {plan.loop.describe()}")
     if plan.fused_loss:  # the one change outside the units: say it, and how to turn it off
         text.append(f"\nloss: the output head's cross-entropy ({plan.fused_loss}) is fused, its gradients computed "
-                    "chunk by chunk in the forward (fuse_loss=False keeps it as written)")
+                    "chunk by chunk in the forward (fuse_loss=False, --loss-as-written, keeps it as written)")
     return text
 
 
