@@ -8,7 +8,6 @@ trainable parameter.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autoplan
 from autoplan.runtime.tensors import rounded_bytes, unique_storage_bytes

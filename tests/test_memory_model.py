@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import predict_peak
