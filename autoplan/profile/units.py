@@ -299,7 +299,8 @@ def profile(
     no time), so recomputing elementwise ops is free and the menu saves only matmul/attention outputs.
     `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
     costs the same in any loop. `fuse_loss`: the timeline runs the forward with its output head's
-    cross-entropy fused where that lowers the peak (`profile.simulation`; `timeline.fused_loss` says if it did).
+    cross-entropy fused where the step then holds no more in any phase (`profile.simulation`;
+    `timeline.fused_loss` says if it did).
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):

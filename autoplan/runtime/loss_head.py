@@ -174,8 +174,8 @@ class LossHeadMode(TorchFunctionMode):
 class FusedLossForward:
     """A model's forward run under a `LossHeadMode`, set on the instance like a unit's PlannedForward.
 
-    `fused` counts the losses its last forward fused (the profile reads it to say whether the plan
-    has a fused head). Under torch.compile the forward runs as written.
+    `fused` holds the logits' shapes of the losses its last forward fused (the profile reads it to
+    say whether the plan has a fused head). Under torch.compile the forward runs as written.
     """
 
     module: torch.nn.Module

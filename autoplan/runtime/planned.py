@@ -207,21 +207,20 @@ def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
     return choices
 
 
+def _fused_loss_forward(model: torch.nn.Module) -> FusedLossForward | None:
+    """The FusedLossForward among the wrappers around `model`'s forward, if any."""
+    forward = model.__dict__.get("forward")
+    while _is_planned(forward) and not isinstance(forward, FusedLossForward):
+        forward = forward.original
+    return forward if isinstance(forward, FusedLossForward) else None
+
+
 def has_fused_loss(model: torch.nn.Module) -> bool:
     """Whether `model`'s forward runs with its loss head fused (`apply_choices(..., fused_loss=True)`)."""
-    forward = model.__dict__.get("forward")
-    while _is_planned(forward):
-        if isinstance(forward, FusedLossForward):
-            return True
-        forward = forward.original
-    return False
+    return _fused_loss_forward(model) is not None
 
 
 def fused_losses(model: torch.nn.Module) -> tuple[str, ...]:
     """The logits' shapes whose cross-entropy the model's last forward fused (empty: none)."""
-    forward = model.__dict__.get("forward")
-    while _is_planned(forward):
-        if isinstance(forward, FusedLossForward):
-            return forward.fused
-        forward = forward.original
-    return ()
+    wrapper = _fused_loss_forward(model)
+    return () if wrapper is None else wrapper.fused
