@@ -301,6 +301,21 @@ def test_verify_on_cpu_runs_real_steps_and_reports_the_measured_peak(tmp_path):
     assert document["plan"]["predicted_peak_bytes"] == verification["predicted_peak_bytes"]
 
 
+def test_verify_runs_the_loss_as_planned_fused_or_as_written(tmp_path):
+    factory = "examples/llama.py:build"  # its Llama returns its loss: at batch 8 × 256 the head is fused
+    measured = {}
+    for flag in ("--fuse-loss", "--loss-as-written"):
+        path = tmp_path / f"{flag}.json"
+        result = run("verify", factory, "--budget", "200MB", "--on", "cpu", "--steps", "2", "--batch-size", "8",
+                     "--seq-len", "256", "--reserve", "0", flag, "--json", str(path))
+        assert result.exit_code == ExitCode.FITS, result.output
+        document = json.loads(path.read_text())
+        assert document["verification"]["measured_peak_bytes"] == document["plan"]["predicted_peak_bytes"]
+        measured[flag] = (document["plan"]["fused_loss"], document["verification"]["measured_peak_bytes"])
+    assert measured["--fuse-loss"][0] == "2048×512 logits" and measured["--loss-as-written"][0] == ""
+    assert measured["--fuse-loss"][1] < measured["--loss-as-written"][1]
+
+
 def test_verify_exits_does_not_fit_when_no_plan_fits(lowest_peak):
     result = run("verify", FACTORY, "--budget", f"{lowest_peak // 2}B", "--on", "cpu", "--reserve", "0")
     assert result.exit_code == ExitCode.DOES_NOT_FIT, result.output

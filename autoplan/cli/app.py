@@ -90,6 +90,9 @@ DROP_OUTPUTS = typer.Option(False, "--drop-outputs", help="The loop drops the mo
                             "(outputs = model(**batch); outputs.loss.backward()).")
 ACCUMULATION_STEPS = typer.Option(1, "--accumulation-steps", min=1, help="Micro-batches per optimizer step "
                                   "(gradient accumulation); the batch is one micro-batch.")
+FUSE_LOSS = typer.Option(True, "--fuse-loss/--loss-as-written", help="Fuse the cross-entropy of the output head's "
+                         "logits with that Linear (gradients in chunks, during the forward; no FLOP added), or keep the "
+                         "loss as the model writes it.")
 OPTIMIZER_IMPL = typer.Option(OptimizerImpl.auto, "--optimizer-impl", help="The optimizer's implementation: "
                               "auto (torch's default for the device), foreach, fused, for-loop.")
 
@@ -194,9 +197,7 @@ def plan_command(
     moe_capacity: Optional[float] = typer.Option(None, "--moe-capacity", help="Mixture-of-experts layers whose routing decides "
                                                  "shapes: profile each expert with CAPACITY × tokens × top_k / experts tokens "
                                                  "(1.0: balanced routing). Default: the worst case, every expert gets every token."),
-    fuse_loss: bool = typer.Option(True, "--fuse-loss/--loss-as-written", help="Fuse the cross-entropy of the output head's "
-                                   "logits with that Linear (gradients in chunks, during the forward; no FLOP added), or keep the "
-                                   "loss as the model writes it."),
+    fuse_loss: bool = FUSE_LOSS,
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
@@ -252,6 +253,7 @@ def verify_command(
     reserve: Optional[str] = typer.Option(None, "--reserve", help="As for `autoplan plan`."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and the measurement as JSON to this file "
                                              "(- for stdout; the table then goes to stderr)."),
+    fuse_loss: bool = FUSE_LOSS,
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET, then train real steps of the planned model and measure whether the plan held.
@@ -277,7 +279,7 @@ def verify_command(
             model = loaded.model.to(where)
             inputs = _to_device(loaded.example_inputs, where)
             loop = _loop(drop_outputs, accumulation_steps, optimizer_impl)
-            options = _plan_options(device, optimizer, precision, units, reserve, loop)
+            options = _plan_options(device, optimizer, precision, units, reserve, loop) | dict(fuse_loss=fuse_loss)
             plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
             if plan.feasible:
                 progress(f"training {steps} real steps on {where}")
