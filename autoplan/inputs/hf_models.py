@@ -256,6 +256,8 @@ def training_inputs(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> tuple
     under gradient checkpointing. Only added when forward takes it and the caller did not set it.
     """
     args, kwargs = inputs
-    if is_hf_model(model) and "use_cache" not in kwargs and accepts_argument(model.forward, "use_cache", through_kwargs=False):
+    # a peft wrapper passes use_cache on through **kwargs: ask the model it wraps
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if is_hf_model(model) and "use_cache" not in kwargs and accepts_argument(base.forward, "use_cache", through_kwargs=False):
         kwargs = {**kwargs, "use_cache": False}
     return args, kwargs

@@ -22,6 +22,7 @@ from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase
 from autoplan.profile.recorder import Boundary, UnitCall, UnitRecorder
 from autoplan.runtime.fake import FakeGradScaler, fake_tree, scaled_optimizer_step
+from autoplan.runtime.quantized import resident_tensors
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
 from autoplan.runtime.tracker import LiveBytesTracker, TrackedPhase
 from autoplan.runtime.training import default_loss, loss_function, make_optimizer, optimizer_state_tensors
@@ -110,7 +111,7 @@ def simulate_training(
     try:
         # transformers' mask shortcuts are decided on the real batch, before it is faked
         with real_mask_decisions(example_inputs), fake_mode, tracker:
-            tracker.adopt(list(model.parameters()) + list(model.buffers()))
+            tracker.adopt(resident_tensors(model))
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = tensors_of((args, kwargs))
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
@@ -120,7 +121,7 @@ def simulate_training(
             first_phase = tracker.phase_count
             step = _recorded_step(model, recorder, opt, (args, kwargs), loss_of, loop, scaler)
             static = StaticBytes(
-                parameters=unique_storage_bytes(list(model.parameters()) + list(model.buffers())),
+                parameters=unique_storage_bytes(resident_tensors(model)),
                 gradients=unique_storage_bytes(trainable),
                 optimizer=unique_storage_bytes(optimizer_state_tensors(opt)),
                 inputs=unique_storage_bytes(batch),
@@ -162,7 +163,7 @@ def _recorded_step(model, recorder: UnitRecorder, opt, batch: tuple[tuple, dict]
     calls = tuple(recorder.calls.values())
     # alive whatever the units choose: the batch, parameters a unit is handed as an argument
     # (a graph unit of `x * self.scale`), and the outputs when the loop holds them
-    held = tensors_of(batch) + list(model.parameters()) + list(model.buffers()) + (tensors_of(output) if loop.keep_outputs else [])
+    held = tensors_of(batch) + resident_tensors(model) + (tensors_of(output) if loop.keep_outputs else [])
     boundaries = recorder.boundaries({recorder.key(t) for t in held})
     del held
     if not loop.keep_outputs:

@@ -11,6 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
+from autoplan.runtime.quantized import fake_quantized_entries
 from autoplan.runtime.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
 
 
@@ -23,9 +24,12 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     """A twin of `model` whose parameters and buffers are FakeTensors on the CPU.
 
     Tied parameters stay tied (deepcopy's memo maps each original tensor to one fake), and no
-    parameter data is copied, so this works for meta-device models of any size.
+    parameter data is copied, so this works for meta-device models of any size. A quantized base
+    (bitsandbytes 4-bit or 8-bit layers) gets fakes of its packed weights and their quantization
+    state too (`runtime.quantized`), sharing storage where the real ones do.
     """
-    memo: dict[int, Any] = {}
+    storage_fakes = StorageFakes(fake_mode)
+    memo: dict[int, Any] = fake_quantized_entries(model, storage_fakes.fake_of)
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) in memo:
             continue
@@ -36,6 +40,22 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     return copy.deepcopy(model, memo)
 
 
+class StorageFakes:
+    """Fakes of real tensors with one fake storage per real storage: views and aliases stay aliases."""
+
+    def __init__(self, fake_mode: FakeTensorMode) -> None:
+        self.fake_mode = fake_mode
+        self._bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (storage, dtype) -> a fake over all its bytes
+
+    def fake_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = (storage._cdata, tensor.dtype)
+        with self.fake_mode:
+            if key not in self._bases:
+                self._bases[key] = torch.empty(storage.nbytes() // tensor.element_size(), dtype=tensor.dtype, device="cpu")
+            return self._bases[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).detach()
+
+
 def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
     """Replace every tensor in a pytree of inputs by a fake of the same shape, dtype and grad flag.
 
@@ -43,16 +63,10 @@ def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
     tensor passed twice; a batch may hold views of one buffer), so the simulated step counts the
     batch's bytes once, as the real step holds them.
     """
-    bases: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (storage, dtype) -> a fake over all its bytes
+    storage_fakes = StorageFakes(fake_mode)
 
     def to_fake(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = (storage._cdata, tensor.dtype)
-        if key not in bases:
-            with fake_mode:
-                bases[key] = torch.empty(storage.nbytes() // tensor.element_size(), dtype=tensor.dtype, device="cpu")
-        with fake_mode:
-            fake = bases[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).detach()
+        fake = storage_fakes.fake_of(tensor)
         return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake
 
     return tree_map_only(torch.Tensor, to_fake, tree)

@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from autoplan.runtime.quantized import hidden_temporary_bytes, register_quantized_flops
 from autoplan.runtime.tensors import rounded_bytes, tensors_of
 
 
@@ -53,6 +54,7 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __init__(self, device: RooflineRates, allow_tf32: bool = False) -> None:
         super().__init__()
+        register_quantized_flops()
         self.device = device
         self.allow_tf32 = allow_tf32
         self.live_bytes = 0
@@ -102,8 +104,12 @@ class LiveBytesTracker(TorchDispatchMode):
                 continue
             created = True
             self._count(storage, key)
+        # an op that holds a temporary inside (bitsandbytes' 4-bit matmul dequantizes its weight) peaks above its output
+        hidden = hidden_temporary_bytes(func, args, kwargs)
+        current = self._phases[-1]
+        current.peak_bytes = max(current.peak_bytes, self.live_bytes + hidden)
         if created or func.overloadpacket in flop_registry:
-            self._charge_time(func, args, kwargs, out, inputs, outputs)
+            self._charge_time(func, args, kwargs, out, inputs, outputs, hidden)
         return out
 
     def adopt(self, tensors) -> None:
@@ -124,8 +130,9 @@ class LiveBytesTracker(TorchDispatchMode):
         self.live_bytes -= nbytes
         self._finalizers.pop(key, None)
 
-    def _charge_time(self, func, args, kwargs, out, inputs, outputs) -> None:
-        cost = op_roofline(self.device, func, args, kwargs, out, inputs + outputs, allow_tf32=self.allow_tf32)
+    def _charge_time(self, func, args, kwargs, out, inputs, outputs, hidden_bytes: int) -> None:
+        cost = op_roofline(self.device, func, args, kwargs, out, inputs + outputs, allow_tf32=self.allow_tf32,
+                           hidden_bytes=hidden_bytes)
         current = self._phases[-1]
         current.time_s += cost.time_s
         current.flops += cost.flops
@@ -137,14 +144,15 @@ class OpCost:
     time_s: float  # roofline: the slower of its FLOPs at the device's rate and its bytes moved over its bandwidth
 
 
-def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allow_tf32: bool = False) -> OpCost:
-    """One op's FLOPs (torch's flop counter) and roofline time; `touched`: its input and output tensors."""
+def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allow_tf32: bool = False, hidden_bytes: int = 0) -> OpCost:
+    """One op's FLOPs (torch's flop counter) and roofline time; `touched`: its input and output tensors;
+    `hidden_bytes`: a temporary it writes and reads back inside itself."""
     flops = 0
     if func.overloadpacket in flop_registry:
         flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
     if flops == 0 and getattr(device, "fuses_elementwise", False):
         return OpCost(0, 0.0)
-    moved = sum(t.numel() * t.element_size() for t in touched)
+    moved = sum(t.numel() * t.element_size() for t in touched) + 2 * hidden_bytes
     dtype = touched[0].dtype if touched else torch.float32
     compute_s = flops / device.flops_for(dtype, allow_tf32=allow_tf32)
     return OpCost(flops, max(compute_s, moved / device.memory_bandwidth))

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from autoplan.runtime.quantized import is_quantized_parameter
 from autoplan.runtime.signatures import accepts_argument
 from autoplan.runtime.tensors import tensors_of
 
@@ -118,12 +119,19 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 @contextlib.contextmanager
 def preserved(model: torch.nn.Module) -> Iterator[None]:
-    """Run real steps on `model` and put its parameters, buffers, gradients and the RNG back."""
-    params = list(model.parameters())
+    """Run real training steps on `model` (in training mode, as planned) and put its parameters,
+    buffers, gradients, train/eval modes and the RNG back.
+
+    A quantized base's packed weights are frozen and left alone: bitsandbytes' parameter classes
+    re-quantize on `.to()`, and nothing in a training step writes them.
+    """
+    params = [p for p in model.parameters() if not is_quantized_parameter(p)]
     saved = [t.detach().to("cpu", copy=True) for t in params + list(model.buffers())]
     grads = [p.grad for p in params]
+    modes = [(module, module.training) for module in model.modules()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    model.train()
     try:
         yield
     finally:
@@ -132,6 +140,8 @@ def preserved(model: torch.nn.Module) -> Iterator[None]:
                 tensor.copy_(value)
         for param, grad in zip(params, grads):
             param.grad = grad
+        for module, training in modes:
+            module.training = training
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -24,6 +24,7 @@ from autoplan.inputs.hf_models import training_inputs
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
 from autoplan.runtime.planned import apply_choices, has_fused_loss, planned_choices
+from autoplan.runtime.quantized import resident_tensors
 from autoplan.runtime.tensors import tensors_of
 from autoplan.runtime.tracker import LiveBytesTracker
 from autoplan.runtime.training import (
@@ -169,7 +170,7 @@ def _start_peak(tracker: LiveBytesTracker | None, device: torch.device, model, o
         return None
     state = optimizer_state_tensors(opt)
     inputs = tensors_of(batch)
-    tracker.adopt(list(model.parameters()) + list(model.buffers()) + state + inputs)
+    tracker.adopt(resident_tensors(model) + state + inputs)
     tracker.begin_phase("steady")
     return None
 

@@ -1,0 +1,155 @@
+"""Quantized bases (bitsandbytes 4-bit and 8-bit layers): the tensors they hold, their fake twins,
+and what their matmuls allocate and compute that the dispatcher does not show.
+
+A bitsandbytes `Linear4bit` holds its weight packed (`Params4bit`, two 4-bit codes a byte) with a
+`QuantState` beside it (the blockwise absmax, a 16-entry code, with double quantization the absmax
+itself quantized to 8 bits with a second state); a `Linear8bitLt` holds int8 rows (`Int8Params`,
+whose `CB` moves into the module's `MatmulLtState` on the first forward) and their fp32 row scales
+(`SCB`). None of these state tensors is a parameter or a buffer, so everything that counts a
+model's resident bytes (the simulation, the real-step measurement, the fake copy) asks this module.
+
+`bitsandbytes::gemm_4bit` is one opaque op: on the GPU at training batch sizes (more than 1536 rows)
+and on the CPU it dequantizes the weight into a temporary of the weight's full shape in the input's
+dtype (and, with double quantization, the absmax into two fp32 temporaries), then runs `F.linear`.
+The dispatcher shows only its output, so `hidden_temporary_bytes` gives the tracker what it holds
+inside, and its FLOPs are registered with torch's flop counter.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+from autoplan.runtime.tensors import rounded_bytes
+
+_PARAMS_4BIT_FIELDS = ("blocksize", "compress_statistics", "quant_type", "quant_storage", "bnb_quantized")
+_QUANT_STATE_TENSORS = ("absmax", "code", "offset")
+
+
+def is_quantized_parameter(tensor: torch.Tensor) -> bool:
+    """A bitsandbytes packed weight (`Params4bit`, `Int8Params`), or a fake twin of one (it carries the same state)."""
+    return type(tensor).__module__.startswith("bitsandbytes") or getattr(tensor, "_autoplan_quantized", False)
+
+
+def is_4bit(tensor: torch.Tensor) -> bool:
+    return is_quantized_parameter(tensor) and getattr(tensor, "quant_state", None) is not None
+
+
+def _quant_state_tensors(state: Any) -> Iterator[torch.Tensor]:
+    if state is None:
+        return
+    for name in _QUANT_STATE_TENSORS:
+        value = getattr(state, name, None)
+        if isinstance(value, torch.Tensor):
+            yield value
+    yield from _quant_state_tensors(getattr(state, "state2", None))
+
+
+def quantization_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor a quantized layer holds besides its parameters: 4-bit quant states, 8-bit row scales
+    and the int8 matrix the layer's matmul state keeps (the weight's own storage once it ran)."""
+    tensors: list[torch.Tensor] = []
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            tensors.extend(_quant_state_tensors(getattr(param, "quant_state", None)))
+            tensors.extend(t for t in (getattr(param, "CB", None), getattr(param, "SCB", None)) if isinstance(t, torch.Tensor))
+        matmul_state = getattr(module, "state", None)
+        if type(matmul_state).__name__ == "MatmulLtState":
+            tensors.extend(t for t in (matmul_state.CB, matmul_state.SCB) if isinstance(t, torch.Tensor))
+    return tensors
+
+
+def resident_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a model holds on its device whatever the step does: parameters, buffers and quantization state."""
+    return list(model.parameters()) + list(model.buffers()) + quantization_state_tensors(model)
+
+
+def has_quantized_base(model: torch.nn.Module) -> bool:
+    return any(is_quantized_parameter(p) for p in model.parameters())
+
+
+def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, Any]:
+    """deepcopy memo entries that give every quantized parameter and its state a fake twin.
+
+    `fake_of` makes a fake over a tensor's storage (one fake storage per real one), so the int8
+    matrix that is both a weight's data and its layer's `CB` stays one storage. The twin of a packed
+    weight is a plain fake Parameter carrying the attributes bitsandbytes' forward reads: fake
+    tensors cannot be re-wrapped in bitsandbytes' parameter subclasses.
+    """
+    memo: dict[int, Any] = {}
+
+    def twin(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = fake_of(value)
+            return memo[id(value)]
+        if type(value).__name__ == "QuantState":
+            if id(value) not in memo:
+                state = copy.copy(value)
+                for name in _QUANT_STATE_TENSORS:
+                    if isinstance(getattr(value, name, None), torch.Tensor):
+                        setattr(state, name, twin(getattr(value, name)))
+                state.state2 = twin(value.state2) if getattr(value, "state2", None) is not None else None
+                memo[id(value)] = state
+            return memo[id(value)]
+        return value
+
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if not is_quantized_parameter(param) or id(param) in memo:
+                continue
+            fake = torch.nn.Parameter(fake_of(param), requires_grad=param.requires_grad)
+            fake._autoplan_quantized = True
+            for name in _PARAMS_4BIT_FIELDS + ("has_fp16_weights",):
+                if hasattr(param, name):
+                    setattr(fake, name, getattr(param, name))
+            for name in ("quant_state", "CB", "SCB"):
+                if hasattr(param, name):
+                    setattr(fake, name, twin(getattr(param, name)))
+            memo[id(param)] = fake
+        matmul_state = getattr(module, "state", None)
+        if type(matmul_state).__name__ == "MatmulLtState":
+            for value in (matmul_state.CB, matmul_state.SCB):
+                twin(value)
+    return memo
+
+
+def hidden_temporary_bytes(func, args, kwargs) -> int:
+    """Bytes an op holds inside itself, beyond its output, that no dispatched op allocates (0 for most ops)."""
+    if getattr(func, "namespace", "") != "bitsandbytes" or func is not _gemm_4bit():
+        return 0
+    a, _b, shape_b = args[:3]
+    absmax_8bit = args[7] if len(args) > 7 else kwargs.get("absmax_8bit")
+    dequantized = rounded_bytes(int(shape_b[0]) * int(shape_b[1]) * a.element_size())
+    # double quantization: the absmax dequantized to fp32, then offset into a second fp32 tensor
+    absmax = 2 * rounded_bytes(absmax_8bit.numel() * 4) if absmax_8bit is not None else 0
+    return dequantized + absmax
+
+
+def _gemm_4bit():
+    ops = getattr(torch.ops, "bitsandbytes", None)
+    try:
+        return ops.gemm_4bit.default if ops is not None else None
+    except AttributeError:
+        return None
+
+
+def register_quantized_flops() -> None:
+    """Give torch's flop counter (and so the roofline) the FLOPs of bitsandbytes' fused 4-bit matmul.
+
+    Its matmul work is that of the F.linear it runs: 2·M·N·K. Called once bitsandbytes is loaded
+    (its ops exist only then); the other bitsandbytes matmuls dispatch aten matmuls the counter sees.
+    """
+    gemm = _gemm_4bit()
+    if gemm is None or gemm.overloadpacket in flop_registry:
+        return
+
+    @register_flop_formula(gemm.overloadpacket)
+    def _gemm_4bit_flops(a_shape, b_shape, shape_b, *args, out_shape=None, **kwargs) -> int:
+        rows = 1
+        for size in a_shape[:-1]:
+            rows *= size
+        return 2 * rows * int(shape_b[0]) * int(shape_b[1])
