@@ -1,0 +1,163 @@
+"""Quantized bases (bitsandbytes 4-bit and 8-bit) with peft LoRA adapters: planned, measured, trained.
+
+A tiny Llama is saved and loaded back through transformers' BitsAndBytesConfig, as a person loads a
+QLoRA base; bitsandbytes runs real training steps on the CPU, so every prediction here is checked
+against the live tensor bytes of real steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+import autoplan  # noqa: E402
+from autoplan.runtime.fake import fake_copy, new_fake_mode  # noqa: E402
+from autoplan.runtime.quantized import quantization_state_tensors, resident_tensors  # noqa: E402
+from autoplan.runtime.tensors import rounded_bytes, unique_storage_bytes  # noqa: E402
+from autoplan.runtime.tracker import LiveBytesTracker  # noqa: E402
+from autoplan.inputs.devices import get_device  # noqa: E402
+
+CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(path)
+    return path
+
+
+def quantized(path, quantization: str, *, lora: bool = True, compute=torch.bfloat16):
+    configs = {
+        "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute),
+        "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False, bnb_4bit_compute_dtype=compute),
+        "int8": dict(load_in_8bit=True),
+    }
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.BitsAndBytesConfig(**configs[quantization]), device_map="cpu")
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    return model
+
+
+def batch(tokens: int = 48):
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, tokens), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def halfway_plan(model, inputs):
+    """A plan at a budget halfway between the lowest peak and no plan: some units checkpointed, some not."""
+    wide = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
+    budget = (wide.minimum_peak_bytes + wide.baseline_peak_bytes) // 2
+    return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", reserve=0)
+
+
+@pytest.mark.parametrize("quantization", ["nf4-double", "fp4"])
+def test_4bit_lora_prediction_equals_real_steps_in_the_common_loop(saved_llama, quantization):
+    model, inputs = quantized(saved_llama, quantization), batch()
+    plan = halfway_plan(model, inputs)
+    assert plan.feasible
+    assert len({u.choice.mode for u in plan.units}) > 1, "a halfway budget should mix checkpointed and kept units"
+    result = autoplan.verify(model, plan, example_inputs=inputs)
+    assert result.held
+    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
+
+
+def test_8bit_base_plan_holds_and_never_predicts_low(saved_llama):
+    model, inputs = quantized(saved_llama, "int8"), batch()
+    plan = halfway_plan(model, inputs)
+    result = autoplan.verify(model, plan, example_inputs=inputs)
+    assert result.held
+    assert plan.simulated_peak_bytes == result.measured_peak_bytes  # the whole-step simulation is exact
+    assert plan.predicted_peak_bytes >= result.measured_peak_bytes
+
+
+def test_packed_weights_and_quant_state_count_as_parameters(saved_llama):
+    model = quantized(saved_llama, "nf4-double")
+    state = quantization_state_tensors(model)
+    assert state, "a double-quantized 4-bit base holds absmax, codes and offsets beside its packed weights"
+    plan = autoplan.plan(model, "1GB", example_inputs=batch(), device="cpu")
+    assert plan.breakdown.parameters == unique_storage_bytes(resident_tensors(model))
+    assert plan.breakdown.parameters > unique_storage_bytes(list(model.parameters()) + list(model.buffers()))
+    # AdamW's state is the adapters' alone: two fp32 tensors and a step count per trainable (LoRA) weight
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    assert adapters and all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    assert plan.breakdown.optimizer == sum(2 * rounded_bytes(p.numel() * 4) + rounded_bytes(4) for p in adapters)
+
+
+def test_fake_twin_keeps_quant_state_and_int8_aliasing(saved_llama):
+    mode = new_fake_mode()
+    four = fake_copy(quantized(saved_llama, "nf4-double", lora=False), mode)
+    layer = four.model.layers[0].self_attn.q_proj
+    assert layer.weight.dtype == torch.uint8 and layer.weight.quant_state.nested
+    assert type(layer.weight.quant_state.absmax).__name__ == "FakeTensor"
+    assert type(layer.weight.quant_state.state2.absmax).__name__ == "FakeTensor"
+    eight = fake_copy(quantized(saved_llama, "int8", lora=False), mode)
+    weight = eight.model.layers[0].mlp.up_proj.weight
+    assert weight.dtype == torch.int8
+    assert weight.CB.untyped_storage()._cdata == weight.untyped_storage()._cdata  # one storage, as in the real layer
+
+
+def test_4bit_matmul_peaks_like_its_dequantize_then_linear(saved_llama):
+    """The tracker's rule for the fused op's hidden temporary equals running its two steps in the open."""
+    layer = quantized(saved_llama, "nf4-double", lora=False).model.layers[0].mlp.up_proj
+    x = torch.randn(2, 48, CONFIG["hidden_size"], dtype=torch.bfloat16)
+    device = get_device("cpu")
+    fused = LiveBytesTracker(device)
+    with fused, torch.no_grad():
+        out = bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state)
+    del out
+    state = layer.weight.quant_state
+    opened = LiveBytesTracker(device)
+    with opened, torch.no_grad():
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(state.absmax, state.state2.absmax, state.state2.code, 256, torch.float32)
+        scaled = absmax + state.offset
+        weight = torch.ops.bitsandbytes.dequantize_4bit.default(layer.weight, scaled, state.blocksize, state.quant_type, state.shape, x.dtype)
+        out = torch.nn.functional.linear(x, weight)
+    assert fused.phases()[0].peak_bytes == opened.phases()[0].peak_bytes > 0
+
+
+def test_4bit_matmul_flops_are_counted(saved_llama):
+    layer = quantized(saved_llama, "fp4", lora=False).model.layers[0].mlp.down_proj
+    x = torch.randn(3, 5, CONFIG["intermediate_size"], dtype=torch.bfloat16)
+    tracker = LiveBytesTracker(get_device("cpu"))
+    with tracker, torch.no_grad():
+        bnb.matmul_4bit(x, layer.weight, quant_state=layer.weight.quant_state)
+    assert tracker.phases()[0].flops == 2 * 15 * CONFIG["intermediate_size"] * CONFIG["hidden_size"]
+
+
+def test_planned_qlora_trains_as_the_unplanned_model(saved_llama):
+    inputs = batch()
+    model = quantized(saved_llama, "nf4-double", compute=torch.float32)
+    twin = copy.deepcopy(model)
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32",
+                         checkpoint=["*layers.0", "*layers.2"])
+    assert {u.choice.mode for u in plan.units} >= {"full", "keep"}
+    autoplan.apply(model, plan)
+
+    def losses(m):
+        torch.manual_seed(3)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        out = []
+        m.train()
+        for _ in range(3):
+            loss = m(**inputs).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out, [p.detach().clone() for p in m.parameters() if p.requires_grad]
+
+    (planned, planned_weights), (plain, plain_weights) = losses(model), losses(twin)
+    assert planned == pytest.approx(plain, rel=1e-5)
+    for a, b in zip(planned_weights, plain_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # Adam normalises tiny gradient differences
