@@ -34,6 +34,7 @@ from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
 from autoplan.runtime.formatting import first_line, where_in_user_code
+from autoplan.runtime.quantized import int8_layers
 from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound, check_moe_capacity
 from autoplan.runtime.training import model_device
 from autoplan.solve.assemble import assemble_plan, best_level, infeasible_message
@@ -139,6 +140,7 @@ def plan(
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
         loop=training_loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
     say = progress or (lambda message: None)
+    _check_int8_target(model, target)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
     # within a level, segments of consecutive blocks are candidates of the same program
@@ -150,6 +152,18 @@ def plan(
     if on_profile is not None:
         on_profile(measured)
     return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed)
+
+
+def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
+    """8-bit bases are planned for the CPU only: on a GPU, bitsandbytes' LLM.int8() training matmul keeps
+    int8 copies of each input and its outlier columns, whose count depends on the batch's values, while
+    the CPU path the simulation runs keeps the input alone; a GPU plan would count less than the GPU holds."""
+    layers = int8_layers(model)
+    if layers and target.kind != "cpu":
+        raise ProfileError(
+            f"{type(model).__name__} has {len(layers)} bitsandbytes 8-bit layers (e.g. {layers[0]}); autoplan plans 8-bit bases "
+            f"for the CPU only, not for {target.name}: on a GPU their matmuls keep outlier columns whose size depends on the batch. "
+            "Load the base in 4-bit (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), which plans for any device")
 
 
 def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: Budget, *, say, settings: dict) -> tuple[Plan, Profile]:

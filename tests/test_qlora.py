@@ -21,6 +21,7 @@ from autoplan.runtime.fake import fake_copy, new_fake_mode  # noqa: E402
 from autoplan.runtime.quantized import quantization_state_tensors, resident_tensors  # noqa: E402
 from autoplan.runtime.tensors import rounded_bytes, unique_storage_bytes  # noqa: E402
 from autoplan.runtime.tracker import LiveBytesTracker  # noqa: E402
+from autoplan.errors import ProfileError  # noqa: E402
 from autoplan.inputs.devices import get_device  # noqa: E402
 
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -161,3 +162,10 @@ def test_planned_qlora_trains_as_the_unplanned_model(saved_llama):
     assert planned == pytest.approx(plain, rel=1e-5)
     for a, b in zip(planned_weights, plain_weights, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # Adam normalises tiny gradient differences
+
+
+def test_4bit_base_plans_for_a_gpu_and_8bit_says_it_cannot(saved_llama):
+    plan = autoplan.plan(quantized(saved_llama, "nf4-double"), "24GB", example_inputs=batch(), device="rtx-4090")
+    assert plan.feasible and plan.device == "rtx-4090"
+    with pytest.raises(ProfileError, match="8-bit layers .* for the CPU only.*load_in_4bit"):
+        autoplan.plan(quantized(saved_llama, "int8"), "24GB", example_inputs=batch(), device="rtx-4090")

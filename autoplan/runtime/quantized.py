@@ -71,6 +71,11 @@ def has_quantized_base(model: torch.nn.Module) -> bool:
     return any(is_quantized_parameter(p) for p in model.parameters())
 
 
+def int8_layers(model: torch.nn.Module) -> list[str]:
+    """Names of the bitsandbytes 8-bit (LLM.int8()) layers of a model."""
+    return [name for name, module in model.named_modules() if type(module.__dict__.get("state")).__name__ == "MatmulLtState"]
+
+
 def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, Any]:
     """deepcopy memo entries that give every quantized parameter and its state a fake twin.
 
