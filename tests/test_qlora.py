@@ -169,3 +169,20 @@ def test_4bit_base_plans_for_a_gpu_and_8bit_says_it_cannot(saved_llama):
     assert plan.feasible and plan.device == "rtx-4090"
     with pytest.raises(ProfileError, match="8-bit layers .* for the CPU only.*load_in_4bit"):
         autoplan.plan(quantized(saved_llama, "int8"), "24GB", example_inputs=batch(), device="rtx-4090")
+
+
+def test_selective_rule_keeps_the_4bit_matmul_outputs():
+    """The fixed selective rule keeps matmul outputs; a 4-bit base's matmuls are one fused op of their own."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from autoplan.runtime.wrappers import OccurrencePolicy
+
+    seen = []
+    policy = OccurrencePolicy(None, observer=lambda occurrence, func, *rest: seen.append(func))
+
+    class Ctx:
+        op_output = None
+
+    gemm = torch.ops.bitsandbytes.gemm_4bit.default
+    assert policy(Ctx(), gemm) == CheckpointPolicy.MUST_SAVE and seen == [gemm]
+    assert policy(Ctx(), torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE

@@ -122,9 +122,14 @@ def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tens
     return memo
 
 
+def is_quantized_matmul(func) -> bool:
+    """bitsandbytes' fused 4-bit matmul: a matmul to the selective policy and the roofline."""
+    return getattr(func, "namespace", "") == "bitsandbytes" and func is _gemm_4bit()
+
+
 def hidden_temporary_bytes(func, args, kwargs) -> int:
     """Bytes an op holds inside itself, beyond its output, that no dispatched op allocates (0 for most ops)."""
-    if getattr(func, "namespace", "") != "bitsandbytes" or func is not _gemm_4bit():
+    if not is_quantized_matmul(func):
         return 0
     a, _b, shape_b = args[:3]
     absmax_8bit = args[7] if len(args) > 7 else kwargs.get("absmax_8bit")
