@@ -73,13 +73,15 @@ def test_4bit_lora_prediction_equals_real_steps_in_the_common_loop(saved_llama, 
     assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
 
 
-def test_8bit_base_plan_holds_and_never_predicts_low(saved_llama):
+def test_8bit_base_prediction_equals_real_steps_in_the_common_loop(saved_llama):
+    """LLM.int8()'s training matmul keeps its input as an attribute of its autograd node, which backward
+    does not free: the graph the loop's `loss` still holds keeps it through the next forward, and how
+    much depends on each unit's precision (the memory model's `spent_bytes`)."""
     model, inputs = quantized(saved_llama, "int8"), batch()
     plan = halfway_plan(model, inputs)
     result = autoplan.verify(model, plan, example_inputs=inputs)
     assert result.held
-    assert plan.simulated_peak_bytes == result.measured_peak_bytes  # the whole-step simulation is exact
-    assert plan.predicted_peak_bytes >= result.measured_peak_bytes
+    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
 
 
 def test_packed_weights_and_quant_state_count_as_parameters(saved_llama):

@@ -8,7 +8,10 @@ base choice) and changes it unit by unit:
 - from the end of u's forward to the start of its backward, everything live changes by the
   difference of what u keeps (`held_bytes`);
 - during u's backward, by that difference plus the difference of its backward peaks (where a
-  checkpointed unit recomputes).
+  checkpointed unit recomputes);
+- after u's backward, and through the next step's forward (the loop's `loss` holds the graph until
+  it is reassigned), by the difference of what u's graph still holds (`spent_bytes`: tensors an
+  autograd function keeps as attributes, which backward does not free; 0 for most units).
 
 Tensors passed between units (a block's output is the next block's input; a U-Net's skip reaches
 a decoder block) are counted once: such a tensor stays alive through a holder's window (its
@@ -30,7 +33,8 @@ from autoplan.memory.sharded import RankTerms, rank_terms
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
 from autoplan.profile.units import Profile, UnitProfile
 
-Relation = Literal["fwd", "held", "bwd"]
+Relation = Literal["fwd", "held", "bwd", "spent"]
+HOLDING: tuple[Relation, ...] = ("held", "bwd")  # the relations in which a unit's held bytes are alive
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ def points(profile: Profile, world_size: int = 1) -> list[Point]:
     """One constraint per phase; with world_size > 1, rank 0's bytes under FSDP (see `rank_offsets`)."""
     windows = unit_windows(profile)
     offsets = rank_offsets(profile, world_size)
+    spending = {u for u, unit in enumerate(profile.units) if len({cost.spent_bytes for cost in unit.options.values()}) > 1}
     result = []
     for index, phase in enumerate(profile.timeline.phases):
         relations: list[tuple[int, Relation]] = []
@@ -57,6 +62,9 @@ def points(profile: Profile, world_size: int = 1) -> list[Point]:
                 relations.append((unit_index, "bwd"))
             elif forward < index < backward:
                 relations.append((unit_index, "held"))
+            if unit_index in spending and (phase.kind == "fwd" or index > backward):
+                # after its backward, and through the next step's forward while the loop holds the graph
+                relations.append((unit_index, "spent"))
         result.append(Point(index, phase.phase, phase.peak_bytes + offsets[index], tuple(relations)))
     return result
 
@@ -71,6 +79,8 @@ def transient_delta(unit: UnitProfile, relation: Relation, choice: Choice | Cove
         return cost.fwd_peak_bytes - base.fwd_peak_bytes
     if relation == "bwd":
         return cost.bwd_peak_bytes - base.bwd_peak_bytes
+    if relation == "spent":
+        return cost.spent_bytes - base.spent_bytes
     return 0
 
 
@@ -213,7 +223,7 @@ def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
     held = held_changes(profile, choices)
     live = [
         point.base_bytes
-        + sum((held[u] if relation != "fwd" else 0) + transient_delta(profile.units[u], relation, chosen[u]) for u, relation in point.relations)
+        + sum((held[u] if relation in HOLDING else 0) + transient_delta(profile.units[u], relation, chosen[u]) for u, relation in point.relations)
         for point in points(profile)
     ]
     windows = unit_windows(profile)
@@ -248,7 +258,7 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: in
     index = max(range(len(live)), key=live.__getitem__)
     phase = profile.timeline.phases[index]
     held = held_changes(profile, choices)
-    start = phase.start_bytes + sum(held[u] for u, relation in points(profile)[index].relations if relation != "fwd")
+    start = phase.start_bytes + sum(held[u] for u, relation in points(profile)[index].relations if relation in HOLDING)
     static = profile.timeline.static
     activations = start - static.parameters - static.optimizer - phase.grad_bytes
     breakdown = MemoryBreakdown(

@@ -54,6 +54,8 @@ class UnitCost:
     holds_inputs: tuple[bool, ...] = ()  # per tensor leaf of its inputs: still alive after forward
     holds_outputs: tuple[bool, ...] = ()  # per tensor leaf of its output: saved by itself for backward
     attention_bytes: int = 0  # T×T attention matrices (softmax outputs and same-shaped dropout/views) it saves; keep mode only
+    spent_bytes: int = 0  # what its graph still holds after its backward (tensors autograd functions keep as attributes,
+    # as bitsandbytes' 8-bit matmul keeps its input): alive until the loop drops the graph, in the next forward
 
     @property
     def time_s(self) -> float:
@@ -204,11 +206,14 @@ def _measure_unit(
         del output, outputs, new_outputs, needs_grad, args, kwargs, inputs
         holds_inputs = tuple(ref() is not None for ref in input_refs)
         holds_outputs = tuple(ref() is not None for ref in output_refs)
+        spent = 0
         if root is None:
             tracker.begin_phase("bwd")
         else:
             root.backward()
+            after_backward = tracker.live_bytes
             del root
+            spent = after_backward - tracker.live_bytes
         fwd, bwd = tracker.phases()[-2:]
     for param in module.parameters():
         param.grad = None
@@ -223,6 +228,7 @@ def _measure_unit(
         holds_inputs=holds_inputs,
         holds_outputs=holds_outputs,
         attention_bytes=attention.total_bytes if isinstance(attention, _AttentionSaved) else 0,
+        spent_bytes=spent,
     )
 
 

@@ -22,6 +22,7 @@ import pulp
 
 from autoplan.errors import SolverTimeoutError
 from autoplan.memory.model import (
+    HOLDING,
     Point,
     alive_regardless,
     holds,
@@ -126,7 +127,7 @@ def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name
     position = {u: i for i, u in enumerate(forward_order)}
 
     def phase_bytes(point: Point):
-        holding = [u for u, relation in point.relations if relation != "fwd"]
+        holding = [u for u, relation in point.relations if relation in HOLDING]
         if sorted(position[u] for u in holding) == list(range(len(holding))):
             held_now = prefix[len(holding)]
         else:  # not a prefix of forward order (parallel branches): sum the units themselves
