@@ -326,3 +326,18 @@ def test_verify_option_errors():
     assert_one_line_error(run("verify", FACTORY, "--budget", "200MB", "--on", "tpu"), ExitCode.USAGE, "--on")
     if not __import__("torch").cuda.is_available():
         assert_one_line_error(run("verify", FACTORY, "--budget", "200MB", "--on", "cuda"), ExitCode.USAGE, "no CUDA")
+
+
+def test_json_to_stdout_is_json_on_the_real_file_descriptor() -> None:
+    """The installed command as a separate process: the solver's C++ banner (highspy ≥ 1.16 prints it
+    to fd 1 whatever msg=False says) must not reach stdout, which CliRunner's sys.stdout never sees."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-c", "from autoplan.cli.app import app; app()", "plan", FACTORY, "--budget", "1GB",
+               "--device", "h100-80gb", "--json", "-"]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["plan"]["feasible"] is True and doc["target"] == FACTORY
