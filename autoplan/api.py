@@ -34,7 +34,7 @@ from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
 from autoplan.runtime.formatting import first_line, where_in_user_code
-from autoplan.runtime.quantized import int8_layers
+from autoplan.runtime.quantized import int8_layers, settle_first_forward
 from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound, check_moe_capacity
 from autoplan.runtime.training import model_device
 from autoplan.solve.assemble import assemble_plan, best_level, infeasible_message
@@ -141,6 +141,7 @@ def plan(
         loop=training_loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
     say = progress or (lambda message: None)
     _check_int8_target(model, target)
+    settle_first_forward(model)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
     # within a level, segments of consecutive blocks are candidates of the same program

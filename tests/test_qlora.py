@@ -188,3 +188,32 @@ def test_selective_rule_keeps_the_4bit_matmul_outputs():
     gemm = torch.ops.bitsandbytes.gemm_4bit.default
     assert policy(Ctx(), gemm) == CheckpointPolicy.MUST_SAVE and seen == [gemm]
     assert policy(Ctx(), torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+FAMILIES = {
+    "qwen2": ("Qwen2Config", dict(CONFIG)),
+    "mistral": ("MistralConfig", dict(CONFIG)),
+    "phi3": ("Phi3Config", {k: v for k, v in CONFIG.items()} | dict(pad_token_id=0)),
+}
+
+
+@pytest.mark.parametrize("family,quant_type,double,compute,rank,targets,kbit_checkpointing", [
+    ("qwen2", "nf4", False, torch.float16, 4, ["q_proj", "v_proj"], False),
+    ("mistral", "fp4", True, torch.float32, 16, "all-linear", True),  # kbit's input-grad hook and HF checkpointing on
+    ("phi3", "nf4", True, torch.bfloat16, 32, ["qkv_proj", "o_proj", "gate_up_proj"], False),  # fused projections
+])
+def test_other_bases_and_adapters_predict_real_steps(tmp_path, family, quant_type, double, compute, rank, targets, kbit_checkpointing):
+    config_class, sizes = FAMILIES[family]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**sizes)).save_pretrained(tmp_path)
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                                   bnb_4bit_use_double_quant=double, bnb_4bit_compute_dtype=compute)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, device_map="cpu")
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=kbit_checkpointing)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM"))
+    inputs = batch()
+    plan = halfway_plan(model, inputs)
+    assert plan.feasible and len({u.choice.mode for u in plan.units}) > 1
+    result = autoplan.verify(model, plan, example_inputs=inputs)
+    assert result.held
+    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01

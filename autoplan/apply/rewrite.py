@@ -15,6 +15,7 @@ from autoplan.apply.fsdp import apply_fsdp
 from autoplan.plan import Plan
 from autoplan.runtime.names import is_graph_unit, unit_endpoints
 from autoplan.runtime.planned import apply_choices
+from autoplan.runtime.quantized import settle_first_forward
 
 
 def refuse_meta(model: torch.nn.Module) -> None:
@@ -32,6 +33,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
         raise TypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
     choices = plan.choices()
     refuse_meta(model)
+    settle_first_forward(model)  # a 4-bit layer's first forward must run the ops its recompute runs
     if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
         warnings.warn(
             "gradient checkpointing turned on by gradient_checkpointing_enable() (or activation_checkpointing_enable()) "

@@ -76,6 +76,25 @@ def int8_layers(model: torch.nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if type(module.__dict__.get("state")).__name__ == "MatmulLtState"]
 
 
+def settle_first_forward(model: torch.nn.Module) -> None:
+    """Do now what a 4-bit layer's first forward does to itself: cast its bias to the compute dtype.
+
+    `Linear4bit.forward` replaces `bias.data` with a compute-dtype copy the first time it runs, so
+    the first forward runs one cast that no later one (nor a checkpointed unit's recompute) runs.
+    A selective checkpoint matches saved outputs to recomputed ops by their order, so that extra
+    cast would hand the recompute a bias where it expects an activation. Settled before planning
+    and applying, every forward runs the same ops; the values are the ones bitsandbytes uses.
+    """
+    for module in model.modules():
+        compute = getattr(module, "compute_dtype", None)
+        bias = getattr(module, "bias", None)
+        weight = getattr(module, "weight", None)
+        if compute is None or not isinstance(bias, torch.Tensor) or weight is None or not is_4bit(weight):
+            continue
+        if bias.dtype != compute:
+            bias.data = bias.data.to(compute)
+
+
 def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, Any]:
     """deepcopy memo entries that give every quantized parameter and its state a fake twin.
 
