@@ -234,3 +234,27 @@ def test_a_meta_model_plans_exactly_like_the_same_model_with_weights(tmp_path) -
         autoplan.optimize(meta, "1GB", batch_size=BATCH, seq_len=SEQ)
     with pytest.raises(ValueError, match="meta device"):
         autoplan.apply(meta, plans[0])
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_loop_that_leaves_the_cache_on_trains_as_the_original(mode: str) -> None:
+    """`model(**batch)` in training, use_cache left at the config's True: a checkpointed layer must not
+    write the cache (transformers ≥ 5.24 passes it as `cache=`), or its recompute sees twice the keys."""
+    family = families.BY_NAME["Llama"]
+    model = family.build()
+    original = copy.deepcopy(model)
+    inputs = family.inputs(model)
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", checkpoint={"*": mode})
+    autoplan.apply(model, plan)
+    assert {u.choice.mode for u in plan.units} == {mode}
+    for m in (model, original):
+        m.train()
+        for _ in range(2):  # the second step too: nothing of the first step's cache may linger
+            m.zero_grad()
+            loss = m(**inputs, use_cache=True).loss
+            loss.backward()
+        m.final_loss = loss.detach()
+    torch.testing.assert_close(model.final_loss, original.final_loss)
+    grads = dict(original.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)

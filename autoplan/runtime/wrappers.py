@@ -166,7 +166,7 @@ def _class_forward(cls: type) -> Any:
     return forward
 
 
-_CACHE_KWARGS = ("past_key_values", "layer_past")
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")  # transformers ≥ 5.24 calls it `cache`
 
 
 def without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
