@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from dataclasses import dataclass
 import math
 import numbers
 from typing import Any, Callable, Mapping
@@ -35,7 +36,7 @@ from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
 from autoplan.runtime.formatting import first_line, where_in_user_code
 from autoplan.runtime.quantized import int8_layers, settle_first_forward
-from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound, check_moe_capacity
+from autoplan.runtime.routing import MoeRoutingBound, check_moe_capacity
 from autoplan.runtime.training import model_device
 from autoplan.solve.assemble import assemble_plan, best_level, infeasible_message
 from autoplan.solve.search import pinned_choices, search
@@ -75,84 +76,67 @@ def plan(
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
-    budget: "20GB", "20 GiB", "80%" (of the device), or an int of bytes.
-    example_inputs: a tuple of positional args, a dict of kwargs, or (args, kwargs); one batch.
-        Optional for a Hugging Face model: omitted, a batch of `batch_size` (default 1) ×
-        `seq_len` (default: the config's max positions, at most 2048) is built from its config
-        (autoplan.hf.example_inputs_for). A HF forward that takes `use_cache` gets False.
-    device: a device profile name ("h100-80gb", see autoplan.list_devices()), None for the current GPU (or
-        "cpu" without one).
-    optimizer: "adamw" (default), "adam", "sgd", "sgd-momentum" or an optimizer instance.
-    precision: "auto" (per unit, fp32 or the device's autocast dtype), "fp32", "bf16" or "fp16".
-    units: name patterns of the submodules to plan (default: the repeated blocks).
-    keep_fp32: unit patterns that must stay fp32. checkpoint: unit patterns that must be checkpointed
-        (full), or {pattern: mode}.
-    reserve: bytes held back from the budget (default: CUDA context + 5% fragmentation).
-    loss_fn: output -> scalar loss for profiling (default: the output's .loss, else a sum).
-    profile: where unit times come from: "roofline" (FLOPs and bytes over the device's rates),
-        "measure" (real runs on the device the model is on: CUDA events, or the CPU clock), or
-        "auto" (measure when the model is on a CUDA device and that device is the target).
-    progress: called with a short message as each stage starts. on_profile: called with the
-        Profile once measured (autoplan.report.advice needs it; the CLI uses this).
-    world_size: GPUs to shard over with FSDP2 (parameters, gradients and optimizer state 1/N each;
-        see memory.model.rank_offsets): every constraint and every byte of the plan is then per rank.
-        "auto": the fewest GPUs whose lowest per-rank peak fits, with the curve in
-        plan.world_size_curve. 1 (default): one GPU, no FSDP.
-    menu_size: per unit and precision, up to this many selective policies of its own (which op
-        outputs to save, autoplan.profile.menu) on top of keep/selective/full; 0: the three only.
-    compile: plan the model you will run under torch.compile (docs/plan_quality.md says what this
-        predicts): recomputing ops without FLOPs is priced as free (Inductor fuses them), so units
-        save matmul/attention outputs and recompute the rest. Memory is still the eager model's,
-        an upper bound for the compiled one. Compile the model after autoplan.apply/optimize.
-    loop: the training loop the peak is for (`autoplan.TrainingLoop`): outputs kept through backward
-        or dropped, gradient-accumulation micro-batches (example_inputs is one micro-batch),
-        zero_grad(set_to_none), the optimizer implementation, GradScaler. Default: the common loop,
-        `outputs = model(**batch); outputs.loss.backward(); optimizer.step(); optimizer.zero_grad()`.
-        `plan.loop` states it; `autoplan.verify` runs it.
-    time_limit_s: seconds the ILP solver may take per solve; when it runs out, the plan is the best one found
-        that fits (and says so), or a SolverTimeoutError names the limit to raise.
-    moe_capacity: mixture-of-experts layers whose routing decides shapes (a per-expert loop over
-        torch.where/nonzero of the expert mask) are profiled with every expert receiving every token
-        (None, the worst case: the plan holds for any routing), or with moe_capacity × tokens × top_k /
-        experts tokens each (1.0: balanced routing; a batch routed less evenly may peak above the plan).
-        plan.moe_routing and the notes say which was assumed.
-    allow_over_device: plan for a budget above the device's memory (a BudgetOverDeviceError otherwise); the
-        plan then says that it fits the budget, not the device.
-    segments: let the plan checkpoint runs of consecutive blocks as one region (a "segment", as in √n
-        checkpointing; memory.segments) besides each block on its own; False: each block on its own.
-        Off with compile=True: a segment's region runs eagerly between compiled graphs.
-    fuse_loss: where the forward takes F.cross_entropy of its output Linear's logits, compute the
-        loss and that Linear's gradients together in chunks of rows (a fused linear cross-entropy,
-        autoplan.runtime.loss_head): the log-softmax and the logits' gradient are never held whole,
-        and no FLOP is added; only where the simulated step then holds no more in any phase (a caller
-        keeping the logits through backward keeps the loss as written). plan.fused_loss names the
-        logits. Off with compile=True and on more than one GPU; False: the loss runs as written.
-
-    plan.request holds the arguments that shaped the plan, as given; plan.report() shows the call that
+    budget: "20GB", "20 GiB", "80%" (of the device), or an int of bytes. example_inputs: one batch
+    (positional args, kwargs, or both); optional for a Hugging Face model (`batch_size` ×
+    `seq_len` from its config). device: a profile name (`autoplan.list_devices()`); None, this
+    machine's GPU. optimizer: "adamw" (default), "adam", "sgd", "sgd-momentum" or an instance.
+    loop: the training loop the peak is for (default: outputs kept through backward); `plan.loop`
+    states it and `autoplan.verify` runs it. Every other argument (units, pins, reserve, profile,
+    world_size, compile, segments, fuse_loss, moe_capacity, ...): docs/api.md.
+    plan.request holds the arguments that shaped the plan; plan.report() shows the call that
     reproduces it.
     """
-    training_loop = check_loop(loop)
-    routing = _check_arguments(world_size, time_limit_s, moe_capacity)  # before minutes of tracing and profiling
+    settings = PlanSettings(
+        optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn,
+        profile=profile, loop=check_loop(loop), menu_size=menu_size, compile=_flag("compile", compile),
+        world_size=world_size, time_limit_s=time_limit_s, segments=_flag("segments", segments) and not compile,
+        routing=_check_arguments(world_size, time_limit_s, moe_capacity),  # before minutes of tracing and profiling
+        fuse_loss=_flag("fuse_loss", fuse_loss) and not compile and world_size == 1,
+    )
     target = get_device(device)
-    memory = make_budget(budget, target, reserve, allow_over_device=allow_over_device)
+    memory = make_budget(budget, target, reserve, allow_over_device=_flag("allow_over_device", allow_over_device))
     request = plan_request(budget, target, dict(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-        loop=training_loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
+        loop=settings.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
     say = progress or (lambda message: None)
     _check_int8_target(model, target)
     settle_first_forward(model)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
     # within a level, segments of consecutive blocks are candidates of the same program
-    chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, memory, say=say, settings=dict(
-        optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn,
-        profile=profile, loop=training_loop, menu_size=menu_size, compile=compile, world_size=world_size,
-        time_limit_s=time_limit_s, segments=segments and not compile, routing=routing,
-        fuse_loss=fuse_loss and not compile and world_size == 1))
+    chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, memory, say=say, settings=settings)
     if on_profile is not None:
         on_profile(measured)
     return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """plan()'s arguments that reach the trace, profile and solve stages, checked."""
+
+    optimizer: str | torch.optim.Optimizer
+    precision: str
+    keep_fp32: list[str] | None
+    checkpoint: list[str] | Mapping[str, str] | None
+    reserve: str | int | None
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    profile: str
+    loop: TrainingLoop
+    menu_size: int
+    compile: bool
+    world_size: int | str
+    time_limit_s: float
+    segments: bool  # off with compile: a segment's region runs eagerly between compiled graphs
+    routing: MoeRoutingBound
+    fuse_loss: bool  # off with compile and with FSDP
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A yes/no argument, which must be a bool: `fuse_loss="no"` would otherwise read as True."""
+    if not isinstance(value, bool):
+        raise OptionError(f"{name} takes True or False; got {value!r}")
+    return value
 
 
 def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
@@ -167,7 +151,8 @@ def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
             "Load the base in 4-bit (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), which plans for any device")
 
 
-def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: Budget, *, say, settings: dict) -> tuple[Plan, Profile]:
+def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: Budget, *, say,
+                 settings: PlanSettings) -> tuple[Plan, Profile]:
     """Every level traced, profiled and solved; the best plan of them and its profile."""
     planned: list[tuple[Plan, Profile]] = []
     planned_levels: list[UnitLevel] = []
@@ -175,23 +160,15 @@ def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: 
         if len(levels) > 1:
             say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
         try:
-            traced, measured = _trace_and_profile(
-                model, batch, target, unit_names=level.units, optimizer=settings["optimizer"], precision=settings["precision"],
-                keep_fp32=settings["keep_fp32"], loss_fn=settings["loss_fn"], profile=settings["profile"], say=say,
-                loop=settings["loop"], menu_size=settings["menu_size"], compile=settings["compile"], routing=settings["routing"],
-                fuse_loss=settings["fuse_loss"],
-            )
+            traced, measured = _trace_and_profile(model, batch, target, level.units, settings, say)
         except RepeatedUnitError:
             if number == len(levels) and not planned:
                 raise
             continue  # a Sequential run called twice: the other levels are the plan space
         planned_levels.append(level)
-        measured = dataclasses.replace(measured, segments=settings["segments"])
-        pins = pinned_choices(list(traced.units), precision_options(settings["precision"], target), settings["keep_fp32"],
-                              settings["checkpoint"])
-        decided = _decide(traced, measured, budget=memory, reserve=settings["reserve"], target=target, pins=pins,
-                          world_size=settings["world_size"], optimizer=settings["optimizer"], loss_fn=settings["loss_fn"],
-                          time_limit_s=settings["time_limit_s"], say=say)
+        measured = dataclasses.replace(measured, segments=settings.segments)
+        pins = pinned_choices(list(traced.units), precision_options(settings.precision, target), settings.keep_fp32, settings.checkpoint)
+        decided = _decide(traced, measured, memory, target, pins, settings, say)
         planned.append((decided, measured))
     return best_level(planned, planned_levels, tried=len(levels))
 
@@ -243,10 +220,10 @@ def _literal(value: Any) -> Any:
     return None
 
 
-def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, target: Device, pins, world_size,
-            optimizer, loss_fn, time_limit_s: float, say) -> Plan:
+def _decide(traced: Traced, measured: Profile, budget: Budget, target: Device, pins, settings: PlanSettings, say) -> Plan:
     """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
     curve: tuple[WorldSizePoint, ...] = ()
+    world_size, time_limit_s = settings.world_size, settings.time_limit_s
     if world_size == "auto":
         say("finding the smallest number of GPUs")
         world, curve = fewest_gpus(measured, pins, budget.usable_bytes, time_limit_s)
@@ -256,35 +233,34 @@ def _decide(traced: Traced, measured: Profile, *, budget: Budget, reserve, targe
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         return simulate_plan(
-            traced, choices, device=target, optimizer=optimizer, rest_precision=measured.rest_precision, loss_fn=loss_fn,
+            traced, choices, device=target, optimizer=settings.optimizer, rest_precision=measured.rest_precision, loss_fn=settings.loss_fn,
             rank_offsets=offsets, loop=measured.loop, fused_loss=bool(measured.timeline.fused_loss),
         ).peak_bytes
 
     found = search(measured, budget.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
-    decided = assemble_plan(measured, traced, found, budget=budget, reserve=reserve, target=target, pins=pins, world=world,
+    decided = assemble_plan(measured, traced, found, budget=budget, reserve=settings.reserve, target=target, pins=pins, world=world,
                         time_limit_s=time_limit_s)
     return dataclasses.replace(decided, world_size_curve=curve)
 
 
-def _trace_and_profile(model, batch, target: Device, *, unit_names, optimizer, precision, keep_fp32, loss_fn, profile, say, loop,
-                       menu_size: int = DEFAULT_MENU_SIZE, compile: bool = False, routing: MoeRoutingBound = WORST_CASE,
-                       fuse_loss: bool = False):
+def _trace_and_profile(model, batch, target: Device, unit_names, settings: PlanSettings, say) -> tuple[Traced, Profile]:
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
+    optimizer, precision, profile, compile, loss_fn = settings.optimizer, settings.precision, settings.profile, settings.compile, settings.loss_fn
     if profile not in ("auto", "measure", "roofline"):
         raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
     precisions = precision_options(precision, target)
-    if keep_fp32 and "fp32" not in precisions:
+    if settings.keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
     rest = "fp32" if precision == "auto" else precision
     say("tracing")
-    traced = trace(model, batch, unit_names=unit_names, routing=routing)
+    traced = trace(model, batch, unit_names=unit_names, routing=settings.routing)
     if compile and profile == "measure":
         raise ValueError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
                          "use profile='roofline' or 'auto'")
     try:
         measured = profile_units(
-            traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say, loop=loop,
-            menu_size=menu_size, compile=compile, fuse_loss=fuse_loss,
+            traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say,
+            loop=settings.loop, menu_size=settings.menu_size, compile=compile, fuse_loss=settings.fuse_loss,
         )
         if not compile and _should_measure(profile, model, target):
             measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)

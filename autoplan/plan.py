@@ -179,6 +179,14 @@ class WorldSizePoint:
 
 
 @dataclass(frozen=True)
+class OutsideUnits:
+    """What a plan decides for the model outside its units, which every rewrite of it applies."""
+
+    precision: Precision = "fp32"  # everything outside the units; low: autocast around the whole forward
+    fused_loss: bool = False  # the output head's cross-entropy fused (autoplan.runtime.loss_head)
+
+
+@dataclass(frozen=True)
 class Plan:
     """What autoplan decided for one model, budget and device, and why it believes it fits."""
 
@@ -217,6 +225,10 @@ class Plan:
     loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the peak was predicted for
     moe_routing: str = ""  # mixture-of-experts routing assumed: "worst case", "capacity 1.25", "any" (shapes do not depend on it), "" (none)
     request: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
+
+    @property
+    def outside_units(self) -> OutsideUnits:
+        return OutsideUnits(self.rest_precision, bool(self.fused_loss))
 
     def choices(self) -> dict[str, Choice]:
         return {unit.name: unit.choice for unit in self.units}

@@ -38,7 +38,7 @@ from plan_quality import CPU, SIZES, flops_of, machine, peak_of, setup  # noqa: 
 
 from autoplan.memory.model import predict_peak  # noqa: E402
 from autoplan.memory.segments import chosen_segments  # noqa: E402
-from autoplan.plan import Choice  # noqa: E402
+from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.profile.menu import describe, record_ops  # noqa: E402
 from autoplan.profile.units import with_choices  # noqa: E402
 from autoplan.runtime.formatting import format_bytes  # noqa: E402
@@ -121,7 +121,7 @@ def main(size: str, fuse_loss: bool) -> None:
             continue
         predicted = recomputed_flops(studied, solution.choices)
         model = copy.deepcopy(original)
-        apply_choices(model, solution.choices, fused_loss=bool(studied.timeline.fused_loss))
+        apply_choices(model, solution.choices, OutsideUnits(fused_loss=bool(studied.timeline.fused_loss)))
         real_flops = flops_of(copy.deepcopy(model), inputs) / plain_flops - 1
         peak = peak_of(copy.deepcopy(model), inputs)
         per_block = ", ".join(c.mode if c.saves is None else f"{len(c.saves)} mm" for c in solution.choices.values())

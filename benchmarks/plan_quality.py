@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autoplan  # noqa: E402
 from autoplan.inputs.devices import get_device  # noqa: E402
 from autoplan.memory.model import predict_peak  # noqa: E402
-from autoplan.plan import Choice  # noqa: E402
+from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.profile.units import profile  # noqa: E402
 from autoplan.runtime.formatting import format_bytes  # noqa: E402
 from autoplan.runtime.planned import apply_choices  # noqa: E402
@@ -312,7 +312,7 @@ def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: b
 
 def measure_row(entry: Config, original, inputs, plain_flops: int, pairs: int) -> Row:
     model = copy.deepcopy(original)
-    apply_choices(model, entry.choices, fused_loss=entry.fused_loss)
+    apply_choices(model, entry.choices, OutsideUnits(fused_loss=entry.fused_loss))
     if entry.compile_budget is None:
         return Row(entry.label, peak_of(copy.deepcopy(model), inputs), time_ratio(copy.deepcopy(original), model, inputs, pairs),
                    flops_of(copy.deepcopy(model), inputs) / plain_flops - 1, entry.budget_bytes, rss_peak_of(copy.deepcopy(model), inputs))

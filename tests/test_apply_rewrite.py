@@ -31,7 +31,7 @@ if _ROOT not in sys.path:
 
 import autoplan  # noqa: E402
 import autoplan.runtime.wrappers as wrappers  # noqa: E402
-from autoplan.plan import Choice  # noqa: E402
+from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.runtime.wrappers import PlannedForward
 from autoplan.runtime.planned import PlannedSequential, apply_choices, planned_choices, remove_plan
 from autoplan.trace.units import find_units
@@ -66,9 +66,9 @@ def all_units(model: torch.nn.Module, choice: Choice) -> dict[str, Choice]:
     return {unit: choice for unit in find_units(model)}
 
 
-def rewritten(name: str, choice: Choice, **options):
+def rewritten(name: str, choice: Choice):
     model, inputs = ALL_MODELS[name]()
-    apply_choices(model, all_units(model, choice), **options)
+    apply_choices(model, all_units(model, choice))
     return model, inputs
 
 
@@ -577,7 +577,7 @@ def test_bf16_recompute_matches_bf16_keep(mode):
 def test_low_rest_precision_autocasts_the_root_and_fp32_units_opt_out():
     model, inputs = _gpt_with_targets()
     choices = all_units(model, Choice("keep", "fp32"))
-    apply_choices(model, choices, rest_precision="bf16")
+    apply_choices(model, choices, OutsideUnits("bf16"))
     assert isinstance(model.__dict__["forward"], PlannedForward)
     assert planned_choices(model) == choices  # the root's autocast is not a unit
     dtypes: dict[str, torch.dtype] = {}

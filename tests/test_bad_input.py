@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import autoplan
+from autoplan.errors import OptionError
 from autoplan.cli.exits import ExitCode
 from autoplan.cli.app import app
 from tests.cli_factories import tiny_gpt, tiny_mlp
@@ -253,6 +254,14 @@ def test_api_time_limit_must_be_positive(limit) -> None:
     model, inputs = tiny_gpt()
     with pytest.raises(ValueError, match="time_limit_s"):
         autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", time_limit_s=limit)
+
+
+@pytest.mark.parametrize("flag,value", [("fuse_loss", "no"), ("segments", 0), ("compile", "False"), ("allow_over_device", None)])
+def test_api_yes_no_arguments_take_bools_only(flag, value) -> None:
+    """`fuse_loss="no"` is truthy: read as a bool it would fuse the loss the caller asked to keep."""
+    model, inputs = tiny_gpt()
+    with pytest.raises(OptionError, match=f"{flag} takes True or False; got {value!r}"):
+        autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", **{flag: value})
 
 
 # -- 8. torch's loggers ----------------------------------------------------------------------------------

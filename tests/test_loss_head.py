@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autoplan
 from autoplan.inputs.devices import get_device
+from autoplan.plan import OutsideUnits
 from autoplan.runtime.planned import apply_choices, fused_losses, remove_plan
 from autoplan.runtime.tracker import LiveBytesTracker
 from examples.llama import Llama, LlamaConfig, example_batch
@@ -40,7 +41,7 @@ def _train(model, inputs, steps: int = 3):
 @pytest.mark.parametrize("tie", [False, True], ids=["own head", "tied to the embedding"])
 def test_the_fused_head_trains_like_the_loss_as_written(tie):
     written, inputs = _llama(tie)
-    fused = apply_choices(copy.deepcopy(written), {}, fused_loss=True)
+    fused = apply_choices(copy.deepcopy(written), {}, OutsideUnits(fused_loss=True))
     expected, fused_run = _train(written, inputs), _train(fused, inputs)
     assert fused_losses(fused) == ("256×2048",)
     torch.testing.assert_close(torch.stack(fused_run[0]), torch.stack(expected[0]))
@@ -65,7 +66,7 @@ def _peak_and_flops(model, inputs):
 
 def test_the_fused_head_holds_less_and_adds_no_flops():
     written, inputs = _llama()
-    fused = apply_choices(copy.deepcopy(written), {}, fused_loss=True)
+    fused = apply_choices(copy.deepcopy(written), {}, OutsideUnits(fused_loss=True))
     written_peak, written_flops = _peak_and_flops(written, inputs)
     fused_peak, fused_flops = _peak_and_flops(fused, inputs)
     assert fused_flops == written_flops
@@ -109,7 +110,7 @@ def test_what_it_fuses_and_what_runs_as_written(kind, fuses):
     written = _Head(kind)
     x, target = torch.randn(3, 5, 8), torch.randint(0, 32, (3, 5))
     target[0, :2] = -100 if kind == "ignore_index, sum" else target[0, :2]
-    fused = apply_choices(copy.deepcopy(written), {}, fused_loss=True)
+    fused = apply_choices(copy.deepcopy(written), {}, OutsideUnits(fused_loss=True))
     expected, got = written(x, target), fused(x, target)
     assert bool(fused_losses(fused)) == fuses
     torch.testing.assert_close(got, expected)
@@ -121,7 +122,7 @@ def test_what_it_fuses_and_what_runs_as_written(kind, fuses):
 
 def test_without_gradients_the_loss_runs_as_written_and_a_second_derivative_is_refused():
     written, inputs = _llama()
-    fused = apply_choices(copy.deepcopy(written), {}, fused_loss=True)
+    fused = apply_choices(copy.deepcopy(written), {}, OutsideUnits(fused_loss=True))
     with torch.no_grad():
         torch.testing.assert_close(fused(*inputs), written(*inputs))
     assert fused_losses(fused) == ()

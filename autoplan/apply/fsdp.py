@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from autoplan.errors import DistributedSetupError
-from autoplan.plan import Plan
+from autoplan.plan import OutsideUnits, Plan
 from autoplan.memory.sharded import fsdp_group
 from autoplan.runtime.names import is_graph_unit, sequential_run
 from autoplan.runtime.planned import apply_choices
@@ -80,7 +80,7 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
         ) from error
 
     require_process_group(plan.world_size)
-    apply_choices(model, plan.choices(), rest_precision=plan.rest_precision)
+    apply_choices(model, plan.choices(), OutsideUnits(plan.rest_precision))  # FSDP runs the loss as written
     options = {"mesh": mesh} if mesh is not None else {}
     # the call sites of one module (block@0, block@1, ...) are one group: FSDP2 gathers it again for every call
     for group in dict.fromkeys(fsdp_group(unit.name) for unit in plan.units):

@@ -51,4 +51,4 @@ def apply_plan(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
             raise ValueError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
     if plan.world_size > 1:
         return apply_fsdp(model, plan)
-    return apply_choices(model, choices, rest_precision=plan.rest_precision, fused_loss=bool(plan.fused_loss))
+    return apply_choices(model, choices, plan.outside_units)

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import Choice
+from autoplan.plan import Choice, OutsideUnits
 from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.runtime.fake import fake_copy, new_fake_mode
 from autoplan.runtime.planned import apply_choices, fused_losses, remove_plan
@@ -35,7 +35,7 @@ def simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping
     """A fake twin of the traced model in training mode, rewritten with `choices`."""
     model = remove_plan(fake_copy(traced.model, fake_mode))
     model.train()  # plans are for training: dropout on, BatchNorm updating its statistics
-    return apply_choices(model, choices, rest_precision=rest, fused_loss=fused_loss)
+    return apply_choices(model, choices, OutsideUnits(rest, fused_loss))
 
 
 def run_timeline(

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map_only
 
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import DTYPES, Choice
+from autoplan.plan import DTYPES, Choice, OutsideUnits
 from autoplan.profile.recorder import TensorSpec
 from autoplan.profile.units import Profile, UnitCost
 from autoplan.runtime.names import unit_module
@@ -122,8 +122,8 @@ def measure_times(
         base = {u.name: u.base for u in profile.units}
         steps = {}
         fused = bool(profile.timeline.fused_loss)
-        for name, choices, rest_precision, fused_loss in (("base", base, rest, fused), ("reference", {}, "fp32", False)):
-            apply_choices(model, choices, rest_precision=rest_precision, fused_loss=fused_loss)
+        for name, choices, outside in (("base", base, OutsideUnits(rest, fused)), ("reference", {}, OutsideUnits())):
+            apply_choices(model, choices, outside)
             try:
                 steps[name] = _time_steps(model, traced.example_inputs, optimizer, profile.device, loss_fn, warmup, runs, profile.loop)
             finally:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from autoplan.plan import Choice
+from autoplan.plan import Choice, OutsideUnits
 from autoplan.runtime.graph import split_by_units
 from autoplan.runtime.loss_head import FusedLossForward
 from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, segment_ends, segment_members, sequential_run
@@ -125,15 +125,13 @@ def remove_plan(model: torch.nn.Module) -> torch.nn.Module:
 def apply_choices(
     model: torch.nn.Module,
     choices: Mapping[str, Choice],
-    *,
-    rest_precision: str = "fp32",
-    fused_loss: bool = False,
+    outside: OutsideUnits = OutsideUnits(),
 ) -> torch.nn.Module:
     """Wrap each named unit of `model` (in place) to run with its choice; returns `model`.
 
-    `rest_precision` is the precision of everything outside the units: when it is low, the whole
-    forward runs under autocast, and units chosen fp32 switch it off for themselves. `fused_loss`:
-    the forward's cross-entropy of its output head is fused (`runtime.loss_head`).
+    `outside.precision` is the precision of everything outside the units: when it is low, the whole
+    forward runs under autocast, and units chosen fp32 switch it off for themselves.
+    `outside.fused_loss`: the forward's cross-entropy of its output head is fused (`runtime.loss_head`).
     """
     remove_plan(model)
     # graph units of the user's model; on the planner's split GraphModule they are submodules
@@ -170,11 +168,11 @@ def apply_choices(
         planned = [by_call.get(i) for i in range(max(by_call) + 1)]
         planned = [None if c is None else PlannedForward(module, c, original=original) for c in planned]
         module.forward = PlannedCalls(module, planned, original)
-    if fused_loss:
+    if outside.fused_loss:
         model.forward = FusedLossForward(model, original=model.__dict__.get("forward"))
-    if rest_precision != "fp32":
+    if outside.precision != "fp32":
         model.forward = PlannedForward(
-            model, Choice("keep", rest_precision), original=model.__dict__.get("forward"), cast_outputs=False
+            model, Choice("keep", outside.precision), original=model.__dict__.get("forward"), cast_outputs=False
         )
     return model
 
@@ -216,7 +214,7 @@ def _fused_loss_forward(model: torch.nn.Module) -> FusedLossForward | None:
 
 
 def has_fused_loss(model: torch.nn.Module) -> bool:
-    """Whether `model`'s forward runs with its loss head fused (`apply_choices(..., fused_loss=True)`)."""
+    """Whether `model`'s forward runs with its loss head fused (`apply_choices(..., OutsideUnits(fused_loss=True))`)."""
     return _fused_loss_forward(model) is not None
 
 

@@ -100,7 +100,7 @@ def verify(
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ValueError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
     if planned_choices(model) != plan.choices() or has_fused_loss(model) != bool(plan.fused_loss):
-        apply_choices(model, plan.choices(), rest_precision=plan.rest_precision, fused_loss=bool(plan.fused_loss))
+        apply_choices(model, plan.choices(), plan.outside_units)
     loop = check_loop(loop if loop is not None else plan.loop)
     args, kwargs = training_inputs(model, normalize_inputs(example_inputs))  # as planned: no KV cache
     cuda = device.type == "cuda"
