@@ -95,10 +95,7 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
     sharded = sum(g.sharded for g in groups)
     share = sharded / full if full else 1.0
     parameters = sharded + profile.buffer_bytes
-    # state shaped like each parameter (AdamW: two) is sharded; the rest (AdamW's step counters) is not
-    per_parameter = static.optimizer // full if full else 0
-    shaped_like = min(static.optimizer, per_parameter * full)
-    optimizer = per_parameter * sharded + static.optimizer - shaped_like
+    optimizer = _optimizer_shard(static.optimizer, full, sharded)
     result = []
     last_forward_group = root  # whose flat all-gather output is still alive in forward
     done: list[int] = []  # units whose backward has finished, in the order they finished
@@ -126,18 +123,29 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
             continue
         # backward: the running unit and the one before it (prefetched) are gathered; between
         # units, the next unit to run backward (prefetched by the one that just finished)
-        remaining = len(units) - len(done)  # units at positions < remaining have not finished backward
-        if running is not None:
-            prefetched = running > 0 and group[running - 1] != group[running]  # a module gathered once, however many calls
-            gathered = root.unsharded + units[running].unsharded + (units[running - 1].unsharded if prefetched else 0)
-        else:
-            gathered = root.unsharded + (units[remaining - 1].unsharded if remaining > 0 else 0)
+        gathered = root.unsharded + _gathered_in_backward(units, group, running, remaining=len(units) - len(done))
         buffers = max(units[done[-1]].flat if done else 0, units[running].flat if running is not None else 0)
         if index == last_backward:
             buffers = max(buffers, root.flat - root.unsharded)  # the root's reduce-scatter, once it is resharded
         gradients = done_shards + max(0, phase.grad_bytes - done_full)  # the root's stay unsharded until the end
         result.append(RankTerms(parameters, gradients, optimizer, gathered, buffers, 1.0))
     return result
+
+
+def _optimizer_shard(optimizer: int, full: int, sharded: int) -> int:
+    """This rank's optimizer state: state shaped like each parameter (AdamW: two) is sharded, the rest
+    (AdamW's step counters) is not."""
+    per_parameter = optimizer // full if full else 0
+    return per_parameter * sharded + optimizer - min(optimizer, per_parameter * full)
+
+
+def _gathered_in_backward(units: list[GroupBytes], group: list[str], running: int | None, remaining: int) -> int:
+    """Unsharded unit parameters in a backward phase: the running unit and the one before it (prefetched);
+    between units, the next to run backward. Units at positions < remaining have not finished backward."""
+    if running is None:
+        return units[remaining - 1].unsharded if remaining > 0 else 0
+    prefetched = running > 0 and group[running - 1] != group[running]  # a module gathered once, however many calls
+    return units[running].unsharded + (units[running - 1].unsharded if prefetched else 0)
 
 
 def fsdp_group(unit: str) -> str:

@@ -54,6 +54,24 @@ def pinned_choices(
     return pins
 
 
+def _floor(profile: Profile, usable_bytes: int, simulate, pins, time_limit_s: float, world_size: int):
+    """The lowest-peak choices, their peak, and their simulated peak where it was needed (else None).
+
+    A whole-step simulation is the slow part at scale: it runs only when it decides something.
+    """
+    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+    lowest_peak = predict_peak(profile, lowest.choices, world_size).bytes
+    if lowest_peak <= usable_bytes:
+        return lowest, lowest_peak, None
+    # the linear model errs high where units' savings overlap; the whole-step simulation of
+    # these very choices is what a real step does, so it decides the floor
+    lowest_simulated = simulate(lowest.choices)
+    if lowest_simulated > usable_bytes and not lowest.proven:
+        raise SolverTimeoutError(time_limit_s, f"the solver ran out of time ({time_limit_s:g} s) before it could tell "
+                                 "whether any plan fits: raise time_limit_s (--time-limit on the command line)")
+    return lowest, lowest_simulated, lowest_simulated
+
+
 def search(
     profile: Profile,
     usable_bytes: int,
@@ -73,18 +91,8 @@ def search(
     """
     say = progress or (lambda message: None)
     say("solving")
-    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+    lowest, lowest_peak, lowest_simulated = _floor(profile, usable_bytes, simulate, pins, time_limit_s, world_size)
     solve_time = lowest.solve_time_s
-    lowest_peak = predict_peak(profile, lowest.choices, world_size).bytes
-    lowest_simulated = None  # a whole-step simulation is the slow part at scale: run it when it decides something
-    if lowest_peak > usable_bytes:
-        # the linear model errs high where units' savings overlap; the whole-step simulation of
-        # these very choices is what a real step does, so it decides the floor
-        lowest_simulated = simulate(lowest.choices)
-        lowest_peak = lowest_simulated
-        if lowest_peak > usable_bytes and not lowest.proven:
-            raise SolverTimeoutError(time_limit_s, f"the solver ran out of time ({time_limit_s:g} s) before it could tell "
-                                     "whether any plan fits: raise time_limit_s (--time-limit on the command line)")
 
     margin, resolves, status, timed_out = 0, 0, "Infeasible", False
     chosen, simulated, feasible = lowest.choices, lowest_simulated, False
