@@ -25,7 +25,8 @@ from autoplan.inputs.batch import normalize_inputs
 from autoplan.inputs.devices import get_device
 from autoplan.runtime.tracker import LiveBytesTracker
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.runtime.training import LoopRunner, default_loss, make_optimizer, optimizer_state_tensors, preserved
+from autoplan.runtime.step import LoopRunner
+from autoplan.runtime.training import default_loss, make_optimizer, optimizer_state_tensors, preserved
 
 from tests.structures import Structure
 

@@ -168,3 +168,27 @@ def test_cli_loop_options_reach_the_plan_and_verify_runs_that_loop(tmp_path):
     assert document["plan"]["loop"] == expected and document["verification"]["loop"] == expected
     verification = document["verification"]
     assert -TOLERANCE <= verification["peak_error"] <= 0
+
+
+@pytest.mark.parametrize("loop", [KEPT, TrainingLoop(keep_outputs=False, accumulation_steps=2)], ids=["kept", "dropped-accumulated"])
+def test_a_loop_shape_is_simulated_and_measured_by_the_same_runner(monkeypatch, loop):
+    """A change to the step's one runner (here: the loop also holding a 1 MiB tensor from each
+    micro-batch on) moves the plan's prediction and the real steps' measurement alike."""
+    import torch
+
+    from autoplan.runtime.step import LoopRunner
+
+    model, inputs = ALL_MODELS["tiny_gpt"]()
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)
+    measured = autoplan.verify(model, plan, example_inputs=inputs).measured_peak_bytes
+    micro_batch = LoopRunner.micro_batch
+
+    def holding_more(self, args, kwargs, record_loss=None):
+        self.extra = None
+        self.extra = torch.empty(2**18)  # alive through the step and into the next forward
+        micro_batch(self, args, kwargs, record_loss)
+
+    monkeypatch.setattr(LoopRunner, "micro_batch", holding_more)
+    holding = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)
+    assert holding.simulated_peak_bytes == plan.simulated_peak_bytes + 2**20
+    assert autoplan.verify(model, holding, example_inputs=inputs).measured_peak_bytes == measured + 2**20

@@ -21,7 +21,8 @@ from autoplan.inputs.hf_paths import real_mask_decisions
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase
 from autoplan.profile.recorder import Boundary, UnitCall, UnitRecorder
-from autoplan.runtime.fake import FakeGradScaler, fake_tree, scaled_optimizer_step
+from autoplan.runtime.fake import FakeGradScaler, fake_tree
+from autoplan.runtime.step import LoopRunner, StepHooks
 from autoplan.runtime.quantized import resident_tensors
 from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
 from autoplan.runtime.tracker import LiveBytesTracker, TrackedPhase
@@ -116,10 +117,15 @@ def simulate_training(
             batch = tensors_of((args, kwargs))
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
             opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind))
-            scaler = FakeGradScaler() if loop.grad_scaler else None
-            _warm_up(opt, trainable, loop, scaler)
+            runner = LoopRunner(model, opt, loop, loss_fn, scaler=FakeGradScaler() if loop.grad_scaler else None)
+            runner.loss_of = loss_of
+            _warm_up(runner, trainable)
             first_phase = tracker.phase_count
-            step = _recorded_step(model, recorder, opt, (args, kwargs), loss_of, loop, scaler)
+            hooks = _RecordingHooks(recorder, model, (args, kwargs), loop.keep_outputs)
+            runner.hooks = hooks
+            # the last micro-batch of a step, the one that runs with every gradient alive
+            runner.micro_batch(args, kwargs)
+            runner.optimizer_step()
             static = StaticBytes(
                 parameters=unique_storage_bytes(resident_tensors(model)),
                 gradients=unique_storage_bytes(trainable),
@@ -128,57 +134,55 @@ def simulate_training(
             )
             # what the loop's variables still hold when the next step's forward runs
             alive = tracker.live_bytes
-            step.held.clear()
+            runner.outputs = runner.loss = None
             carried = alive - tracker.live_bytes
     finally:
         recorder.remove()
     phases = tuple(
         _phase_sample(phase, grad, carried) for phase, grad in zip(tracker.phases(first_phase), recorder.grad_bytes, strict=True)
     )
-    missing = [name for name in units if name not in {call.name for call in step.calls}]
+    missing = [name for name in units if name not in {call.name for call in hooks.calls}]
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
-    return Timeline(phases, max(p.peak_bytes for p in phases), step.calls, static, step.boundaries, carried)
+    return Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried)
 
 
-@dataclass
-class _RecordedStep:
-    calls: tuple[UnitCall, ...]
-    boundaries: tuple[Boundary, ...]
-    held: list[Any]  # what the loop's variables hold after the step: the outputs (when kept) and the loss
+class _RecordingHooks(StepHooks):
+    """The recorder's marks at the step's phases: what each unit was called with, which tensors it
+    passed on, and a phase at every boundary, forward and backward."""
+
+    def __init__(self, recorder: UnitRecorder, model: torch.nn.Module, batch: tuple[tuple, dict], keep_outputs: bool) -> None:
+        self.recorder, self.model, self.batch, self.keep_outputs = recorder, model, batch, keep_outputs
+        self.calls: tuple[UnitCall, ...] = ()
+        self.boundaries: tuple[Boundary, ...] = ()
+
+    def forward_context(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.recorder.pack, _identity)
+
+    def forward_started(self) -> None:
+        self.recorder.recording = True
+        self.recorder.begin(FORWARD_START)
+        self.recorder.in_forward = True
+
+    def forward_finished(self, output: Any) -> None:
+        self.recorder.in_forward = False
+        self.calls = tuple(self.recorder.calls.values())
+        # alive whatever the units choose: the batch, parameters a unit is handed as an argument
+        # (a graph unit of `x * self.scale`), and the outputs when the loop holds them
+        held = tensors_of(self.batch) + resident_tensors(self.model) + (tensors_of(output) if self.keep_outputs else [])
+        self.boundaries = self.recorder.boundaries({self.recorder.key(t) for t in held})
+
+    def backward_started(self) -> None:
+        self.recorder.begin(BACKWARD_START)
+
+    def optimizer_step_started(self) -> None:
+        self.recorder.begin(OPTIMIZER_STEP)
+
+    def zero_grad_started(self) -> None:
+        self.recorder.begin(ZERO_GRAD)
 
 
-def _recorded_step(model, recorder: UnitRecorder, opt, batch: tuple[tuple, dict], loss_of: Callable, loop: TrainingLoop, scaler) -> _RecordedStep:
-    """The step the timeline records, phase by phase: forward, loss, backward, optimizer.step(), zero_grad."""
-    args, kwargs = batch
-    recorder.recording = True
-    recorder.begin(FORWARD_START)
-    recorder.in_forward = True
-    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _identity):
-        output = model(*args, **kwargs)
-        loss = loss_of(output)
-        if loop.accumulation_steps > 1:
-            loss = loss / loop.accumulation_steps
-    recorder.in_forward = False
-    calls = tuple(recorder.calls.values())
-    # alive whatever the units choose: the batch, parameters a unit is handed as an argument
-    # (a graph unit of `x * self.scale`), and the outputs when the loop holds them
-    held = tensors_of(batch) + resident_tensors(model) + (tensors_of(output) if loop.keep_outputs else [])
-    boundaries = recorder.boundaries({recorder.key(t) for t in held})
-    del held
-    if not loop.keep_outputs:
-        # `loss = loss_fn(model(x))`: the output lives on only if the loss saved it for backward
-        output = None
-    recorder.begin(BACKWARD_START)
-    (scaler.scale(loss) if scaler is not None else loss).backward()
-    recorder.begin(OPTIMIZER_STEP)
-    scaled_optimizer_step(opt, scaler)
-    recorder.begin(ZERO_GRAD)
-    opt.zero_grad(set_to_none=loop.zero_grad_set_to_none)
-    return _RecordedStep(calls, boundaries, [output, loss])
-
-
-def _warm_up(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], loop: TrainingLoop, scaler) -> None:
+def _warm_up(runner: LoopRunner, trainable: list[torch.Tensor]) -> None:
     """What the earlier steps leave behind for the recorded one: the optimizer's state, and the gradients.
 
     Under fake tensors the values do not matter, so gradients made here stand in for a forward and
@@ -189,8 +193,8 @@ def _warm_up(opt: torch.optim.Optimizer, trainable: list[torch.Tensor], loop: Tr
     """
     for param in trainable:
         param.grad = torch.empty_like(param)
-    scaled_optimizer_step(opt, scaler)
-    opt.zero_grad(set_to_none=loop.zero_grad_set_to_none)
+    runner.optimizer_step()
+    loop = runner.loop
     if loop.accumulation_steps > 1 and loop.zero_grad_set_to_none:
         for param in trainable:
             param.grad = torch.zeros_like(param)

@@ -26,7 +26,8 @@ from autoplan.profile.units import Profile, UnitCost
 from autoplan.runtime.names import unit_module
 from autoplan.runtime.planned import apply_choices, remove_plan
 from autoplan.runtime.tensors import tensors_of
-from autoplan.runtime.training import LoopRunner, Timer, make_optimizer, model_device, preserved
+from autoplan.runtime.step import LoopRunner
+from autoplan.runtime.training import Timer, make_optimizer, model_device, preserved
 from autoplan.runtime.wrappers import PlannedForward
 from autoplan.trace.tracer import Traced
 

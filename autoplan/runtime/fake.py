@@ -175,23 +175,20 @@ class FakeGradScaler:
     def __init__(self) -> None:
         self.scale_tensor = torch.full((), 2.0**16)
         self.growth_tracker = torch.zeros((), dtype=torch.int32)
+        self.found_inf: torch.Tensor | None = None
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_tensor
 
-    def unscale_and_step(self, opt: torch.optim.Optimizer) -> None:
+    def step(self, opt: torch.optim.Optimizer) -> None:
         # GradScaler.unscale_: the inverse scale in double then float, a found-inf flag kept until update()
         inverse = self.scale_tensor.double().reciprocal().float()
-        found_inf = torch.full((), 0.0)
+        self.found_inf = torch.full((), 0.0)
         grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inverse)
+        del inverse
         opt.step()
-        torch._amp_update_scale_(self.scale_tensor, self.growth_tracker, found_inf, 2.0, 0.5, 2000)
 
-
-def scaled_optimizer_step(opt: torch.optim.Optimizer, scaler: FakeGradScaler | None) -> None:
-    """optimizer.step(), through the scaler's unscale and update when there is one."""
-    if scaler is None:
-        opt.step()
-    else:
-        scaler.unscale_and_step(opt)
+    def update(self) -> None:
+        torch._amp_update_scale_(self.scale_tensor, self.growth_tracker, self.found_inf, 2.0, 0.5, 2000)
+        self.found_inf = None

@@ -1,6 +1,6 @@
 """Training-step helpers every stage uses: the loss a step backpropagates, the optimizers autoplan
-counts, real training steps (one as the plan's default loop, or the person's loop with
-`LoopRunner`), timing, and putting a model back as it was after real steps.
+counts, timing, and putting a model back as it was after real steps (the step itself:
+`runtime.step.LoopRunner`).
 """
 
 from __future__ import annotations
@@ -145,49 +145,6 @@ def preserved(model: torch.nn.Module) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-
-
-class LoopRunner:
-    """The person's training loop run for real, one optimizer step at a time, as the plan models it.
-
-    `loop` is the TrainingLoop planned for (autoplan.inputs.loop). Between steps the runner holds
-    what the loop's variables hold (`outputs`, `loss`), so the next forward runs with them alive,
-    as in `for batch in loader: outputs = model(**batch)`, where `outputs` is reassigned only when
-    the forward returns.
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loop: Any, loss_fn=None, device_type: str = "cpu") -> None:
-        self.model, self.optimizer, self.loop = model, optimizer, loop
-        self.loss_of = loss_function(loss_fn, loop.loss_in_model)
-        self.scaler = torch.amp.GradScaler(device_type) if loop.grad_scaler else None
-        self.outputs: Any = None
-        self.loss: torch.Tensor | None = None
-
-    def step(self, args: tuple, kwargs: dict, record_loss: Callable[[float], None] | None = None) -> None:
-        """One optimizer step: every micro-batch's forward and backward, optimizer.step(), zero_grad."""
-        micro_batches = self.loop.accumulation_steps
-        for _ in range(micro_batches):
-            if self.loop.keep_outputs:
-                self.outputs = self.model(*args, **kwargs)
-                self.loss = self.loss_of(self.outputs)
-            else:
-                self.loss = self.loss_of(self.model(*args, **kwargs))
-            if micro_batches > 1:
-                self.loss = self.loss / micro_batches
-            if record_loss is not None:
-                record_loss(float(self.loss.detach()))
-            (self.scaler.scale(self.loss) if self.scaler is not None else self.loss).backward()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=self.loop.zero_grad_set_to_none)
-
-    def close(self) -> None:
-        """Drop what the loop holds (outputs, loss, gradients): the loop has ended."""
-        self.outputs = self.loss = None
-        self.optimizer.zero_grad(set_to_none=True)
 
 
 class Timer:

@@ -18,7 +18,8 @@ from autoplan.inputs.devices import get_device
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.runtime.tensors import rounded_bytes, tensors_of
 from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.training import LoopRunner, optimizer_state_tensors
+from autoplan.runtime.step import LoopRunner
+from autoplan.runtime.training import optimizer_state_tensors
 
 
 class _ShardedBytesTracker(LiveBytesTracker):

@@ -27,9 +27,9 @@ from autoplan.runtime.planned import apply_choices, has_fused_loss, planned_choi
 from autoplan.runtime.quantized import resident_tensors
 from autoplan.runtime.tensors import tensors_of
 from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.runtime.step import LoopRunner
 from autoplan.runtime.training import (
     OPTIMIZERS,
-    LoopRunner,
     Timer,
     make_optimizer,
     model_device,
