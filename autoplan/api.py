@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from dataclasses import dataclass
-import math
 import numbers
 from typing import Any, Callable, Mapping
 
@@ -25,9 +23,19 @@ from autoplan.apply.fsdp import process_group_world_size, require_process_group
 from autoplan.apply.rewrite import apply_plan, refuse_meta
 from autoplan.errors import InfeasibleBudgetError, MissingExtraError, OptionError, ProfileError, RepeatedUnitError, TraceError
 from autoplan.inputs.batch import training_batch
-from autoplan.inputs.budget import Budget, make_budget
+from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.loop import TrainingLoop, changed_fields, check_loop
+from autoplan.inputs.options import (
+    PROFILE_SOURCES,
+    SearchSpace,
+    StepOptions,
+    Target,
+    check_choice,
+    check_time_limit,
+    flag,
+    search_space,
+)
 from autoplan.memory.model import check_world_size, rank_offsets
 from autoplan.plan import Choice, Plan, WorldSizePoint
 from autoplan.profile.menu import DEFAULT_MENU_SIZE
@@ -36,7 +44,7 @@ from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
 from autoplan.runtime.formatting import first_line, where_in_user_code
 from autoplan.runtime.quantized import int8_layers, settle_first_forward
-from autoplan.runtime.routing import MoeRoutingBound, check_moe_capacity
+from autoplan.runtime.routing import check_moe_capacity
 from autoplan.runtime.training import model_device
 from autoplan.solve.assemble import assemble_plan, best_level, infeasible_message
 from autoplan.solve.search import pinned_choices, search
@@ -86,57 +94,27 @@ def plan(
     plan.request holds the arguments that shaped the plan; plan.report() shows the call that
     reproduces it.
     """
-    settings = PlanSettings(
-        optimizer=optimizer, precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn,
-        profile=profile, loop=check_loop(loop), menu_size=menu_size, compile=_flag("compile", compile),
-        world_size=world_size, time_limit_s=time_limit_s, segments=_flag("segments", segments) and not compile,
-        routing=_check_arguments(world_size, time_limit_s, moe_capacity),  # before minutes of tracing and profiling
-        fuse_loss=_flag("fuse_loss", fuse_loss) and not compile and world_size == 1,
-    )
-    target = get_device(device)
-    memory = make_budget(budget, target, reserve, allow_over_device=_flag("allow_over_device", allow_over_device))
-    request = plan_request(budget, target, dict(
+    # every option checked before minutes of tracing and profiling
+    step = StepOptions(optimizer, loss_fn, check_loop(loop), check_moe_capacity(moe_capacity))
+    space = search_space(precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, menu_size=menu_size, segments=segments,
+                         compile=compile, fuse_loss=fuse_loss, world_size=world_size)
+    device_profile = get_device(device)
+    target = Target(device_profile, make_budget(budget, device_profile, reserve, allow_over_device=flag("allow_over_device", allow_over_device)),
+                    reserve, world_size if world_size == "auto" else check_world_size(world_size),
+                    check_choice("profile", profile, PROFILE_SOURCES), check_time_limit(time_limit_s))
+    request = plan_request(budget, device_profile, dict(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-        loop=settings.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
-    say = progress or (lambda message: None)
-    _check_int8_target(model, target)
+        loop=step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
+    _check_int8_target(model, device_profile)
     settle_first_forward(model)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
     # within a level, segments of consecutive blocks are candidates of the same program
-    chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, memory, say=say, settings=settings)
+    chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, step, space, progress or (lambda message: None))
     if on_profile is not None:
         on_profile(measured)
     return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed)
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """plan()'s arguments that reach the trace, profile and solve stages, checked."""
-
-    optimizer: str | torch.optim.Optimizer
-    precision: str
-    keep_fp32: list[str] | None
-    checkpoint: list[str] | Mapping[str, str] | None
-    reserve: str | int | None
-    loss_fn: Callable[[Any], torch.Tensor] | None
-    profile: str
-    loop: TrainingLoop
-    menu_size: int
-    compile: bool
-    world_size: int | str
-    time_limit_s: float
-    segments: bool  # off with compile: a segment's region runs eagerly between compiled graphs
-    routing: MoeRoutingBound
-    fuse_loss: bool  # off with compile and with FSDP
-
-
-def _flag(name: str, value: Any) -> bool:
-    """A yes/no argument, which must be a bool: `fuse_loss="no"` would otherwise read as True."""
-    if not isinstance(value, bool):
-        raise OptionError(f"{name} takes True or False; got {value!r}")
-    return value
 
 
 def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
@@ -151,8 +129,8 @@ def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
             "Load the base in 4-bit (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), which plans for any device")
 
 
-def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: Budget, *, say,
-                 settings: PlanSettings) -> tuple[Plan, Profile]:
+def _plan_levels(model, batch, levels: list[UnitLevel], target: Target, step: StepOptions, space: SearchSpace,
+                 say: Callable[[str], None]) -> tuple[Plan, Profile]:
     """Every level traced, profiled and solved; the best plan of them and its profile."""
     planned: list[tuple[Plan, Profile]] = []
     planned_levels: list[UnitLevel] = []
@@ -160,30 +138,17 @@ def _plan_levels(model, batch, levels: list[UnitLevel], target: Device, memory: 
         if len(levels) > 1:
             say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
         try:
-            traced, measured = _trace_and_profile(model, batch, target, level.units, settings, say)
+            traced, measured = _trace_and_profile(model, batch, target, level.units, step, space, say)
         except RepeatedUnitError:
             if number == len(levels) and not planned:
                 raise
             continue  # a Sequential run called twice: the other levels are the plan space
         planned_levels.append(level)
-        measured = dataclasses.replace(measured, segments=settings.segments)
-        pins = pinned_choices(list(traced.units), precision_options(settings.precision, target), settings.keep_fp32, settings.checkpoint)
-        decided = _decide(traced, measured, memory, target, pins, settings, say)
+        measured = dataclasses.replace(measured, segments=space.segments)
+        pins = pinned_choices(list(traced.units), precision_options(space.precision, target.device), space.keep_fp32, space.checkpoint)
+        decided = _decide(traced, measured, target, step, pins, say)
         planned.append((decided, measured))
     return best_level(planned, planned_levels, tried=len(levels))
-
-
-def _check_arguments(world_size, time_limit_s, moe_capacity) -> MoeRoutingBound:
-    """Checks the arguments that need no model; returns how expert routing is to be profiled."""
-    if world_size != "auto":
-        check_world_size(world_size)
-    check_time_limit(time_limit_s)
-    return check_moe_capacity(moe_capacity)
-
-
-def check_time_limit(time_limit_s: float) -> None:
-    if not (isinstance(time_limit_s, numbers.Real) and not isinstance(time_limit_s, bool) and 0 < time_limit_s < math.inf):
-        raise OptionError(f"time_limit_s (--time-limit on the command line) must be a positive number of seconds; got {time_limit_s!r}")
 
 
 def plan_request(budget, target: Device, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -220,50 +185,47 @@ def _literal(value: Any) -> Any:
     return None
 
 
-def _decide(traced: Traced, measured: Profile, budget: Budget, target: Device, pins, settings: PlanSettings, say) -> Plan:
+def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> Plan:
     """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
     curve: tuple[WorldSizePoint, ...] = ()
-    world_size, time_limit_s = settings.world_size, settings.time_limit_s
-    if world_size == "auto":
+    usable, time_limit_s = target.budget.usable_bytes, target.time_limit_s
+    if target.world_size == "auto":
         say("finding the smallest number of GPUs")
-        world, curve = fewest_gpus(measured, pins, budget.usable_bytes, time_limit_s)
+        world, curve = fewest_gpus(measured, pins, usable, time_limit_s)
     else:
-        world = check_world_size(world_size)
+        world = target.world_size
     offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, world)))
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         return simulate_plan(
-            traced, choices, device=target, optimizer=settings.optimizer, rest_precision=measured.rest_precision, loss_fn=settings.loss_fn,
-            rank_offsets=offsets, loop=measured.loop, fused_loss=bool(measured.timeline.fused_loss),
+            traced, choices, device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
+            loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=bool(measured.timeline.fused_loss),
         ).peak_bytes
 
-    found = search(measured, budget.usable_bytes, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
-    decided = assemble_plan(measured, traced, found, budget=budget, reserve=settings.reserve, target=target, pins=pins, world=world,
-                        time_limit_s=time_limit_s)
+    found = search(measured, usable, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
+    decided = assemble_plan(measured, traced, found, budget=target.budget, reserve=target.reserve, target=target.device, pins=pins,
+                            world=world, time_limit_s=time_limit_s)
     return dataclasses.replace(decided, world_size_curve=curve)
 
 
-def _trace_and_profile(model, batch, target: Device, unit_names, settings: PlanSettings, say) -> tuple[Traced, Profile]:
+def _trace_and_profile(model, batch, target: Target, unit_names, step: StepOptions, space: SearchSpace, say) -> tuple[Traced, Profile]:
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
-    optimizer, precision, profile, compile, loss_fn = settings.optimizer, settings.precision, settings.profile, settings.compile, settings.loss_fn
-    if profile not in ("auto", "measure", "roofline"):
-        raise ValueError(f"profile must be 'auto', 'measure' or 'roofline'; got {profile!r}")
-    precisions = precision_options(precision, target)
-    if settings.keep_fp32 and "fp32" not in precisions:
+    precisions = precision_options(space.precision, target.device)
+    if space.keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
-    rest = "fp32" if precision == "auto" else precision
+    rest = "fp32" if space.precision == "auto" else space.precision
     say("tracing")
-    traced = trace(model, batch, unit_names=unit_names, routing=settings.routing)
-    if compile and profile == "measure":
-        raise ValueError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
-                         "use profile='roofline' or 'auto'")
+    traced = trace(model, batch, unit_names=unit_names, routing=step.routing)
+    if space.compile and target.profile == "measure":
+        raise OptionError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
+                          "use profile='roofline' or 'auto'")
     try:
         measured = profile_units(
-            traced, target, optimizer=optimizer, precisions=precisions, rest_precision=rest, loss_fn=loss_fn, progress=say,
-            loop=settings.loop, menu_size=settings.menu_size, compile=compile, fuse_loss=settings.fuse_loss,
+            traced, target.device, optimizer=step.optimizer, precisions=precisions, rest_precision=rest, loss_fn=step.loss_fn,
+            progress=say, loop=step.loop, menu_size=space.menu_size, compile=space.compile, fuse_loss=space.fuse_loss,
         )
-        if not compile and _should_measure(profile, model, target):
-            measured = measure_times(measured, traced, optimizer=optimizer, loss_fn=loss_fn, progress=say)
+        if not space.compile and _should_measure(target.profile, model, target.device):
+            measured = measure_times(measured, traced, optimizer=step.optimizer, loss_fn=step.loss_fn, progress=say)
     except (TraceError, ProfileError, OptionError, MissingExtraError):
         raise
     except Exception as error:  # noqa: BLE001 - the model's own code failed under the profile: say where

@@ -408,3 +408,14 @@ def test_random_option_values_exit_cleanly(option: str, value: str) -> None:
     assert "Traceback" not in result.output
     if result.exit_code == ExitCode.USAGE:
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("option,value,says", [
+    ("menu_size", -1, "menu_size takes a whole number"), ("menu_size", 2.5, "menu_size takes a whole number"),
+    ("profile", "gpu", "profile takes one of 'auto', 'measure', 'roofline'"),
+    ("precision", "int8", "precision takes one of 'auto', 'fp32', 'bf16', 'fp16'"),
+])
+def test_api_options_are_checked_before_tracing(option, value, says) -> None:
+    model, inputs = tiny_gpt()
+    with pytest.raises(OptionError, match=says):
+        autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", **{option: value})

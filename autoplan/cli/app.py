@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 import autoplan
-from autoplan.api import check_time_limit
+from autoplan.inputs.options import check_time_limit
 from autoplan.runtime.routing import check_moe_capacity
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, quiet, reported, write_stdout
 from autoplan.cli.progress import PlanningProgress, progress_wanted

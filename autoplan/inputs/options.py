@@ -1,0 +1,104 @@
+"""plan()'s options as three checked values, grouped by what they are about.
+
+- `Target`: what the plan must fit and how it is found: the device, the budget, the reserve as
+  given, the number of GPUs, where unit times come from, the solver's time limit;
+- `StepOptions`: the training step the peak is for: the optimizer whose state is counted, the
+  loss, the loop, and how data-dependent expert routing is profiled;
+- `SearchSpace`: which choices the solver may make: precisions, pins, each unit's menu of
+  selective policies, segments, compile pricing, the fused loss head.
+
+Each is built once in `api.plan`, every option checked there with an `OptionError` that names
+the option and what it takes, and passed down whole instead of a list of keywords.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from autoplan.errors import OptionError
+from autoplan.inputs.budget import Budget
+from autoplan.inputs.devices import Device
+from autoplan.inputs.loop import TrainingLoop
+from autoplan.runtime.routing import MoeRoutingBound
+
+PROFILE_SOURCES = ("auto", "measure", "roofline")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the plan must fit, and how it is found."""
+
+    device: Device
+    budget: Budget
+    reserve: str | int | None  # as given: the plan reports it
+    world_size: int | str  # GPUs under FSDP2, or "auto": the fewest that fit
+    profile: str  # where unit times come from: "auto", "measure" or "roofline"
+    time_limit_s: float  # per solve
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The training step the peak is for."""
+
+    optimizer: str | torch.optim.Optimizer
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    loop: TrainingLoop
+    routing: MoeRoutingBound  # how experts whose routing decides shapes are profiled
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which choices the solver may make."""
+
+    precision: str  # "auto" (per unit) or one for every unit
+    keep_fp32: list[str] | None  # unit patterns pinned to fp32
+    checkpoint: list[str] | Mapping[str, str] | None  # unit patterns pinned to a checkpoint mode
+    menu_size: int  # selective policies of each unit's own, per precision
+    segments: bool  # runs of consecutive blocks as one region; off with compile
+    compile: bool  # recomputing FLOP-free ops priced as free (Inductor fuses them)
+    fuse_loss: bool  # the output head's cross-entropy fused; off with compile and with FSDP
+
+
+def flag(name: str, value: Any) -> bool:
+    """A yes/no option, which must be a bool: `fuse_loss="no"` would otherwise read as True."""
+    if not isinstance(value, bool):
+        raise OptionError(f"{name} takes True or False; got {value!r}")
+    return value
+
+
+def check_time_limit(time_limit_s: float) -> float:
+    if not (isinstance(time_limit_s, numbers.Real) and not isinstance(time_limit_s, bool) and 0 < time_limit_s < math.inf):
+        raise OptionError(f"time_limit_s (--time-limit on the command line) must be a positive number of seconds; got {time_limit_s!r}")
+    return float(time_limit_s)
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise OptionError(f"{name} takes one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
+    return value
+
+
+def check_menu_size(menu_size: Any) -> int:
+    if isinstance(menu_size, bool) or not isinstance(menu_size, numbers.Integral) or menu_size < 0:
+        raise OptionError(f"menu_size takes a whole number ≥ 0 (0: keep/selective/full only); got {menu_size!r}")
+    return int(menu_size)
+
+
+def search_space(*, precision, keep_fp32, checkpoint, menu_size, segments, compile, fuse_loss, world_size) -> SearchSpace:
+    """The checked search space; segments and the fused head off where they cannot apply."""
+    compile = flag("compile", compile)
+    return SearchSpace(
+        precision=check_choice("precision", precision, PRECISIONS),
+        keep_fp32=keep_fp32,
+        checkpoint=checkpoint,
+        menu_size=check_menu_size(menu_size),
+        segments=flag("segments", segments) and not compile,  # a segment's region runs eagerly between compiled graphs
+        compile=compile,
+        fuse_loss=flag("fuse_loss", fuse_loss) and not compile and world_size == 1,
+    )
