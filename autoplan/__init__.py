@@ -6,8 +6,10 @@
     result = autoplan.verify(model, plan, example_inputs=(batch,))     # real steps: did it hold?
 
 The package is the pipeline, one sub-package per stage in order: inputs, trace, profile, memory,
-solve, verify, apply, report, cli; `plan.py` and `errors.py` are the vocabulary, `runtime/` the
-machinery they share, `api.py` the orchestration.
+solve, verify, apply, report, cli; `plan.py` and `errors.py` are the vocabulary; what they share
+is in `vocabulary/` (names, formatting), `instruments/` (fake tensors, the live-bytes tracker),
+`training/` (the step, run once for simulation and measurement) and `planned/` (what a rewritten
+model runs); `api.py` is the orchestration.
 """
 
 from autoplan.api import apply, optimize, plan
@@ -17,7 +19,7 @@ from autoplan.inputs.devices import DEVICES, Device, get_device, list_devices
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, MemoryBreakdown, Plan, UnitDecision
 from autoplan.report.text import format_report
-from autoplan.runtime.planned import planned_choices, remove_plan
+from autoplan.planned.forwards import planned_choices, remove_plan
 from autoplan.verify.real import Verification, verify
 
 __all__ = [

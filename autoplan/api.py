@@ -42,10 +42,10 @@ from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
-from autoplan.runtime.formatting import first_line, where_in_user_code
-from autoplan.runtime.quantized import int8_layers, settle_first_forward
-from autoplan.runtime.routing import check_moe_capacity
-from autoplan.runtime.training import model_device
+from autoplan.vocabulary.formatting import first_line, where_in_user_code
+from autoplan.instruments.quantized import int8_layers, settle_first_forward
+from autoplan.instruments.routing import check_moe_capacity
+from autoplan.training.step_parts import model_device
 from autoplan.solve.assemble import assemble_plan, best_level, infeasible_message
 from autoplan.solve.search import pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus

@@ -42,8 +42,8 @@ from autoplan.inputs.hf_models import (
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Plan
 from autoplan.report import trainer as trainer_report
-from autoplan.runtime.formatting import format_bytes
-from autoplan.runtime.signatures import accepts_argument
+from autoplan.vocabulary.formatting import format_bytes
+from autoplan.vocabulary.signatures import accepts_argument
 
 
 def __getattr__(name: str) -> Any:

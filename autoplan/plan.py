@@ -183,7 +183,7 @@ class OutsideUnits:
     """What a plan decides for the model outside its units, which every rewrite of it applies."""
 
     precision: Precision = "fp32"  # everything outside the units; low: autocast around the whole forward
-    fused_loss: bool = False  # the output head's cross-entropy fused (autoplan.runtime.loss_head)
+    fused_loss: bool = False  # the output head's cross-entropy fused (autoplan.planned.loss_head)
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 from autoplan.plan import Choice  # noqa: E402
-from autoplan.runtime.planned import apply_choices
-from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.planned.forwards import apply_choices
+from autoplan.instruments.tracker import LiveBytesTracker
 from autoplan.trace.units import find_units
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 

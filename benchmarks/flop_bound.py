@@ -10,7 +10,7 @@ the Llama block (2^7 with its 7 matmuls) like any other choice (fake tensors: he
 and backward peaks, FLOPs), adds them to the profile beside keep/selective/full, and asks
 autoplan's own ILP and memory model for the choices of fewest recomputed FLOPs under each budget
 (the ILP's objective priced in FLOPs instead of roofline time), with the loss head as autoplan plans
-it (fused, runtime.loss_head; --loss-as-written for F.cross_entropy as the model writes it). Each
+it (fused, planned.loss_head; --loss-as-written for F.cross_entropy as the model writes it). Each
 answer is then run for real:
 FlopCounterMode over one step and the live-bytes peak of step 2, as in plan_quality.py.
 
@@ -41,9 +41,9 @@ from autoplan.memory.segments import chosen_segments  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.profile.menu import describe, record_ops  # noqa: E402
 from autoplan.profile.units import with_choices  # noqa: E402
-from autoplan.runtime.formatting import format_bytes  # noqa: E402
-from autoplan.runtime.names import segment_ends  # noqa: E402
-from autoplan.runtime.planned import apply_choices  # noqa: E402
+from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
+from autoplan.vocabulary.names import segment_ends  # noqa: E402
+from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.solve.ilp import solve  # noqa: E402
 from examples.llama import Llama  # noqa: E402
 

@@ -61,12 +61,12 @@ from autoplan.inputs.devices import get_device  # noqa: E402
 from autoplan.memory.model import predict_peak  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.profile.units import profile  # noqa: E402
-from autoplan.runtime.formatting import format_bytes  # noqa: E402
-from autoplan.runtime.planned import apply_choices  # noqa: E402
-from autoplan.runtime.tensors import tensors_of, unique_storage_bytes  # noqa: E402
-from autoplan.runtime.tracker import op_roofline  # noqa: E402
-from autoplan.runtime.tracker import LiveBytesTracker  # noqa: E402
-from autoplan.runtime.training import optimizer_state_tensors  # noqa: E402
+from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
+from autoplan.planned.forwards import apply_choices  # noqa: E402
+from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes  # noqa: E402
+from autoplan.instruments.tracker import op_roofline  # noqa: E402
+from autoplan.instruments.tracker import LiveBytesTracker  # noqa: E402
+from autoplan.training.step_parts import optimizer_state_tensors  # noqa: E402
 from autoplan.solve.ilp import minimum_peak, solve  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
 from autoplan.trace.units import find_units  # noqa: E402

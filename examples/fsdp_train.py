@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone
 
 import autoplan  # noqa: E402
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 from autoplan.verify.fsdp import measure_rank_peak
 from examples.llama import Llama, LlamaConfig, example_batch  # noqa: E402
 

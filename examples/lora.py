@@ -18,7 +18,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 from examples.gpt import build  # noqa: E402
 
 

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
-from autoplan.runtime.formatting import format_bytes  # noqa: E402
+from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
 
 
 def build(batch_size: int = 4, seq_len: int = 256):

@@ -23,10 +23,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.inputs.devices import get_device
-from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.instruments.tracker import LiveBytesTracker
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.runtime.step import LoopRunner
-from autoplan.runtime.training import default_loss, make_optimizer, optimizer_state_tensors, preserved
+from autoplan.training.runner import LoopRunner
+from autoplan.training.step_parts import default_loss, make_optimizer, optimizer_state_tensors, preserved
 
 from tests.structures import Structure
 

@@ -16,8 +16,8 @@ import torch
 import autoplan
 import autoplan.profile.timeline
 from autoplan import Choice, InfeasibleBudgetError, MemoryBreakdown, Plan, UnitDecision
-from autoplan.runtime.planned import planned_choices
-from autoplan.runtime.training import default_loss
+from autoplan.planned.forwards import planned_choices
+from autoplan.training.step_parts import default_loss
 from examples.gpt import build as build_gpt
 from tests.models import make_lora, make_small_resnet, make_tiny_gpt
 

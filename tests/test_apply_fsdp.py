@@ -21,7 +21,7 @@ import autoplan
 from autoplan.plan import Choice
 from autoplan.errors import DistributedSetupError
 from examples.llama import build
-from autoplan.runtime.planned import apply_choices
+from autoplan.planned.forwards import apply_choices
 from tests.fsdp_model import STEPS, rank_batch, shared_batch, shared_block, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Tests for the apply stage and its runtime wrappers (`autoplan/runtime/planned.py`, `runtime/wrappers.py`, `autoplan.apply`).
+"""Tests for the apply stage and its runtime wrappers (`autoplan/planned/forwards.py`, `planned/wrappers.py`, `autoplan.apply`).
 
 DESIGN.md, "Rewriting": the rewritten model is the caller's model (same class, parameter objects,
 state_dict keys); with every unit fp32, training it gives the same loss, gradients, parameters and
@@ -30,10 +30,10 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import autoplan  # noqa: E402
-import autoplan.runtime.wrappers as wrappers  # noqa: E402
+import autoplan.planned.wrappers as wrappers  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
-from autoplan.runtime.wrappers import PlannedForward
-from autoplan.runtime.planned import PlannedSequential, apply_choices, planned_choices, remove_plan
+from autoplan.planned.wrappers import PlannedForward
+from autoplan.planned.forwards import PlannedSequential, apply_choices, planned_choices, remove_plan
 from autoplan.trace.units import find_units
 from tests.models import ALL_MODELS, make_mlp, make_small_resnet, make_tiny_gpt, make_tiny_gpt_dropout  # noqa: E402
 

@@ -65,7 +65,7 @@ def test_plan_quality_counts_compiled_graph_flops_like_flop_counter():
 def test_plan_quality_auto_sac_names_ops_autoplan_can_apply():
     pytest.importorskip("pwlf")  # torch's auto-SAC fits its trade-off curves with it
     quality = load("plan_quality")
-    from autoplan.runtime.planned import apply_choices
+    from autoplan.planned.forwards import apply_choices
     from examples.llama import Llama, LlamaConfig, example_batch
 
     config = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=192, max_seq_len=64)

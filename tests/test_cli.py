@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import autoplan
 from autoplan.report.advice import least_activation_choices
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 from autoplan.cli.app import JSON_SCHEMA, app
 from autoplan.cli.exits import ExitCode
 from autoplan.inputs.devices import DEVICES

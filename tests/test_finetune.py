@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import autoplan
-from autoplan.runtime.tensors import rounded_bytes, unique_storage_bytes
+from autoplan.vocabulary.tensors import rounded_bytes, unique_storage_bytes
 from tests.models import make_lora
 
 STEP_BYTES = rounded_bytes(4)  # AdamW's per-parameter step counter, a float32 scalar

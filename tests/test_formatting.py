@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoplan.runtime.formatting import (
+from autoplan.vocabulary.formatting import (
     format_bytes,
     format_count,
     format_flops,

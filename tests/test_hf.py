@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 import autoplan  # noqa: E402
-import autoplan.runtime.wrappers  # noqa: E402
+import autoplan.planned.wrappers  # noqa: E402
 from autoplan.inputs.hf_models import PRESETS, default_seq_len, example_inputs_for, model_from_config, training_inputs
 from tests import families  # noqa: E402
 from tests.families import BATCH, FAMILIES, SEQ  # noqa: E402
@@ -80,8 +80,8 @@ def test_generate_after_rewrite_gives_the_same_tokens_and_recomputes_nothing(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
-    real_checkpoint = autoplan.runtime.wrappers.checkpoint
-    monkeypatch.setattr(autoplan.runtime.wrappers, "checkpoint", lambda *a, **k: calls.append(1) or real_checkpoint(*a, **k))
+    real_checkpoint = autoplan.planned.wrappers.checkpoint
+    monkeypatch.setattr(autoplan.planned.wrappers, "checkpoint", lambda *a, **k: calls.append(1) or real_checkpoint(*a, **k))
     before, after = families.generate_after_rewrite(families.BY_NAME[name], _planned(name).plan)
     assert after.shape[-1] > 1
     assert torch.equal(before, after)
@@ -125,12 +125,12 @@ def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch
         enable_transformers_checkpointing(rewritten)
     hf_calls = _count_hf_checkpointing(rewritten)
     ours = []
-    real_checkpoint = autoplan.runtime.wrappers.checkpoint
-    monkeypatch.setattr(autoplan.runtime.wrappers, "checkpoint", lambda *a, **k: ours.append(1) or real_checkpoint(*a, **k))
+    real_checkpoint = autoplan.planned.wrappers.checkpoint
+    monkeypatch.setattr(autoplan.planned.wrappers, "checkpoint", lambda *a, **k: ours.append(1) or real_checkpoint(*a, **k))
     loss, grads, _, _ = families._train_step(original, inputs)
     loss2, grads2, _, _ = families._train_step(rewritten, inputs)
     assert hf_calls == []  # never checkpointed twice
-    # one checkpoint call per checkpointed layer on its own (a segment's region is runtime.segments')
+    # one checkpoint call per checkpointed layer on its own (a segment's region is planned.segments')
     assert len(ours) == sum(u.choice.mode != "keep" and not u.members for u in plan.units)
     torch.testing.assert_close(loss2, loss)
     torch.testing.assert_close(grads2, grads)

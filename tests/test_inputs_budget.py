@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from autoplan.errors import BudgetError, BudgetOverDeviceError
 from autoplan.inputs.budget import DEFAULT_FRAGMENTATION, Budget, budget_needed_for, default_reserve, make_budget, parse_bytes
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 from autoplan.inputs.devices import DEVICES, get_device
 
 UNITS = {

@@ -1,7 +1,8 @@
 """The package's folder tree is the pipeline: imports go only towards earlier stages, in no circle.
 
 Every `import` in every module counts, those inside functions and under TYPE_CHECKING too. A
-module of stage k may import the vocabulary, `runtime/`, and stages before k; never a later
+module of stage k may import the vocabulary, the shared packages (vocabulary helpers, instruments,
+the training step, the planned forwards, in that order), and stages before k; never a later
 stage, never its own stage's sibling in a circle. The limits of DESIGN.md's style section are
 checked here too, so they stay true.
 """
@@ -19,7 +20,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autoplan"
 # The pipeline in order; a module may import its own layer and earlier ones.
 LAYERS = (
     ("plan", "errors"),  # the vocabulary: imports nothing of autoplan (but each other)
-    ("runtime",),
+    # shared by every stage, none imports a stage: each imports only those above it
+    ("vocabulary",),  # unit names, formatting, signatures, tensors and bytes
+    ("instruments",),  # fake twins, the live-bytes tracker, quantized bases' state, the MoE routing bound
+    ("training",),  # the training step: loss, optimizer, the one LoopRunner
+    ("planned",),  # what a rewritten model runs: planned forwards, segments, graph units, the fused loss head
     ("inputs",),
     ("trace",),
     ("profile",),
@@ -83,7 +88,8 @@ def _graph() -> nx.DiGraph:
 def test_the_stages_are_the_folders_in_pipeline_order():
     stages = {_stage(module) for module in _modules()}
     assert stages <= set(RANK), f"modules outside the pipeline: {stages - set(RANK)}"
-    for package in ("runtime", "inputs", "trace", "profile", "memory", "solve", "verify", "apply", "report", "cli"):
+    assert not (PACKAGE / "runtime").exists(), "runtime/ was split by purpose: vocabulary, instruments, training, planned"
+    for package in ("vocabulary", "instruments", "training", "planned", "inputs", "trace", "profile", "memory", "solve", "verify", "apply", "report", "cli"):
         assert (PACKAGE / package / "__init__.py").exists(), package
 
 

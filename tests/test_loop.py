@@ -176,7 +176,7 @@ def test_a_loop_shape_is_simulated_and_measured_by_the_same_runner(monkeypatch, 
     micro-batch on) moves the plan's prediction and the real steps' measurement alike."""
     import torch
 
-    from autoplan.runtime.step import LoopRunner
+    from autoplan.training.runner import LoopRunner
 
     model, inputs = ALL_MODELS["tiny_gpt"]()
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)

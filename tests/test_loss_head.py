@@ -1,4 +1,4 @@
-"""The fused loss head (runtime.loss_head): the same training, less memory, no more FLOPs, and a plan that says so."""
+"""The fused loss head (planned.loss_head): the same training, less memory, no more FLOPs, and a plan that says so."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import autoplan
 from autoplan.inputs.devices import get_device
 from autoplan.plan import OutsideUnits
-from autoplan.runtime.planned import apply_choices, fused_losses, remove_plan
-from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.planned.forwards import apply_choices, fused_losses, remove_plan
+from autoplan.instruments.tracker import LiveBytesTracker
 from examples.llama import Llama, LlamaConfig, example_batch
 
 CONFIG = LlamaConfig(vocab_size=2048, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64)

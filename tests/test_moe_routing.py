@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing that decides shapes, planned as a bound (`autoplan/runtime/routing.py`).
+"""Mixture-of-experts routing that decides shapes, planned as a bound (`autoplan/instruments/routing.py`).
 
 A MoE layer written the common eager way (per expert `torch.where(mask[e])`, a gather, `index_add_`)
 has shapes that depend on the routing. autoplan profiles it at the worst case (every expert receives
@@ -17,7 +17,7 @@ import pytest
 
 import autoplan
 from autoplan.errors import OptionError
-from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound, RouterShape
+from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound, RouterShape
 from tests.structures import Structure, _MOE, _hf, _tokens, build_eager_moe, build_residual_list
 from tests.test_plan_space import assert_trains_the_same
 
@@ -129,7 +129,7 @@ def test_nonzero_after_a_router_is_bounded_by_what_its_mask_can_hold():
     """One expert's mask (tokens × top_k elements) gets the capacity's rows; any other mask every element."""
     import torch
 
-    from autoplan.runtime.fake import new_fake_mode
+    from autoplan.instruments.fake import new_fake_mode
 
     mode = new_fake_mode(MoeRoutingBound(1.0))
     with mode:

@@ -12,7 +12,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import autoplan  # noqa: E402
-from autoplan.runtime.planned import planned_choices  # noqa: E402
+from autoplan.planned.forwards import planned_choices  # noqa: E402
 
 SIZES = dict(vocab_size=256, num_hidden_layers=3, num_attention_heads=4)
 

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 import autoplan
 from autoplan.inputs.batch import normalize_inputs
-from autoplan.runtime.planned import apply_choices, planned_choices
+from autoplan.planned.forwards import apply_choices, planned_choices
 from autoplan.trace.tracer import trace
 from autoplan.trace.units import unit_levels
 from tests.generated import module_trees, structure_of
-from autoplan.runtime.fake import ROUTING_NOTE
+from autoplan.instruments.fake import ROUTING_NOTE
 from tests.handmade import Comparison, checkpoint_by_hand, compare_with_plan, measured_step
 from tests.structures import STRUCTURES, Structure, by_name
 

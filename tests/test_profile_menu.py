@@ -1,5 +1,5 @@
 """Tests for each unit's own menu of selective policies (`autoplan/profile/menu.py`, the occurrence
-policy in `runtime/wrappers.py`, and how the plan carries it).
+policy in `planned/wrappers.py`, and how the plan carries it).
 
 A menu point names the op occurrences it saves; training with it must equal the original in fp32
 (loss, gradients, parameters, buffers: dropout masks replayed, BatchNorm statistics once, in-place
@@ -28,7 +28,7 @@ from autoplan.inputs.devices import get_device  # noqa: E402
 from autoplan.plan import Choice  # noqa: E402
 from autoplan.profile.menu import describe, menu_points, record_ops  # noqa: E402
 from autoplan.profile.units import profile  # noqa: E402
-from autoplan.runtime.planned import apply_choices  # noqa: E402
+from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
 from autoplan.trace.units import find_units  # noqa: E402
 from tests.models import make_small_resnet, make_tiny_gpt, make_tiny_gpt_dropout  # noqa: E402

@@ -17,10 +17,10 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import autoplan  # noqa: E402
-from autoplan.runtime.fake import fake_copy, new_fake_mode  # noqa: E402
-from autoplan.runtime.quantized import quantization_state_tensors, resident_tensors  # noqa: E402
-from autoplan.runtime.tensors import rounded_bytes, unique_storage_bytes  # noqa: E402
-from autoplan.runtime.tracker import LiveBytesTracker  # noqa: E402
+from autoplan.instruments.fake import fake_copy, new_fake_mode  # noqa: E402
+from autoplan.instruments.quantized import quantization_state_tensors, resident_tensors  # noqa: E402
+from autoplan.vocabulary.tensors import rounded_bytes, unique_storage_bytes  # noqa: E402
+from autoplan.instruments.tracker import LiveBytesTracker  # noqa: E402
 from autoplan.errors import ProfileError  # noqa: E402
 from autoplan.inputs.devices import get_device  # noqa: E402
 
@@ -177,7 +177,7 @@ def test_selective_rule_keeps_the_4bit_matmul_outputs():
     """The fixed selective rule keeps matmul outputs; a 4-bit base's matmuls are one fused op of their own."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from autoplan.runtime.wrappers import OccurrencePolicy
+    from autoplan.planned.wrappers import OccurrencePolicy
 
     seen = []
     policy = OccurrencePolicy(None, observer=lambda occurrence, func, *rest: seen.append(func))

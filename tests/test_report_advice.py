@@ -16,8 +16,8 @@ from autoplan.plan import Choice, UnitDecision
 from autoplan.errors import PlotUnavailable
 from autoplan.report.plot import memory_curves, plot_memory
 from autoplan.report.text import fold_units, format_report
-from autoplan.runtime.tensors import unique_storage_bytes
-from autoplan.runtime.names import unit_module
+from autoplan.vocabulary.tensors import unique_storage_bytes
+from autoplan.vocabulary.names import unit_module
 from tests.cli_factories import tiny_gpt, tiny_gpt_sdpa
 
 BATCH, SEQ, HEADS = 4, 32, 2

@@ -14,7 +14,7 @@ import autoplan
 from autoplan.report.advice import advise, state_bound
 from autoplan.report.text import format_report
 from autoplan.report.trainer import measured_peak_line
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 from examples.gpt import build
 
 SCIENTIFIC = re.compile(r"\d[eE][+-]?\d")  # 4.17e+03

@@ -23,7 +23,7 @@ from autoplan.inputs.devices import get_device
 from autoplan.memory.model import predict_peak
 from autoplan.memory.segments import chains, segment_candidates
 from autoplan.plan import Choice
-from autoplan.runtime.planned import apply_choices, planned_choices, remove_plan
+from autoplan.planned.forwards import apply_choices, planned_choices, remove_plan
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
 

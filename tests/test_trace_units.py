@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autoplan.runtime.graph import split_by_units
+from autoplan.planned.graph import split_by_units
 from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.trace.tracer import Traced, trace
 from autoplan.trace.units import find_units
-from autoplan.runtime.names import unit_endpoints, unit_module
+from autoplan.vocabulary.names import unit_endpoints, unit_module
 from tests.models import (
     ALL_MODELS,
     BasicBlock,

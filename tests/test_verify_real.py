@@ -14,7 +14,7 @@ import torch
 
 import autoplan
 from autoplan.plan import Choice
-from autoplan.runtime.planned import apply_choices
+from autoplan.planned.forwards import apply_choices
 from tests.models import ALL_MODELS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,7 +1,7 @@
 """Apply stage for more than one GPU: a plan's units become FSDP2 units.
 
 `apply_fsdp(model, plan)` runs inside an initialised process group (`torchrun`): it rewrites each
-unit for its checkpoint mode and precision (`runtime.planned.apply_choices`, as on one GPU), then
+unit for its checkpoint mode and precision (`planned.forwards.apply_choices`, as on one GPU), then
 calls PyTorch's own `torch.distributed.fsdp.fully_shard` on each unit and on the root, so the units
 the plan decided about are exactly the groups FSDP gathers and reduce-scatters.
 
@@ -21,8 +21,8 @@ import torch
 from autoplan.errors import DistributedSetupError
 from autoplan.plan import OutsideUnits, Plan
 from autoplan.memory.sharded import fsdp_group
-from autoplan.runtime.names import is_graph_unit, sequential_run
-from autoplan.runtime.planned import apply_choices
+from autoplan.vocabulary.names import is_graph_unit, sequential_run
+from autoplan.planned.forwards import apply_choices
 
 
 def process_group_world_size() -> int | None:

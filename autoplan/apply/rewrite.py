@@ -1,7 +1,7 @@
 """Apply stage: rewrite the caller's model in place to run as a plan says.
 
 The same model object comes back: same class, parameters, `state_dict()` keys and methods; each
-unit's forward is wrapped on the instance (`runtime.planned.apply_choices`). A plan for more than
+unit's forward is wrapped on the instance (`planned.forwards.apply_choices`). A plan for more than
 one GPU is applied with FSDP2 (`apply.fsdp`).
 """
 
@@ -13,9 +13,9 @@ import torch
 
 from autoplan.apply.fsdp import apply_fsdp
 from autoplan.plan import Plan
-from autoplan.runtime.names import is_graph_unit, unit_endpoints
-from autoplan.runtime.planned import apply_choices
-from autoplan.runtime.quantized import settle_first_forward
+from autoplan.vocabulary.names import is_graph_unit, unit_endpoints
+from autoplan.planned.forwards import apply_choices
+from autoplan.instruments.quantized import settle_first_forward
 
 
 def refuse_meta(model: torch.nn.Module) -> None:

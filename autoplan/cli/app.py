@@ -19,7 +19,7 @@ from rich.table import Table
 
 import autoplan
 from autoplan.inputs.options import check_time_limit
-from autoplan.runtime.routing import check_moe_capacity
+from autoplan.instruments.routing import check_moe_capacity
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, quiet, reported, write_stdout
 from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import make_budget
@@ -28,7 +28,7 @@ from autoplan.inputs.targets import Target, load_target
 from autoplan.report.advice import advise
 from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
 from autoplan.report.text import report_renderables, verification_table
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
 

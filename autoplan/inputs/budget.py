@@ -14,7 +14,7 @@ from fractions import Fraction
 
 from autoplan.errors import BudgetError, BudgetOverDeviceError
 from autoplan.inputs.devices import Device
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 
 # Fraction of the allocator's memory lost to fragmentation. An uncalibrated
 # estimate: to be measured on a GPU (reserved vs. allocated at peak).

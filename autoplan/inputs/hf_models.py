@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from autoplan.errors import MissingExtraError, ModelConfigError, OptionError, UnknownModelError
-from autoplan.runtime.signatures import accepts_argument
+from autoplan.vocabulary.signatures import accepts_argument
 
 # name -> (transformers config class, the checkpoint's public config.json values)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {

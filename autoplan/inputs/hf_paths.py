@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from autoplan.runtime.tensors import tensors_of
+from autoplan.vocabulary.tensors import tensors_of
 
 
 def _known(tensor: torch.Tensor) -> bool:

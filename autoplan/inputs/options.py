@@ -24,7 +24,7 @@ from autoplan.errors import OptionError
 from autoplan.inputs.budget import Budget
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.runtime.routing import MoeRoutingBound
+from autoplan.instruments.routing import MoeRoutingBound
 
 PROFILE_SOURCES = ("auto", "measure", "roofline")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")

@@ -24,10 +24,10 @@ from torch.utils._pytree import tree_map_only
 
 from autoplan.errors import FactoryError, ModelConfigError, TargetNotFoundError, TargetUsageError, UnknownModelError
 from autoplan.inputs import hf_models
-from autoplan.runtime.formatting import first_line
-from autoplan.runtime.signatures import accepts_argument
-from autoplan.runtime.tensors import tensors_of
-from autoplan.runtime.training import parameter_count
+from autoplan.vocabulary.formatting import first_line
+from autoplan.vocabulary.signatures import accepts_argument
+from autoplan.vocabulary.tensors import tensors_of
+from autoplan.training.step_parts import parameter_count
 
 HF_DEFAULT_BATCH = 1
 HF_DEFAULT_SEQ = 1024

@@ -1,6 +1,6 @@
 """Segments in the memory model: runs of consecutive units checkpointed as one region.
 
-A **segment** over units i..j (`runtime.segments`) saves only unit i's inputs during forward. When
+A **segment** over units i..j (`planned.segments`) saves only unit i's inputs during forward. When
 the backward reaches unit j, the whole run is recomputed; from then on each unit k of it holds what
 it saves in keep mode (in the segment's precision) until its own backward. Priced from the
 members' own profiles, without another measurement:
@@ -28,7 +28,7 @@ from typing import Mapping
 
 from autoplan.plan import OPTIMIZER_STEP, Choice, Phase
 from autoplan.profile.units import Profile
-from autoplan.runtime.names import is_graph_unit, segment_ends, segment_name, sequential_run, call_site
+from autoplan.vocabulary.names import is_graph_unit, segment_ends, segment_name, sequential_run, call_site
 
 SEGMENT_LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 from autoplan.plan import Phase
 from autoplan.profile.layout import ParamShape
-from autoplan.runtime.names import call_site
-from autoplan.runtime.tensors import rounded_bytes
+from autoplan.vocabulary.names import call_site
+from autoplan.vocabulary.tensors import rounded_bytes
 
 if TYPE_CHECKING:
     from autoplan.profile.units import Profile

@@ -24,9 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from autoplan.plan import Choice
-from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
-from autoplan.runtime.tracker import RooflineRates, op_roofline
-from autoplan.runtime.wrappers import PlannedForward, can_save
+from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
+from autoplan.instruments.tracker import RooflineRates, op_roofline
+from autoplan.planned.wrappers import PlannedForward, can_save
 
 DEFAULT_MENU_SIZE = 6  # menu points per unit and precision (keep and full not counted); 0: the three modes only
 

@@ -14,9 +14,9 @@ from torch.utils._pytree import tree_map_only
 
 from autoplan.errors import RepeatedUnitError
 from autoplan.plan import Phase
-from autoplan.runtime.names import call_site, unit_endpoints
-from autoplan.runtime.tensors import storage_bytes, tensors_of, unique_storage_bytes
-from autoplan.runtime.tracker import LiveBytesTracker
+from autoplan.vocabulary.names import call_site, unit_endpoints
+from autoplan.vocabulary.tensors import storage_bytes, tensors_of, unique_storage_bytes
+from autoplan.instruments.tracker import LiveBytesTracker
 
 
 class UnitRecorder:

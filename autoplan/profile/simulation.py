@@ -2,7 +2,7 @@
 
 `run_timeline` simulates one steady-state step of the model rewritten with a set of choices, under
 fake tensors. `base_timelines` gives the profile its *timeline* (every unit at its base choice) and
-its *reference* (no plan at all), and decides the loss head: fused (`runtime.loss_head`) only
+its *reference* (no plan at all), and decides the loss head: fused (`planned.loss_head`) only
 where the fused step holds no more than the step as written in every phase and less in some.
 The memory model changes a phase by what the units' choices change, the same in both, so a
 step that is nowhere higher at the base choices is nowhere higher under any plan: the plan
@@ -26,8 +26,8 @@ from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, OutsideUnits
 from autoplan.profile.timeline import Timeline, simulate_training
-from autoplan.runtime.fake import fake_copy, new_fake_mode
-from autoplan.runtime.planned import apply_choices, fused_losses, remove_plan
+from autoplan.instruments.fake import fake_copy, new_fake_mode
+from autoplan.planned.forwards import apply_choices, fused_losses, remove_plan
 from autoplan.trace.tracer import Traced
 
 

@@ -21,12 +21,12 @@ from autoplan.inputs.hf_paths import real_mask_decisions
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase
 from autoplan.profile.recorder import Boundary, UnitCall, UnitRecorder
-from autoplan.runtime.fake import FakeGradScaler, fake_tree
-from autoplan.runtime.step import LoopRunner, StepHooks
-from autoplan.runtime.quantized import resident_tensors
-from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
-from autoplan.runtime.tracker import LiveBytesTracker, TrackedPhase
-from autoplan.runtime.training import default_loss, loss_function, make_optimizer, optimizer_state_tensors
+from autoplan.instruments.fake import FakeGradScaler, fake_tree
+from autoplan.training.runner import LoopRunner, StepHooks
+from autoplan.instruments.quantized import resident_tensors
+from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
+from autoplan.instruments.tracker import LiveBytesTracker, TrackedPhase
+from autoplan.training.step_parts import default_loss, loss_function, make_optimizer, optimizer_state_tensors
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Timeline:
     static: StaticBytes
     boundaries: tuple[Boundary, ...] = ()
     carried_bytes: int = 0  # what the loop's variables hold from the previous step through this forward (outputs, loss)
-    fused_loss: str = ""  # the logits whose cross-entropy the step fused with the output head (runtime.loss_head), "" for none
+    fused_loss: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
 
     @property
     def step_time_s(self) -> float:

@@ -23,12 +23,12 @@ from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import DTYPES, Choice, OutsideUnits
 from autoplan.profile.recorder import TensorSpec
 from autoplan.profile.units import Profile, UnitCost
-from autoplan.runtime.names import unit_module
-from autoplan.runtime.planned import apply_choices, remove_plan
-from autoplan.runtime.tensors import tensors_of
-from autoplan.runtime.step import LoopRunner
-from autoplan.runtime.training import Timer, make_optimizer, model_device, preserved
-from autoplan.runtime.wrappers import PlannedForward
+from autoplan.vocabulary.names import unit_module
+from autoplan.planned.forwards import apply_choices, remove_plan
+from autoplan.vocabulary.tensors import tensors_of
+from autoplan.training.runner import LoopRunner
+from autoplan.training.step_parts import Timer, make_optimizer, model_device, preserved
+from autoplan.planned.wrappers import PlannedForward
 from autoplan.trace.tracer import Traced
 
 

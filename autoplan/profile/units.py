@@ -31,12 +31,12 @@ from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, rec
 from autoplan.profile.recorder import TensorSpec, UnitCall
 from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
-from autoplan.runtime.fake import new_fake_mode
-from autoplan.runtime.names import unit_module
-from autoplan.runtime.tensors import tensors_of, unique_storage_bytes
-from autoplan.runtime.tracker import FusedElementwiseRates, LiveBytesTracker
-from autoplan.runtime.training import optimizer_name
-from autoplan.runtime.wrappers import PlannedForward
+from autoplan.instruments.fake import new_fake_mode
+from autoplan.vocabulary.names import unit_module
+from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
+from autoplan.instruments.tracker import FusedElementwiseRates, LiveBytesTracker
+from autoplan.training.step_parts import optimizer_name
+from autoplan.planned.wrappers import PlannedForward
 from autoplan.trace.tracer import Traced
 
 
@@ -301,7 +301,7 @@ def profile(
     `rest_precision` is what runs outside the units, and each unit's base choice (keep in it).
     `menu_size`: per unit and precision, up to this many selective policies of its own on top of
     keep/selective/full (`profile.menu`); 0 for the three modes only. `compile`: price the units
-    as torch.compile runs them (`runtime.tracker.FusedElementwiseRates`: ops without FLOPs cost
+    as torch.compile runs them (`instruments.tracker.FusedElementwiseRates`: ops without FLOPs cost
     no time), so recomputing elementwise ops is free and the menu saves only matmul/attention outputs.
     `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
     costs the same in any loop. `fuse_loss`: the timeline runs the forward with its output head's

@@ -18,7 +18,7 @@ from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, 
 from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
 from autoplan.profile.units import Profile
 from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
-from autoplan.runtime.formatting import format_bytes, format_count, format_flops, format_seconds
+from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds
 from autoplan.solve.worlds import fewest_ranks
 
 QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)

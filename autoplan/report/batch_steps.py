@@ -12,7 +12,7 @@ from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import PhaseBytes, unit_windows
 from autoplan.plan import Choice, Plan
 from autoplan.profile.units import Profile
-from autoplan.runtime.formatting import format_bytes, format_seconds
+from autoplan.vocabulary.formatting import format_bytes, format_seconds
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 identical units folded into one row: `layers.0–31 ×32`), step times, the code that applies the
 plan, an FSDP estimate when asked, and the advice. When the weights, gradients and optimizer state
 alone decide that nothing fits, the verdict says that in one line and no units or times follow:
-no choice of theirs would matter. Every number goes through `autoplan.runtime.formatting`.
+no choice of theirs would matter. Every number goes through `autoplan.vocabulary.formatting`.
 `format_report` renders the same to plain text without colour, which is what `Plan.report()`
 returns. Nothing here prints: the CLI does.
 """
@@ -24,7 +24,7 @@ from rich.text import Text
 
 from autoplan.plan import register_report_formatter
 from autoplan.report.advice import state_bound
-from autoplan.runtime.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds
+from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds
 
 if TYPE_CHECKING:
     from autoplan.plan import Plan, ShardedPeak, UnitDecision

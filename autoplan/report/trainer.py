@@ -20,7 +20,7 @@ import torch
 from autoplan.inputs.hf_models import require_transformers
 from autoplan.plan import Plan
 from autoplan.report.text import format_report
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 
 MEASURE_STEP = 2  # the first optimizer step whose peak is the steady state's
 

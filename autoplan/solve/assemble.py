@@ -12,7 +12,7 @@ from autoplan.memory.model import predict_peak, predict_step_time, rank_offsets
 from autoplan.memory.segments import chosen_segments, segment_terms
 from autoplan.plan import Plan, UnitDecision
 from autoplan.profile.units import Profile
-from autoplan.runtime.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes
 from autoplan.solve.ilp import fastest
 from autoplan.solve.search import SearchResult
 from autoplan.solve.worlds import profiled_parameter_count

@@ -15,7 +15,7 @@ from autoplan.errors import SolverTimeoutError
 from autoplan.memory.model import predict_peak
 from autoplan.plan import MODES, Choice
 from autoplan.profile.units import Profile
-from autoplan.runtime.names import match_units
+from autoplan.vocabulary.names import match_units
 from autoplan.solve.ilp import STOPPED_WITH_PLAN, minimum_peak, solve
 
 MAX_RESOLVES = 4

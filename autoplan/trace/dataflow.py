@@ -20,11 +20,11 @@ import networkx as nx
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoplan.runtime.fake import fake_copy, fake_tree, new_fake_mode
-from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound
-from autoplan.runtime.formatting import first_line, where_in_user_code
-from autoplan.runtime.names import call_site, call_site_name
-from autoplan.runtime.tensors import tensors_of
+from autoplan.instruments.fake import fake_copy, fake_tree, new_fake_mode
+from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound
+from autoplan.vocabulary.formatting import first_line, where_in_user_code
+from autoplan.vocabulary.names import call_site, call_site_name
+from autoplan.vocabulary.tensors import tensors_of
 
 
 class _Provenance(TorchDispatchMode):
@@ -69,8 +69,8 @@ def runtime_unit_graph(
     Raises RuntimeError naming the failing line of the model's code when the forward cannot run
     on fake tensors.
     """
-    from autoplan.runtime.names import unit_endpoints
-    from autoplan.runtime.planned import remove_plan
+    from autoplan.vocabulary.names import unit_endpoints
+    from autoplan.planned.forwards import remove_plan
 
     fake_mode = new_fake_mode(routing)
     twin = remove_plan(fake_copy(model, fake_mode))

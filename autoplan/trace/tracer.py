@@ -8,7 +8,7 @@ Units are what the plan decides about. Found in this order:
 3. a model with no repeated class but an `nn.Sequential` backbone: runs of its children cut at
    the articulation points of their dataflow graph, one parametric layer per unit
    (named like `"net[0:2]"`);
-4. otherwise, runs of the fx graph's nodes between articulation points (`runtime.graph`, named
+4. otherwise, runs of the fx graph's nodes between articulation points (`planned.graph`, named
    like `"graph[fc1:relu]"`); the planner then works on a GraphModule that calls one submodule
    per run, made of the model's own layers.
 
@@ -33,10 +33,10 @@ import torch.fx
 
 from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
-from autoplan.runtime.formatting import first_line
-from autoplan.runtime.graph import split_by_units
-from autoplan.runtime.routing import WORST_CASE, MoeRoutingBound
-from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, is_range_unit, sequential_run
+from autoplan.vocabulary.formatting import first_line
+from autoplan.planned.graph import split_by_units
+from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound
+from autoplan.vocabulary.names import call_site, call_site_name, is_graph_unit, is_range_unit, sequential_run
 from autoplan.trace.units import find_units
 
 
@@ -145,7 +145,7 @@ def trace(
     forward on fake tensors with hooks (`trace.dataflow`, method "hooks", no fx graph). Hugging Face
     models start with the hooks: export of a large one takes seconds per layer, and symbolic_trace
     cannot follow their keyword-only forwards. `routing`: how mixture-of-experts routing whose shapes
-    depend on the data is profiled (`runtime.routing`); the later stages read it from the result.
+    depend on the data is profiled (`instruments.routing`); the later stages read it from the result.
     """
     from autoplan.inputs.hf_models import is_hf_model
     from autoplan.trace.dataflow import runtime_unit_graph

@@ -24,7 +24,7 @@ Found in this order (`unit_levels`):
 3. repeated blocks by structure, coarse to fine;
 4. a model with nothing repeated: an `nn.Sequential` model cut into runs (one block per run led by
    its first parametric layer's class, then one parametric layer per run); else runs of the fx
-   graph between articulation points (`runtime.graph`) and the model's own children.
+   graph between articulation points (`planned.graph`) and the model's own children.
 A module that runs several times per forward becomes one unit per call, "block@0", "block@1"
 (`trace.tracer`).
 """
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from autoplan.errors import TraceError, UnitPatternError
-from autoplan.runtime.graph import graph_units
-from autoplan.runtime.names import sequential_run, unit_module
-from autoplan.runtime.training import parameter_count
+from autoplan.planned.graph import graph_units
+from autoplan.vocabulary.names import sequential_run, unit_module
+from autoplan.training.step_parts import parameter_count
 
 _LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # hold blocks, but are never called themselves
 MAX_LEVELS = 2  # nested levels of repeated blocks (plus the finest); each level costs a whole profile

@@ -16,10 +16,10 @@ import torch
 
 from autoplan.inputs.devices import get_device
 from autoplan.inputs.loop import TrainingLoop, check_loop
-from autoplan.runtime.tensors import rounded_bytes, tensors_of
-from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.step import LoopRunner
-from autoplan.runtime.training import optimizer_state_tensors
+from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
+from autoplan.instruments.tracker import LiveBytesTracker
+from autoplan.training.runner import LoopRunner
+from autoplan.training.step_parts import optimizer_state_tensors
 
 
 class _ShardedBytesTracker(LiveBytesTracker):

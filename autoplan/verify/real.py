@@ -23,12 +23,12 @@ from autoplan.inputs.devices import get_device
 from autoplan.inputs.hf_models import training_inputs
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
-from autoplan.runtime.planned import apply_choices, has_fused_loss, planned_choices
-from autoplan.runtime.quantized import resident_tensors
-from autoplan.runtime.tensors import tensors_of
-from autoplan.runtime.tracker import LiveBytesTracker
-from autoplan.runtime.step import LoopRunner
-from autoplan.runtime.training import (
+from autoplan.planned.forwards import apply_choices, has_fused_loss, planned_choices
+from autoplan.instruments.quantized import resident_tensors
+from autoplan.vocabulary.tensors import tensors_of
+from autoplan.instruments.tracker import LiveBytesTracker
+from autoplan.training.runner import LoopRunner
+from autoplan.training.step_parts import (
     OPTIMIZERS,
     Timer,
     make_optimizer,

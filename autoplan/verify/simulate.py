@@ -43,7 +43,7 @@ def simulate_plan(
 
     rank_offsets: per phase, what FSDP changes on one rank (`memory.model.rank_offsets`): the
     simulated activations with FSDP's shards, gathered parameters and buffers, for a per-rank peak.
-    loop: the training loop to run (default: the common loop). fused_loss: the loss head fused (runtime.loss_head).
+    loop: the training loop to run (default: the common loop). fused_loss: the loss head fused (planned.loss_head).
     """
     timeline = run_timeline(
         traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn, loop=loop,

@@ -1,6 +1,6 @@
 """Training-step helpers every stage uses: the loss a step backpropagates, the optimizers autoplan
 counts, timing, and putting a model back as it was after real steps (the step itself:
-`runtime.step.LoopRunner`).
+`training.runner.LoopRunner`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from autoplan.runtime.quantized import is_quantized_parameter
-from autoplan.runtime.signatures import accepts_argument
-from autoplan.runtime.tensors import tensors_of
+from autoplan.instruments.quantized import is_quantized_parameter
+from autoplan.vocabulary.signatures import accepts_argument
+from autoplan.vocabulary.tensors import tensors_of
 
 
 def model_loss(output: Any) -> torch.Tensor | None:

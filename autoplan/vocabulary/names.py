@@ -2,10 +2,10 @@
 
 - a submodule's qualified name, e.g. "transformer.h.3";
 - a run of an nn.Sequential's layers, "features[0:4]" (parent "features", layers 0 to 3);
-- a run of graph nodes, "graph[fc1:relu]" (first and last fx node; see `runtime.graph`);
+- a run of graph nodes, "graph[fc1:relu]" (first and last fx node; see `planned.graph`);
 - one call of a module that runs several times per forward, "block@2" (its third call);
 - a segment: consecutive units checkpointed as one region, "layers.0–layers.3" (first and last
-  unit, an en dash between; `runtime.segments`).
+  unit, an en dash between; `planned.segments`).
 
 Patterns (`units=["layers.*"]`) are shell-style, matched with fnmatch against these names.
 """

@@ -11,8 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
-from autoplan.runtime.quantized import fake_quantized_entries
-from autoplan.runtime.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
+from autoplan.instruments.quantized import fake_quantized_entries
+from autoplan.instruments.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
 
 
 def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
@@ -26,7 +26,7 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     Tied parameters stay tied (deepcopy's memo maps each original tensor to one fake), and no
     parameter data is copied, so this works for meta-device models of any size. A quantized base
     (bitsandbytes 4-bit or 8-bit layers) gets fakes of its packed weights and their quantization
-    state too (`runtime.quantized`), sharing storage where the real ones do.
+    state too (`instruments.quantized`), sharing storage where the real ones do.
     """
     storage_fakes = StorageFakes(fake_mode)
     memo: dict[int, Any] = fake_quantized_entries(model, storage_fakes.fake_of)
@@ -83,7 +83,7 @@ class PlanningFakeMode(FakeTensorMode):
     about which expert gets which token.
 
     Routing written as a per-expert loop (`torch.where(expert_mask[e])`) has shapes that depend on
-    the data: `routing` answers those with a bound (`runtime.routing`: the worst case, or a capacity).
+    the data: `routing` answers those with a bound (`instruments.routing`: the worst case, or a capacity).
     """
 
     grouped_matmuls = 0  # grouped matmuls shaped under this mode: the model routes tokens to experts

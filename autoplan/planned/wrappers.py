@@ -21,12 +21,12 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoplan.plan import DTYPES, Choice
-from autoplan.runtime.quantized import is_quantized_matmul
-from autoplan.runtime.tensors import tensors_of
+from autoplan.instruments.quantized import is_quantized_matmul
+from autoplan.vocabulary.tensors import tensors_of
 
 # Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
 # their cost) and recomputes everything else: norms, activations, dropout, casts, adds. bitsandbytes'
-# fused 4-bit matmul is one of them too (runtime.quantized.is_quantized_matmul).
+# fused 4-bit matmul is one of them too (instruments.quantized.is_quantized_matmul).
 _SAVED_IN_SELECTIVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,

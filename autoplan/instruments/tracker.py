@@ -3,7 +3,7 @@
 `LiveBytesTracker` is a TorchDispatchMode that sees every aten op, counts each storage an op
 creates until it is freed (rounded up to 512 bytes, like the CUDA caching allocator), and charges
 the op a roofline time on the target device. Its record is split into labelled phases so one run
-tells the peak of every moment of a training step. Under fake tensors (`runtime.fake`) it needs no
+tells the peak of every moment of a training step. Under fake tensors (`instruments.fake`) it needs no
 real memory; over real CPU tensors it measures a real run.
 """
 
@@ -17,8 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from autoplan.runtime.quantized import hidden_temporary_bytes, register_quantized_flops
-from autoplan.runtime.tensors import rounded_bytes, tensors_of
+from autoplan.instruments.quantized import hidden_temporary_bytes, register_quantized_flops
+from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
 
 
 @dataclass

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import noop_context_fn
 
 from autoplan.errors import SegmentError
 from autoplan.plan import Choice
-from autoplan.runtime.wrappers import PlannedForward, restoring_running_stats, without_cache_writes
+from autoplan.planned.wrappers import PlannedForward, restoring_running_stats, without_cache_writes
 
 # torch.utils.checkpoint builds `checkpoint(use_reentrant=False)` on this generator: entered, it
 # installs the saved-tensors hooks of one region; resumed, it removes them. It is the only way to

@@ -4,7 +4,7 @@ A mixture-of-experts layer written the common eager way picks each expert's toke
 `top_k_pos, token_idx = torch.where(expert_mask[e])` (`aten.nonzero`), gathers those rows, runs
 the expert on them and adds them back (`index_add_`). Fake tensors have no values, so torch cannot
 say how many rows `nonzero` returns and refuses (DynamicOutputShapeException). The planning fake
-mode (`runtime.fake.PlanningFakeMode`) answers with a bound instead (`RoutingTracker`):
+mode (`instruments.fake.PlanningFakeMode`) answers with a bound instead (`RoutingTracker`):
 
 - the router is the last `topk` (or `max` over a dimension, top-1) of a floating-point tensor: its
   rows are the tokens T, `k` the experts per token, the size of the dimension it picks from the

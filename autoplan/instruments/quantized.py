@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from autoplan.runtime.tensors import rounded_bytes
+from autoplan.vocabulary.tensors import rounded_bytes
 
 _PARAMS_4BIT_FIELDS = ("blocksize", "compress_statistics", "quant_type", "quant_storage", "bnb_quantized")
 _QUANT_STATE_TENSORS = ("absmax", "code", "offset")

@@ -1,9 +1,9 @@
 """Make a model run its units the way a set of choices says, in place.
 
-Each unit's `forward` is replaced *on the instance* by a `PlannedForward` (`runtime.wrappers`); a
+Each unit's `forward` is replaced *on the instance* by a `PlannedForward` (`planned.wrappers`); a
 run of an nn.Sequential's layers by a `PlannedSequential` on the Sequential, graph units by a
 `PlannedGraph` on the model, and each block of a segment by a `SegmentMember` of one
-`PlannedSegment` (`runtime.segments`). Nothing else changes: the class, the parameter objects,
+`PlannedSegment` (`planned.segments`). Nothing else changes: the class, the parameter objects,
 `state_dict()` keys and the model's own methods stay as they were, `copy.deepcopy` copies the
 wrappers with the model, and `remove_plan(model)` puts the original forwards back. The profile
 uses this on fake twins; the apply stage on the caller's model.
@@ -18,11 +18,11 @@ from typing import Any, Mapping
 import torch
 
 from autoplan.plan import Choice, OutsideUnits
-from autoplan.runtime.graph import split_by_units
-from autoplan.runtime.loss_head import FusedLossForward
-from autoplan.runtime.names import call_site, call_site_name, is_graph_unit, segment_ends, segment_members, sequential_run
-from autoplan.runtime.segments import PlannedSegment, SegmentMember
-from autoplan.runtime.wrappers import PlannedForward
+from autoplan.planned.graph import split_by_units
+from autoplan.planned.loss_head import FusedLossForward
+from autoplan.vocabulary.names import call_site, call_site_name, is_graph_unit, segment_ends, segment_members, sequential_run
+from autoplan.planned.segments import PlannedSegment, SegmentMember
+from autoplan.planned.wrappers import PlannedForward
 
 
 @dataclass
@@ -131,7 +131,7 @@ def apply_choices(
 
     `outside.precision` is the precision of everything outside the units: when it is low, the whole
     forward runs under autocast, and units chosen fp32 switch it off for themselves.
-    `outside.fused_loss`: the forward's cross-entropy of its output head is fused (`runtime.loss_head`).
+    `outside.fused_loss`: the forward's cross-entropy of its output head is fused (`planned.loss_head`).
     """
     remove_plan(model)
     # graph units of the user's model; on the planner's split GraphModule they are submodules

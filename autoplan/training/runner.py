@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from autoplan.runtime.training import loss_function
+from autoplan.training.step_parts import loss_function
 
 
 class StepHooks:

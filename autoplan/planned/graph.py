@@ -9,7 +9,7 @@ Parameters a forward uses directly (`x * self.scale`) are handed to the unit as 
 
 To plan and rewrite such units, `split_by_units` cuts the traced graph into one GraphModule per
 unit (torch.fx's `split_module`), held by a GraphModule that calls them in order; their layers are
-the model's own module objects. The planner runs on that module; `runtime.planned.apply_choices`
+the model's own module objects. The planner runs on that module; `planned.forwards.apply_choices`
 sets its forward on the model's instance.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from autoplan.runtime.names import GRAPH_UNIT
+from autoplan.vocabulary.names import GRAPH_UNIT
 
 
 class GraphRun(torch.nn.Module):
