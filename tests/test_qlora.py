@@ -217,3 +217,23 @@ def test_other_bases_and_adapters_predict_real_steps(tmp_path, family, quant_typ
     result = autoplan.verify(model, plan, example_inputs=inputs)
     assert result.held
     assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
+
+
+@pytest.mark.parametrize("adapter", ["dora", "lora-with-trained-head", "ia3"])
+def test_other_peft_adapters_on_a_4bit_base_predict_real_steps(saved_llama, adapter):
+    """DoRA dequantizes each 4-bit weight for its norm (peft reads the weight's class name to know how);
+    modules_to_save trains a full copy of the head; IA3 scales activations."""
+    configs = {
+        "dora": lambda: peft.LoraConfig(r=8, target_modules="all-linear", use_dora=True, task_type="CAUSAL_LM"),
+        "lora-with-trained-head": lambda: peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                                                          task_type="CAUSAL_LM"),
+        "ia3": lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                                      task_type="CAUSAL_LM"),
+    }
+    model = peft.get_peft_model(quantized(saved_llama, "nf4-double", lora=False), configs[adapter]())
+    inputs = batch()
+    plan = halfway_plan(model, inputs)
+    assert plan.feasible and len({u.choice.mode for u in plan.units}) > 1
+    result = autoplan.verify(model, plan, example_inputs=inputs)
+    assert result.held
+    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01

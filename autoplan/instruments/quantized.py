@@ -21,6 +21,7 @@ import copy
 from typing import Any, Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from autoplan.vocabulary.tensors import rounded_bytes
@@ -125,7 +126,7 @@ def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tens
         for param in module.parameters(recurse=False):
             if not is_quantized_parameter(param) or id(param) in memo:
                 continue
-            fake = torch.nn.Parameter(fake_of(param), requires_grad=param.requires_grad)
+            fake = _named_like(torch.nn.Parameter(fake_of(param), requires_grad=param.requires_grad), param)
             fake._autoplan_quantized = True
             for name in _PARAMS_4BIT_FIELDS + ("has_fp16_weights",):
                 if hasattr(param, name):
@@ -139,6 +140,25 @@ def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tens
             for value in (matmul_state.CB, matmul_state.SCB):
                 twin(value)
     return memo
+
+
+_TWIN_CLASSES: dict[str, type] = {}
+
+
+def _named_like(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The twin, its class named as the real parameter's (`Params4bit`, `Int8Params`).
+
+    peft tells a 4-bit weight from an 8-bit one by its class's name when it dequantizes it (DoRA's
+    weight norm, merging), so a twin of another name would be dequantized as the wrong kind. The
+    class is a FakeTensor subclass that adds nothing: the fake mode treats the twin as any fake.
+    """
+    if not isinstance(fake, FakeTensor):
+        return fake
+    name = type(real).__name__
+    if name not in _TWIN_CLASSES:
+        _TWIN_CLASSES[name] = type(name, (FakeTensor,), {"__module__": __name__, "__doc__": f"A fake twin of bitsandbytes' {name}."})
+    fake.__class__ = _TWIN_CLASSES[name]
+    return fake
 
 
 def is_quantized_matmul(func) -> bool:
