@@ -412,8 +412,8 @@ def test_random_option_values_exit_cleanly(option: str, value: str) -> None:
 
 @pytest.mark.parametrize("option,value,says", [
     ("menu_size", -1, "menu_size takes a whole number"), ("menu_size", 2.5, "menu_size takes a whole number"),
-    ("profile", "gpu", "profile takes one of 'auto', 'measure', 'roofline'"),
-    ("precision", "int8", "precision takes one of 'auto', 'fp32', 'bf16', 'fp16'"),
+    ("profile", "gpu", "profile must be 'auto', 'measure' or 'roofline'; got 'gpu'"),
+    ("precision", "int8", "precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got 'int8'"),
 ])
 def test_api_options_are_checked_before_tracing(option, value, says) -> None:
     model, inputs = tiny_gpt()

@@ -80,7 +80,8 @@ def check_time_limit(time_limit_s: float) -> float:
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
-        raise OptionError(f"{name} takes one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
+        listed = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+        raise OptionError(f"{name} must be {listed}; got {value!r}")
     return value
 
 
