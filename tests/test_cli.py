@@ -328,14 +328,17 @@ def test_verify_option_errors():
         assert_one_line_error(run("verify", FACTORY, "--budget", "200MB", "--on", "cuda"), ExitCode.USAGE, "no CUDA")
 
 
-def test_json_to_stdout_is_json_on_the_real_file_descriptor() -> None:
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_json_to_stdout_is_json_on_the_real_file_descriptor(solver: str) -> None:
     """The installed command as a separate process: the solver's C++ banner (highspy ≥ 1.16 prints it
-    to fd 1 whatever msg=False says) must not reach stdout, which CliRunner's sys.stdout never sees."""
+    to fd 1 whatever msg=False says) must not reach stdout, which CliRunner's sys.stdout never sees.
+    With CBC (where highspy is missing) too."""
     import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-c", "from autoplan.cli.app import app; app()", "plan", FACTORY, "--budget", "1GB",
+    without_highs = "import pulp; pulp.HiGHS.available = lambda self: False; " if solver == "cbc" else ""
+    command = [sys.executable, "-c", without_highs + "from autoplan.cli.app import app; app()", "plan", FACTORY, "--budget", "1GB",
                "--device", "h100-80gb", "--json", "-"]
     done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
