@@ -159,6 +159,13 @@ def test_ladder_without_the_qlora_extra_is_one_line_and_exit_7(tiny_config, monk
     assert "Traceback" not in result.output
 
 
+def test_ladder_of_a_model_that_is_not_a_transformers_one_is_a_usage_error():
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    result = runner.invoke(app, ["plan", "tests/cli_factories.py:tiny_mlp", "--budget", "1GB", "--device", "cpu", "--ladder"])
+    assert_one_line_error(result, ExitCode.USAGE, "--ladder takes a Hugging Face model")
+
+
 @pytest.mark.parametrize("package", ["peft", "trl", "bitsandbytes"])
 def test_a_target_that_needs_a_missing_qlora_package_is_exit_7(tmp_path, monkeypatch, package):
     factory = tmp_path / "needs_extra.py"

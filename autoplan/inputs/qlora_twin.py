@@ -48,7 +48,7 @@ class QLoraSettings:
 
     def bits_and_bytes_arguments(self) -> str:
         return (f'load_in_4bit=True, bnb_4bit_quant_type="{self.quant_type}", bnb_4bit_use_double_quant={self.double_quant}, '
-                f"bnb_4bit_compute_dtype=torch.{_TORCH_DTYPES[self.compute_dtype]}".replace("torch.torch.", "torch."))
+                f"bnb_4bit_compute_dtype={_TORCH_DTYPES[self.compute_dtype]}")  # str(torch.bfloat16): "torch.bfloat16"
 
     def lora_arguments(self) -> str:
         return (f'r={self.rank}, lora_alpha={self.alpha}, lora_dropout={self.dropout}, target_modules="{self.target_modules}", '

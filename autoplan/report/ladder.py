@@ -18,17 +18,20 @@ there (transformers, peft, bitsandbytes and the autoplan call).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
 
+from autoplan.errors import OptionError
 from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora, with_attention
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time
 from autoplan.plan import Choice, Plan
 from autoplan.profile.units import Profile
 from autoplan.report.advice import adamw8bit_state_bytes, eight_bit_step_change_s
 from autoplan.report.text import apply_code
+from autoplan.runtime.formatting import first_line
 
 PlanModel = Callable[[torch.nn.Module], tuple[Plan, Profile]]  # plans a variant at the ladder's budget and precision
 
@@ -73,15 +76,17 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
     device's low precision. Needs bitsandbytes and peft (MissingExtraError otherwise).
     """
     require_qlora("the ladder's 4-bit QLoRA rung")
+    eager, sdpa = _attention_variants(model)
     say("ladder: planning with eager attention")
-    eager_plan, eager_profile = plan_model(with_attention(model, "eager"))
+    eager_plan, eager_profile = plan_model(eager)
+    low = eager_plan.low_precision
+    settings = dataclasses.replace(settings, compute_dtype=low)  # the 4-bit matmuls run in the device's autocast dtype
     say("ladder: planning with fused attention (SDPA)")
-    sdpa_plan, _ = plan_model(with_attention(model, "sdpa"))
+    sdpa_plan, _ = plan_model(sdpa)
     say("ladder: planning the 4-bit QLoRA twin")
-    twin = qlora_twin(with_attention(model, "sdpa"), settings)
+    twin = qlora_twin(sdpa, settings)
     qlora_plan, qlora_profile = plan_model(twin)
     trainable = [p.numel() for p in twin.parameters() if p.requires_grad]
-    low = eager_plan.low_precision
     rungs = [
         *_precision_rungs(eager_plan, eager_profile, low),
         _planned("checkpointing", "+ checkpointing (autoplan)", eager_plan,
@@ -97,6 +102,15 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
     plans = {"checkpointing": eager_plan, "sdpa": sdpa_plan, "qlora": qlora_plan, "optimizer_8bit": qlora_plan}
     return Ladder(tuple(rungs), eager_plan.budget_bytes, eager_plan.usable_bytes, eager_plan.device, first,
                   _apply(rungs, first, plans, budget_text))
+
+
+def _attention_variants(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The model with eager attention and with SDPA; one that cannot take both is an OptionError (exit 2)."""
+    try:
+        return with_attention(model, "eager"), with_attention(model, "sdpa")
+    except (ValueError, AttributeError) as error:
+        raise OptionError(f"the ladder compares eager attention with SDPA, and {type(model).__name__} cannot switch: "
+                          f"{first_line(error)}") from error
 
 
 def _keep_all(profile: Profile, precision: str) -> dict[str, Choice] | None:
