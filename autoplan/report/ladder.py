@@ -12,7 +12,7 @@ same budget, all blocks in the device's low precision; the baseline and bf16 run
 first plan's profile (no plan at all; every block kept in bf16), and the 8-bit optimizer rung from the
 QLoRA plan with the state bytes of bitsandbytes' AdamW8bit in place of AdamW's (`adamw8bit_state_bytes`,
 a formula: autoplan does not plan bitsandbytes optimizers yet). Every rung has a predicted peak and a
-step time, and the ladder marks the first that fits; `Ladder.code` gives the lines that take a person
+step time, and the ladder marks the first that fits; `Ladder.apply_code` gives the lines that take a person
 there (transformers, peft, bitsandbytes and the autoplan call).
 """
 

@@ -272,20 +272,20 @@ def _advice(advice: "Advice") -> Group:
 
 def _ladder(ladder) -> list[RenderableType]:
     """The toolbox ladder (`report.ladder.Ladder`): each rung adds one tool, the first that fits marked, and its code."""
-    title = (f"the toolbox ladder: each step adds one tool to those above, planned at {format_bytes(ladder.budget_bytes)} on "
-             f"{ladder.device} ({format_bytes(ladder.usable_bytes)} usable)")
-    table = Table(title=Text(title), title_justify="left", show_edge=False)
-    for column, justify in (("step", "left"), ("peak", "right"), ("step time", "right"), ("fits", "left")):
+    table = Table(title=Text(f"the toolbox ladder on {ladder.device}: each step adds one tool to those above"),
+                  title_justify="left", show_edge=False)
+    for column, justify in (("step", "left"), ("peak", "right"), ("step time", "right"),
+                            (f"fits {format_bytes(ladder.usable_bytes)}", "left")):
         table.add_column(column, justify=justify, no_wrap=True)
     for rung in ladder.rungs:
         mark = ("yes" if rung.fits else "no") + ("  ← first fits" if rung.key == ladder.first_fit else "")
         style = "bold" if rung.key == ladder.first_fit else ""
         table.add_row(Text(rung.title), format_bytes(rung.peak_bytes), format_seconds(rung.step_time_s), mark, style=style)
-    how = "\n".join(f"  {rung.title.lstrip('+ ')}: {rung.how}" for rung in ladder.rungs)
+    how = [Padding(Text(f"{rung.title.lstrip('+ ')}: {rung.how}", style="dim"), (0, 0, 0, 2)) for rung in ladder.rungs]
     first = next((r for r in ladder.rungs if r.key == ladder.first_fit), None)
     head = (f"apply it (up to \"{first.title.lstrip('+ ')}\", the first step that fits; CHECKPOINT: the model's name or path):"
             if first else "no step fits; all of them (CHECKPOINT: the model's name or path):")
-    return [table, Text("how each step was predicted:\n" + how, style="dim"), Text(head, style="bold"), _code(ladder.apply_code)]
+    return [table, Text("how each step was predicted:", style="dim"), *how, Text(head, style="bold"), _code(ladder.apply_code)]
 
 
 def report_renderables(
