@@ -58,7 +58,7 @@ class Ladder:
     usable_bytes: int
     device: str
     first_fit: str | None
-    apply_code: str  # the lines that reproduce the first rung that fits (else the last rung)
+    apply_code: str  # the lines that reproduce the first rung that fits ("" when none fits: optimize() would refuse)
 
     def rung(self, key: str) -> Rung | None:
         return next((r for r in self.rungs if r.key == key), None)
@@ -101,7 +101,7 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
     first = next((r.key for r in rungs if r.fits), None)
     plans = {"checkpointing": eager_plan, "sdpa": sdpa_plan, "qlora": qlora_plan, "optimizer_8bit": qlora_plan}
     return Ladder(tuple(rungs), eager_plan.budget_bytes, eager_plan.usable_bytes, eager_plan.device, first,
-                  _apply(rungs, first, plans, budget_text))
+                  _apply(rungs, first, plans, budget_text) if first else "")
 
 
 def _attention_variants(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -166,10 +166,9 @@ def _eight_bit_rung(plan: Plan, profile: Profile, trainable: list[int]) -> Rung:
     return Rung("optimizer_8bit", "+ 8-bit optimizer (AdamW8bit)", peak, time, peak <= plan.usable_bytes, how, code)
 
 
-def _apply(rungs: list[Rung], first: str | None, plans: dict[str, Plan], budget_text: str) -> str:
-    """The lines up to the first rung that fits (all rungs when none does): imports, load, autoplan, optimizer."""
-    keys = [r.key for r in rungs]
-    chosen = rungs[: keys.index(first) + 1] if first else rungs
+def _apply(rungs: list[Rung], first: str, plans: dict[str, Plan], budget_text: str) -> str:
+    """The lines up to the first rung that fits: imports, load, autoplan, optimizer."""
+    chosen = rungs[: [r.key for r in rungs].index(first) + 1]
     taken = {r.key for r in chosen}
     lines = ["import torch", "import autoplan", "from transformers import AutoModelForCausalLM" + (", BitsAndBytesConfig" if "qlora" in taken else "")]
     if "qlora" in taken:
