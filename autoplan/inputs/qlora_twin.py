@@ -91,7 +91,7 @@ def checkpoint_dtype(model: torch.nn.Module) -> torch.dtype:
     unquantized load in it before peft upcasts them. Presets carry no dtype; the published
     checkpoints of the models autoplan has presets for are bf16.
     """
-    dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    dtype = getattr(model.config, "dtype", None)  # transformers 5's name (torch_dtype is deprecated)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
