@@ -97,7 +97,9 @@ def test_plan_that_fits_report_and_json_schema(tmp_path) -> None:
     assert [u["name"] for u in plan["units"]] == ["transformer.h.0", "transformer.h.1"]
     assert set(plan["units"][0]) >= {"name", "mode", "precision", "saved_bytes", "recompute_flops", "step_time_s"}
     advice = doc["advice"]
-    assert set(advice) == {"fits", "peak_bytes", "usable_bytes", "over_bytes", "first_fix", "steps", "fsdp", "requested_world_size"}
+    assert set(advice) == {"fits", "peak_bytes", "usable_bytes", "over_bytes", "first_fix", "steps", "fsdp", "requested_world_size",
+                           "ladder"}
+    assert advice["ladder"] is None  # planned only with --ladder
     assert [s["key"] for s in advice["steps"]] == STEP_KEYS
     for step in advice["steps"]:
         assert set(step) == {"key", "title", "status", "detail", "saves_bytes", "time_change_s", "code"}

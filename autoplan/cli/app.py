@@ -25,7 +25,10 @@ from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import get_device, list_devices
 from autoplan.inputs.targets import Target, load_target
+from autoplan.inputs.hf_models import is_hf_model
+from autoplan.inputs.qlora_twin import check_qlora_installed
 from autoplan.report.advice import advise
+from autoplan.report.ladder import plan_ladder
 from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
 from autoplan.report.text import report_renderables, verification_table
 from autoplan.vocabulary.formatting import format_bytes
@@ -73,8 +76,11 @@ def _world_size(text: Optional[str]) -> int | str | None:
 
 
 def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path],
-                   time_limit: float = 10.0, allow_over_device: bool = False, moe_capacity: Optional[float] = None):
+                   time_limit: float = 10.0, allow_over_device: bool = False, moe_capacity: Optional[float] = None,
+                   ladder: bool = False):
     make_budget(budget, get_device(device), reserve, allow_over_device=allow_over_device)  # BudgetError, DeviceError: exit 2
+    if ladder:
+        check_qlora_installed("--ladder")  # before minutes of planning: MissingExtraError, exit 7
     _world_size(world_size)
     check_time_limit(time_limit)  # OptionError: exit 2
     check_moe_capacity(moe_capacity)  # OptionError: exit 2
@@ -95,6 +101,10 @@ FUSE_LOSS = typer.Option(True, "--fuse-loss/--loss-as-written", help="Fuse the c
                          "loss as the model writes it.")
 OPTIMIZER_IMPL = typer.Option(OptimizerImpl.auto, "--optimizer-impl", help="The optimizer's implementation: "
                               "auto (torch's default for the device), foreach, fused, for-loop.")
+
+LADDER = typer.Option(False, "--ladder", help="Also plan the toolbox ladder of a Hugging Face model: baseline, + bf16, "
+                      "+ checkpointing, + SDPA, + 4-bit QLoRA, + 8-bit optimizer, each with its predicted peak and step "
+                      "time, and the first that fits (three more plans; needs the qlora extra).")
 
 
 def _loop(drop_outputs: bool, accumulation_steps: int, optimizer_impl: OptimizerImpl) -> autoplan.TrainingLoop:
@@ -198,12 +208,13 @@ def plan_command(
                                                  "shapes: profile each expert with CAPACITY × tokens × top_k / experts tokens "
                                                  "(1.0: balanced routing). Default: the worst case, every expert gets every token."),
     fuse_loss: bool = FUSE_LOSS,
+    ladder: bool = LADDER,
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
     out, err = Console(highlight=False), Console(file=sys.stderr)  # bound now: planning may swap sys.stderr
     with reported(debug):
-        _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device, moe_capacity)
+        _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device, moe_capacity, ladder)
         options = _plan_options(device, optimizer, precision, units, reserve, _loop(drop_outputs, accumulation_steps, optimizer_impl),
                                 world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity,
                                                       fuse_loss=fuse_loss)
@@ -218,10 +229,25 @@ def plan_command(
                 return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
 
             advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
-                            parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None)
+                            parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None,
+                            ladder=_ladder(loaded, budget, options, device, progress) if ladder else None)
         _write_files(json_path, plot, json_document(loaded, plan, advice, budget), plan, profile, err)
         print_report(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget))
     raise typer.Exit(int(ExitCode.FITS if plan.feasible else ExitCode.DOES_NOT_FIT))
+
+
+def _ladder(loaded: Target, budget: str, options: dict, device: Optional[str], progress):
+    """The toolbox ladder of a Hugging Face target: its variants planned with every block in the device's low precision."""
+    if not is_hf_model(loaded.model):
+        raise CliError(ExitCode.USAGE, f"--ladder takes a Hugging Face model (hf:CONFIG, or a factory returning a transformers "
+                       f"model); {loaded.spec} gives a {type(loaded.model).__name__}")
+    low = get_device(device).low_precision_name
+    variant_options = {name: value for name, value in options.items() if name != "world_size"} | {"precision": low}  # one GPU
+
+    def plan_variant(model):
+        return _plan(loaded, budget, variant_options, progress, model=model)
+
+    return plan_ladder(loaded.model, plan_variant, budget_text=budget, say=progress)
 
 
 def _write_files(json_path: Optional[Path], plot: Optional[Path], document: dict, plan, profile, err: Console) -> None:

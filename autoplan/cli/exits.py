@@ -33,6 +33,7 @@ from autoplan.errors import (
     TraceError,
     UnitPatternError,
 )
+from autoplan.inputs.qlora_twin import QLORA_PACKAGES, missing_extra_message
 from autoplan.report.text import render
 
 
@@ -44,7 +45,7 @@ class ExitCode(IntEnum):
     NOT_FOUND = 4  # the target's file, module, function or HF config does not exist, or the config is invalid
     FACTORY_FAILED = 5  # importing the target or calling its factory raised or exited, or it returned no (model, inputs)
     CANNOT_PLAN = 6  # the model could not be traced or profiled, or the solver ran out of time
-    MISSING_EXTRA = 7  # an optional dependency is missing (matplotlib for --plot, transformers for hf:)
+    MISSING_EXTRA = 7  # an optional dependency is missing (matplotlib for --plot, transformers for hf:, bitsandbytes/peft/trl: the qlora extra)
     OUTPUT_FAILED = 8  # --json or --plot could not be written
     DID_NOT_HOLD = 9  # verify: the real run went out of memory or beyond the usable budget
 
@@ -82,13 +83,31 @@ def reported(debug: bool):
     try:
         yield
     except CliError as error:
-        fail_with(error, debug)
+        fail_with(missing_extra(error) or error, debug)
     except typer.Exit:
         raise
     except Exception as error:
+        missing = missing_extra(error)
+        if missing is not None:
+            fail_with(missing, debug)
         code = exit_code_for(error)
         message = str(error) if code != ExitCode.ERROR else f"{type(error).__name__}: {error}"  # a bug: say what raised
         fail_with(CliError(code, message).with_traceback(error.__traceback__), debug)
+
+
+def missing_extra(error: BaseException) -> CliError | None:
+    """A failure whose cause is a missing package of the qlora extra (a target's model imports peft, ...): exit 7, one line."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, MissingExtraError):
+            return None  # already says what to install
+        name = (getattr(seen, "name", None) or "").partition(".")[0] if isinstance(seen, ModuleNotFoundError) else ""
+        if name in QLORA_PACKAGES:
+            missing = CliError(ExitCode.MISSING_EXTRA, missing_extra_message(name, "the target's model"))
+            missing.__cause__ = error
+            return missing
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def fail_with(error: CliError, debug: bool) -> None:

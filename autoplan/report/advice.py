@@ -19,9 +19,41 @@ from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
 from autoplan.profile.units import Profile
 from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
 from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds
+from autoplan.vocabulary.tensors import rounded_bytes
 from autoplan.solve.worlds import fewest_ranks
 
 QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)
+MIN_8BIT_SIZE = 4096  # bitsandbytes keeps the state of smaller tensors in fp32 (Optimizer8bit's min_8bit_size)
+BLOCK_8BIT = 256  # elements per absmax block of its blockwise-quantized state
+QMAP_BYTES = 2 * 256 * 4  # the two 256-entry fp32 quantization maps the optimizer keeps once
+
+
+def adamw8bit_state_bytes(numels: list[int]) -> int:
+    """Bytes of bitsandbytes AdamW8bit's state for trainable tensors of these sizes (a formula, not a plan).
+
+    Per tensor of n ≥ 4096 elements: two moments of n uint8 each plus an fp32 absmax per 256-element
+    block; smaller tensors keep two fp32 moments (bitsandbytes' min_8bit_size); two 256-entry fp32
+    maps shared by all (the step count is a Python int). Each tensor rounded as the allocator rounds it.
+    """
+    quantized = [n for n in numels if n >= MIN_8BIT_SIZE]
+    total = 2 * rounded_bytes(QMAP_BYTES // 2) if quantized else 0
+    for n in numels:
+        if n >= MIN_8BIT_SIZE:
+            total += 2 * (rounded_bytes(n) + rounded_bytes(4 * -(-n // BLOCK_8BIT)))
+        else:
+            total += 2 * rounded_bytes(4 * n)
+    return total
+
+
+def eight_bit_step_change_s(numels: list[int], bandwidth: float) -> float:
+    """How much AdamW8bit's update changes optimizer.step()'s time against AdamW's, both memory-bound (roofline).
+
+    Per element AdamW reads weight, gradient and two fp32 moments and writes weight and moments: 28 bytes;
+    AdamW8bit moves the fp32 weight and gradient the same way (12 bytes), its two uint8 moments (4) and
+    their fp32 absmax per 256 elements.
+    """
+    eight = sum(16 * n + 16 * -(-n // BLOCK_8BIT) for n in numels)
+    return (eight - 28 * sum(numels)) / bandwidth
 
 
 @dataclass(frozen=True)
@@ -35,6 +67,7 @@ class Advice:
     first_fix: str | None  # key of the first "try" step whose estimate alone fits the budget
     fsdp: ShardedPeak | None  # per-GPU estimate on the smallest GPU count that fits, if any
     requested: ShardedPeak | None  # per-GPU estimate for the world size the person asked about
+    ladder: Any = None  # report.ladder.Ladder when the toolbox ladder was planned (--ladder), else None
 
     @property
     def over_bytes(self) -> int:
@@ -56,6 +89,7 @@ class Advice:
             "steps": [dataclasses.asdict(step) for step in self.steps],
             "fsdp": sharded(self.fsdp),
             "requested_world_size": sharded(self.requested),
+            "ladder": None if self.ladder is None else self.ladder.to_dict(),
         }
 
 
@@ -197,11 +231,16 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
     if state == 0:
         eight_bit = Step("optimizer_8bit", "8-bit optimizer state", "n/a", f"{profile.optimizer} keeps no state")
     else:
-        saves = state - state // 4  # 32-bit moments to 8-bit (block-wise quantised; constants ignored)
+        # AdamW's 8 bytes a trainable parameter (N = state / 8) become 2 and an fp32 absmax per 256 (adamw8bit_state_bytes)
+        count = state // 8
+        eight = 2 * count + 8 * -(-count // BLOCK_8BIT)
+        change = eight_bit_step_change_s([count], profile.device.memory_bandwidth)
         eight_bit = Step("optimizer_8bit", "8-bit optimizer state", "try",
-                         f"{profile.optimizer}'s {format_bytes(state)} of fp32 state become {format_bytes(state // 4)}: "
-                         f"saves {format_bytes(saves)}; the step's time change is not modelled",
-                         saves, None, "import bitsandbytes as bnb; optimizer = bnb.optim.AdamW8bit(model.parameters())")
+                         f"{profile.optimizer}'s {format_bytes(state)} of fp32 state become {format_bytes(eight)} (2 bytes a "
+                         f"parameter and an fp32 absmax per {BLOCK_8BIT}; tensors under {MIN_8BIT_SIZE} elements stay fp32): saves "
+                         f"{format_bytes(state - eight)}; the update moves 16 bytes a parameter instead of 28 (roofline of both). "
+                         "A formula: autoplan does not plan bitsandbytes optimizers yet",
+                         state - eight, change, "import bitsandbytes as bnb; optimizer = bnb.optim.AdamW8bit(model.parameters())")
     static = profile.timeline.static
     count = parameter_count if parameter_count is not None else static.gradients // 4
     quantised = int(count * QLORA_BITS_PER_PARAMETER / 8)
@@ -210,10 +249,31 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
                  f"frozen {format_count(count)} parameters in NF4 take about {format_bytes(quantised)} instead of "
                  f"{format_bytes(static.parameters)} with {format_bytes(static.gradients + state)} of gradients and optimizer "
                  f"state: saves about {format_bytes(saves)} before the LoRA adapters (usually under 1% of the parameters). "
-                 "It trains adapters, not the model: for fine-tuning, not pre-training",
+                 "It trains adapters, not the model: for fine-tuning, not pre-training (--ladder plans it)",
                  saves, None, "peft.prepare_model_for_kbit_training(AutoModel.from_pretrained(..., quantization_config="
                  "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')))")
     return [eight_bit, qlora]
+
+
+def _from_ladder(step: Step, plan: Plan, ladder: Any) -> Step:
+    """A "try" step the ladder planned: its numbers become the planned ones (the rung against the one below, or this plan)."""
+    if ladder is None or step.status != "try":
+        return step
+    if step.key == "sdpa" and ladder.rung("sdpa") and ladder.rung("checkpointing"):
+        before, after = ladder.rung("checkpointing"), ladder.rung("sdpa")
+        where = "the ladder's rung below (eager attention)"
+    elif step.key == "qlora" and ladder.rung("qlora"):
+        before, after = None, ladder.rung("qlora")
+        where = "this plan"
+    else:
+        return step
+    peak = before.peak_bytes if before else plan.predicted_peak_bytes
+    time = before.step_time_s if before else plan.predicted_step_time_s
+    detail = (f"planned (--ladder, {after.title.lstrip('+ ')}): peak {format_bytes(after.peak_bytes)} and step "
+              f"{format_seconds(after.step_time_s)}, against {format_bytes(peak)} and {format_seconds(time)} for {where}. "
+              + step.detail)
+    code = after.code if step.key == "qlora" else step.code
+    return dataclasses.replace(step, detail=detail, saves_bytes=peak - after.peak_bytes, time_change_s=after.step_time_s - time, code=code)
 
 
 ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing")  # what changes activations or speed
@@ -282,6 +342,7 @@ def advise(
     world_size: int | None = None,
     parameter_count: int | None = None,
     replan: Callable[[int, TrainingLoop], Plan] | None = None,
+    ladder: Any = None,
 ) -> Advice:
     """Escalation advice for `plan` (from `profile`), each step with what it saves and costs here.
 
@@ -289,7 +350,8 @@ def advise(
     world_size: also estimate the per-GPU FSDP peak on this many GPUs. parameter_count: for QLoRA
     (default: from the gradients' bytes, assuming fp32). replan(micro_batch, loop) -> Plan: plan again at a
     smaller batch in the planned loop with that many more micro-batches per optimizer step, to verify the
-    gradient-accumulation estimate (skipped when None).
+    gradient-accumulation estimate (skipped when None). ladder: the planned toolbox ladder
+    (`report.ladder.plan_ladder`); its rungs replace the estimates of the steps it planned (SDPA, QLoRA).
     """
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise TypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
@@ -310,6 +372,7 @@ def advise(
         *_optimizer_state(plan, profile, parameter_count),
         _fsdp(plan, profile, found, least),
     ]
+    steps = [_from_ladder(step, plan, ladder) for step in steps]
     if state_bound(plan) is not None:  # the units' choices do not matter: say so rather than advise on them
         steps = [_no_help(step) if step.key in ACTIVATION_SIDE else step for step in steps]
     first_fix = None
@@ -317,4 +380,4 @@ def advise(
         first_fix = next((s.key for s in steps if s.status == "try" and s.saves_bytes is not None
                           and plan.predicted_peak_bytes - s.saves_bytes <= plan.usable_bytes), None)
     requested = sharded_peak(profile, least, world_size) if world_size else None
-    return Advice(plan.feasible, plan.predicted_peak_bytes, plan.usable_bytes, tuple(steps), first_fix, found, requested)
+    return Advice(plan.feasible, plan.predicted_peak_bytes, plan.usable_bytes, tuple(steps), first_fix, found, requested, ladder)

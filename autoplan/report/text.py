@@ -270,6 +270,29 @@ def _advice(advice: "Advice") -> Group:
     return Group(*lines)
 
 
+def ladder_renderables(ladder) -> list[RenderableType]:
+    """The toolbox ladder (`report.ladder.Ladder`): each rung adds one tool, the first that fits marked, and its code."""
+    table = Table(title=Text(f"the toolbox ladder on {ladder.device}: each step adds one tool to those above"),
+                  title_justify="left", show_edge=False)
+    for column, justify in (("step", "left"), ("peak", "right"), ("step time", "right"),
+                            (f"fits {format_bytes(ladder.usable_bytes)}", "left")):
+        table.add_column(column, justify=justify, no_wrap=True)
+    for rung in ladder.rungs:
+        mark = ("yes" if rung.fits else "no") + ("  ← first fits" if rung.key == ladder.first_fit else "")
+        style = "bold" if rung.key == ladder.first_fit else ""
+        table.add_row(Text(rung.title), format_bytes(rung.peak_bytes), format_seconds(rung.step_time_s), mark, style=style)
+    how = [Padding(Text(f"{rung.title.lstrip('+ ')}: {rung.how}", style="dim"), (0, 0, 0, 2)) for rung in ladder.rungs]
+    parts = [table, Text("how each step was predicted:", style="dim"), *how]
+    first = next((r for r in ladder.rungs if r.key == ladder.first_fit), None)
+    if first is None:
+        lowest = min(ladder.rungs, key=lambda rung: rung.peak_bytes)
+        return parts + [Text(f"no step fits: the lowest peak the ladder reaches is {format_bytes(lowest.peak_bytes)} "
+                             f"({lowest.title.lstrip('+ ')}); a smaller batch, shorter sequences or more GPUs (above) next",
+                             style="bold")]
+    head = f"apply it (up to \"{first.title.lstrip('+ ')}\", the first step that fits; CHECKPOINT: the model's name or path):"
+    return parts + [Text(head, style="bold"), _code(ladder.apply_code)]
+
+
 def report_renderables(
     plan: "Plan", advice: "Advice | None" = None, *, budget_text: str | None = None, with_code: bool = True
 ) -> list[RenderableType]:
@@ -287,8 +310,11 @@ def report_renderables(
     if advice is not None:
         parts.append(_advice(advice))
         fix = next((s for s in advice.steps if s.key == advice.first_fix), None)
-        if fix is not None and fix.code:
+        planned = {rung.key for rung in advice.ladder.rungs} if advice.ladder is not None else set()
+        if fix is not None and fix.code and fix.key not in planned:  # a rung's code comes with the ladder's, complete
             parts.extend([Text(f"{fix.title}:", style="bold"), _code(fix.code)])
+        if advice.ladder is not None:
+            parts.extend(ladder_renderables(advice.ladder))
     parts.extend(Text(f"note: {note}", style="italic") for note in plan.notes)
     return parts
 
