@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from autoplan.runtime.quantized import is_quantized_parameter
+from autoplan.runtime.quantized_optim import BNB_OPTIMIZERS, bnb_optimizer_by_name, is_bnb_optimizer, rebuilt_bnb_optimizer
 from autoplan.runtime.signatures import accepts_argument
 from autoplan.runtime.tensors import tensors_of
 
@@ -67,7 +68,8 @@ def loss_function(
     return own_loss
 
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+# torch's, then bitsandbytes' 8-bit and paged ones (runtime.quantized_optim: what their state holds)
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", *BNB_OPTIMIZERS)
 
 
 def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
@@ -101,14 +103,19 @@ def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, *, impl
         defaults = {key: value for key, value in optimizer.defaults.items() if accepts_argument(cls.__init__, key, through_kwargs=False)}
         if defaults.get("foreach") is None and not defaults.get("fused"):
             defaults.update({key: value for key, value in flags.items() if key in defaults})
+        if is_bnb_optimizer(optimizer):
+            return rebuilt_bnb_optimizer(optimizer, params, defaults)
         return cls(params, **defaults)
+    name = optimizer_name(optimizer)
+    if name in BNB_OPTIMIZERS:
+        return bnb_optimizer_by_name(name, params)
     factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "adamw": lambda: torch.optim.AdamW(params, **flags),
         "adam": lambda: torch.optim.Adam(params, **flags),
         "sgd": lambda: torch.optim.SGD(params, lr=1e-3, **flags),
         "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **flags),
     }
-    return factories[optimizer_name(optimizer)]()
+    return factories[name]()
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -210,7 +217,8 @@ class Timer:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors an optimizer keeps between steps (AdamW: exp_avg, exp_avg_sq, step)."""
+    """The tensors an optimizer keeps between steps (AdamW: exp_avg, exp_avg_sq, step; bitsandbytes'
+    8-bit ones: state1, state2, absmax1, absmax2 and the shared qmap1, qmap2, counted once by storage)."""
     return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
 
 
