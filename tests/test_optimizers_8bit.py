@@ -173,3 +173,28 @@ def test_quantization_maps_outside_fake_mode_are_bitsandbytes_own():
         signed = bnb.functional.create_dynamic_map(signed=True)
     assert torch.equal(signed, bnb.functional.create_dynamic_map(signed=True))
     assert bnb.functional.create_dynamic_map.__module__ == "bitsandbytes.functional"
+
+
+@pytest.mark.parametrize("paged, unpaged", [("paged-adamw8bit", "adamw8bit"), ("paged-adamw", "paged-adamw32bit")])
+def test_paged_state_is_off_a_gpus_device_bytes(paged, unpaged):
+    """On a GPU target bitsandbytes puts the moments of parameters of at least 1e5 elements in unified
+    memory, which max_memory_allocated does not count; on the CPU it allocates them as usual."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+    x = torch.randn(8, 512)
+    big = [p for p in model().parameters() if p.numel() >= quantized_optim.PAGED_MIN_NUMEL]
+    assert big
+    on_gpu = {name: autoplan.plan(model(), "1GB", example_inputs=(x,), device="h100-80gb", optimizer=name, reserve=0)
+              for name in (paged, "adamw8bit")}
+    on_cpu = {name: autoplan.plan(model(), "1GB", example_inputs=(x,), device="cpu", optimizer=name, reserve=0)
+              for name in (paged, unpaged)}
+    assert on_cpu[paged].breakdown.optimizer == on_cpu[unpaged].breakdown.optimizer
+    if paged == "paged-adamw8bit":
+        off_device = sum(2 * rounded_bytes(p.numel()) for p in big)  # two uint8 moments each
+        assert on_gpu[paged].breakdown.optimizer == on_gpu["adamw8bit"].breakdown.optimizer - off_device
+        assert on_gpu[paged].baseline_peak_bytes <= on_gpu["adamw8bit"].baseline_peak_bytes - off_device
+    else:
+        small = [p for p in model().parameters() if p.numel() < quantized_optim.PAGED_MIN_NUMEL]
+        assert on_gpu[paged].breakdown.optimizer == sum(2 * rounded_bytes(4 * p.numel()) for p in small)

@@ -115,7 +115,7 @@ def simulate_training(
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = tensors_of((args, kwargs))
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-            opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind))
+            opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind), device_kind=device.kind)
             scaler = FakeGradScaler() if loop.grad_scaler else None
             _warm_up(opt, trainable, loop, scaler)
             first_phase = tracker.phase_count

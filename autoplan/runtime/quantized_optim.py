@@ -6,8 +6,13 @@ parameter's shape, `absmax1`/`absmax2` as one fp32 per block of 256 elements, an
 256-entry fp32 quantization maps (`qmap1` signed, `qmap2` unsigned) that the optimizer creates
 once and every parameter's state points to. Smaller parameters (and the 32-bit optimizers) keep
 fp32 state of the parameter's shape. A paged optimizer asks for `state1`/`state2` of parameters of
-at least 1e5 elements in CUDA unified memory; on the CPU bitsandbytes falls back to ordinary
-tensors (with a warning), so there paged and unpaged state are the same bytes.
+at least 1e5 elements in CUDA unified memory (`get_paged`: a tensor marked `is_paged` over managed
+memory, which the CUDA caching allocator, and so `max_memory_allocated`, never sees); smaller
+parameters' state, the absmax and the maps stay ordinary device tensors. On the CPU bitsandbytes
+falls back to ordinary tensors (with a warning), so there paged and unpaged state are the same bytes.
+For a GPU target the simulation makes the paged buffers as fakes the tracker does not count, marked
+`is_paged` as bitsandbytes marks its own, and `optimizer_state_tensors` leaves every paged tensor out
+of the device's bytes: the plan assumes the driver pages them in and out of unified memory.
 
 Everything an optimizer step allocates is therefore ordinary torch allocation that the live-bytes
 tracker sees, except one thing: the quantization maps are computed with `.tolist()`, which fake
@@ -23,7 +28,9 @@ import importlib.util
 from typing import Any, Iterator
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autoplan.errors import MissingExtraError
 
@@ -37,6 +44,7 @@ BNB_OPTIMIZERS: dict[str, str] = {
     "lion8bit": "Lion8bit",
 }
 INSTALL_HINT = 'pip install -e ".[qlora]"'
+PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages the state of parameters of at least 1e5 elements (get_state_buffer)
 
 
 def bitsandbytes_available() -> bool:
@@ -56,14 +64,17 @@ def _bnb_optim() -> Any:
     return bitsandbytes.optim
 
 
-def bnb_optimizer_by_name(name: str, params: list) -> torch.optim.Optimizer:
-    """bitsandbytes' optimizer for `name` (a key of BNB_OPTIMIZERS) with its default settings."""
+def bnb_optimizer_by_name(name: str, params: list, *, device_kind: str = "cpu") -> torch.optim.Optimizer:
+    """bitsandbytes' optimizer for `name` (a key of BNB_OPTIMIZERS) with its default settings, for a
+    `device_kind` target ("cuda": paged state off the device)."""
     cls = getattr(_bnb_optim(), BNB_OPTIMIZERS[name])
     with fake_safe_quantization_maps():
-        return _without_unused_map(cls(params))
+        return _as_on_target(cls(params), device_kind)
 
 
-def rebuilt_bnb_optimizer(optimizer: torch.optim.Optimizer, params: list, defaults: dict) -> torch.optim.Optimizer:
+def rebuilt_bnb_optimizer(
+    optimizer: torch.optim.Optimizer, params: list, defaults: dict, *, device_kind: str = "cpu"
+) -> torch.optim.Optimizer:
     """A fresh optimizer of `optimizer`'s class and settings over `params`.
 
     Besides its `defaults`, a bitsandbytes optimizer keeps its bits, `min_8bit_size` and the like in
@@ -76,16 +87,45 @@ def rebuilt_bnb_optimizer(optimizer: torch.optim.Optimizer, params: list, defaul
             built = cls(params, **defaults, **extra)
         except TypeError:  # a class whose constructor fixes paging itself (PagedAdamW8bit, ...)
             built = cls(params, **defaults, args=optimizer.args)
-    return _without_unused_map(built)
+    return _as_on_target(built, device_kind)
+
+
+def _as_on_target(optimizer: torch.optim.Optimizer, device_kind: str) -> torch.optim.Optimizer:
+    """Under fake tensors (which live on the CPU), an optimizer that allocates as bitsandbytes does on the target."""
+    if detect_fake_mode() is None:
+        return optimizer
+    if device_kind == "cuda" and optimizer.is_paged:
+        _pages_off_device(optimizer)
+    return _without_unused_map(optimizer)
+
+
+def _pages_off_device(optimizer: torch.optim.Optimizer) -> None:
+    """Large parameters' moments made as bitsandbytes' `get_paged` makes them on a GPU: outside the device's memory."""
+    ordinary = optimizer.get_state_buffer
+
+    def get_state_buffer(p: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if p.numel() < PAGED_MIN_NUMEL:
+            return ordinary(p, dtype=dtype)
+        fake_mode = detect_fake_mode()
+        with _disable_current_modes():  # no op dispatched: the tracker does not see it
+            elem = torch.empty(p.shape, dtype=dtype, device="meta")
+        buffer = FakeTensor(fake_mode, elem, p.device)
+        buffer.is_paged = True
+        return buffer
+
+    optimizer.get_state_buffer = get_state_buffer
+    # prefetching asks the driver to move pages (a C call on the buffer's address): it allocates no tensor
+    optimizer.prefetch_state = lambda p: None
 
 
 def _without_unused_map(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A one-moment optimizer (Lion8bit) builds both maps but its state uses only the signed one: on
     a GPU the unsigned one stays in host memory where `__init__` made it, so the device never holds
-    it. Under fake tensors it is dropped, so the simulation holds only the maps the state points to."""
+    it. Under fake tensors it is dropped, so the simulation holds only the maps the state points to
+    (the real-step measurement on the CPU counts the optimizer's state, which holds only the signed one)."""
     from bitsandbytes.optim.optimizer import Optimizer1State
 
-    if isinstance(optimizer, Optimizer1State) and torch._guards.detect_fake_mode() is not None:
+    if isinstance(optimizer, Optimizer1State):
         optimizer.name2qmap.pop("udynamic", None)
     return optimizer
 
