@@ -48,6 +48,13 @@ class Optimizer(str, Enum):
     adam = "adam"
     sgd = "sgd"
     sgd_momentum = "sgd-momentum"
+    # bitsandbytes' (runtime.quantized_optim; docs/optimizers.md says what each keeps)
+    adamw8bit = "adamw8bit"
+    adam8bit = "adam8bit"
+    paged_adamw = "paged-adamw"
+    paged_adamw8bit = "paged-adamw8bit"
+    paged_adamw32bit = "paged-adamw32bit"
+    lion8bit = "lion8bit"
 
 
 class OptimizerImpl(str, Enum):
@@ -184,7 +191,7 @@ def plan_command(
                                              f"(hf: default {1})."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory (hf: default 1024, "
                                           "capped at the model's maximum)."),
-    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer whose state is counted."),
+    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer whose state is counted; the 8-bit and paged ones are bitsandbytes' (pip install -e \".[qlora]\")."),
     drop_outputs: bool = DROP_OUTPUTS,
     accumulation_steps: int = ACCUMULATION_STEPS,
     optimizer_impl: OptimizerImpl = OPTIMIZER_IMPL,
@@ -270,7 +277,7 @@ def verify_command(
     on: Optional[str] = typer.Option(None, "--on", help="Where to run: cuda or cpu. Default: cuda if there is a GPU."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Batch size, passed to the factory."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory."),
-    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer to count and to train with."),
+    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer to count and to train with; the 8-bit and paged ones are bitsandbytes' (pip install -e \".[qlora]\")."),
     drop_outputs: bool = DROP_OUTPUTS,
     accumulation_steps: int = ACCUMULATION_STEPS,
     optimizer_impl: OptimizerImpl = OPTIMIZER_IMPL,

@@ -116,7 +116,7 @@ def simulate_training(
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = tensors_of((args, kwargs))
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-            opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind))
+            opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind), device_kind=device.kind)
             runner = LoopRunner(model, opt, loop, loss_fn, scaler=FakeGradScaler() if loop.grad_scaler else None)
             runner.loss_of = loss_of
             _warm_up(runner, trainable)

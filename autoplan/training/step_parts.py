@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from autoplan.instruments.quantized import is_quantized_parameter
+from autoplan.instruments.quantized_optim import BNB_OPTIMIZERS, bnb_optimizer_by_name, is_bnb_optimizer, rebuilt_bnb_optimizer
 from autoplan.vocabulary.signatures import accepts_argument
 from autoplan.vocabulary.tensors import tensors_of
 
@@ -67,7 +68,8 @@ def loss_function(
     return own_loss
 
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+# torch's, then bitsandbytes' 8-bit and paged ones (runtime.quantized_optim: what their state holds)
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", *BNB_OPTIMIZERS)
 
 
 def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
@@ -85,13 +87,16 @@ OPTIMIZER_IMPLEMENTATION_FLAGS = {
 }
 
 
-def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, *, implementation: str) -> torch.optim.Optimizer:
+def make_optimizer(
+    optimizer: str | torch.optim.Optimizer, params: list, *, implementation: str, device_kind: str = "cpu"
+) -> torch.optim.Optimizer:
     """An optimizer over `params` that allocates what the real one would in the person's loop.
 
     implementation: "foreach" (torch's CUDA default: temporaries the size of all parameters at
     once), "for-loop" (its CPU default: one parameter at a time) or "fused" (one kernel, no
     temporaries). Fake tensors live on the CPU, so it is always chosen explicitly; an instance
-    keeps `foreach`/`fused` when its owner set them.
+    keeps `foreach`/`fused` when its owner set them. device_kind: the target's ("cuda" or "cpu");
+    under fake tensors a paged bitsandbytes optimizer for "cuda" keeps its paged state off the device.
     """
     flags = OPTIMIZER_IMPLEMENTATION_FLAGS[implementation]
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -101,14 +106,19 @@ def make_optimizer(optimizer: str | torch.optim.Optimizer, params: list, *, impl
         defaults = {key: value for key, value in optimizer.defaults.items() if accepts_argument(cls.__init__, key, through_kwargs=False)}
         if defaults.get("foreach") is None and not defaults.get("fused"):
             defaults.update({key: value for key, value in flags.items() if key in defaults})
+        if is_bnb_optimizer(optimizer):
+            return rebuilt_bnb_optimizer(optimizer, params, defaults, device_kind=device_kind)
         return cls(params, **defaults)
+    name = optimizer_name(optimizer)
+    if name in BNB_OPTIMIZERS:
+        return bnb_optimizer_by_name(name, params, device_kind=device_kind)
     factories: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "adamw": lambda: torch.optim.AdamW(params, **flags),
         "adam": lambda: torch.optim.Adam(params, **flags),
         "sgd": lambda: torch.optim.SGD(params, lr=1e-3, **flags),
         "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **flags),
     }
-    return factories[optimizer_name(optimizer)]()
+    return factories[name]()
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -167,8 +177,11 @@ class Timer:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors an optimizer keeps between steps (AdamW: exp_avg, exp_avg_sq, step)."""
-    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    """The tensors an optimizer keeps between steps (AdamW: exp_avg, exp_avg_sq, step; bitsandbytes'
+    8-bit ones: state1, state2, absmax1, absmax2 and the shared qmap1, qmap2, counted once by storage)
+    on the device: a paged optimizer's paged buffers (`is_paged`, in CUDA unified memory) are left out."""
+    return [t for state in optimizer.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor) and not getattr(t, "is_paged", False)]
 
 
 def parameter_count(model: torch.nn.Module) -> int:
