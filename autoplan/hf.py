@@ -171,6 +171,9 @@ def optimize_for_trainer(
     that divides it and fits is planned, with accumulation steps raised to keep the batch. Raises
     InfeasibleBudgetError (with `.plan`) when not even one example fits.
     """
+    if not all(hasattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optim")):
+        raise TypeError(f"optimize_for_trainer takes transformers' TrainingArguments (or trl's SFTConfig, a subclass); "
+                        f"got {type(args).__name__}")
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
         raise ValueError("optimize_for_trainer plans one GPU per process; for FSDP plan with autoplan.optimize(..., "
                          "world_size=N) in your own loop. DeepSpeed is not planned")

@@ -89,6 +89,11 @@ def test_trls_gradient_checkpointing_is_turned_off_because_the_plan_checkpoints(
     assert args.gradient_checkpointing is True  # the caller's config is left alone
 
 
+def test_arguments_it_cannot_read_are_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="TrainingArguments.*SFTConfig.*got dict"):
+        optimize_for_trainer(tiny_llama(), {"max_length": 32}, "1GB", device="cpu", apply=False)
+
+
 def test_planning_leaves_the_model_as_it_was(tmp_path) -> None:
     model = sft_qlora.qlora_llama(64, layers=2, width=32)
     setup = planned(tmp_path, model=model)
