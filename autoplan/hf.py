@@ -13,6 +13,9 @@ names, runs the forward under autocast when `bf16`/`fp16` is set, and accumulate
 `gradient_accumulation_steps` micro-batches. It rewrites the model in place and returns the
 arguments to change (`activation_checkpointing=False`: the plan checkpoints per layer; a smaller
 `per_device_train_batch_size` with more accumulation steps when the batch does not fit).
+trl's `SFTConfig` (a TrainingArguments) plans SFTTrainer's step: `max_length` tokens per example,
+packed batches flattened into one row as trl's collator flattens them, trl's fused LM head, and
+bf16 adapters on a quantized base (`autoplan.inputs.hf_trl`).
 transformers (and accelerate, for the Trainer) are optional extras: `pip install autoplan[hf]`;
 the model-building code lives in `autoplan.inputs.hf_models`, the callback in
 `autoplan.report.trainer` (it only reports).
@@ -20,6 +23,7 @@ the model-building code lives in `autoplan.inputs.hf_models`, the callback in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from dataclasses import dataclass
@@ -38,6 +42,14 @@ from autoplan.inputs.hf_models import (
     model_from_config,
     require_transformers,
     training_inputs,
+)
+from autoplan.inputs.hf_trl import (
+    cast_adapters_to_bf16,
+    casts_adapters_to_bf16,
+    flattens_batch,
+    fused_lm_head,
+    is_sft_config,
+    sft_batch,
 )
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Plan
@@ -97,6 +109,7 @@ class TrainerPlan:
     loop: TrainingLoop  # the Trainer's training step, as planned
     micro_batch_size: int  # the per-device micro-batch planned for
     notes: tuple[str, ...] = ()  # approximations, and what was changed on the model itself
+    example_inputs: Any = None  # the micro-batch planned for, as forward's keyword arguments (for autoplan.verify)
 
 
 def trainer_optimizer(args: Any, model: torch.nn.Module | None = None) -> TrainerOptimizer:
@@ -146,8 +159,9 @@ def optimize_for_trainer(
     """Plan the Trainer's training step for `budget`, rewrite `model` in place, and say which arguments change.
 
     args: the `TrainingArguments` you train with: `per_device_train_batch_size`,
-        `gradient_accumulation_steps`, `bf16`/`fp16` and `optim` are planned for.
-    seq_len: the sequence length to plan for; default `args.max_length` (TRL's configs), else the
+        `gradient_accumulation_steps`, `bf16`/`fp16` and `optim` are planned for; trl's `SFTConfig`
+        also plans SFTTrainer's batches (`max_length`, `packing`, `padding_free`) and forward.
+    seq_len: the sequence length to plan for; default `args.max_length` (trl's configs), else the
         longest of the first SCANNED_EXAMPLES examples of `train_dataset` after `data_collator`
         (transformers' default_data_collator when None). One of them is needed.
     device, reserve, units: as for `autoplan.plan`. optimizer: overrides what `args.optim` names.
@@ -157,6 +171,9 @@ def optimize_for_trainer(
     that divides it and fits is planned, with accumulation steps raised to keep the batch. Raises
     InfeasibleBudgetError (with `.plan`) when not even one example fits.
     """
+    if not all(hasattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optim")):
+        raise TypeError(f"optimize_for_trainer takes transformers' TrainingArguments (or trl's SFTConfig, a subclass); "
+                        f"got {type(args).__name__}")
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
         raise ValueError("optimize_for_trainer plans one GPU per process; for FSDP plan with autoplan.optimize(..., "
                          "world_size=N) in your own loop. DeepSpeed is not planned")
@@ -174,19 +191,21 @@ def optimize_for_trainer(
                        precision=precision, reserve=reserve, units=units, loop=loop, progress=progress)
         return decided, loop
 
-    whole, loop = plan_micro_batch(batch_size)
-    micro, decided = batch_size, whole
-    if not whole.feasible and batch_size > 1:
-        micro, decided, loop = _largest_fitting_micro_batch(batch_size, plan_micro_batch)
-    if not decided.feasible:
-        raise InfeasibleBudgetError(decided, f"not even a micro-batch of 1 fits: {_over(decided)}")
-    notes = [note for note in (counted.note, batches.note) if note]
+    model_notes: list[str] = []
+    with _as_the_trainer_runs_it(model, args, keep=apply, notes=model_notes):
+        whole, loop = plan_micro_batch(batch_size)
+        micro, decided = batch_size, whole
+        if not whole.feasible and batch_size > 1:
+            micro, decided, loop = _largest_fitting_micro_batch(batch_size, plan_micro_batch)
+        if not decided.feasible:
+            raise InfeasibleBudgetError(decided, f"not even a micro-batch of 1 fits: {_over(decided)}")
+    notes = [note for note in (counted.note, batches.note) if note] + model_notes
     if apply:
         notes.extend(_prepare_model(model))
         api.apply(model, decided)
     changes = _changes(args, decided, whole, micro)
     training_args = dataclasses.replace(args, **{change.name: change.after for change in changes}) if changes else args
-    return TrainerPlan(decided, changes, training_args, loop, micro, tuple(notes))
+    return TrainerPlan(decided, changes, training_args, loop, micro, tuple(notes), batches.make(micro))
 
 
 @dataclass(frozen=True)
@@ -197,9 +216,38 @@ class Batches:
     note: str | None = None  # what the sequence length was taken from, when it is an assumption
 
 
+@contextlib.contextmanager
+def _as_the_trainer_runs_it(model: torch.nn.Module, args: Any, *, keep: bool, notes: list[str]):
+    """While planning, the model as trl's SFTTrainer will run it (nothing changes for transformers' Trainer).
+
+    The fused LM head is patched in only while planning (SFTTrainer patches it itself); adapters of a
+    quantized base are cast to bf16 as SFTTrainer casts them, and cast back unless `keep` and planning
+    succeeded, so a failed or apply=False call leaves the model as it was.
+    """
+    if not is_sft_config(args):
+        yield
+        return
+    cast = cast_adapters_to_bf16(model) if casts_adapters_to_bf16(model) else []
+    try:
+        with fused_lm_head(model):
+            yield
+    except BaseException:
+        keep = False
+        raise
+    finally:
+        for parameter, data in cast if not keep else ():
+            parameter.data = data
+    if cast:
+        done = "cast to bf16" if keep else "planned in bf16 (and left as they were)"
+        notes.append(f"{len(cast)} trainable parameters (the adapters) {done}, as SFTTrainer casts them on a quantized "
+                     "base: their gradients and optimizer state are bf16 too")
+
+
 def _batches(model, args, seq_len, train_dataset, data_collator) -> Batches:
     """Batches of a given size as the Trainer feeds the model: from the data, or built from the config."""
-    seq_len = seq_len or getattr(args, "max_length", None)
+    if is_sft_config(args):
+        return _sft_batches(model, args, seq_len)
+    seq_len = seq_len or getattr(args, "max_length", None)  # trl's other configs have one too
     if seq_len is not None:
         return Batches(lambda size: example_inputs_for(model, size, int(seq_len)))
     if train_dataset is None:
@@ -222,6 +270,21 @@ def _batches(model, args, seq_len, train_dataset, data_collator) -> Batches:
         note = (f"planned for the longest of the first {SCANNED_EXAMPLES} examples ({_length(examples[0])} tokens); "
                 "pass seq_len= if longer ones come later")
     return Batches(make, note)
+
+
+def _sft_batches(model, args, seq_len) -> Batches:
+    """SFTTrainer's batches: `max_length` tokens per example (or `seq_len=`), laid out as trl's collator lays them."""
+    seq_len = seq_len or args.max_length
+    if seq_len is None:
+        raise ValueError("SFTConfig(max_length=None) does not bound the sequences: pass seq_len= (the longest tokenized "
+                         "example) or set max_length")
+    if flattens_batch(args):
+        note = (f"SFTConfig(packing={args.packing}, padding_free={args.padding_free}): each micro-batch is planned as "
+                f"one row of batch × {seq_len} tokens, as trl's padding-free collator flattens it")
+    else:
+        note = (f"planned for sequences of {seq_len} tokens (SFTConfig's max_length, to which trl truncates); batches "
+                "of shorter examples peak lower")
+    return Batches(lambda size: sft_batch(model, args, size, int(seq_len)), note)
 
 
 def _length(example: Any) -> int:
