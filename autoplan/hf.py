@@ -117,16 +117,23 @@ def trainer_optimizer(args: Any, model: torch.nn.Module | None = None) -> Traine
 
     AdamW, Adam and SGD map to autoplan's own names (fused when the Trainer fuses); other torch.optim
     classes (Adagrad, RMSprop) are counted from an instance built with the Trainer's arguments;
-    8-bit and 4-bit optimizers are counted as 32-bit AdamW, an upper bound on their state.
+    bitsandbytes' optimizers (adamw_bnb_8bit, paged_adamw_8bit, lion_8bit, ...) are counted from an
+    instance built the same way (8-bit state, paging); other 8-bit and 4-bit optimizers (torchao's)
+    as 32-bit AdamW, an upper bound on their state.
     """
     name = str(getattr(args.optim, "value", args.optim))
-    if "8bit" in name or "4bit" in name:
-        return TrainerOptimizer("adamw", "auto", f"optim={name!r} is counted as 32-bit AdamW state (two fp32 tensors "
-                                "per parameter): an upper bound on its quantised state")
     try:
         cls, kwargs = require_transformers().Trainer.get_optimizer_cls_and_kwargs(args, model)
     except (ImportError, ValueError) as error:
+        if "8bit" in name or "4bit" in name:
+            return TrainerOptimizer("adamw", "auto", f"optim={name!r} is counted as 32-bit AdamW state (two fp32 tensors "
+                                    "per parameter): an upper bound on its quantised state")
         raise ValueError(f"TrainingArguments(optim={name!r}): {error}") from None
+    if isinstance(cls, type) and cls.__module__.startswith("bitsandbytes"):
+        return TrainerOptimizer(cls([torch.nn.Parameter(torch.zeros(1))], **kwargs), "auto")
+    if "8bit" in name or "4bit" in name:
+        return TrainerOptimizer("adamw", "auto", f"optim={name!r} is counted as 32-bit AdamW state (two fp32 tensors "
+                                "per parameter): an upper bound on its quantised state")
     implementation = "fused" if kwargs.get("fused") else "auto"
     if cls in (torch.optim.AdamW, torch.optim.Adam):
         return TrainerOptimizer("adamw" if cls is torch.optim.AdamW else "adam", implementation)

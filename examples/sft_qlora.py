@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
 from autoplan.hf import AutoplanCallback, TrainerPlan, optimize_for_trainer  # noqa: E402
-from autoplan.runtime.formatting import format_bytes  # noqa: E402
+from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
 
 STEPS, BATCH, MAX_LENGTH = 3, 2, 64
 SUBJECTS = ("the quick fox", "a lazy dog", "my old cat", "the red bird", "our small boat", "that tall tree")

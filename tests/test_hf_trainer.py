@@ -150,7 +150,22 @@ def test_other_torch_optimizers_are_counted_from_an_instance(tmp_path) -> None:
     assert isinstance(found.optimizer, torch.optim.Adagrad)
 
 
-def test_8bit_optimizers_are_counted_as_32bit_adamw_and_say_so(tmp_path) -> None:
+@pytest.mark.parametrize("optim,bits,paged", [("adamw_bnb_8bit", 8, False), ("paged_adamw_8bit", 8, True),
+                                               ("paged_adamw_32bit", 32, True), ("lion_8bit", 8, False)])
+def test_bitsandbytes_optimizers_are_counted_as_the_trainer_builds_them(tmp_path, optim, bits, paged) -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    found = trainer_optimizer(arguments(tmp_path, optim=optim))
+    assert type(found.optimizer).__module__.startswith(bnb.__name__)
+    assert found.optimizer.args.optim_bits == bits and found.optimizer.is_paged == paged and found.note is None
+
+
+def test_8bit_optimizers_without_bitsandbytes_are_counted_as_32bit_adamw_and_say_so(tmp_path, monkeypatch) -> None:
+    import transformers
+
+    def missing(*_args, **_kwargs):
+        raise ImportError("bitsandbytes is not installed")
+
+    monkeypatch.setattr(transformers.Trainer, "get_optimizer_cls_and_kwargs", staticmethod(missing))
     found = trainer_optimizer(arguments(tmp_path, optim="adamw_bnb_8bit"))
     assert found.optimizer == "adamw" and "upper bound" in found.note
 
