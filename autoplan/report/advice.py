@@ -239,7 +239,7 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
                          f"{profile.optimizer}'s {format_bytes(state)} of fp32 state become {format_bytes(eight)} (2 bytes a "
                          f"parameter and an fp32 absmax per {BLOCK_8BIT}; tensors under {MIN_8BIT_SIZE} elements stay fp32): saves "
                          f"{format_bytes(state - eight)}; the update moves 16 bytes a parameter instead of 28 (roofline of both). "
-                         "A formula: autoplan does not plan bitsandbytes optimizers yet",
+                         "A formula here: plan with --optimizer adamw8bit (optimizer=\"adamw8bit\") to count it exactly",
                          state - eight, change, "import bitsandbytes as bnb; optimizer = bnb.optim.AdamW8bit(model.parameters())")
     static = profile.timeline.static
     count = parameter_count if parameter_count is not None else static.gradients // 4

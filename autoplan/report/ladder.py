@@ -11,7 +11,7 @@ weights): three plans — eager attention, SDPA, and the QLoRA twin (`inputs.qlo
 same budget, all blocks in the device's low precision; the baseline and bf16 rungs are read from the
 first plan's profile (no plan at all; every block kept in bf16), and the 8-bit optimizer rung from the
 QLoRA plan with the state bytes of bitsandbytes' AdamW8bit in place of AdamW's (`adamw8bit_state_bytes`,
-a formula: autoplan does not plan bitsandbytes optimizers yet). Every rung has a predicted peak and a
+a formula here; `optimizer="adamw8bit"` plans it exactly). Every rung has a predicted peak and a
 step time, and the ladder marks the first that fits; `Ladder.apply_code` gives the lines that take a person
 there (transformers, peft, bitsandbytes and the autoplan call).
 """
