@@ -90,9 +90,8 @@ def plan(
     machine's GPU. optimizer: "adamw" (default), "adam", "sgd", "sgd-momentum" or an instance.
     loop: the training loop the peak is for (default: outputs kept through backward); `plan.loop`
     states it and `autoplan.verify` runs it. Every other argument (units, pins, reserve, profile,
-    world_size, compile, segments, fuse_loss, moe_capacity, ...): docs/api.md.
-    plan.request holds the arguments that shaped the plan; plan.report() shows the call that
-    reproduces it.
+    world_size, compile, segments, fuse_loss, moe_capacity, ...): docs/api.md. plan.request holds
+    the arguments that shaped the plan; plan.report() shows the call that reproduces it.
     """
     # every option checked before minutes of tracing and profiling
     step = StepOptions(optimizer, loss_fn, check_loop(loop), check_moe_capacity(moe_capacity))

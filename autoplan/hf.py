@@ -148,6 +148,16 @@ def trainer_optimizer(args: Any, model: torch.nn.Module | None = None) -> Traine
     )
 
 
+def _check_trainer_args(args: Any) -> None:
+    """TrainingArguments (or a subclass) for one GPU per process, else a one-line error."""
+    if not all(hasattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optim")):
+        raise TypeError(f"optimize_for_trainer takes transformers' TrainingArguments (or trl's SFTConfig, a subclass); "
+                        f"got {type(args).__name__}")
+    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        raise ValueError("optimize_for_trainer plans one GPU per process; for FSDP plan with autoplan.optimize(..., "
+                         "world_size=N) in your own loop. DeepSpeed is not planned")
+
+
 def optimize_for_trainer(
     model: torch.nn.Module,
     args: Any,
@@ -178,12 +188,7 @@ def optimize_for_trainer(
     that divides it and fits is planned, with accumulation steps raised to keep the batch. Raises
     InfeasibleBudgetError (with `.plan`) when not even one example fits.
     """
-    if not all(hasattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optim")):
-        raise TypeError(f"optimize_for_trainer takes transformers' TrainingArguments (or trl's SFTConfig, a subclass); "
-                        f"got {type(args).__name__}")
-    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
-        raise ValueError("optimize_for_trainer plans one GPU per process; for FSDP plan with autoplan.optimize(..., "
-                         "world_size=N) in your own loop. DeepSpeed is not planned")
+    _check_trainer_args(args)
     counted = trainer_optimizer(args, model) if optimizer is None else TrainerOptimizer(optimizer, "auto")
     batches = _batches(model, args, seq_len, train_dataset, data_collator)
     batch_size, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps

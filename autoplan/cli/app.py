@@ -98,6 +98,14 @@ def _check_options(budget: str, device: Optional[str], reserve: Optional[str], w
 
 
 # the training loop planned for (docs/loops.md): the same options for `plan` and `verify`
+TARGET = typer.Argument(..., help="path/to/file.py:factory, package.module:factory, or hf:CONFIG (a preset such as gpt2, "
+                        "llama-3-8b, or a path to config.json). A factory returns (model, example_inputs) and may take "
+                        "batch_size and seq_len.")
+UNITS = typer.Option(None, "--units", help='Name patterns of the blocks to plan, e.g. "layers.*" (repeat or comma-separate). '
+                     "Default: the blocks the model repeats.")
+MOE_CAPACITY = typer.Option(None, "--moe-capacity", help="Mixture-of-experts layers whose routing decides shapes: profile "
+                            "each expert with CAPACITY × tokens × top_k / experts tokens (1.0: balanced routing). Default: the "
+                            "worst case, every expert gets every token.")
 DROP_OUTPUTS = typer.Option(False, "--drop-outputs", help="The loop drops the model's outputs before backward "
                             "(loss = model(**batch).loss). Default: they stay alive through backward "
                             "(outputs = model(**batch); outputs.loss.backward()).")
@@ -181,9 +189,7 @@ def json_document(target: Target, plan, advice, budget: str) -> dict:
 
 @app.command("plan")
 def plan_command(
-    target: str = typer.Argument(..., help="path/to/file.py:factory, package.module:factory, or hf:CONFIG "
-                                 "(a preset such as gpt2, llama-3-8b, or a path to config.json). A factory returns "
-                                 "(model, example_inputs) and may take batch_size and seq_len."),
+    target: str = TARGET,
     budget: str = typer.Option(..., "--budget", "-b", help='Memory for the training step: "24GB", "24 GiB", "80%" of the device.'),
     device: Optional[str] = typer.Option(None, "--device", "-d", help="Device profile to plan for (see `autoplan devices`). "
                                          "Default: this machine's GPU, else the cpu profile."),
@@ -200,8 +206,7 @@ def plan_command(
     world_size: Optional[str] = typer.Option(None, "--world-size", help="Plan per GPU for FSDP sharding over N GPUs "
                                              "(parameters, gradients, optimizer state 1/N each), or auto: the fewest GPUs "
                                              "that fit, with the per-GPU peak against N."),
-    units: Optional[list[str]] = typer.Option(None, "--units", help='Name patterns of the blocks to plan, e.g. "layers.*" '
-                                              "(repeat or comma-separate). Default: the blocks the model repeats."),
+    units: Optional[list[str]] = UNITS,
     reserve: Optional[str] = typer.Option(None, "--reserve", help='Bytes held back from the budget, e.g. "1GB" or 0. '
                                           "Default: CUDA context + 5% fragmentation."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and advice as JSON to this file "
@@ -211,9 +216,7 @@ def plan_command(
     time_limit: float = typer.Option(10.0, "--time-limit", help="Seconds the solver may take per solve."),
     allow_over_device: bool = typer.Option(False, "--allow-over-device", help="Plan for a budget above the device's "
                                            "memory (an error otherwise); the report says it fits the budget, not the device."),
-    moe_capacity: Optional[float] = typer.Option(None, "--moe-capacity", help="Mixture-of-experts layers whose routing decides "
-                                                 "shapes: profile each expert with CAPACITY × tokens × top_k / experts tokens "
-                                                 "(1.0: balanced routing). Default: the worst case, every expert gets every token."),
+    moe_capacity: Optional[float] = MOE_CAPACITY,
     fuse_loss: bool = FUSE_LOSS,
     ladder: bool = LADDER,
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
