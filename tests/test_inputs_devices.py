@@ -188,19 +188,19 @@ def test_plain_dict_rates_are_frozen_too() -> None:
     ],
 )
 def test_gpu_names_match_table(gpu_name: str, memory: int, expected: str) -> None:
-    device = _match_gpu(gpu_name, memory, 0, 9)
+    device = _match_gpu(gpu_name, memory, 0, (9, 0))
     assert device.name == expected
     assert device.memory_bytes == memory
     assert device.peak_flops == DEVICES[expected].peak_flops
 
 
 def test_unknown_gpu_assumes_h100_rates() -> None:
-    device = _match_gpu("NVIDIA L40S", 44 * GiB, 1, 8)
+    device = _match_gpu("NVIDIA L40S", 44 * GiB, 1, (8, 9))
     assert device.name == "cuda:1"
     assert device.memory_bytes == 44 * GiB
     assert "H100 rates assumed" in device.description
     assert device.peak_flops == DEVICES["h100-80gb"].peak_flops
-    old = _match_gpu("Quadro P6000", 24 * GiB, 0, 6)
+    old = _match_gpu("Quadro P6000", 24 * GiB, 0, (6, 1))
     assert not old.supports_bf16
 
 

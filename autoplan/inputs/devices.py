@@ -39,6 +39,9 @@ class Device:
     memory_bandwidth: float
     context_bytes: int
     source: str
+    # CUDA compute capability (major, minor): which attention kernels the card runs
+    # (instruments.attention); None for the CPU
+    compute_capability: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         # A plain dict would let callers mutate a "frozen" device's rates.
@@ -82,6 +85,7 @@ def _cuda(
     flops_tera: Mapping[str, float],
     bandwidth_bytes: float,
     source: str,
+    compute_capability: tuple[int, int],
 ) -> Device:
     return Device(
         name=name,
@@ -92,6 +96,7 @@ def _cuda(
         memory_bandwidth=bandwidth_bytes,
         context_bytes=_CUDA_CONTEXT_BYTES,
         source=source,
+        compute_capability=compute_capability,
     )
 
 
@@ -115,29 +120,29 @@ _V100 = {"fp32": 15.7, "fp16": 125}
 
 _TABLE = (
     _cuda("a100-40gb", "NVIDIA A100 SXM4 40GB HBM2", 40, _A100, 1555e9,
-          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 40GB)"),
+          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 40GB)", (8, 0)),
     _cuda("a100-80gb", "NVIDIA A100 SXM4 80GB HBM2e", 80, _A100, 2039e9,
-          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 80GB)"),
+          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 80GB)", (8, 0)),
     _cuda("h100-80gb", "NVIDIA H100 SXM5 80GB HBM3", 80, _H100, 3.35e12,
-          "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)"),
+          "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", (9, 0)),
     _cuda("h200", "NVIDIA H200 SXM 141GB HBM3e", 141, _H100, 4.8e12,
-          "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)"),
+          "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)", (9, 0)),
     # GeForce: fp16/bf16 tensor rates with fp32 accumulate, as frameworks use.
     _cuda("rtx-3090", "NVIDIA GeForce RTX 3090 24GB GDDR6X", 24,
           {"fp32": 35.6, "tf32": 35.6, "bf16": 71, "fp16": 71}, 936e9,
-          "NVIDIA Ampere GA102 GPU Architecture whitepaper (RTX 3090)"),
+          "NVIDIA Ampere GA102 GPU Architecture whitepaper (RTX 3090)", (8, 6)),
     _cuda("rtx-4090", "NVIDIA GeForce RTX 4090 24GB GDDR6X", 24,
           {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2}, 1008e9,
-          "NVIDIA Ada GPU Architecture whitepaper (RTX 4090)"),
+          "NVIDIA Ada GPU Architecture whitepaper (RTX 4090)", (8, 9)),
     _cuda("t4", "NVIDIA T4 16GB GDDR6", 16, {"fp32": 8.1, "fp16": 65}, 320e9,
-          "NVIDIA T4 Tensor Core GPU datasheet"),
+          "NVIDIA T4 Tensor Core GPU datasheet", (7, 5)),
     _cuda("v100-16gb", "NVIDIA V100 SXM2 16GB HBM2", 16, _V100, 900e9,
-          "NVIDIA Tesla V100 GPU datasheet (SXM2)"),
+          "NVIDIA Tesla V100 GPU datasheet (SXM2)", (7, 0)),
     _cuda("v100-32gb", "NVIDIA V100 SXM2 32GB HBM2", 32, _V100, 900e9,
-          "NVIDIA Tesla V100 GPU datasheet (SXM2)"),
+          "NVIDIA Tesla V100 GPU datasheet (SXM2)", (7, 0)),
     _cuda("l4", "NVIDIA L4 24GB GDDR6", 24,
           {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121}, 300e9,
-          "NVIDIA L4 Tensor Core GPU datasheet"),
+          "NVIDIA L4 Tensor Core GPU datasheet", (8, 9)),
     _cpu(),
 )
 
@@ -214,7 +219,7 @@ def _torch_device(device: torch.device) -> Device:
         raise DeviceError(f"{device} is not a CUDA device of this machine: name the GPU to plan for, e.g. 'h100-80gb'")
     index = torch.cuda.current_device() if device.index is None else device.index
     props = torch.cuda.get_device_properties(index)
-    return _match_gpu(torch.cuda.get_device_name(index), int(props.total_memory), index, props.major)
+    return _match_gpu(torch.cuda.get_device_name(index), int(props.total_memory), index, (props.major, props.minor))
 
 
 def _current_device() -> Device:
@@ -223,7 +228,7 @@ def _current_device() -> Device:
     return _torch_device(torch.device("cuda", torch.cuda.current_device()))
 
 
-def _match_gpu(name: str, memory_bytes: int, index: int, major: int) -> Device:
+def _match_gpu(name: str, memory_bytes: int, index: int, capability: tuple[int, int]) -> Device:
     """Map a CUDA device name to a table entry, keeping its real memory."""
     # Whole tokens only, so "L40S" does not pass for "L4".
     tokens = set(re.split(r"[^a-z0-9]+", name.lower()))
@@ -233,14 +238,14 @@ def _match_gpu(name: str, memory_bytes: int, index: int, major: int) -> Device:
                 (DEVICES[m] for m in members),
                 key=lambda d: abs(d.memory_bytes - memory_bytes),
             )
-            return dataclasses.replace(best, memory_bytes=memory_bytes)
-    return _unknown_gpu(name, memory_bytes, index, major)
+            return dataclasses.replace(best, memory_bytes=memory_bytes, compute_capability=capability)
+    return _unknown_gpu(name, memory_bytes, index, capability)
 
 
-def _unknown_gpu(name: str, memory_bytes: int, index: int, major: int) -> Device:
+def _unknown_gpu(name: str, memory_bytes: int, index: int, capability: tuple[int, int]) -> Device:
     h100 = DEVICES["h100-80gb"]
     rates = dict(h100.peak_flops)
-    if major < 8:
+    if capability[0] < 8:
         # bf16 and tf32 arrived with Ampere (compute capability 8.0).
         rates.pop("bf16", None)
         rates.pop("tf32", None)
@@ -251,4 +256,5 @@ def _unknown_gpu(name: str, memory_bytes: int, index: int, major: int) -> Device
         memory_bytes=memory_bytes,
         peak_flops=rates,
         source="torch.cuda device properties; rates copied from H100 SXM",
+        compute_capability=capability,
     )
