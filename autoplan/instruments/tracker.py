@@ -175,6 +175,10 @@ class FusedElementwiseRates:
     def memory_bandwidth(self) -> float:
         return self.device.memory_bandwidth
 
+    @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        return getattr(self.device, "compute_capability", None)
+
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
         return self.device.flops_for(dtype, allow_tf32=allow_tf32)
 

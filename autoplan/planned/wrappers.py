@@ -40,9 +40,16 @@ _SAVED_IN_SELECTIVE = {
 }
 
 
+# The fused attention kernels, one name for a policy: a plan made for a GPU (flash or efficient
+# kernel) names the same op as the CPU's flash kernel when it is applied and run on the CPU.
+_FUSED_ATTENTION = {
+}
+
+
 def op_name(func) -> str:
-    """How a menu names an aten op: its overload packet, "aten.mm" (occurrences add "#0", "#1", ...)."""
-    return str(func.overloadpacket)
+    """How a menu names an aten op: its overload packet, "aten.mm" (occurrences add "#0", "#1", ...);
+    "aten.sdpa" for any fused attention kernel."""
+    return "aten.sdpa" if func in _FUSED_ATTENTION else str(func.overloadpacket)
 
 
 def can_save(func) -> bool:
@@ -74,7 +81,7 @@ class OccurrencePolicy:
         occurrence = f"{name}#{index}"
         if self.observer is not None:
             self.observer(occurrence, func, args, kwargs, ctx.op_output)
-        saved = (func in _SAVED_IN_SELECTIVE or is_quantized_matmul(func)) if self.saves is None else occurrence in self.saves and can_save(func)
+        saved = (func in _SAVED_IN_SELECTIVE or func in _FUSED_ATTENTION or is_quantized_matmul(func)) if self.saves is None else occurrence in self.saves and can_save(func)
         return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -1,0 +1,105 @@
+"""Attention as the target GPU runs it: the kernel CUDA would pick, its saved bytes and FLOPs, in a plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import autoplan
+from autoplan.instruments.attention import AttentionKernel, TargetAttention, choose_kernel
+from autoplan.profile.units import profile
+from autoplan.trace.tracer import trace
+from examples.gpt import build as build_gpt
+from tests.models import make_tiny_gpt_dropout
+
+H100, RTX_4090, T4 = (9, 0), (8, 9), (7, 5)
+
+
+def _qkv(dtype=torch.bfloat16, head_dim=64, kv_heads=4, q_len=128, k_len=128, grad=True):
+    with FakeTensorMode():
+        q = torch.empty(2, 4, q_len, head_dim, dtype=dtype, requires_grad=grad)
+        k = torch.empty(2, kv_heads, k_len, head_dim, dtype=dtype, requires_grad=grad)
+        return q, k, k.detach().clone().requires_grad_(grad)
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "head_dim", "masked", "expected"),
+    [
+        (H100, torch.bfloat16, 64, False, AttentionKernel.FLASH),
+        (H100, torch.float32, 64, False, AttentionKernel.EFFICIENT),  # flash is fp16/bf16 only
+        (H100, torch.bfloat16, 64, True, AttentionKernel.EFFICIENT),  # flash takes no mask
+        (H100, torch.bfloat16, 256, False, AttentionKernel.FLASH),
+        (RTX_4090, torch.bfloat16, 256, False, AttentionKernel.EFFICIENT),  # consumer cards: no flash backward over 192
+        (T4, torch.float16, 64, False, AttentionKernel.EFFICIENT),  # no flash before sm80
+        (T4, torch.bfloat16, 64, False, AttentionKernel.MATH),  # no bf16 kernel before sm80
+        (H100, torch.bfloat16, 6, True, AttentionKernel.MATH),  # efficient needs 8-aligned half head dims
+    ],
+)
+def test_the_kernel_is_the_cards_choice(capability, dtype, head_dim, masked, expected) -> None:
+    q, k, v = _qkv(dtype, head_dim)
+    mask = torch.ones(128, 128, dtype=torch.bool) if masked else None
+    assert choose_kernel(capability, q, k, v, mask, is_causal=not masked) is expected
+
+
+def test_disabled_backends_are_respected() -> None:
+    q, k, v = _qkv()
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        assert choose_kernel(H100, q, k, v, None, True) is AttentionKernel.MATH
+
+
+@pytest.mark.parametrize(("capability", "saved_tt"), [(H100, False), (T4, True)])
+def test_fused_kernels_save_no_attention_matrix_even_with_dropout(capability, saved_tt) -> None:
+    """CUDA's fused kernels keep the output and a log-sum-exp row, not T×T probabilities or a dropout mask."""
+    q, k, v = _qkv(torch.bfloat16, kv_heads=4, q_len=256, k_len=256)
+    shapes = []
+    with FakeTensorMode(allow_non_fake_inputs=True), TargetAttention(capability):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        out.sum().backward()
+    assert out.shape == q.shape and q.grad is not None and q.grad.shape == q.shape
+    assert any(shape[-2:] == (256, 256) for shape in shapes) is saved_tt
+
+
+def _attention_flops(batch: int, heads: int, length: int, head_dim: int) -> int:
+    return 4 * batch * heads * length * length * head_dim  # Q·Kᵀ and P·V, 2 FLOPs a multiply-add
+
+
+def test_gpu_plan_of_gpt2_with_dropout_counts_what_cuda_keeps() -> None:
+    """GPT-2-style attention dropout sends the CPU to the math path (T×T kept); a GPU plan counts the fused kernel."""
+    batch, heads, length = 2, 2, 256
+    model, inputs = build_gpt(n_layer=2, n_embd=64, n_head=heads, block_size=length, vocab_size=64, batch_size=batch,
+                              seq_len=length, dropout=0.1)
+    cpu = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
+    gpu = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100-80gb", precision="fp32")
+    assert not any("compute capability" in note for note in cpu.notes)
+    assert any("compute capability 9.0" in note and "memory-efficient" in note for note in gpu.notes)
+    # the same blocks kept in fp32 on both: the card keeps no T×T probabilities (nor dropout's mask and output)
+    assert [unit.choice for unit in cpu.units] == [unit.choice for unit in gpu.units] == [autoplan.Choice("keep", "fp32")] * 2
+    probabilities = batch * heads * length * length * 4
+    assert all(c.saved_bytes - g.saved_bytes >= probabilities for c, g in zip(cpu.units, gpu.units))
+
+
+def test_attention_is_priced_in_a_gpu_profile_and_recompute_is_not_free() -> None:
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+    model = nn.Sequential(layer, nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True))
+    x = torch.randn(2, 256, 64)
+    traced = trace(model, (x,))
+    measured = profile(traced, autoplan.get_device("h100-80gb"), precisions=("bf16",), rest_precision="fp32")
+    unit = measured.units[0]
+    keep, full = unit.options[autoplan.Choice("keep", "bf16")], unit.options[autoplan.Choice("full", "bf16")]
+    assert keep.attention_bytes == 0  # nn.MultiheadAttention with dropout: the fused kernel on the card
+    assert keep.fwd_flops >= _attention_flops(2, 4, 256, 16)
+    assert full.bwd_flops - keep.bwd_flops >= _attention_flops(2, 4, 256, 16)  # recomputing attention costs its FLOPs
+    assert "compute capability 9.0" in measured.timeline.attention
+
+
+def test_checkpointed_units_recompute_attention_as_the_card_runs_it() -> None:
+    """The checkpoint's recomputation in backward runs the same kernel as the forward (else torch refuses the replay)."""
+    model, inputs = make_tiny_gpt_dropout()
+    every_block = {name: "full" for name in ("transformer.h.0", "transformer.h.1")}
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100-80gb", checkpoint=every_block)
+    assert {decision.choice.mode for decision in plan.units} == {"full"}
+    assert plan.predicted_peak_bytes > 0
