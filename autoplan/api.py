@@ -46,7 +46,7 @@ from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.instruments.routing import check_moe_capacity
 from autoplan.training.step_parts import model_device
-from autoplan.solve.assemble import assemble_plan, best_level, infeasible_message
+from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head, infeasible_message
 from autoplan.solve.search import pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
@@ -145,8 +145,7 @@ def _plan_levels(model, batch, levels: list[UnitLevel], target: Target, step: St
         planned_levels.append(level)
         measured = dataclasses.replace(measured, segments=space.segments)
         pins = pinned_choices(list(traced.units), precision_options(space.precision, target.device), space.keep_fp32, space.checkpoint)
-        decided = _decide(traced, measured, target, step, pins, say)
-        planned.append((decided, measured))
+        planned.append(_decide_loss_head(traced, measured, target, step, pins, say))
     return best_level(planned, planned_levels, tried=len(levels))
 
 
@@ -205,6 +204,17 @@ def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions
     decided = assemble_plan(measured, traced, found, budget=target.budget, reserve=target.reserve, target=target.device, pins=pins,
                             world=world, time_limit_s=time_limit_s)
     return dataclasses.replace(decided, world_size_curve=curve)
+
+
+def _decide_loss_head(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> tuple[Plan, Profile]:
+    """Decided with the loss head as the profile's timeline runs it and, where it can be fused, the other
+    way too: the faster plan that fits (`faster_loss_head`). Fusing is then chosen by time like any choice."""
+    decided = _decide(traced, measured, target, step, pins, say)
+    if measured.alternative is None or measured.base_step_time_s is not None:  # measured times are for the timeline's head only
+        return decided, measured
+    other = dataclasses.replace(measured, timeline=measured.alternative, alternative=measured.timeline)
+    say("planning again with the loss head " + ("fused" if other.timeline.fused_loss else "as written"))
+    return faster_loss_head((decided, measured), (_decide(traced, other, target, step, pins, say), other))
 
 
 def _trace_and_profile(model, batch, target: Target, unit_names, step: StepOptions, space: SearchSpace, say) -> tuple[Traced, Profile]:

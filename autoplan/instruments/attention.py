@@ -23,11 +23,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
-from torch._C import DispatchKey
-from torch._dispatch.python import enable_python_dispatcher
 
 _aten = torch.ops.aten
 
@@ -123,38 +122,31 @@ def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_COMPOSITE = DispatchKey.CompositeImplicitAutograd
-
-
 class TargetAttention:
     """Runs every SDPA call as a CUDA card of `capability` would, while entered; notes the kernels.
 
     SDPA is a composite op: its CPU decomposition runs above the fake-tensor and tracker modes,
     and nested calls (nn.MultiheadAttention's) pass no Python hook a mode could see. So, while
-    entered, a Python kernel stands in for the composite one under torch's Python dispatcher,
-    forward and checkpoint recomputation alike; on exit the op is as it was.
+    entered, a Python kernel is registered over the composite one in torch's dispatcher (forward
+    and checkpoint recomputation alike run it); on exit it is removed and the op is as it was.
+    The override is process-wide for that time: plan one model at a time per process.
     """
 
     def __init__(self, capability: tuple[int, int]) -> None:
         self.capability = capability
         self.kernels: dict[AttentionKernel, None] = {}  # the kernels run, in the order first seen
-        self._previous = None
-        self._dispatcher = None
+        self._library: torch.library.Library | None = None
 
     def __enter__(self) -> "TargetAttention":
-        self._previous = _SDPA.py_kernels.pop(_COMPOSITE, None)
-        _SDPA.py_impl(_COMPOSITE)(self.attention)
-        self._dispatcher = enable_python_dispatcher()
-        self._dispatcher.__enter__()
+        with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
+            warnings.simplefilter("ignore")
+            self._library = torch.library.Library("aten", "IMPL")
+            self._library.impl("scaled_dot_product_attention", self.attention, "CompositeImplicitAutograd")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._dispatcher.__exit__(*exc)
-        _SDPA.py_kernels.pop(_COMPOSITE, None)
-        if self._previous is not None:
-            _SDPA.py_kernels[_COMPOSITE] = self._previous
-        _SDPA._dispatch_cache.clear()
+        self._library._destroy()  # the composite kernel registered before is the op's again
+        self._library = None
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         kernel = choose_kernel(self.capability, query, key, value, attn_mask, is_causal)

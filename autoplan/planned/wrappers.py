@@ -26,23 +26,23 @@ from autoplan.vocabulary.tensors import tensors_of
 
 # Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
 # their cost) and recomputes everything else: norms, activations, dropout, casts, adds. bitsandbytes'
-# fused 4-bit matmul is one of them too (instruments.quantized.is_quantized_matmul).
+# fused 4-bit matmul is one of them too (instruments.quantized.is_quantized_matmul), and the fused attention kernels.
 _SAVED_IN_SELECTIVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
     torch.ops.aten.convolution.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 
 
 # The fused attention kernels, one name for a policy: a plan made for a GPU (flash or efficient
 # kernel) names the same op as the CPU's flash kernel when it is applied and run on the CPU.
 _FUSED_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 
 

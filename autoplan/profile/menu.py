@@ -26,7 +26,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from autoplan.plan import Choice
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.tracker import RooflineRates, op_roofline
-from autoplan.planned.wrappers import PlannedForward, can_save
+from autoplan.planned.wrappers import PlannedForward, can_save, op_name
 
 DEFAULT_MENU_SIZE = 6  # menu points per unit and precision (keep and full not counted); 0: the three modes only
 
@@ -104,7 +104,7 @@ class _OpSequence(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in SAC_IGNORED_OPS:
-            self.names.append(str(func.overloadpacket))
+            self.names.append(op_name(func))
         return func(*args, **(kwargs or {}))
 
 

@@ -1,12 +1,12 @@
 """Simulated training steps of a rewritten model, and the two the profile starts from.
 
 `run_timeline` simulates one steady-state step of the model rewritten with a set of choices, under
-fake tensors. `base_timelines` gives the profile its *timeline* (every unit at its base choice) and
-its *reference* (no plan at all), and decides the loss head: fused (`planned.loss_head`) only
-where the fused step holds no more than the step as written in every phase and less in some.
-The memory model changes a phase by what the units' choices change, the same in both, so a
-step that is nowhere higher at the base choices is nowhere higher under any plan: the plan
-space with the head fused holds everything the plan space without it does. Fusing trades the
+fake tensors. `base_timelines` gives the profile its *timeline* (every unit at its base choice),
+its *reference* (no plan at all), and, where the loss head can be fused (`planned.loss_head`),
+the step the other way as an *alternative*: the solve plans both and keeps the faster plan that
+fits (`solve.assemble.faster_loss_head`), so fusing is decided by the same objective as every
+other choice. The timeline is the fused step where it holds no more than the step as written in
+every phase and less in some (then it is the lower-memory start). Fusing trades the
 log-softmax and two logits-sized gradients at the start of backward for the head's weight and
 input gradients held from the end of forward: a language model gains; a model whose vocabulary
 is narrower than its width does not, nor one whose caller keeps the logits through backward
@@ -71,8 +71,9 @@ def holds_less(fused: Timeline, written: Timeline) -> bool:
 
 @dataclass(frozen=True)
 class BaseTimelines:
-    timeline: Timeline  # every unit at its base choice, the loss head as the plan runs it
+    timeline: Timeline  # every unit at its base choice, the loss head fused where that holds less
     reference: Timeline  # no plan: every unit keep/fp32, nothing under autocast, the loss as written
+    alternative: Timeline | None = None  # the loss head the other way, where it can be fused; None where it cannot
 
 
 def base_timelines(
@@ -85,11 +86,10 @@ def base_timelines(
                             fake_mode=mode, loop=loop, fused_loss=fused)
 
     timeline = simulate(base, rest_precision, fuse_loss, fake_mode)
-    written = timeline
+    written, alternative = timeline, None
     if timeline.fused_loss:
         written = simulate(base, rest_precision, False)
-        if not holds_less(timeline, written):
-            timeline = written
+        timeline, alternative = (timeline, written) if holds_less(timeline, written) else (written, timeline)
     if rest_precision == "fp32":
-        return BaseTimelines(timeline, written)
-    return BaseTimelines(timeline, simulate({name: Choice("keep", "fp32") for name in base}, "fp32", False))
+        return BaseTimelines(timeline, written, alternative)
+    return BaseTimelines(timeline, simulate({name: Choice("keep", "fp32") for name in base}, "fp32", False), alternative)

@@ -100,6 +100,7 @@ class Profile:
     routing_assumed: str = ""  # in a word (Plan.moe_routing): "worst case", "capacity 1.25", "any", ""
     loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
     segments: bool = True  # whether the plan may checkpoint runs of consecutive units as one (memory.segments)
+    alternative: Timeline | None = None  # the step with the loss head the other way (fused or as written), where it can be fused
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
@@ -305,9 +306,10 @@ def profile(
     as torch.compile runs them (`instruments.tracker.FusedElementwiseRates`: ops without FLOPs cost
     no time), so recomputing elementwise ops is free and the menu saves only matmul/attention outputs.
     `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
-    costs the same in any loop. `fuse_loss`: the timeline runs the forward with its output head's
-    cross-entropy fused where the step then holds no more in any phase (`profile.simulation`;
-    `timeline.fused_loss` says if it did).
+    costs the same in any loop. `fuse_loss`: the output head's cross-entropy may be fused; the
+    timeline fuses it where the step then holds no more in any phase, and `alternative` is the
+    step the other way, for the solve to plan too (`profile.simulation`; `timeline.fused_loss`
+    says which one fuses).
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
@@ -333,6 +335,7 @@ def profile(
         rest_precision=rest,
         timeline=timeline,
         reference=reference,
+        alternative=timelines.alternative,
         units=tuple(units),
         trace_method=traced.method,
         skip_edges=traced.skip_edges,

@@ -49,6 +49,23 @@ def best_level(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel], tri
 
 
 
+def faster_loss_head(first: tuple[Plan, Profile], second: tuple[Plan, Profile]) -> tuple[Plan, Profile]:
+    """Of one level planned with the loss head fused and as written, the plan that fits fastest (else
+    the one reaching the lower peak); its fastest and lowest figures are both plans' best, as the
+    plan space is both. On a tie the first stays."""
+    (a, _), (b, _) = first, second
+    if a.feasible != b.feasible:
+        best = first if a.feasible else second
+    elif a.feasible:
+        best = second if b.predicted_step_time_s < a.predicted_step_time_s else first
+    else:
+        best = second if b.minimum_peak_bytes < a.minimum_peak_bytes else first
+    lowest = min((a, b), key=lambda plan: plan.minimum_peak_bytes)
+    plan = dataclasses.replace(best[0], fastest_step_time_s=min(a.fastest_step_time_s, b.fastest_step_time_s),
+                               minimum_peak_bytes=lowest.minimum_peak_bytes, minimum_budget_bytes=lowest.minimum_budget_bytes)
+    return plan, best[1]
+
+
 def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget: Budget, target: Device,
            time_limit_s: float) -> list[str]:
     """What a person should know about the plan beyond its numbers."""
