@@ -68,10 +68,15 @@ def test_rewritten_model_trains_one_step_like_the_original(name: str) -> None:
     trained = families.train_original_and_rewritten(families.BY_NAME[name], plan)
     assert any(mode != "keep" for mode in trained.modes)  # something is recomputed
     assert trained.state_dict_keys[0] == trained.state_dict_keys[1]
-    torch.testing.assert_close(trained.rewritten_loss, trained.loss)
-    for original, rewritten in (trained.grads, trained.params, trained.buffers):
+    # a fused loss head (chosen where it is the faster plan that fits) sums its gradients chunk by chunk:
+    # equal to float rounding, not to the last bit; AdamW's first step is about lr·sign(gradient), so
+    # the rounding of a near-zero gradient can move a parameter by up to lr (1e-2) in either model
+    fused = bool(plan.fused_loss)
+    tolerances = [dict(atol=1e-4, rtol=1e-4), dict(atol=1e-3, rtol=1e-4), {}] if fused else [{}, {}, {}]
+    torch.testing.assert_close(trained.rewritten_loss, trained.loss, **tolerances[0])
+    for (original, rewritten), tolerance in zip((trained.grads, trained.params, trained.buffers), tolerances):
         assert original.keys() == rewritten.keys()
-        torch.testing.assert_close(rewritten, original)
+        torch.testing.assert_close(rewritten, original, **tolerance)
     assert trained.grads[0], "no gradients were compared"
 
 

@@ -93,7 +93,7 @@ def test_attention_is_priced_in_a_gpu_profile_and_recompute_is_not_free() -> Non
     assert keep.attention_bytes == 0  # nn.MultiheadAttention with dropout: the fused kernel on the card
     assert keep.fwd_flops >= _attention_flops(2, 4, 256, 16)
     assert full.bwd_flops - keep.bwd_flops >= _attention_flops(2, 4, 256, 16)  # recomputing attention costs its FLOPs
-    assert "compute capability 9.0" in measured.timeline.attention
+    assert "compute capability 9.0" in measured.timeline.target_kernels
 
 
 def test_checkpointed_units_recompute_attention_as_the_card_runs_it() -> None:

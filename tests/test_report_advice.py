@@ -50,7 +50,9 @@ def test_attention_bytes_are_the_saved_softmax_probabilities(loose) -> None:
     probabilities = BATCH * HEADS * SEQ * SEQ  # elements of one (B, heads, T, T) matrix
     unit = profile.units[0]
     assert unit.options[Choice("keep", "fp32")].attention_bytes == probabilities * 4
-    assert unit.options[Choice("keep", "bf16")].attention_bytes == probabilities * 2
+    # bf16 on the card: CUDA autocast runs softmax in fp32 (saved for its backward), and the matmul with
+    # the values saves its own bf16 cast of the probabilities
+    assert unit.options[Choice("keep", "bf16")].attention_bytes == probabilities * (4 + 2)
     assert unit.options[Choice("full", "fp32")].attention_bytes == 0
     _, _, fused = planned(tiny_gpt_sdpa)
     assert all(cost.attention_bytes == 0 for unit in fused.units for cost in unit.options.values())

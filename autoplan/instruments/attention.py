@@ -20,7 +20,6 @@ internal workspaces are not counted.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
 import warnings
@@ -123,7 +122,7 @@ def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 class TargetAttention:
-    """Runs every SDPA call as a CUDA card of `capability` would, while entered; notes the kernels.
+    """Runs every SDPA call as a CUDA card of `capability` would, while entered; `kernels` says which ran.
 
     SDPA is a composite op: its CPU decomposition runs above the fake-tensor and tracker modes,
     and nested calls (nn.MultiheadAttention's) pass no Python hook a mode could see. So, while
@@ -156,18 +155,3 @@ class TargetAttention:
         if kernel is AttentionKernel.EFFICIENT:
             return _efficient(query, key, value, attn_mask, dropout_p, is_causal, scale)
         return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-    def note(self) -> str:
-        """Which kernels the card runs, in words ("" when the model calls no SDPA)."""
-        if not self.kernels:
-            return ""
-        kernels = " and ".join(kernel.value for kernel in self.kernels)
-        major, minor = self.capability
-        return (f"attention priced and counted as a CUDA card of compute capability {major}.{minor} runs "
-                f"F.scaled_dot_product_attention: the {kernels} kernel{'s' if len(self.kernels) > 1 else ''}")
-
-
-def target_attention(device) -> TargetAttention | contextlib.nullcontext:
-    """The attention stand-in for a CUDA target (`device.compute_capability`); nothing for the CPU."""
-    capability = getattr(device, "compute_capability", None)
-    return TargetAttention(capability) if capability is not None else contextlib.nullcontext()

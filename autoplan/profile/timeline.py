@@ -21,7 +21,7 @@ from autoplan.inputs.hf_paths import real_mask_decisions
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase
 from autoplan.profile.recorder import Boundary, UnitCall, UnitRecorder
-from autoplan.instruments.attention import TargetAttention, target_attention
+from autoplan.instruments.target import as_the_target_runs
 from autoplan.instruments.fake import FakeGradScaler, fake_tree
 from autoplan.training.runner import LoopRunner, StepHooks
 from autoplan.instruments.quantized import resident_tensors
@@ -74,7 +74,7 @@ class Timeline:
     boundaries: tuple[Boundary, ...] = ()
     carried_bytes: int = 0  # what the loop's variables hold from the previous step through this forward (outputs, loss)
     fused_loss: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
-    attention: str = ""  # how attention was simulated for a GPU target (instruments.attention), "" when not stood in for
+    target_kernels: str = ""  # what was stood in for the GPU target's kernels (instruments.target), "" for a CPU target
 
     @property
     def step_time_s(self) -> float:
@@ -113,7 +113,7 @@ def simulate_training(
     loss_of = loss_function(loss_fn, loop.loss_in_model, default=lambda output: default_loss(output))
     try:
         # transformers' mask shortcuts are decided on the real batch, before it is faked
-        with real_mask_decisions(example_inputs), fake_mode, target_attention(device) as attention, tracker:
+        with real_mask_decisions(example_inputs), fake_mode, as_the_target_runs(device) as target, tracker:
             tracker.adopt(resident_tensors(model))
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = tensors_of((args, kwargs))
@@ -146,8 +146,8 @@ def simulate_training(
     missing = [name for name in units if name not in {call.name for call in hooks.calls}]
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
-    note = attention.note() if isinstance(attention, TargetAttention) else ""
-    return Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried, attention=note)
+    note = target.note() if target is not None else ""
+    return Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried, target_kernels=note)
 
 
 class _RecordingHooks(StepHooks):

@@ -31,7 +31,7 @@ from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, rec
 from autoplan.profile.recorder import TensorSpec, UnitCall
 from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
-from autoplan.instruments.attention import target_attention
+from autoplan.instruments.target import as_the_target_runs
 from autoplan.instruments.fake import new_fake_mode
 from autoplan.vocabulary.names import unit_module
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
@@ -186,7 +186,7 @@ def _measure_unit(
     outer = torch.autocast("cpu", dtype=DTYPES[rest], cache_enabled=False) if rest != "fp32" else contextlib.nullcontext()
     for param in module.parameters():
         param.grad = None
-    with fake_mode, target_attention(device), tracker:
+    with fake_mode, as_the_target_runs(device), tracker:
         args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
         inputs = tensors_of((args, kwargs))
         input_refs = [weakref.ref(t.untyped_storage()) for t in inputs]
@@ -256,7 +256,7 @@ def _measure_options(module, call: UnitCall, precisions, rest: str, device: Devi
 
 def _menu(module, call: UnitCall, precision: str, device: Device, fake_mode: FakeTensorMode, size: int):
     """The unit's menu points in `precision`, from one recorded forward with inputs like the timeline's."""
-    with fake_mode, target_attention(device):
+    with fake_mode, as_the_target_runs(device):
         args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
         ops = record_ops(module, args, kwargs, precision, device)
     for param in module.parameters():

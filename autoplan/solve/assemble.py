@@ -86,8 +86,8 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget
                      "skipped, not planned")
     if measured.routing:
         notes.append(measured.routing)
-    if measured.timeline.attention:
-        notes.append(measured.timeline.attention)
+    if measured.timeline.target_kernels:
+        notes.append(measured.timeline.target_kernels)
     if traced.skip_edges:
         notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
     if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in found.choices.values()):
