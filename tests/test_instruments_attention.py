@@ -103,3 +103,37 @@ def test_checkpointed_units_recompute_attention_as_the_card_runs_it() -> None:
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100-80gb", checkpoint=every_block)
     assert {decision.choice.mode for decision in plan.units} == {"full"}
     assert plan.predicted_peak_bytes > 0
+
+
+def _autocast_dtypes() -> dict[str, torch.dtype]:
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = x.bfloat16()
+        dtypes = {"layer_norm": F.layer_norm(low, (8,)).dtype, "softmax": torch.softmax(low, -1).dtype,
+                  "log_softmax": F.log_softmax(low, -1).dtype, "rsqrt": low.rsqrt().dtype, "sum": low.sum().dtype,
+                  "mm": (x @ x.t()).dtype, "gelu": F.gelu(low).dtype}
+        F.layer_norm(x, (8,)).sum().backward()  # autograd through the stood-in kernels
+    assert x.grad is not None
+    return dtypes
+
+
+def test_cuda_autocast_rules_while_entered_and_the_cpus_after() -> None:
+    """CUDA autocast runs norms, softmax and reductions in fp32; the CPU's in bf16. Matmuls are bf16 on both."""
+    from autoplan.instruments.cuda_autocast import CudaAutocastRules
+
+    cpu_rules = _autocast_dtypes()
+    with CudaAutocastRules():
+        cuda_rules = _autocast_dtypes()
+    assert cuda_rules == {"layer_norm": torch.float32, "softmax": torch.float32, "log_softmax": torch.float32,
+                          "rsqrt": torch.float32, "sum": torch.float32, "mm": torch.bfloat16, "gelu": torch.bfloat16}
+    assert set(cpu_rules.values()) == {torch.bfloat16}
+    assert _autocast_dtypes() == cpu_rules  # removed on exit
+
+
+def test_sdpa_is_the_cpus_again_after_a_gpu_simulation() -> None:
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with FakeTensorMode(allow_non_fake_inputs=True), TargetAttention(H100) as attention:
+        F.scaled_dot_product_attention(*_qkv(torch.float32), is_causal=True)
+    assert list(attention.kernels) == [AttentionKernel.EFFICIENT]
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), expected)
