@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from autoplan.instruments.attention_flops import register_attention_flops
 from autoplan.instruments.quantized import hidden_temporary_bytes, register_quantized_flops
 from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
 
@@ -55,6 +56,7 @@ class LiveBytesTracker(TorchDispatchMode):
     def __init__(self, device: RooflineRates, allow_tf32: bool = False) -> None:
         super().__init__()
         register_quantized_flops()
+        register_attention_flops()
         self.device = device
         self.allow_tf32 = allow_tf32
         self.live_bytes = 0
