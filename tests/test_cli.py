@@ -80,6 +80,15 @@ def test_devices_lists_every_profile_with_its_memory() -> None:
     assert f"{DEVICES['h100-80gb'].memory_bytes / 2**30:.0f} GiB" in result.output
 
 
+def test_devices_reads_at_80_columns_in_both_units() -> None:
+    result = runner.invoke(app, ["devices"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    assert "24 GiB (25.8 GB)" in result.output and "80 GiB (85.9 GB)" in result.output  # the 4090 and the H100
+    assert "…" not in result.output  # nothing cut to fit
+    assert "8.9" in result.output and "custom:memory=" in result.output
+
+
 # -- plan: report, JSON, options -----------------------------------------------------------------
 
 

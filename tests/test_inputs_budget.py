@@ -288,3 +288,42 @@ def test_budget_needed_for_explicit_reserve_round_trips(usable: int, reserve: in
 )
 def test_format_bytes(n: int, text: str) -> None:
     assert format_bytes(n) == text
+
+
+# -- a budget equal to the card is the card --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "device"), [("24GB", "rtx-4090"), ("25.8GB", "rtx-4090"), ("80GB", "h100-80gb"),
+                                              ("85.9GB", "h100-80gb"), ("48GB", "l40s")])
+def test_a_budget_that_names_the_card_is_the_card(text: str, device: str) -> None:
+    """Vendors sell 24 GiB as "24GB": the budget means the card, and the plan says how it was read."""
+    card = get_device(device)
+    budget = make_budget(text, card)
+    assert budget.total_bytes == card.memory_bytes == make_budget("100%", card).total_bytes
+    assert budget.text == text and "whole memory" in budget.note and "GiB" in budget.note
+
+
+@pytest.mark.parametrize(("text", "expected"), [("24GiB", 24 * 2**30), ("20GB", 20 * 10**9), ("24000000000B", 24 * 10**9),
+                                                ("24.5GB", 24_500_000_000)])
+def test_other_budgets_are_taken_as_written(text: str, expected: int) -> None:
+    budget = make_budget(text, get_device("rtx-4090"))
+    assert budget.total_bytes == expected and budget.note == ""
+    assert make_budget("24GB", get_device("cpu")).total_bytes == 24 * 10**9  # the CPU is no card sold in GiB
+
+
+def test_a_budget_over_the_card_says_both_units() -> None:
+    with pytest.raises(BudgetOverDeviceError) as info:
+        make_budget("30GB", get_device("rtx-4090"))
+    message = str(info.value)
+    assert "30.00 GB" in message and "24.00 GiB = 25.77 GB" in message and '"100%"' in message
+
+
+def test_the_plan_notes_how_the_budget_was_read() -> None:
+    import torch
+
+    import autoplan
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    plan = autoplan.plan(model, "24GB", example_inputs=(torch.randn(2, 8),), device="rtx-4090")
+    assert plan.budget_bytes == 24 * 2**30
+    assert any("read as rtx-4090's whole memory" in note for note in plan.notes)

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from autoplan.errors import DeviceError
 from autoplan.inputs.devices import DEVICES, Device, get_device, list_devices
 from autoplan.inputs.devices import _match_gpu
 
@@ -195,9 +196,9 @@ def test_gpu_names_match_table(gpu_name: str, memory: int, expected: str) -> Non
 
 
 def test_unknown_gpu_assumes_h100_rates() -> None:
-    device = _match_gpu("NVIDIA L40S", 44 * GiB, 1, (8, 9))
+    device = _match_gpu("NVIDIA GH200 480GB", 94 * GiB, 1, (9, 0))
     assert device.name == "cuda:1"
-    assert device.memory_bytes == 44 * GiB
+    assert device.memory_bytes == 94 * GiB
     assert "H100 rates assumed" in device.description
     assert device.peak_flops == DEVICES["h100-80gb"].peak_flops
     old = _match_gpu("Quadro P6000", 24 * GiB, 0, (6, 1))
@@ -210,3 +211,44 @@ def test_none_on_cuda_uses_torch_memory() -> None:
     index = torch.cuda.current_device()
     assert device.kind == "cuda"
     assert device.memory_bytes == torch.cuda.get_device_properties(index).total_memory
+
+
+# -- more cards, and a card of your own ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("gpu_name", "expected"), [("NVIDIA A10G", "a10g"), ("NVIDIA RTX A6000", "rtx-a6000"),
+                                                    ("NVIDIA L40S", "l40s"), ("NVIDIA L4", "l4")])
+def test_common_cards_are_known_by_their_cuda_names(gpu_name: str, expected: str) -> None:
+    assert _match_gpu(gpu_name, 22 * GiB, 0, (8, 6)).name == expected
+    assert get_device(expected).compute_capability >= (8, 6)
+
+
+def test_a_custom_card_from_the_command_line() -> None:
+    card = get_device("custom:memory=48GiB,fp32_tflops=91.6,bf16_tflops=362,bandwidth=864GB/s,capability=8.9,name=mine")
+    assert (card.name, card.kind, card.memory_bytes, card.compute_capability) == ("mine", "cuda", 48 * GiB, (8, 9))
+    assert card.peak_flops["bf16"] == 362e12 and card.peak_flops["fp16"] == 362e12 and card.memory_bandwidth == 864e9
+    assert card.supports_bf16
+    old = get_device("custom:memory=16GiB,fp32_tflops=8,fp16_tflops=65,bandwidth=320GB/s")
+    assert not old.supports_bf16 and old.compute_capability == (7, 0)
+
+
+def test_a_custom_card_from_a_json_file(tmp_path) -> None:
+    path = tmp_path / "a40.json"
+    path.write_text('{"name": "a40", "memory": "48GiB", "fp32_tflops": 37.4, "bf16_tflops": 149.7, "bandwidth": "696GB/s"}')
+    card = get_device(str(path))
+    assert card.name == "a40" and card.memory_bytes == 48 * GiB and card.compute_capability == (8, 0)
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("custom:memory=48GiB", "missing fp32_tflops, bandwidth"),
+    ("custom:memory=48GiB,fp32_tflops=91,bandwidth=864GB/s,colour=red", "unknown key(s) colour"),
+    ("custom:memory=48,fp32_tflops=91,bandwidth=864GB/s", "memory: a memory needs a unit"),
+    ("custom:memory=48GiB,fp32_tflops=-1,bandwidth=864GB/s", "fp32_tflops must be positive"),
+    ("custom:memory=48GiB,fp32_tflops=91,bandwidth=864GB/s,capability=nine", "capability is major.minor"),
+    ("custom:memory", "key=value pairs"),
+    ("no/such/card.json", "cannot read the device file"),
+])
+def test_a_custom_card_that_is_wrong_says_what(spec: str, says: str) -> None:
+    with pytest.raises(DeviceError) as info:
+        get_device(spec)
+    assert says in str(info.value)

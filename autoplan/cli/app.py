@@ -31,7 +31,6 @@ from autoplan.report.advice import advise
 from autoplan.report.ladder import plan_ladder
 from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
 from autoplan.report.text import report_renderables, verification_table
-from autoplan.vocabulary.formatting import format_bytes
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
 
@@ -341,15 +340,17 @@ def _to_device(inputs, where: str):
 @app.command("devices")
 def devices_command() -> None:
     """List the device profiles a plan can target (--device NAME)."""
-    table = Table(title="device profiles (datasheet rates; memory in GiB as vendors count it)")
-    for column, justify in (("name", "left"), ("memory", "right"), ("fp32 TFLOP/s", "right"), ("bf16/fp16 TFLOP/s", "right"),
-                            ("bandwidth", "right"), ("low precision", "left"), ("description", "left")):
+    table = Table(title="device profiles: dense datasheet rates", caption="GiB = 2³⁰ bytes (what vendors call GB), "
+                  "GB = 10⁹ bytes; a card of your own: --device custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,...")
+    for column, justify in (("name", "left"), ("memory", "right"), ("sm", "right"), ("fp32", "right"),
+                            ("low precision", "right"), ("bandwidth", "right")):
         table.add_column(column, justify=justify)
     for device in list_devices():
         low = device.peak_flops.get(device.low_precision_name, device.peak_flops["fp32"])
-        table.add_row(device.name, f"{device.memory_bytes / 2**30:.0f} GiB", f"{device.peak_flops['fp32'] / 1e12:g}",
-                      f"{low / 1e12:g}", f"{format_bytes(int(device.memory_bandwidth))}/s", device.low_precision_name,
-                      device.description)
+        memory = f"{device.memory_bytes / 2**30:.0f} GiB ({device.memory_bytes / 1e9:.1f} GB)"
+        capability = ".".join(map(str, device.compute_capability)) if device.compute_capability else "-"
+        table.add_row(device.name, memory, capability, f"{device.peak_flops['fp32'] / 1e12:g} TF",
+                      f"{device.low_precision_name} {low / 1e12:g} TF", f"{device.memory_bandwidth / 1e9:g} GB/s")
     Console(highlight=False).print(table)
 
 

@@ -7,42 +7,23 @@ use, minus a reserve for the CUDA context and allocator fragmentation.
 from __future__ import annotations
 
 import math
-import numbers
-import re
 from dataclasses import dataclass
-from fractions import Fraction
 
 from autoplan.errors import BudgetError, BudgetOverDeviceError
 from autoplan.inputs.devices import Device
 from autoplan.vocabulary.formatting import format_bytes
+from autoplan.vocabulary.sizes import SIZE, UNITS, parse_size
 
 # Fraction of the allocator's memory lost to fragmentation. An uncalibrated
 # estimate: to be measured on a GPU (reserved vs. allocated at peak).
 DEFAULT_FRAGMENTATION = 0.05
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 # What a string may say; a size given as a Python value may also be an int of bytes. A command
 # line passes strings only, so its errors list the string forms alone.
 _ACCEPTED_TEXT = '"20GB", "20 GiB", "512MB", "1.5TB", "1024B", "80%" (of the device\'s memory)'
 _ACCEPTED = f"Accepted: an int of bytes, {_ACCEPTED_TEXT}."
 
-# Plain ASCII decimals only: exponents would let "1e999GB" build huge ints.
-# A sign is allowed only so "-1GB" gets a "must be positive" message.
-_SIZE = re.compile(
-    r"(?P<number>[+-]?(?:\d+\.?\d*|\.\d+))\s*(?P<unit>[a-z%]*)",
-    re.IGNORECASE | re.ASCII,
-)
 
 
 @dataclass(frozen=True)
@@ -52,6 +33,7 @@ class Budget:
     total_bytes: int
     reserve_bytes: int
     text: str
+    note: str = ""  # how the text was read, where that is not its face value ("24GB" read as the 24 GiB card)
 
     @property
     def usable_bytes(self) -> int:
@@ -84,10 +66,11 @@ def make_budget(value: object, device: Device, reserve: object = None, *, allow_
     such a budget would not fit the device).
     """
     total = parse_bytes(value, device_memory_bytes=device.memory_bytes)
+    total, note = _as_the_card(value, total, device)
     if total > device.memory_bytes and not allow_over_device:
         raise BudgetOverDeviceError(
-            f"the budget {_shown(value)} ({format_bytes(total)}) is more than {device.name}'s "
-            f"{format_bytes(device.memory_bytes)} of memory: give at most that, a percentage of it, or plan for a bigger "
+            f"the budget {_shown(value)} ({_both_units(total)}) is more than {device.name}'s "
+            f"{_both_units(device.memory_bytes)} of memory: give at most that, \"100%\" for the whole card, or plan for a bigger "
             "device (allow_over_device=True, --allow-over-device on the command line, plans for the budget anyway)",
             budget_bytes=total, device_name=device.name, device_memory_bytes=device.memory_bytes,
         )
@@ -101,7 +84,34 @@ def make_budget(value: object, device: Device, reserve: object = None, *, allow_
                 f"{_shown(value)} ({format_bytes(total)}): the reserve is held back from the budget, so it must be smaller"
             )
     text = value.strip() if isinstance(value, str) else str(value)
-    return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=text)
+    return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=text, note=note)
+
+
+def _both_units(n: int) -> str:
+    """Bytes as a vendor and as a datasheet's small print count them: "80.00 GiB = 85.90 GB"."""
+    return f"{n / 2**30:.2f} GiB = {n / 10**9:.2f} GB"
+
+
+def _as_the_card(value: object, total: int, device: Device) -> tuple[int, str]:
+    """A decimal budget that names a card's memory is the card, with a note saying so.
+
+    Vendors sell a 24 GiB card as "24GB": "--budget 24GB" on it means the card, not 24×10⁹ bytes
+    (1.8 GB less). A budget in GB/TB/MB whose number is the card's memory in that unit or in its
+    binary twin (GiB/TiB/MiB), to the digits typed, is read as the whole card; GiB and bytes are
+    taken as written.
+    """
+    match = SIZE.fullmatch(value.strip()) if isinstance(value, str) and device.kind == "cuda" else None
+    unit = match["unit"].lower() if match else ""
+    if unit not in ("mb", "gb", "tb") or total == device.memory_bytes:
+        return total, ""
+    typed = match["number"]
+    digits = len(typed.partition(".")[2])
+    as_written = (device.memory_bytes / UNITS[unit], device.memory_bytes / UNITS[unit[0] + "ib"])
+    if not any(round(amount, digits) == float(typed) for amount in as_written):
+        return total, ""
+    note = (f"the budget {value.strip()!r} is read as {device.name}'s whole memory, {_both_units(device.memory_bytes)} "
+            f"(vendors sell GiB as GB); give it in bytes or GiB to mean less")
+    return device.memory_bytes, note
 
 
 def _shown(value: object) -> str:
@@ -135,50 +145,9 @@ def _parse_reserve(value: object, device: Device) -> int:
     return _parse(value, device.memory_bytes, allow_zero=True, what="reserve")
 
 
-def _parse(
-    value: object, device_memory_bytes: int | None, *, allow_zero: bool, what: str
-) -> int:
+def _parse(value: object, device_memory_bytes: int | None, *, allow_zero: bool, what: str) -> int:
     def fail(reason: str) -> BudgetError:
         accepted = f"Accepted: {_ACCEPTED_TEXT}." if isinstance(value, str) else _ACCEPTED
         return BudgetError(f"invalid {what} {value!r}: {reason}. {accepted}")
 
-    least = "at least 0" if allow_zero else "positive"
-    if isinstance(value, bool):
-        raise fail(f"a {what} is a size, not a bool")
-    if isinstance(value, numbers.Integral):  # int and numpy's integers
-        if value < 0 or (value == 0 and not allow_zero):
-            raise fail(f"a {what} must be {least}")
-        return int(value)
-    if isinstance(value, numbers.Real):
-        raise fail("a float of bytes is ambiguous; give an int or a unit")
-    if not isinstance(value, str):
-        raise fail(f"a {what} must be an int or a string, not {type(value).__name__}")
-    text = value.strip()
-    if not text:
-        raise fail(f"the {what} is empty")
-    match = _SIZE.fullmatch(text)
-    if match is None:
-        if _SIZE.match(text) is None:
-            raise fail(f"a {what} must start with a number")
-        raise fail(f"a {what} is a number followed by a unit")
-    number = Fraction(match["number"])
-    unit = match["unit"].lower()
-    if unit == "":
-        if number == 0 and allow_zero:
-            return 0
-        raise fail(f"a {what} needs a unit")
-    if number < 0 or (number == 0 and not allow_zero):
-        raise fail(f"a {what} must be {least}")
-    if unit == "%":
-        if device_memory_bytes is None:
-            raise fail("a percentage needs a device to take it of")
-        if number > 100 or (number == 0 and not allow_zero):
-            raise fail("a percentage must be in (0, 100]")
-        result = math.floor(number / 100 * device_memory_bytes)
-    elif unit in _UNITS:
-        result = math.floor(number * _UNITS[unit])
-    else:
-        raise fail(f"unknown unit {match['unit']!r}")
-    if result == 0 and not allow_zero:
-        raise fail(f"a {what} must be at least 1 byte")
-    return result
+    return parse_size(value, device_memory_bytes, allow_zero=allow_zero, what=what, fail=fail)

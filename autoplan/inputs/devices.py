@@ -9,6 +9,7 @@ precision, memory bandwidth and the memory lost outside the allocator.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import types
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from autoplan.errors import DeviceError
+from autoplan.vocabulary.sizes import parse_size
 
 _GB = 2**30  # datasheet "80GB" of GPU memory is 80 GiB (nvidia-smi counts MiB)
 _T = 1e12
@@ -143,6 +145,15 @@ _TABLE = (
     _cuda("l4", "NVIDIA L4 24GB GDDR6", 24,
           {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121}, 300e9,
           "NVIDIA L4 Tensor Core GPU datasheet", (8, 9)),
+    _cuda("a10g", "NVIDIA A10G 24GB GDDR6 (AWS g5)", 24,
+          {"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}, 600e9,
+          "NVIDIA A10 Tensor Core GPU datasheet; AWS's A10G assumed at the A10's rates", (8, 6)),
+    _cuda("rtx-a6000", "NVIDIA RTX A6000 48GB GDDR6", 48,
+          {"fp32": 38.7, "tf32": 77.4, "bf16": 154.8, "fp16": 154.8}, 768e9,
+          "NVIDIA RTX A6000 datasheet (dense tensor rates)", (8, 6)),
+    _cuda("l40s", "NVIDIA L40S 48GB GDDR6", 48,
+          {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05}, 864e9,
+          "NVIDIA L40S GPU datasheet (dense tensor rates)", (8, 9)),
     _cpu(),
 )
 
@@ -160,6 +171,10 @@ _ALIASES = {
     "rtx3090": "rtx-3090",
     "4090": "rtx-4090",
     "rtx4090": "rtx-4090",
+    "a10": "a10g",
+    "a6000": "rtx-a6000",
+    "rtxa6000": "rtx-a6000",
+    "l40-s": "l40s",
 }
 
 # Tokens of torch.cuda.get_device_name() that identify a family; the member
@@ -173,6 +188,10 @@ _FAMILIES = {
     "4090": ("rtx-4090",),
     "t4": ("t4",),
     "l4": ("l4",),
+    "a10g": ("a10g",),
+    "a10": ("a10g",),
+    "a6000": ("rtx-a6000",),
+    "l40s": ("l40s",),
 }
 
 
@@ -199,6 +218,10 @@ def get_device(spec: str | Device | torch.device | None = None) -> Device:
         return _torch_device(spec)
     if not isinstance(spec, str):
         raise DeviceError(f"device must be a name (see autoplan devices), a Device or a torch.device; got {spec!r}")
+    if spec.strip().lower().startswith("custom:"):
+        return custom_device(_key_values(spec.strip()[len("custom:"):]), spec)
+    if spec.strip().lower().endswith(".json"):
+        return custom_device(_json_object(spec.strip()), spec)
     key = re.sub(r"[\s_]+", "-", spec.strip().lower())
     key = _ALIASES.get(key, key)
     sizes = _FAMILIES.get(key, ())
@@ -208,6 +231,83 @@ def get_device(spec: str | Device | torch.device | None = None) -> Device:
         known = ", ".join(sorted(DEVICES))
         raise DeviceError(f"unknown device {spec!r}. Known devices: {known}")
     return DEVICES[key]
+
+
+CUSTOM_KEYS = {
+    "memory": "the card's memory, e.g. 48GiB (required)",
+    "fp32_tflops": "dense fp32 TFLOP/s (required)",
+    "bandwidth": "memory bandwidth, e.g. 864GB/s (required)",
+    "bf16_tflops": "dense bf16 tensor TFLOP/s (none: the card has no bf16, fp16 is its low precision)",
+    "fp16_tflops": "dense fp16 tensor TFLOP/s (default: the bf16 rate, else the fp32 rate)",
+    "tf32_tflops": "dense TF32 tensor TFLOP/s (default: none)",
+    "capability": "CUDA compute capability, e.g. 8.9 (default 8.0 with bf16, else 7.0)",
+    "name": "what the report calls it (default: custom)",
+    "description": "a line for the report",
+}
+_REQUIRED = ("memory", "fp32_tflops", "bandwidth")
+
+
+def custom_device(values: Mapping[str, object], spec: str = "custom") -> Device:
+    """A CUDA card from its numbers (`CUSTOM_KEYS`): `--device custom:memory=48GiB,fp32_tflops=91.6,...` or a JSON file."""
+    def fail(reason: str) -> DeviceError:
+        keys = "; ".join(f"{key}: {meaning}" for key, meaning in CUSTOM_KEYS.items())
+        return DeviceError(f"device {spec!r}: {reason}. Keys: {keys}")
+
+    unknown = sorted(set(values) - set(CUSTOM_KEYS))
+    missing = [key for key in _REQUIRED if key not in values]
+    if unknown or missing:
+        raise fail(f"unknown key(s) {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}")
+    rates = {name: _positive(values[f"{name}_tflops"], f"{name}_tflops", fail) * _T
+             for name in ("fp32", "bf16", "fp16", "tf32") if f"{name}_tflops" in values}
+    rates.setdefault("fp16", rates.get("bf16", rates["fp32"]))
+    default_capability = "8.0" if "bf16" in rates else "7.0"
+    return Device(
+        name=str(values.get("name", "custom")), description=str(values.get("description", f"custom card ({spec})")), kind="cuda",
+        memory_bytes=_size(values["memory"], "memory", fail), peak_flops=rates,
+        memory_bandwidth=float(_size(str(values["bandwidth"]).removesuffix("/s"), "bandwidth", fail)),
+        context_bytes=_CUDA_CONTEXT_BYTES, source=f"given: {spec}",
+        compute_capability=_capability(str(values.get("capability", default_capability)), fail),
+    )
+
+
+def _key_values(text: str) -> dict[str, str]:
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if any(not sep or not value.strip() for _, sep, value in pairs):
+        raise DeviceError(f"a custom device is key=value pairs separated by commas (custom:memory=48GiB,fp32_tflops=91.6,"
+                          f"bandwidth=864GB/s); got {text!r}")
+    return {key.strip().lower(): value.strip() for key, _, value in pairs}
+
+
+def _json_object(path: str) -> dict[str, object]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            values = json.load(file)
+    except (OSError, ValueError) as error:
+        raise DeviceError(f"cannot read the device file {path!r}: {error}") from error
+    if not isinstance(values, dict):
+        raise DeviceError(f"the device file {path!r} must hold one JSON object of {', '.join(CUSTOM_KEYS)}")
+    return values
+
+
+def _positive(value: object, key: str, fail) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise fail(f"{key} must be a number, got {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise fail(f"{key} must be positive, got {value!r}")
+    return number
+
+
+def _size(value: object, key: str, fail) -> int:
+    return parse_size(value, None, allow_zero=False, what=key, fail=lambda reason: fail(f"{key}: {reason}"))
+
+
+def _capability(text: str, fail) -> tuple[int, int]:
+    major, dot, minor = text.partition(".")
+    if not (major.isdigit() and (not dot or minor.isdigit())):
+        raise fail(f"capability is major.minor, e.g. 8.9; got {text!r}")
+    return int(major), int(minor or 0)
 
 
 def _torch_device(device: torch.device) -> Device:

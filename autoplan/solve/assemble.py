@@ -69,7 +69,7 @@ def faster_loss_head(first: tuple[Plan, Profile], second: tuple[Plan, Profile]) 
 def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget: Budget, target: Device,
            time_limit_s: float) -> list[str]:
     """What a person should know about the plan beyond its numbers."""
-    notes = []
+    notes = [budget.note] if budget.note else []
     if budget.total_bytes > target.memory_bytes:
         notes.append(f"the budget ({format_bytes(budget.total_bytes)}) is more than {target.name}'s {format_bytes(target.memory_bytes)} "
                      "of memory (allow_over_device): the plan fits the budget, not the device")
