@@ -44,7 +44,8 @@ def test_every_number_reads_in_human_units_at_any_scale() -> None:
     # the same plan as if it ran a model a million times larger: seconds and TFLOP, not 1e+03 ms and 1,000 GFLOP
     scaled = dataclasses.replace(
         plan, predicted_step_time_s=4.17, fastest_step_time_s=3.9, baseline_step_time_s=125.0,
-        units=tuple(dataclasses.replace(u, recompute_flops=31_336_100_000_000, step_time_s=0.0000173) for u in plan.units),
+        units=tuple(dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="full"), recompute_flops=31_336_100_000_000,
+                                         step_time_s=0.0000173) for u in plan.units),
     )
     for report in (format_report(plan), format_report(scaled)):
         assert not SCIENTIFIC.search(report), report
@@ -102,3 +103,12 @@ def test_measured_peak_line_compares_with_the_prediction() -> None:
     assert "step 2 peaked at" in line and "+10.0%" in line and "within the usable budget" in line
     over = measured_peak_line(dataclasses.replace(plan, usable_bytes=plan.predicted_peak_bytes), plan.predicted_peak_bytes * 2, 2)
     assert "OVER the usable budget" in over
+
+
+def test_the_recompute_column_says_what_is_rerun() -> None:
+    """Keep mode reruns nothing; a policy that reruns only norms and casts reruns no FLOPs, not "0 FLOP" of work."""
+    plan = roomy_plan()
+    keep, = {u.choice for u in plan.units}
+    full = tuple(dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="selective"), recompute_flops=0) for u in plan.units)
+    assert keep.mode == "keep" and "0 FLOP" not in format_report(plan)
+    assert "no FLOPs" in format_report(dataclasses.replace(plan, units=full))

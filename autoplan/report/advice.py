@@ -218,8 +218,9 @@ def _checkpointing(plan: Plan, profile: Profile) -> Step:
     cost = plan.predicted_step_time_s - predict_step_time(profile, kept)
     flops = sum(d.recompute_flops for d in plan.units)
     counts = ", ".join(f"{n} {mode}" for mode, n in modes.items() if n)
+    rerun = f"recomputing {format_flops(flops)}" if flops else "recomputing norms, casts and activations only (no FLOPs, bytes moved)"
     detail = (f"units: {counts}; the same precisions without checkpointing peak {format_bytes(saves)} higher; "
-              f"recomputing {format_flops(flops)} costs {format_seconds(cost)} per step")
+              f"{rerun} costs {format_seconds(cost)} per step")
     status = "chosen" if modes["selective"] + modes["full"] else "n/a"
     if status == "n/a":
         detail = "not needed: every unit keeps its activations" + ("" if plan.feasible else " (nothing to gain)")

@@ -133,8 +133,16 @@ def _units(plan: "Plan") -> Table:
     for row in fold_units(plan.units):
         unit = row.first
         table.add_row(Text(row.label), unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes),
-                      format_flops(unit.recompute_flops), format_seconds(unit.step_time_s))
+                      _recomputed(unit), format_seconds(unit.step_time_s))
     return table
+
+
+def _recomputed(unit) -> str:
+    """What a unit's backward runs again: its FLOPs; "-" in keep mode; "no FLOPs" when it reruns only
+    norms, casts and activations (their cost is bytes moved, in the time column)."""
+    if unit.choice.mode == "keep":
+        return "-"
+    return format_flops(unit.recompute_flops) if unit.recompute_flops else "no FLOPs"
 
 
 def _policies(plan: "Plan") -> list[Text]:
