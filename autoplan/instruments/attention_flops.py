@@ -1,39 +1,97 @@
-"""FLOPs of the attention kernels torch's flop counter does not know, for the roofline.
+"""FLOP formulas for the attention kernels torch's flop counter does not know, so the roofline prices them.
 
-torch's `flop_registry` prices the CUDA kernels (flash, memory-efficient, cuDNN) and FlexAttention,
-but not the CPU's flash kernel (`aten._scaled_dot_product_flash_attention_for_cpu`, what SDPA runs
-on the CPU without dropout) nor the out-of-tree backends' overrideable kernel. Unpriced, attention
-cost 0 FLOP: recomputing it looked free to the solver and an attention-heavy step was predicted
-faster than its attention alone. These get torch's own counts (`sdpa_flop_count`: Q·Kᵀ and P·V,
-2 FLOPs a multiply-add; backward, the five matmuls of the recomputed scores and the gradients),
-grouped-query attention included, causal masking not discounted, as for the CUDA kernels.
+torch's `flop_registry` counts the CUDA kernels behind `F.scaled_dot_product_attention` (flash,
+efficient, cuDNN) and FlexAttention, but not the CPU flash kernel the simulation runs on a CPU
+(`_scaled_dot_product_flash_attention_for_cpu` and its backward), nor the out-of-tree backends'
+`_scaled_dot_product_fused_attention_overrideable`, nor the fused inference kernels. Uncounted,
+attention costs 0 FLOP: recomputing it looks free to the solver and a long-sequence step looks
+faster than its attention alone. `register_attention_flops` adds them to torch's registry (so
+`FlopCounterMode` sees them too), counted with torch's own `sdpa_flop_count` /
+`sdpa_backward_flop_count` and so by the conventions of the kernels torch already counts: QK^T and
+PV in the forward (4·B·Hq·Tq·Tk·D), the score recomputation and the four gradient matmuls in the
+backward (2.5 times that), every query head counted under grouped-query attention (each one
+multiplies with its shared key/value head), and a causal mask not discounted.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any, Callable
+
 import torch
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-_aten = torch.ops.aten
+aten = torch.ops.aten
 
 
-def _forward_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+def _sdpa_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """Kernels whose schema starts (query, key, value), all [batch, heads, tokens, head_dim]."""
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
 
 
-def _backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+def _sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    """Backward kernels whose schema starts (grad_out, query, key, value)."""
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+def _cudnn_forward(query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, *args, out_val=None, **kwargs) -> int:
+    if query.dim() == 4:
+        return _sdpa_forward(query, key, value)
+    # packed variable-length batches ([tokens, heads, head_dim] with offsets): torch's flash formula unpacks them
+    return flop_registry[aten._flash_attention_forward.overloadpacket](query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+
+
+def _cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k,
+                    max_q, max_k, *args, out_val=None, **kwargs) -> int:
+    if query.dim() == 4:
+        return _sdpa_backward(grad_out, query, key, value)
+    flash_backward = flop_registry[aten._flash_attention_backward.overloadpacket]
+    return flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k)
+
+
+def _flash_forward_into(out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    """The flash forward that writes into a given `out`: the same work as `_flash_attention_forward`."""
+    return flop_registry[aten._flash_attention_forward.overloadpacket](query, key, value, *args, **kwargs)
+
+
+def _multi_head_attention(query, key, value, embed_dim, num_head, *args, out_val=None, **kwargs) -> int:
+    """nn.MultiheadAttention's fused inference kernel: the q, k, v projections, attention, the output projection."""
+    batch = math.prod(query.shape[:-2]) if query.dim() > 2 else 1
+    q_tokens, k_tokens = query.shape[-2], key.shape[-2]
+    head_dim = embed_dim // num_head
+    projections = 2 * batch * (2 * q_tokens + 2 * k_tokens) * embed_dim * embed_dim  # q and output: Tq rows; k and v: Tk rows
+    q_shape, kv_shape = (batch, num_head, q_tokens, head_dim), (batch, num_head, k_tokens, head_dim)
+    return projections + sdpa_flop_count(q_shape, kv_shape, kv_shape)
+
+
+def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps,
+                   norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, *args, out_val=None, **kwargs) -> int:
+    """nn.TransformerEncoderLayer's fused inference kernel: self-attention, then the two feed-forward matmuls."""
+    rows = math.prod(src.shape[:-1])
+    attention = _multi_head_attention(src, src, src, embed_dim, num_heads)
+    return attention + 2 * 2 * rows * embed_dim * ffn_weight_1.shape[0]
+
+
+def _formulas() -> dict[str, Callable[..., int]]:
+    """aten op name -> formula over the op's arguments (tensors, not shapes: some must tell packed batches apart)."""
+    return {
+        "_scaled_dot_product_flash_attention_for_cpu": _sdpa_forward,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": _sdpa_backward,
+        "_scaled_dot_product_fused_attention_overrideable": _sdpa_forward,
+        "_scaled_dot_product_fused_attention_overrideable_backward": _sdpa_backward,
+        "_scaled_dot_product_attention_math_for_mps": _sdpa_forward,
+        "_cudnn_attention_forward": _cudnn_forward,
+        "_cudnn_attention_backward": _cudnn_backward,
+        "_flash_attention_forward_no_dropout_inplace": _flash_forward_into,
+        "_native_multi_head_attention": _multi_head_attention,
+        "_triton_multi_head_attention": _multi_head_attention,
+        "_transformer_encoder_layer_fwd": _encoder_layer,
+    }
 
 
 def register_attention_flops() -> None:
-    """Register the missing attention kernels' FLOPs in torch's flop counter (once; idempotent)."""
-    pairs = (
-        ("_scaled_dot_product_flash_attention_for_cpu", _forward_flops),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", _backward_flops),
-        ("_scaled_dot_product_fused_attention_overrideable", _forward_flops),
-        ("_scaled_dot_product_fused_attention_overrideable_backward", _backward_flops),
-    )
-    for name, formula in pairs:
-        packet = getattr(_aten, name, None)
+    """Add the formulas above to torch's flop registry; an op torch counts already (or lacks) is left alone."""
+    for name, formula in _formulas().items():
+        packet: Any = getattr(aten, name, None)
         if packet is not None and packet not in flop_registry:
-            register_flop_formula(packet)(formula)
+            register_flop_formula(packet, get_raw=True)(formula)

@@ -8,6 +8,7 @@ import copy
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
@@ -87,6 +88,8 @@ class PlanningFakeMode(FakeTensorMode):
     """
 
     grouped_matmuls = 0  # grouped matmuls shaped under this mode: the model routes tokens to experts
+    # torch registers FlexAttention's fake kernels for FakeTensorMode itself, not its subclasses: take them in here
+    supports_higher_order_operators = True
 
     def __init__(self, routing: MoeRoutingBound = WORST_CASE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -94,6 +97,8 @@ class PlanningFakeMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if func in _SAME_DTYPE_OPS:
             check_same_dtype(func, args)
         dispatch = super().__torch_dispatch__

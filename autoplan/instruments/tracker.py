@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Hashable, Protocol
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -52,6 +53,9 @@ class RooflineRates(Protocol):
 
 class LiveBytesTracker(TorchDispatchMode):
     """Counts live tensor bytes and roofline time of every op dispatched under it."""
+
+    # FlexAttention runs as a higher-order operator: without this, dispatching one under the tracker raises
+    supports_higher_order_operators = True
 
     def __init__(self, device: RooflineRates, allow_tf32: bool = False) -> None:
         super().__init__()
@@ -110,7 +114,7 @@ class LiveBytesTracker(TorchDispatchMode):
         hidden = hidden_temporary_bytes(func, args, kwargs)
         current = self._phases[-1]
         current.peak_bytes = max(current.peak_bytes, self.live_bytes + hidden)
-        if created or func.overloadpacket in flop_registry:
+        if created or flop_key(func) in flop_registry:
             self._charge_time(func, args, kwargs, out, inputs, outputs, hidden)
         return out
 
@@ -140,6 +144,12 @@ class LiveBytesTracker(TorchDispatchMode):
         current.flops += cost.flops
 
 
+def flop_key(func):
+    """What torch's flop registry files an op under: an aten op by its overload packet, a higher-order
+    operator (FlexAttention's forward and backward) by itself."""
+    return func if isinstance(func, HigherOrderOperator) else func.overloadpacket
+
+
 @dataclass(frozen=True)
 class OpCost:
     flops: int
@@ -150,8 +160,8 @@ def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allo
     """One op's FLOPs (torch's flop counter) and roofline time; `touched`: its input and output tensors;
     `hidden_bytes`: a temporary it writes and reads back inside itself."""
     flops = 0
-    if func.overloadpacket in flop_registry:
-        flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+    if flop_key(func) in flop_registry:
+        flops = int(flop_registry[flop_key(func)](*args, **kwargs, out_val=out))
     if flops == 0 and getattr(device, "fuses_elementwise", False):
         return OpCost(0, 0.0)
     moved = sum(t.numel() * t.element_size() for t in touched) + 2 * hidden_bytes
@@ -176,10 +186,6 @@ class FusedElementwiseRates:
     @property
     def memory_bandwidth(self) -> float:
         return self.device.memory_bandwidth
-
-    @property
-    def compute_capability(self) -> tuple[int, int] | None:
-        return getattr(self.device, "compute_capability", None)
 
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
         return self.device.flops_for(dtype, allow_tf32=allow_tf32)
