@@ -109,8 +109,6 @@ def simulate_training(
     loop = loop or TrainingLoop()
     tracker = LiveBytesTracker(device)
     recorder = UnitRecorder(tracker, model, units)
-    # looked up when called, so that the module's default_loss is the one used
-    loss_of = loss_function(loss_fn, loop.loss_in_model, default=lambda output: default_loss(output))
     try:
         # transformers' mask shortcuts are decided on the real batch, before it is faked
         with real_mask_decisions(example_inputs), fake_mode, as_the_target_runs(device) as target, tracker:
@@ -120,7 +118,8 @@ def simulate_training(
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
             opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind), device_kind=device.kind)
             runner = LoopRunner(model, opt, loop, loss_fn, scaler=FakeGradScaler() if loop.grad_scaler else None)
-            runner.loss_of = loss_of
+            # looked up when called, so that the module's default_loss is the one used
+            runner.loss_of = loss_function(loss_fn, loop.loss_in_model, default=lambda output: default_loss(output))
             _warm_up(runner, trainable)
             first_phase = tracker.phase_count
             hooks = _RecordingHooks(recorder, model, (args, kwargs), loop.keep_outputs)
@@ -146,8 +145,8 @@ def simulate_training(
     missing = [name for name in units if name not in {call.name for call in hooks.calls}]
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
-    note = target.note() if target is not None else ""
-    return Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried, target_kernels=note)
+    return Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried,
+                    target_kernels=target.note() if target is not None else "")
 
 
 class _RecordingHooks(StepHooks):

@@ -306,10 +306,8 @@ def profile(
     as torch.compile runs them (`instruments.tracker.FusedElementwiseRates`: ops without FLOPs cost
     no time), so recomputing elementwise ops is free and the menu saves only matmul/attention outputs.
     `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
-    costs the same in any loop. `fuse_loss`: the output head's cross-entropy may be fused; the
-    timeline fuses it where the step then holds no more in any phase, and `alternative` is the
-    step the other way, for the solve to plan too (`profile.simulation`; `timeline.fused_loss`
-    says which one fuses).
+    costs the same in any loop. `fuse_loss`: the output head's cross-entropy may be fused;
+    `alternative` is then the step the other way, for the solve to plan too (`profile.simulation`).
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
