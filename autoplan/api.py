@@ -105,7 +105,7 @@ def plan(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
         loop=step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
-    _check_int8_target(model, device_profile)
+    _check_model(model, device_profile)
     settle_first_forward(model)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
@@ -114,6 +114,14 @@ def plan(
     if on_profile is not None:
         on_profile(measured)
     return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed)
+
+
+def _check_model(model: torch.nn.Module, target: Device) -> None:
+    """A model a training step can be planned for: something to train, and no 8-bit base for a GPU."""
+    if not any(parameter.requires_grad for parameter in model.parameters()):
+        raise OptionError(f"{type(model).__name__} has no trainable parameters (every requires_grad is False): a training "
+                          "step would update nothing. Unfreeze what you train (model.requires_grad_(True), or add adapters)")
+    _check_int8_target(model, target)
 
 
 def _check_int8_target(model: torch.nn.Module, target: Device) -> None:

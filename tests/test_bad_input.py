@@ -419,3 +419,36 @@ def test_api_options_are_checked_before_tracing(option, value, says) -> None:
     model, inputs = tiny_gpt()
     with pytest.raises(OptionError, match=says):
         autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", **{option: value})
+
+
+# -- a newcomer's hour (issue 27): each rough edge, one line ----------------------------------------
+
+
+@pytest.mark.parametrize(("budget", "says"), [("20Gb", "Gb is gigabits; write GB for bytes"), ("512Mb", "Mb is megabits"),
+                                              ("0", "a budget must be positive")])
+def test_budgets_a_newcomer_mistypes_say_what_they_are(budget: str, says: str) -> None:
+    result = run("plan", MLP, "--budget", budget, "--device", "cpu")
+    assert_one_line_error(result, ExitCode.USAGE, says)
+
+
+def test_cuda_as_a_device_is_this_machines_gpu_or_says_to_name_one() -> None:
+    result = run("plan", MLP, "--budget", "1GB", "--device", "cuda")
+    if torch.cuda.is_available():
+        assert result.exit_code in (ExitCode.FITS, ExitCode.DOES_NOT_FIT), result.output
+    else:
+        assert_one_line_error(result, ExitCode.USAGE, "not a CUDA device of this machine", "name the GPU to plan for")
+
+
+def test_an_empty_batch_is_refused() -> None:
+    model, _ = tiny_mlp()
+    with pytest.raises(OptionError, match="the batch is empty: argument 0 has shape \\(0, 8\\)"):
+        autoplan.plan(model, "1GB", example_inputs=(torch.randn(0, 8),), device="cpu")
+    result = run("plan", MLP, "--budget", "1GB", "--device", "cpu", "--batch-size", "0")
+    assert result.exit_code == ExitCode.USAGE, result.output  # typer's own check: batch size ≥ 1
+
+
+def test_a_frozen_model_says_it_has_nothing_to_train() -> None:
+    model, inputs = tiny_mlp()
+    model.requires_grad_(False)
+    with pytest.raises(OptionError, match="has no trainable parameters"):
+        autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")

@@ -75,7 +75,7 @@ def test_percentage_without_device_is_rejected() -> None:
     ("value", "reason"),
     [
         ("20", "needs a unit"),
-        ("0", "needs a unit"),
+        ("0", "must be positive"),  # zero of anything is no budget, whatever the unit
         ("-1GB", "positive"),
         ("0GB", "positive"),
         ("0.0001B", "at least 1 byte"),

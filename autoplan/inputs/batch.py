@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from autoplan.errors import OptionError
 from autoplan.inputs.hf_models import default_seq_len, example_inputs_for, is_hf_model, training_inputs
 
 
@@ -27,7 +28,19 @@ def training_batch(model: torch.nn.Module, example_inputs: Any, batch_size: int 
             "batch_size= and seq_len= build example inputs when example_inputs is omitted; "
             "pass either them or example_inputs, not both"
         )
-    return training_inputs(model, normalize_inputs(example_inputs))
+    batch = training_inputs(model, normalize_inputs(example_inputs))
+    _refuse_empty(batch)
+    return batch
+
+
+def _refuse_empty(batch: tuple[tuple, dict]) -> None:
+    """A batch of 0 examples trains nothing, and a plan for it would fit anything: refused."""
+    args, kwargs = batch
+    named = [(f"argument {i}", value) for i, value in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 0:
+            raise OptionError(f"the batch is empty: {name} has shape {tuple(value.shape)}, 0 examples; plan with "
+                              "at least one example (the batch you will train with)")
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -223,6 +223,8 @@ def get_device(spec: str | Device | torch.device | None = None) -> Device:
     if spec.strip().lower().endswith(".json"):
         return custom_device(_json_object(spec.strip()), spec)
     key = re.sub(r"[\s_]+", "-", spec.strip().lower())
+    if re.fullmatch(r"cuda(:\d+)?", key):  # this machine's GPU, as torch names it
+        return _torch_device(torch.device(key))
     key = _ALIASES.get(key, key)
     sizes = _FAMILIES.get(key, ())
     if key not in DEVICES and len(sizes) > 1:

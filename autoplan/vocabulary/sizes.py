@@ -53,9 +53,14 @@ def parse_size(value: object, device_memory_bytes: int | None, *, allow_zero: bo
         raise fail(f"a {what} is a number followed by a unit")
     number = Fraction(match["number"])
     unit = match["unit"].lower()
+    written = match["unit"]
+    if len(written) == 2 and written[0] in "KMGT" and written[1] == "b":  # "20Gb" is gigabits, not gigabytes
+        raise fail(f"{written} is {dict(K='kilo', M='mega', G='giga', T='tera')[written[0]]}bits; write {written[0]}B for bytes")
     if unit == "":
-        if number == 0 and allow_zero:
-            return 0
+        if number == 0:
+            if allow_zero:
+                return 0
+            raise fail(f"a {what} must be {least}")
         raise fail(f"a {what} needs a unit")
     if number < 0 or (number == 0 and not allow_zero):
         raise fail(f"a {what} must be {least}")
