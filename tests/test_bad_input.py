@@ -452,3 +452,17 @@ def test_a_frozen_model_says_it_has_nothing_to_train() -> None:
     model.requires_grad_(False)
     with pytest.raises(OptionError, match="has no trainable parameters"):
         autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
+
+
+@pytest.mark.parametrize(("factory", "target", "code", "says"), [
+    ("def build():\n    import torch\n    return torch.nn.Linear(2, 2), (torch.randn(1, 2),), 1\n", "build", ExitCode.FACTORY_FAILED,
+     "build() must return (model, example_inputs); it returned 3 items"),
+    ("build = 3\n", "build", ExitCode.NOT_FOUND, "'build' is not a function (it is int)"),
+])
+def test_a_factory_that_is_not_one_says_what_it_is(tmp_path, factory, target, code, says) -> None:
+    path = write(tmp_path / "model.py", factory)
+    assert_one_line_error(run("plan", f"{path}:{target}", "--budget", "1GB"), code, says)
+
+
+def test_a_folder_as_target_says_to_name_the_file_in_it(tmp_path) -> None:
+    assert_one_line_error(run("plan", f"{tmp_path}:build", "--budget", "1GB"), ExitCode.NOT_FOUND, "is a folder: name the .py file in it")

@@ -53,6 +53,9 @@ def load_target(spec: str, *, batch_size: int | None = None, seq_len: int | None
     where, _, name = spec.rpartition(":")
     module = _load_file(where) if where.endswith(".py") or "/" in where else _load_module(where)
     factory = getattr(module, name, None)
+    if factory is not None and not callable(factory):
+        raise TargetNotFoundError(f"{where}'s {name!r} is not a function (it is {type(factory).__name__}): name the function "
+                                  "that returns (model, example_inputs)")
     if not callable(factory):
         raise TargetNotFoundError(f"{where} has no function {name!r}")
     return _call_factory(spec, factory, name, batch_size, seq_len)
@@ -60,6 +63,8 @@ def load_target(spec: str, *, batch_size: int | None = None, seq_len: int | None
 
 def _load_file(path_text: str):
     path = Path(path_text)
+    if path.is_dir():
+        raise TargetNotFoundError(f"{path_text} is a folder: name the .py file in it, e.g. {path_text.rstrip('/')}/model.py:build")
     if not path.is_file():
         raise TargetNotFoundError(f"no such file: {path_text}")
     _import_paths(first=path.resolve().parent)
@@ -135,7 +140,10 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
         if isinstance(result, torch.nn.Module):
             raise FactoryError(f"{name}() returned a model but no example inputs: return (model, example_inputs)")
         if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
-            raise FactoryError(f"{name}() must return (model, example_inputs); it returned {type(result).__name__}")
+            got = f"{len(result)} items" if isinstance(result, (tuple, list)) and len(result) != 2 else type(result).__name__
+            if isinstance(result, (tuple, list)) and len(result) == 2:
+                got = f"({type(result[0]).__name__}, {type(result[1]).__name__})"
+            raise FactoryError(f"{name}() must return (model, example_inputs); it returned {got}")
         return result[0], result[1]
 
     model, inputs = build(**sizes)
