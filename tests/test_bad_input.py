@@ -466,3 +466,20 @@ def test_a_factory_that_is_not_one_says_what_it_is(tmp_path, factory, target, co
 
 def test_a_folder_as_target_says_to_name_the_file_in_it(tmp_path) -> None:
     assert_one_line_error(run("plan", f"{tmp_path}:build", "--budget", "1GB"), ExitCode.NOT_FOUND, "is a folder: name the .py file in it")
+
+
+def test_a_factorys_prints_go_to_stderr_when_the_json_goes_to_stdout(tmp_path) -> None:
+    """`--json -` pipes into json.load even when the target prints while it builds and runs (a real process)."""
+    path = write(tmp_path / "loud.py", """\
+        from tests.cli_factories import tiny_mlp
+        def build():
+            print("building the model...")
+            return tiny_mlp()
+        """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    command = [sys.executable, "-P", "-c", "from autoplan.cli.app import app; app()",
+               "plan", f"{path}:build", "--budget", "1GB", "--device", "cpu", "--json", "-"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == ExitCode.FITS, done.stderr
+    assert json.loads(done.stdout)["plan"]["feasible"] is True
+    assert "building the model..." in done.stderr and "building" not in done.stdout

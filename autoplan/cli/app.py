@@ -20,7 +20,7 @@ from rich.table import Table
 import autoplan
 from autoplan.inputs.options import check_time_limit
 from autoplan.instruments.routing import check_moe_capacity
-from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, quiet, reported, write_stdout
+from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, prints_to_stderr, quiet, reported, write_stdout
 from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import get_device, list_devices
@@ -228,7 +228,7 @@ def plan_command(
                                 world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity,
                                                       fuse_loss=fuse_loss)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
-        with progress, quiet(debug):
+        with progress, quiet(debug), prints_to_stderr(err.file, when=_is_stdout(json_path)):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
             plan, profile = _plan(loaded, budget, options, progress)
 
@@ -309,7 +309,7 @@ def verify_command(
         _check_options(budget, device, reserve, None, None)
         to_stdout = _is_stdout(json_path)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=to_stdout))
-        with progress, quiet(debug):
+        with progress, quiet(debug), prints_to_stderr(err.file, when=to_stdout):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
             model = loaded.model.to(where)
             inputs = _to_device(loaded.example_inputs, where)

@@ -137,6 +137,17 @@ def quiet(debug: bool):
         logging.disable(disabled)
 
 
+@contextlib.contextmanager
+def prints_to_stderr(stderr, *, when: bool):
+    """With `--json -`, stdout is the document's: what the target prints on it (a factory's progress
+    lines, the model's own prints) goes to stderr instead."""
+    if not when:
+        yield
+        return
+    with contextlib.redirect_stdout(stderr):
+        yield
+
+
 def write_stdout(text: str) -> None:
     """`--json -`: the document on stdout, where a reader may also go away early."""
     try:
