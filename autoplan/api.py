@@ -32,6 +32,7 @@ from autoplan.inputs.options import (
     StepOptions,
     Target,
     check_choice,
+    check_precision,
     check_time_limit,
     flag,
     search_space,
@@ -97,7 +98,7 @@ def plan(
     step = StepOptions(optimizer, loss_fn, check_loop(loop), check_moe_capacity(moe_capacity))
     space = search_space(precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, menu_size=menu_size, segments=segments,
                          compile=compile, fuse_loss=fuse_loss, world_size=world_size)
-    device_profile = get_device(device)
+    device_profile = check_precision(space.precision, get_device(device))
     target = Target(device_profile, make_budget(budget, device_profile, reserve, allow_over_device=flag("allow_over_device", allow_over_device)),
                     reserve, world_size if world_size == "auto" else check_world_size(world_size),
                     check_choice("profile", profile, PROFILE_SOURCES), check_time_limit(time_limit_s))

@@ -483,3 +483,21 @@ def test_a_factorys_prints_go_to_stderr_when_the_json_goes_to_stdout(tmp_path) -
     assert done.returncode == ExitCode.FITS, done.stderr
     assert json.loads(done.stdout)["plan"]["feasible"] is True
     assert "building the model..." in done.stderr and "building" not in done.stdout
+
+
+def test_bf16_on_a_card_without_it_is_a_bad_option_in_cli_words() -> None:
+    result = run("plan", MLP, "--budget", "1GB", "--device", "t4", "--precision", "bf16")
+    assert_one_line_error(result, ExitCode.USAGE, "--precision bf16", "t4 has no bf16", "'fp16'")
+
+
+def test_verify_of_a_meta_model_says_it_needs_weights(tmp_path) -> None:
+    path = write(tmp_path / "meta_model.py", """\
+        import torch
+        from tests.cli_factories import tiny_mlp
+        def build():
+            with torch.device("meta"):
+                model, _ = tiny_mlp()
+            return model, (torch.randn(2, 8),)
+        """)
+    result = run("verify", f"{path}:build", "--budget", "1GB")
+    assert_one_line_error(result, ExitCode.USAGE, "returns a model on the meta device", "autoplan plan takes a meta model")

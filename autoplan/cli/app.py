@@ -311,6 +311,9 @@ def verify_command(
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=to_stdout))
         with progress, quiet(debug), prints_to_stderr(err.file, when=to_stdout):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
+            if any(parameter.is_meta for parameter in loaded.model.parameters()):
+                raise CliError(ExitCode.USAGE, f"{target} returns a model on the meta device: verify trains real steps, so the "
+                               "factory must build real (random) weights; autoplan plan takes a meta model")
             model = loaded.model.to(where)
             inputs = _to_device(loaded.example_inputs, where)
             loop = _loop(drop_outputs, accumulation_steps, optimizer_impl)

@@ -85,6 +85,14 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def check_precision(precision: str, device: Device) -> Device:
+    """`device`, once it is known to run `precision` (bf16 needs Ampere or newer)."""
+    if precision == "bf16" and not device.supports_bf16:
+        raise OptionError(f"precision 'bf16' (--precision bf16): {device.name} has no bf16; use 'fp16' (with a GradScaler) "
+                          "or 'auto', which picks fp16 there")
+    return device
+
+
 def check_menu_size(menu_size: Any) -> int:
     if isinstance(menu_size, bool) or not isinstance(menu_size, numbers.Integral) or menu_size < 0:
         raise OptionError(f"menu_size takes a whole number ≥ 0 (0: keep/selective/full only); got {menu_size!r}")
