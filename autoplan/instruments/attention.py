@@ -93,13 +93,17 @@ def _flash(query, key, value, dropout_p, is_causal, scale):
     return out[..., :head_dim] if out.shape[-1] != head_dim else out
 
 
+def _additive(attn_mask, dtype):
+    """ATen's convert_boolean_attn_mask: a boolean mask as 0 / -inf in the query's dtype; others as they are."""
+    return torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(dtype) if attn_mask.dtype == torch.bool else attn_mask
+
+
 def _additive_mask(attn_mask, query, key):
     """ATen's preprocessing for the efficient kernel: a boolean mask made additive in the query's
     dtype, its rows padded to 16 columns when not aligned, expanded to (batch, heads, Tq, Tk)."""
     if attn_mask is None:
         return None
-    if attn_mask.dtype == torch.bool:
-        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(query.dtype)
+    attn_mask = _additive(attn_mask, query.dtype)
     if any(stride % 16 for stride in attn_mask.stride()[:-1]):
         attn_mask = _pad_last_dim(attn_mask, 16)[..., : key.shape[-2]]
     return attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
@@ -115,8 +119,7 @@ def _efficient(query, key, value, attn_mask, dropout_p, is_causal, scale):
 
 
 def _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(query.dtype)
+    attn_mask = _additive(attn_mask, query.dtype) if attn_mask is not None else None
     return _aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
