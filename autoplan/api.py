@@ -35,6 +35,7 @@ from autoplan.inputs.options import (
     check_precision,
     check_time_limit,
     flag,
+    host_budget_bytes,
     search_space,
 )
 from autoplan.memory.model import check_world_size, rank_offsets
@@ -82,6 +83,8 @@ def plan(
     segments: bool = True,
     moe_capacity: float | None = None,
     fuse_loss: bool = True,
+    offload: bool | None = None,
+    host_budget: str | int | None = None,
 ) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
@@ -91,21 +94,23 @@ def plan(
     machine's GPU. optimizer: "adamw" (default), "adam", "sgd", "sgd-momentum" or an instance.
     loop: the training loop the peak is for (default: outputs kept through backward); `plan.loop`
     states it and `autoplan.verify` runs it. Every other argument (units, pins, reserve, profile,
-    world_size, compile, segments, fuse_loss, moe_capacity, ...): docs/api.md. plan.request holds
+    world_size, compile, segments, fuse_loss, offload, host_budget, moe_capacity, ...): docs/api.md. plan.request holds
     the arguments that shaped the plan; plan.report() shows the call that reproduces it.
     """
     # every option checked before minutes of tracing and profiling
     step = StepOptions(optimizer, loss_fn, check_loop(loop), check_moe_capacity(moe_capacity))
+    device_profile = get_device(device)
     space = search_space(precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, menu_size=menu_size, segments=segments,
-                         compile=compile, fuse_loss=fuse_loss, world_size=world_size)
-    device_profile = check_precision(space.precision, get_device(device))
+                         compile=compile, fuse_loss=fuse_loss, world_size=world_size, device=device_profile, offload=offload)
+    check_precision(space.precision, device_profile)
     target = Target(device_profile, make_budget(budget, device_profile, reserve, allow_over_device=flag("allow_over_device", allow_over_device)),
                     reserve, world_size if world_size == "auto" else check_world_size(world_size),
-                    check_choice("profile", profile, PROFILE_SOURCES), check_time_limit(time_limit_s))
+                    check_choice("profile", profile, PROFILE_SOURCES), check_time_limit(time_limit_s), host_budget_bytes(host_budget))
     request = plan_request(budget, device_profile, dict(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-        loop=step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss))
+        loop=step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss,
+        offload=offload, host_budget=host_budget))
     _check_model(model, device_profile)
     settle_first_forward(model)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
@@ -203,16 +208,21 @@ def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions
         world = target.world_size
     offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, world)))
 
+    host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
+
     def simulate(choices: Mapping[str, Choice]) -> int:
-        return simulate_plan(
+        simulated = simulate_plan(
             traced, choices, device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=bool(measured.timeline.fused_loss),
-        ).peak_bytes
+        )
+        host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
+        return simulated.peak_bytes
 
-    found = search(measured, usable, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say)
+    found = search(measured, usable, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say,
+                   host_budget=target.host_budget_bytes if measured.offload else None)
     decided = assemble_plan(measured, traced, found, budget=target.budget, reserve=target.reserve, target=target.device, pins=pins,
-                            world=world, time_limit_s=time_limit_s)
-    return dataclasses.replace(decided, world_size_curve=curve)
+                            world=world, time_limit_s=time_limit_s, host_budget=target.host_budget_bytes)
+    return dataclasses.replace(decided, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(frozenset(found.choices.items()), 0))
 
 
 def _decide_loss_head(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> tuple[Plan, Profile]:
@@ -241,6 +251,7 @@ def _trace_and_profile(model, batch, target: Target, unit_names, step: StepOptio
         measured = profile_units(
             traced, target.device, optimizer=step.optimizer, precisions=precisions, rest_precision=rest, loss_fn=step.loss_fn,
             progress=say, loop=step.loop, menu_size=space.menu_size, compile=space.compile, fuse_loss=space.fuse_loss,
+            offload=space.offload,
         )
         if not space.compile and _should_measure(target.profile, model, target.device):
             measured = measure_times(measured, traced, optimizer=step.optimizer, loss_fn=step.loss_fn, progress=say)

@@ -17,9 +17,12 @@ import torch
 
 Mode = Literal["keep", "selective", "full"]
 Precision = Literal["fp32", "bf16", "fp16"]
+Placement = Literal["device", "host"]
 
 MODES: tuple[Mode, ...] = ("keep", "selective", "full")
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
+PLACEMENTS: tuple[Placement, ...] = ("device", "host")
+OFFLOADABLE: frozenset[str] = frozenset({"keep", "full"})  # selective checkpointing keeps its ops' outputs out of reach of saved-tensor hooks
 CHECKPOINTED: frozenset[str] = frozenset({"selective", "full"})
 
 
@@ -80,6 +83,7 @@ class Choice:
     mode: Mode = "keep"  # keep: save all; selective: save some op outputs (see `saves`); full: save inputs only
     precision: Precision = "fp32"  # fp32, or the device's autocast dtype
     saves: tuple[str, ...] | None = None  # selective only: the op occurrences it keeps; None: matmul/attention outputs
+    placement: Placement = "device"  # host: what it saves for backward waits in pinned host memory (planned.offload)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,14 +94,22 @@ class Choice:
             if self.mode != "selective":
                 raise ValueError(f"only selective mode names the ops it saves; got mode {self.mode!r} with saves")
             object.__setattr__(self, "saves", tuple(self.saves))
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {self.placement!r}; expected one of {PLACEMENTS}")
+        if self.placement == "host" and self.mode not in OFFLOADABLE:
+            raise ValueError(f"only keep and full units can offload what they save; got mode {self.mode!r}")
 
     @property
     def checkpointed(self) -> bool:
         return self.mode in CHECKPOINTED
 
+    @property
+    def offloaded(self) -> bool:
+        return self.placement == "host"
+
     def _order(self) -> tuple:
         # None (the fixed rule) sorts before any menu point; menu points by what they save
-        return (self.mode, self.precision, self.saves is not None, self.saves or ())
+        return (self.mode, self.precision, self.saves is not None, self.saves or (), self.placement)
 
     def __lt__(self, other: Choice) -> bool:
         return self._order() < other._order()
@@ -113,7 +125,7 @@ class Choice:
 
     def __str__(self) -> str:
         mode = self.mode if self.saves is None else f"selective[{len(self.saves)} saved]"
-        return f"{mode}/{self.precision}"
+        return f"{mode}/{self.precision}" + ("/host" if self.offloaded else "")
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,9 @@ class UnitDecision:
     step_time_s: float  # its forward + backward (+ recompute) time under this choice
     policy: str = ""  # a menu point's policy in words: what it saves and what it recomputes
     members: tuple[str, ...] = ()  # a segment (consecutive units checkpointed as one region): its units, in order
+    host_bytes: int = 0  # offloaded: what it keeps in pinned host memory from its forward until its backward
+    transfer_s: float = 0.0  # offloaded: its device-to-host and host-to-device copies at the host link's rate
+    exposed_transfer_s: float = 0.0  # the part of transfer_s its own compute does not hide (in step_time_s)
 
 
 @dataclass(frozen=True)
@@ -225,6 +240,10 @@ class Plan:
     loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the peak was predicted for
     moe_routing: str = ""  # mixture-of-experts routing assumed: "worst case", "capacity 1.25", "any" (shapes do not depend on it), "" (none)
     request: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
+    offload: bool = False  # units were allowed to hold their saved tensors in pinned host memory
+    host_budget_bytes: int = 0  # with offload: the pinned host memory the plan may use
+    host_peak_bytes: int = 0  # what the offloaded units hold in host memory at once (before the first backward)
+    simulated_host_peak_bytes: int = 0  # the same, from the whole-step simulation
 
     @property
     def outside_units(self) -> OutsideUnits:
@@ -241,7 +260,7 @@ class Plan:
         data = dataclasses.asdict(self)
         data["units"] = [
             {"name": unit.name, "mode": unit.choice.mode, "precision": unit.choice.precision,
-             "saves": None if unit.choice.saves is None else list(unit.choice.saves)}
+             "saves": None if unit.choice.saves is None else list(unit.choice.saves), "placement": unit.choice.placement}
             | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice", "members")}
             | {"members": list(unit.members)}  # a segment's units; empty for a unit on its own
             for unit in self.units

@@ -20,7 +20,7 @@ from autoplan.memory.model import sharded_peak
 from tests.cli_factories import tiny_gpt, wide_gpt_on_meta
 
 FACTORY = "tests/cli_factories.py:tiny_gpt"
-STEP_KEYS = ["bf16", "tf32", "sdpa", "compile", "checkpointing", "grad_accumulation", "shorter_sequences",
+STEP_KEYS = ["bf16", "tf32", "sdpa", "compile", "checkpointing", "offload", "grad_accumulation", "shorter_sequences",
              "optimizer_8bit", "qlora", "fsdp"]
 runner = CliRunner()
 

@@ -196,13 +196,24 @@ def test_gpu_names_match_table(gpu_name: str, memory: int, expected: str) -> Non
 
 
 def test_unknown_gpu_assumes_h100_rates() -> None:
-    device = _match_gpu("NVIDIA GH200 480GB", 94 * GiB, 1, (9, 0))
+    device = _match_gpu("NVIDIA B200", 94 * GiB, 1, (10, 0))
     assert device.name == "cuda:1"
     assert device.memory_bytes == 94 * GiB
     assert "H100 rates assumed" in device.description
     assert device.peak_flops == DEVICES["h100-80gb"].peak_flops
     old = _match_gpu("Quadro P6000", 24 * GiB, 0, (6, 1))
     assert not old.supports_bf16
+
+
+def test_host_links_follow_the_interface() -> None:
+    """Offload is priced by the host link: PCIe Gen5 for Hopper SXM, Gen4 for Ampere/Ada, NVLink-C2C on GH200."""
+    assert DEVICES["h100-80gb"].host_bandwidth == 2 * DEVICES["a100-80gb"].host_bandwidth == 64e9
+    assert DEVICES["t4"].host_bandwidth == 16e9
+    grace = _match_gpu("NVIDIA GH200 480GB", 94 * GiB, 0, (9, 0))
+    assert grace.name == "gh200" and grace.host_bandwidth == 450e9 and grace.memory_bytes == 94 * GiB
+    assert DEVICES["cpu"].host_bandwidth == 0
+    assert get_device("custom:memory=24GiB,fp32_tflops=10,bandwidth=900GB/s,host_bandwidth=8GB/s").host_bandwidth == 8e9
+    assert get_device("custom:memory=24GiB,fp32_tflops=10,bandwidth=900GB/s").host_bandwidth == 32e9
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -44,6 +44,9 @@ class Device:
     # CUDA compute capability (major, minor): which attention kernels the card runs
     # (instruments.attention); None for the CPU
     compute_capability: tuple[int, int] | None = None
+    # the host link, bytes per second each way: what copies of offloaded activations move at
+    # (the card's PCIe generation, or NVLink-C2C); 0: no host link (the CPU)
+    host_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         # A plain dict would let callers mutate a "frozen" device's rates.
@@ -88,6 +91,7 @@ def _cuda(
     bandwidth_bytes: float,
     source: str,
     compute_capability: tuple[int, int],
+    host_bandwidth: float,
 ) -> Device:
     return Device(
         name=name,
@@ -99,7 +103,13 @@ def _cuda(
         context_bytes=_CUDA_CONTEXT_BYTES,
         source=source,
         compute_capability=compute_capability,
+        host_bandwidth=host_bandwidth,
     )
+
+
+# Host links, per direction, from the interface's specification (x16 lanes): real pinned copies
+# reach less (to be measured on a GPU); GH200's NVLink-C2C is 900 GB/s both ways together.
+_PCIE3, _PCIE4, _PCIE5, _NVLINK_C2C = 16e9, 32e9, 64e9, 450e9
 
 
 def _cpu() -> Device:
@@ -122,38 +132,40 @@ _V100 = {"fp32": 15.7, "fp16": 125}
 
 _TABLE = (
     _cuda("a100-40gb", "NVIDIA A100 SXM4 40GB HBM2", 40, _A100, 1555e9,
-          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 40GB)", (8, 0)),
+          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 40GB)", (8, 0), _PCIE4),
     _cuda("a100-80gb", "NVIDIA A100 SXM4 80GB HBM2e", 80, _A100, 2039e9,
-          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 80GB)", (8, 0)),
+          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 80GB)", (8, 0), _PCIE4),
     _cuda("h100-80gb", "NVIDIA H100 SXM5 80GB HBM3", 80, _H100, 3.35e12,
-          "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", (9, 0)),
+          "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", (9, 0), _PCIE5),
     _cuda("h200", "NVIDIA H200 SXM 141GB HBM3e", 141, _H100, 4.8e12,
-          "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)", (9, 0)),
+          "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)", (9, 0), _PCIE5),
     # GeForce: fp16/bf16 tensor rates with fp32 accumulate, as frameworks use.
     _cuda("rtx-3090", "NVIDIA GeForce RTX 3090 24GB GDDR6X", 24,
           {"fp32": 35.6, "tf32": 35.6, "bf16": 71, "fp16": 71}, 936e9,
-          "NVIDIA Ampere GA102 GPU Architecture whitepaper (RTX 3090)", (8, 6)),
+          "NVIDIA Ampere GA102 GPU Architecture whitepaper (RTX 3090)", (8, 6), _PCIE4),
     _cuda("rtx-4090", "NVIDIA GeForce RTX 4090 24GB GDDR6X", 24,
           {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2}, 1008e9,
-          "NVIDIA Ada GPU Architecture whitepaper (RTX 4090)", (8, 9)),
+          "NVIDIA Ada GPU Architecture whitepaper (RTX 4090)", (8, 9), _PCIE4),
     _cuda("t4", "NVIDIA T4 16GB GDDR6", 16, {"fp32": 8.1, "fp16": 65}, 320e9,
-          "NVIDIA T4 Tensor Core GPU datasheet", (7, 5)),
+          "NVIDIA T4 Tensor Core GPU datasheet", (7, 5), _PCIE3),
     _cuda("v100-16gb", "NVIDIA V100 SXM2 16GB HBM2", 16, _V100, 900e9,
-          "NVIDIA Tesla V100 GPU datasheet (SXM2)", (7, 0)),
+          "NVIDIA Tesla V100 GPU datasheet (SXM2)", (7, 0), _PCIE3),
     _cuda("v100-32gb", "NVIDIA V100 SXM2 32GB HBM2", 32, _V100, 900e9,
-          "NVIDIA Tesla V100 GPU datasheet (SXM2)", (7, 0)),
+          "NVIDIA Tesla V100 GPU datasheet (SXM2)", (7, 0), _PCIE3),
     _cuda("l4", "NVIDIA L4 24GB GDDR6", 24,
           {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121}, 300e9,
-          "NVIDIA L4 Tensor Core GPU datasheet", (8, 9)),
+          "NVIDIA L4 Tensor Core GPU datasheet", (8, 9), _PCIE4),
     _cuda("a10g", "NVIDIA A10G 24GB GDDR6 (AWS g5)", 24,
           {"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}, 600e9,
-          "NVIDIA A10 Tensor Core GPU datasheet; AWS's A10G assumed at the A10's rates", (8, 6)),
+          "NVIDIA A10 Tensor Core GPU datasheet; AWS's A10G assumed at the A10's rates", (8, 6), _PCIE4),
     _cuda("rtx-a6000", "NVIDIA RTX A6000 48GB GDDR6", 48,
           {"fp32": 38.7, "tf32": 77.4, "bf16": 154.8, "fp16": 154.8}, 768e9,
-          "NVIDIA RTX A6000 datasheet (dense tensor rates)", (8, 6)),
+          "NVIDIA RTX A6000 datasheet (dense tensor rates)", (8, 6), _PCIE4),
     _cuda("l40s", "NVIDIA L40S 48GB GDDR6", 48,
           {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05}, 864e9,
-          "NVIDIA L40S GPU datasheet (dense tensor rates)", (8, 9)),
+          "NVIDIA L40S GPU datasheet (dense tensor rates)", (8, 9), _PCIE4),
+    _cuda("gh200", "NVIDIA GH200 Grace Hopper Superchip, 96GB HBM3", 96, _H100, 4e12,
+          "NVIDIA GH200 Grace Hopper Superchip datasheet (96GB HBM3, NVLink-C2C)", (9, 0), _NVLINK_C2C),
     _cpu(),
 )
 
@@ -182,6 +194,7 @@ _ALIASES = {
 _FAMILIES = {
     "h100": ("h100-80gb",),
     "h200": ("h200",),
+    "gh200": ("gh200",),
     "a100": ("a100-40gb", "a100-80gb"),
     "v100": ("v100-16gb", "v100-32gb"),
     "3090": ("rtx-3090",),
@@ -243,6 +256,7 @@ CUSTOM_KEYS = {
     "fp16_tflops": "dense fp16 tensor TFLOP/s (default: the bf16 rate, else the fp32 rate)",
     "tf32_tflops": "dense TF32 tensor TFLOP/s (default: none)",
     "capability": "CUDA compute capability, e.g. 8.9 (default 8.0 with bf16, else 7.0)",
+    "host_bandwidth": "host link per direction, e.g. 32GB/s (default 32GB/s, PCIe Gen4 x16)",
     "name": "what the report calls it (default: custom)",
     "description": "a line for the report",
 }
@@ -269,6 +283,7 @@ def custom_device(values: Mapping[str, object], spec: str = "custom") -> Device:
         memory_bandwidth=float(_size(str(values["bandwidth"]).removesuffix("/s"), "bandwidth", fail)),
         context_bytes=_CUDA_CONTEXT_BYTES, source=f"given: {spec}",
         compute_capability=_capability(str(values.get("capability", default_capability)), fail),
+        host_bandwidth=float(_size(str(values.get("host_bandwidth", "32GB")).removesuffix("/s"), "host_bandwidth", fail)),
     )
 
 

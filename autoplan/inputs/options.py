@@ -1,11 +1,13 @@
 """plan()'s options as three checked values, grouped by what they are about.
 
 - `Target`: what the plan must fit and how it is found: the device, the budget, the reserve as
-  given, the number of GPUs, where unit times come from, the solver's time limit;
+  given, the number of GPUs, where unit times come from, the solver's time limit, the host memory
+  offloading may use;
 - `StepOptions`: the training step the peak is for: the optimizer whose state is counted, the
   loss, the loop, and how data-dependent expert routing is profiled;
 - `SearchSpace`: which choices the solver may make: precisions, pins, each unit's menu of
-  selective policies, segments, compile pricing, the fused loss head.
+  selective policies, segments, compile pricing, the fused loss head, offload to host memory and
+  how much host memory it may use.
 
 Each is built once in `api.plan`, every option checked there with an `OptionError` that names
 the option and what it takes, and passed down whole instead of a list of keywords.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -25,6 +28,7 @@ from autoplan.inputs.budget import Budget
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.instruments.routing import MoeRoutingBound
+from autoplan.vocabulary.sizes import parse_size
 
 PROFILE_SOURCES = ("auto", "measure", "roofline")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -40,6 +44,7 @@ class Target:
     world_size: int | str  # GPUs under FSDP2, or "auto": the fewest that fit
     profile: str  # where unit times come from: "auto", "measure" or "roofline"
     time_limit_s: float  # per solve
+    host_budget_bytes: int = 0  # pinned host memory offloaded units may use (`host_budget_bytes`)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class SearchSpace:
     segments: bool  # runs of consecutive blocks as one region; off with compile
     compile: bool  # recomputing FLOP-free ops priced as free (Inductor fuses them)
     fuse_loss: bool  # the output head's cross-entropy fused; off with compile and with FSDP
+    offload: bool = False  # keep/full units may hold what they save in pinned host memory
 
 
 def flag(name: str, value: Any) -> bool:
@@ -99,8 +105,9 @@ def check_menu_size(menu_size: Any) -> int:
     return int(menu_size)
 
 
-def search_space(*, precision, keep_fp32, checkpoint, menu_size, segments, compile, fuse_loss, world_size) -> SearchSpace:
-    """The checked search space; segments and the fused head off where they cannot apply."""
+def search_space(*, precision, keep_fp32, checkpoint, menu_size, segments, compile, fuse_loss, world_size,
+                 device: Device, offload: bool | None = None) -> SearchSpace:
+    """The checked search space; segments, the fused head and offload off where they cannot apply."""
     compile = flag("compile", compile)
     return SearchSpace(
         precision=check_choice("precision", precision, PRECISIONS),
@@ -110,4 +117,31 @@ def search_space(*, precision, keep_fp32, checkpoint, menu_size, segments, compi
         segments=flag("segments", segments) and not compile,  # a segment's region runs eagerly between compiled graphs
         compile=compile,
         fuse_loss=flag("fuse_loss", fuse_loss) and not compile and world_size == 1,
+        offload=check_offload(offload, device, world_size),
     )
+
+
+HOST_BUDGET_SHARE = 0.5  # default host budget: this share of this machine's RAM
+
+
+def host_budget_bytes(host_budget: str | int | None) -> int:
+    """The pinned host memory offloading may use: a size, a share of this machine's RAM ("40%"), or by
+    default half of it (pinned memory cannot be swapped, and the data loader and the OS need the rest)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host_budget is None:
+        return int(ram * HOST_BUDGET_SHARE)
+    return parse_size(host_budget, ram, allow_zero=True, what="host budget (--host-budget)",
+                      fail=lambda reason: OptionError(f"host_budget: {reason}; e.g. '64GB' or '50%' of this machine's RAM"))
+
+
+def check_offload(offload: bool | None, device: Device, world_size: Any) -> bool:
+    """None (the default): offload where the target has a host link, on one GPU. True where it cannot be
+    is an error that says why."""
+    possible = device.host_bandwidth > 0 and world_size == 1
+    if offload is None:
+        return possible
+    if flag("offload", offload) and not possible:
+        why = (f"{device.name} has no host link to offload over (on the CPU activations are in host memory already)"
+               if device.host_bandwidth <= 0 else "offload plans one GPU; with FSDP (world_size > 1) leave it off")
+        raise OptionError(f"offload=True (--offload): {why}")
+    return offload

@@ -3,7 +3,8 @@
 `LiveBytesTracker` is a TorchDispatchMode that sees every aten op, counts each storage an op
 creates until it is freed (rounded up to 512 bytes, like the CUDA caching allocator), and charges
 the op a roofline time on the target device. Its record is split into labelled phases so one run
-tells the peak of every moment of a training step. Under fake tensors (`instruments.fake`) it needs no
+tells the peak of every moment of a training step. Host copies of offloaded activations
+(`instruments.host`) are counted apart, as host bytes. Under fake tensors (`instruments.fake`) it needs no
 real memory; over real CPU tensors it measures a real run.
 """
 
@@ -19,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoplan.instruments.attention_flops import register_attention_flops
+from autoplan.instruments.host import allocating_on_host, moving_over_the_link
 from autoplan.instruments.quantized import hidden_temporary_bytes, register_quantized_flops
 from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
 
@@ -64,6 +66,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self.device = device
         self.allow_tf32 = allow_tf32
         self.live_bytes = 0
+        self.host_bytes = 0  # pinned host copies of offloaded activations alive now
+        self.host_peak_bytes = 0
         self._finalizers: dict[int, weakref.finalize] = {}
         self._phases: list[_PhaseRecord] = [_PhaseRecord("start", 0, 0)]
         self._watched: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (storage, caller's key)
@@ -114,7 +118,7 @@ class LiveBytesTracker(TorchDispatchMode):
         hidden = hidden_temporary_bytes(func, args, kwargs)
         current = self._phases[-1]
         current.peak_bytes = max(current.peak_bytes, self.live_bytes + hidden)
-        if created or flop_key(func) in flop_registry:
+        if (created or flop_key(func) in flop_registry) and not moving_over_the_link():
             self._charge_time(func, args, kwargs, out, inputs, outputs, hidden)
         return out
 
@@ -126,6 +130,13 @@ class LiveBytesTracker(TorchDispatchMode):
                 self._count(storage, id(storage))
 
     def _count(self, storage: torch.UntypedStorage, key: int) -> None:
+        if allocating_on_host():
+            # torch's pinned-memory caching allocator hands out blocks of a power of two
+            nbytes = 1 << max(storage.nbytes() - 1, 0).bit_length()
+            self.host_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            self._finalizers[key] = weakref.finalize(storage, self._release_host, key, nbytes)
+            return
         nbytes = rounded_bytes(storage.nbytes())
         self.live_bytes += nbytes
         current = self._phases[-1]
@@ -134,6 +145,10 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def _release(self, key: int, nbytes: int) -> None:
         self.live_bytes -= nbytes
+        self._finalizers.pop(key, None)
+
+    def _release_host(self, key: int, nbytes: int) -> None:
+        self.host_bytes -= nbytes
         self._finalizers.pop(key, None)
 
     def _charge_time(self, func, args, kwargs, out, inputs, outputs, hidden_bytes: int) -> None:

@@ -292,6 +292,13 @@ def predict_step_time(profile: Profile, choices: Mapping[str, Choice]) -> float:
     return base + change
 
 
+def host_peak(profile: Profile, choices: Mapping[str, Choice]) -> int:
+    """Pinned host bytes the offloaded units hold at once: each from its forward to its backward, so all
+    of them when the first backward begins."""
+    chosen = _choices_list(profile, choices)
+    return sum(unit.options[c].host_bytes for unit, c in zip(profile.units, chosen) if not isinstance(c, Covered))
+
+
 # -- per-phase split and sharding (for the report's curve and the advice) ----------------------
 
 

@@ -4,7 +4,7 @@ It calls the class's own forward under the unit's precision (torch.autocast) and
 (torch.utils.checkpoint, non-reentrant; selective mode through its selective-checkpoint policy,
 which keeps either every matmul/attention output or the op occurrences the choice names).
 BatchNorm statistics are not updated twice by recomputation, and transformers layers do not write
-their KV cache twice.
+their KV cache twice. An offloaded unit runs inside `planned.offload.OffloadSaved`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autoplan.plan import DTYPES, Choice
 from autoplan.instruments.quantized import is_quantized_matmul
+from autoplan.planned.offload import OffloadSaved
 from autoplan.vocabulary.tensors import tensors_of
 
 # Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
@@ -142,6 +143,21 @@ class PlannedForward:
             return self._run(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        if self.choice.offloaded and torch.is_grad_enabled():
+            return self._offloaded_call(*args, **kwargs)
+        return self._planned_call(*args, **kwargs)
+
+    # Dynamo does not trace saved-tensor hooks (it breaks the graph around them): an offloaded unit
+    # runs eagerly between the compiled graphs of the rest
+    @torch.compiler.disable
+    def _offloaded_call(self, *args, **kwargs):
+        offload = OffloadSaved(self.module)
+        with offload:
+            output = self._planned_call(*args, **kwargs)
+        offload.forward_done(output)
+        return output
+
+    def _planned_call(self, *args, **kwargs):
         if self.choice.mode == "keep" or not torch.is_grad_enabled():
             output = self._forward_in_precision(*args, **kwargs)
         else:

@@ -75,6 +75,7 @@ class Timeline:
     carried_bytes: int = 0  # what the loop's variables hold from the previous step through this forward (outputs, loss)
     fused_loss: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
     target_kernels: str = ""  # what was stood in for the GPU target's kernels (instruments.target), "" for a CPU target
+    host_peak_bytes: int = 0  # pinned host memory of offloaded units' saved tensors, at its most (planned.offload)
 
     @property
     def step_time_s(self) -> float:
@@ -146,7 +147,7 @@ def simulate_training(
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
     return Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried,
-                    target_kernels=target.note() if target is not None else "")
+                    target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes)
 
 
 class _RecordingHooks(StepHooks):

@@ -28,6 +28,7 @@ from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
+from autoplan.profile.offload import measure_host_twins
 from autoplan.profile.recorder import TensorSpec, UnitCall
 from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
@@ -57,10 +58,13 @@ class UnitCost:
     attention_bytes: int = 0  # T×T attention matrices (softmax outputs and same-shaped dropout/views) it saves; keep mode only
     spent_bytes: int = 0  # what its graph still holds after its backward (tensors autograd functions keep as attributes,
     # as bitsandbytes' 8-bit matmul keeps its input): alive until the loop drops the graph, in the next forward
+    host_bytes: int = 0  # offloaded: pinned host memory it holds from its forward until its backward
+    transfer_s: float = 0.0  # offloaded: both copies over the host link
+    exposed_transfer_s: float = 0.0  # the part of transfer_s its own forward and backward do not hide
 
     @property
     def time_s(self) -> float:
-        return self.fwd_time_s + self.bwd_time_s
+        return self.fwd_time_s + self.bwd_time_s + self.exposed_transfer_s
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class Profile:
     loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
     segments: bool = True  # whether the plan may checkpoint runs of consecutive units as one (memory.segments)
     alternative: Timeline | None = None  # the step with the loss head the other way (fused or as written), where it can be fused
+    offload: bool = False  # its units' options include host twins (profile.offload)
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
@@ -200,6 +205,7 @@ def _measure_unit(
         outputs = tensors_of(output)
         new_outputs = [t for t in outputs if id(t.untyped_storage()) not in input_storages]
         held = tracker.live_bytes - tracker.phases()[-1].start_bytes - unique_storage_bytes(new_outputs)
+        host_bytes = tracker.host_bytes
         output_refs = [weakref.ref(t.untyped_storage()) for t in outputs]
         needs_grad = [t for t in outputs if t.requires_grad]
         shapes = tuple((t.shape, t.dtype, t.device) for t in needs_grad)
@@ -231,12 +237,17 @@ def _measure_unit(
         holds_outputs=holds_outputs,
         attention_bytes=attention.total_bytes if isinstance(attention, _AttentionSaved) else 0,
         spent_bytes=spent,
+        host_bytes=host_bytes,
     )
 
 
-def _measure_options(module, call: UnitCall, precisions, rest: str, device: Device, fake_mode: FakeTensorMode, menu_size: int):
-    """Every choice of one unit measured: the three modes × precisions, then its menu points (with their policies in words)."""
+def _measure_options(module, call: UnitCall, precisions, rest: str, device: Device, fake_mode: FakeTensorMode, menu_size: int,
+                     host_bandwidth: float = 0.0):
+    """Every choice of one unit measured: the three modes × precisions, their host twins when a host link is
+    given (`profile.offload`), then its menu points (with their policies in words)."""
     costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
+    if host_bandwidth > 0:
+        costs |= measure_host_twins(costs, lambda twin: _measure_unit(module, call, twin, rest, device, fake_mode), host_bandwidth)
     points = {}
     for precision in precisions if menu_size > 0 else ():
         for point in _menu(module, call, precision, device, fake_mode, menu_size):
@@ -268,7 +279,7 @@ def unit_choices(precisions: tuple[str, ...]) -> list[Choice]:
     return [Choice(mode, precision) for precision in precisions for mode in MODES]
 
 
-def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say) -> list[UnitProfile]:
+def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth=0.0) -> list[UnitProfile]:
     """Every unit alone under every choice; identical units (class, parameter and input shapes) measured once."""
     measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, str]]] = {}
     units = []
@@ -277,7 +288,7 @@ def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fak
         key = _signature(module, call)
         if key not in measured:
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
-            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size)
+            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size, host_bandwidth)
         params = list(module.parameters())
         costs, policies = measured[key]
         units.append(UnitProfile(call.name, costs, base[call.name], unique_storage_bytes(params), layout_of(params), policies=policies))
@@ -297,6 +308,7 @@ def profile(
     compile: bool = False,
     loop: TrainingLoop | None = None,
     fuse_loss: bool = True,
+    offload: bool = False,
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
@@ -308,6 +320,8 @@ def profile(
     `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
     costs the same in any loop. `fuse_loss`: the output head's cross-entropy may be fused;
     `alternative` is then the step the other way, for the solve to plan too (`profile.simulation`).
+    `offload`: keep and full may also hold their saved tensors in host memory, priced by the device's
+    host link (`profile.offload`); ignored for a device without one (the CPU).
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
@@ -324,7 +338,8 @@ def profile(
     fake_mode = new_fake_mode(traced.routing)
     model = simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(device) if compile else device
-    units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say)
+    host_bandwidth = device.host_bandwidth if offload else 0.0
+    units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth)
     in_units = {id(p) for unit in units for p in unit_module(model, unit.name).parameters()}
     return Profile(
         model_name=type(traced.model).__name__,
@@ -343,6 +358,7 @@ def profile(
         routing="; ".join(filter(None, (timeline_mode.routing_note(), timeline_mode.unused_capacity_note(traced.routing)))),
         routing_assumed=timeline_mode.routing_assumed(),
         loop=loop,
+        offload=host_bandwidth > 0,
     )
 
 

@@ -17,6 +17,7 @@ from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
 from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
 from autoplan.profile.units import Profile
+from autoplan.report.offload_advice import offload_step
 from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
 from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds
 from autoplan.vocabulary.tensors import rounded_bytes
@@ -277,7 +278,7 @@ def _from_ladder(step: Step, plan: Plan, ladder: Any) -> Step:
     return dataclasses.replace(step, detail=detail, saves_bytes=peak - after.peak_bytes, time_change_s=after.step_time_s - time, code=code)
 
 
-ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing")  # what changes activations or speed
+ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing", "offload")  # what changes activations or speed
 
 
 def _no_help(step: Step) -> Step:
@@ -368,6 +369,7 @@ def advise(
         _sdpa(plan, profile, peak_index),
         _compile(plan, profile),
         _checkpointing(plan, profile),
+        offload_step(plan, profile),
         grad_accumulation_step(plan, profile, phases, batch_size, replan),
         shorter_sequences_step(plan, profile, phases, seq_len, least),
         *_optimizer_state(plan, profile, parameter_count),

@@ -127,14 +127,31 @@ def _breakdown(plan: "Plan") -> Table:
 def _units(plan: "Plan") -> Table:
     title = "units" + ("" if plan.feasible else " (the lowest-peak choices)")
     table = Table(title=title, title_justify="left", show_edge=False)
+    offloading = any(unit.choice.offloaded for unit in plan.units)
     for name, justify in (("unit", "left"), ("mode", "left"), ("precision", "left"), ("saved each", "right"),
+                          *((("in host memory", "right"),) if offloading else ()),
                           ("recompute each", "right"), ("time each", "right")):
         table.add_column(name, justify=justify, no_wrap=name == "unit")
     for row in fold_units(plan.units):
         unit = row.first
-        table.add_row(Text(row.label), unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes),
+        host = (format_bytes(unit.host_bytes) if unit.choice.offloaded else "-",) if offloading else ()
+        table.add_row(Text(row.label), unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes), *host,
                       _recomputed(unit), format_seconds(unit.step_time_s))
     return table
+
+
+def _host(plan: "Plan") -> list[Text]:
+    """Where offloaded units' saved tensors wait, and what their copies cost."""
+    offloaded = [unit for unit in plan.units if unit.choice.offloaded]
+    if not offloaded:
+        return []
+    transfer = sum(unit.transfer_s for unit in offloaded)
+    exposed = sum(unit.exposed_transfer_s for unit in offloaded)
+    hidden = 1 - exposed / transfer if transfer else 1.0
+    return [Text(f"offload: {len(offloaded)} unit(s) keep what they save in pinned host memory, "
+                 f"{format_bytes(plan.host_peak_bytes)} at once (host budget {format_bytes(plan.host_budget_bytes)}); "
+                 f"their copies take {format_seconds(transfer)} over the host link, {hidden:.0%} hidden behind compute, "
+                 f"{format_seconds(exposed)} in the step time")]
 
 
 def _recomputed(unit) -> str:
@@ -309,7 +326,7 @@ def report_renderables(
     if plan.world_size > 1 or plan.world_size_curve:
         parts.extend(_world_sizes(plan))
     if state_bound(plan) is None:  # otherwise any choice of the units would do: they are not the problem
-        parts.extend([_units(plan), *_policies(plan), _times(plan)])
+        parts.extend([_units(plan), *_policies(plan), *_host(plan), _times(plan)])
     if plan.feasible and with_code:  # for a plan that does not fit, optimize() would raise: the advice says what to change
         parts.append(Text("apply it:", style="bold"))
         parts.append(_code(apply_code(plan, budget_text)))

@@ -8,7 +8,7 @@ import dataclasses
 
 from autoplan.inputs.budget import Budget, budget_needed_for
 from autoplan.inputs.devices import Device
-from autoplan.memory.model import predict_peak, predict_step_time, rank_offsets
+from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
 from autoplan.memory.segments import chosen_segments, segment_terms
 from autoplan.plan import Plan, UnitDecision
 from autoplan.profile.units import Profile
@@ -98,7 +98,7 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget
 
 def assemble_plan(
     measured: Profile, traced: Traced, found: SearchResult, *, budget: Budget, reserve, target: Device, pins, world: int,
-    time_limit_s: float,
+    time_limit_s: float, host_budget: int = 0,
 ) -> Plan:
     """The Plan: the search's choices with what they cost, and the numbers a person checks them by."""
     rest = measured.rest_precision
@@ -141,6 +141,9 @@ def assemble_plan(
         parameter_count=profiled_parameter_count(measured),
         state_bytes=sum(getattr(measured.timeline.static, part) for part in ("parameters", "gradients", "optimizer")),
         loop=measured.loop,
+        offload=measured.offload,
+        host_budget_bytes=host_budget if measured.offload else 0,
+        host_peak_bytes=host_peak(measured, chosen),
     )
 
 
@@ -162,10 +165,12 @@ def _decisions(measured: Profile, chosen) -> tuple[UnitDecision, ...]:
             ))
         elif u not in inside:
             choice = chosen[unit.name]
+            cost = unit.options[choice]
             decisions.append(UnitDecision(
-                name=unit.name, choice=choice, saved_bytes=unit.options[choice].held_bytes,
-                recompute_flops=unit.recompute_flops(choice), step_time_s=unit.options[choice].time_s,
-                policy=unit.policies.get(choice, ""),
+                name=unit.name, choice=choice, saved_bytes=cost.held_bytes,
+                recompute_flops=unit.recompute_flops(choice), step_time_s=cost.time_s,
+                policy=unit.policies.get(choice, ""), host_bytes=cost.host_bytes, transfer_s=cost.transfer_s,
+                exposed_transfer_s=cost.exposed_transfer_s,
             ))
     return tuple(decisions)
 

@@ -29,6 +29,7 @@ from autoplan.memory.model import (
     Point,
     alive_regardless,
     holds,
+    host_peak,
     kept_flags,
     points,
     predict_peak,
@@ -69,8 +70,8 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
     for unit in profile.units:
         options = sorted(unit.options)
         if unit.name in pins:
-            # a pinned mode allows every menu point of that mode (the pins name modes, not policies)
-            options = [c for c in options if c in pins[unit.name] or dataclasses.replace(c, saves=None) in pins[unit.name]]
+            # a pinned mode allows every menu point of that mode, on the device or offloaded (pins name modes)
+            options = [c for c in options if dataclasses.replace(c, saves=None, placement="device") in pins[unit.name]]
             if not options:
                 raise ValueError(f"the pins on unit {unit.name!r} leave it no choice it can take")
         result.append(options)
@@ -97,13 +98,15 @@ def segment_options(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
     ]
 
 
-def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name: str, world_size: int = 1) -> "Program":
-    """The program both objectives share: one choice per unit or a covering segment, and each phase's bytes."""
+def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name: str, world_size: int = 1,
+           host_budget: int | None = None) -> "Program":
+    """The program both objectives share: one choice per unit or a covering segment, each phase's bytes, and
+    the offloaded units' host bytes within `host_budget` (None: no limit)."""
     allowed = allowed_choices(profile, pins)
     segments = segment_options(profile, pins, world_size)
     problem = pulp.LpProblem(name, pulp.LpMinimize)
     x = {
-        (u, c): problem.add_variable(f"x_{u}_{i}_{c.mode}_{c.precision}", cat=pulp.LpBinary)
+        (u, c): problem.add_variable(f"x_{u}_{i}_{c.mode}_{c.precision}_{c.placement}", cat=pulp.LpBinary)
         for u, options in enumerate(allowed)
         for i, c in enumerate(options)
     }
@@ -116,6 +119,9 @@ def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name
     for u, options in enumerate(allowed):
         problem += pulp.lpSum(x[u, c] for c in options) + pulp.lpSum(v for v, _ in covering.get(u, [])) == 1, f"one_choice_unit_{u}"
     held, corrections = _held_expressions(profile, allowed, x, problem, covering)
+    host = [(profile.units[u].options[c].host_bytes, v) for (u, c), v in x.items() if c.offloaded]
+    if host and host_budget is not None:
+        problem += pulp.lpSum(nbytes / MIB * v for nbytes, v in host) <= host_budget / MIB, "host_memory"
     segment_bytes: dict[int, list] = {}
     for variable, option in zip(y, segments):
         for index, nbytes in option.terms.phase_bytes.items():
@@ -197,8 +203,9 @@ def _held_expressions(profile: Profile, allowed, x, problem, covering) -> list:
 
 
 def _tie_break(choice: Choice) -> float:
-    """Between choices of equal time, prefer less rewriting: keep over checkpointing, fp32 over low precision."""
-    return 1e-12 * (MODES.index(choice.mode) + (choice.precision != "fp32"))
+    """Between choices of equal time, prefer less rewriting: keep over checkpointing, fp32 over low precision,
+    the device over host memory."""
+    return 1e-12 * (MODES.index(choice.mode) + (choice.precision != "fp32") + 3 * choice.offloaded)
 
 
 def _run(problem: pulp.LpProblem, time_limit_s: float) -> bool:
@@ -308,10 +315,12 @@ def solve(
     pins: Mapping[str, tuple[Choice, ...]] | None = None,
     time_limit_s: float = 10.0,
     world_size: int = 1,
+    host_budget: int | None = None,
 ) -> Solution:
-    """The fastest choices whose predicted peak fits `usable_bytes` (per rank, on `world_size` FSDP ranks)."""
+    """The fastest choices whose predicted peak fits `usable_bytes` (per rank, on `world_size` FSDP ranks),
+    offloading at most `host_budget` bytes to host memory."""
     started = time.perf_counter()
-    program = _build(profile, pins, "autoplan_fastest", world_size)
+    program = _build(profile, pins, "autoplan_fastest", world_size, host_budget)
     problem = program.problem
     for point in program.constraints:
         problem += program.phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
@@ -321,12 +330,12 @@ def solve(
     elapsed = time.perf_counter() - started
     if not has_solution:
         return Solution({}, status, False, elapsed)
-    choices = _prefer_less_rewriting(profile, program.allowed, _read_choices(profile, program), usable_bytes, world_size)
+    choices = _prefer_less_rewriting(profile, program.allowed, _read_choices(profile, program), usable_bytes, world_size, host_budget)
     return Solution(choices, status, True, time.perf_counter() - started)
 
 
 def _prefer_less_rewriting(
-    profile: Profile, allowed, choices: dict[str, Choice], usable_bytes: int, world_size: int = 1
+    profile: Profile, allowed, choices: dict[str, Choice], usable_bytes: int, world_size: int = 1, host_budget: int | None = None
 ) -> dict[str, Choice]:
     """Swap in a choice of no more time and less rewriting wherever the budget still holds.
 
@@ -341,7 +350,8 @@ def _prefer_less_rewriting(
                 break
             if unit.options[option].time_s <= unit.options[current].time_s:
                 trial = {**choices, unit.name: option}
-                if predict_peak(profile, trial, world_size).bytes <= usable_bytes:
+                if predict_peak(profile, trial, world_size).bytes <= usable_bytes and (
+                        host_budget is None or host_peak(profile, trial) <= host_budget):
                     choices, current = trial, option
                     break
     return choices
@@ -353,6 +363,7 @@ def minimum_peak(
     pins: Mapping[str, tuple[Choice, ...]] | None = None,
     time_limit_s: float = 10.0,
     world_size: int = 1,
+    host_budget: int | None = None,
 ) -> LowestPeak:
     """The choices with the lowest predicted peak (per rank on `world_size` ranks), and the solve time.
 
@@ -360,7 +371,7 @@ def minimum_peak(
     ran out of time first (SolverTimeoutError); stopped at the limit with one, `proven` is False.
     """
     started = time.perf_counter()
-    program = _build(profile, pins, "autoplan_lowest_peak", world_size)
+    program = _build(profile, pins, "autoplan_lowest_peak", world_size, host_budget)
     problem = program.problem
     peak = problem.add_variable("peak_mib")
     for point in program.constraints:

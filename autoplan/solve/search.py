@@ -54,12 +54,12 @@ def pinned_choices(
     return pins
 
 
-def _floor(profile: Profile, usable_bytes: int, simulate, pins, time_limit_s: float, world_size: int):
+def _floor(profile: Profile, usable_bytes: int, simulate, pins, time_limit_s: float, world_size: int, host_budget: int | None = None):
     """The lowest-peak choices, their peak, and their simulated peak where it was needed (else None).
 
     A whole-step simulation is the slow part at scale: it runs only when it decides something.
     """
-    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size, host_budget=host_budget)
     lowest_peak = predict_peak(profile, lowest.choices, world_size).bytes
     if lowest_peak <= usable_bytes:
         return lowest, lowest_peak, None
@@ -81,6 +81,7 @@ def search(
     time_limit_s: float = 10.0,
     world_size: int = 1,
     progress: Callable[[str], None] | None = None,
+    host_budget: int | None = None,
 ) -> SearchResult:
     """The fastest choices whose predicted and simulated peaks both fit `usable_bytes`.
 
@@ -91,14 +92,15 @@ def search(
     """
     say = progress or (lambda message: None)
     say("solving")
-    lowest, lowest_peak, lowest_simulated = _floor(profile, usable_bytes, simulate, pins, time_limit_s, world_size)
+    lowest, lowest_peak, lowest_simulated = _floor(profile, usable_bytes, simulate, pins, time_limit_s, world_size, host_budget)
     solve_time = lowest.solve_time_s
 
     margin, resolves, status, timed_out = 0, 0, "Infeasible", False
     chosen, simulated, feasible = lowest.choices, lowest_simulated, False
     while lowest_peak <= usable_bytes and resolves <= MAX_RESOLVES:
         try:
-            solution = solve(profile, usable_bytes - margin, pins=pins, time_limit_s=time_limit_s, world_size=world_size)
+            solution = solve(profile, usable_bytes - margin, pins=pins, time_limit_s=time_limit_s, world_size=world_size,
+                             host_budget=host_budget)
         except SolverTimeoutError:
             status, timed_out = "Not Solved (time limit)", True
             break

@@ -25,6 +25,7 @@ class Simulation:
     peak_bytes: int  # peak live bytes of step 2
     peak_phase: Phase  # the phase where it happened
     step_time_s: float  # roofline time of the whole step
+    host_peak_bytes: int = 0  # pinned host memory the offloaded units hold at most (not device memory)
 
 
 def simulate_plan(
@@ -51,4 +52,4 @@ def simulate_plan(
     )
     offsets = rank_offsets or {}
     peak = max(timeline.phases, key=lambda sample: sample.peak_bytes + offsets.get(sample.phase, 0))
-    return Simulation(peak.peak_bytes + offsets.get(peak.phase, 0), peak.phase, timeline.step_time_s)
+    return Simulation(peak.peak_bytes + offsets.get(peak.phase, 0), peak.phase, timeline.step_time_s, timeline.host_peak_bytes)

@@ -1,0 +1,37 @@
+"""The advice's offload step: what holding saved activations in pinned host memory did for this plan."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autoplan.memory.model import predict_peak, predict_step_time
+from autoplan.plan import Plan
+from autoplan.profile.units import Profile
+from autoplan.report.batch_steps import Step
+from autoplan.vocabulary.formatting import format_bytes, format_seconds
+
+TITLE = "activation offload to host memory (autoplan's choice per unit)"
+
+
+def offload_step(plan: Plan, profile: Profile) -> Step:
+    """Chosen: how much higher the same choices peak on the device, and the copies' cost; else why not."""
+    if not plan.offload:
+        why = ("the target is the CPU: activations are in host memory already" if profile.device.host_bandwidth <= 0
+               else "turned off (offload=False, --no-offload)" if plan.world_size == 1 else "off with FSDP (world_size > 1)")
+        return Step("offload", TITLE, "n/a", why)
+    chosen = plan.unit_choices()
+    offloaded = [d for d in plan.units if d.choice.offloaded]
+    if not offloaded:
+        detail = ("not needed: the plan fits with every unit's saved tensors on the device" if plan.feasible
+                  else "no unit's peak drops by offloading within the host budget")
+        return Step("offload", TITLE, "n/a", detail)
+    on_device = {name: dataclasses.replace(c, placement="device") for name, c in chosen.items()}
+    saves = predict_peak(profile, on_device).bytes - plan.predicted_peak_bytes
+    cost = plan.predicted_step_time_s - predict_step_time(profile, on_device)
+    transfer = sum(d.transfer_s for d in offloaded)
+    exposed = sum(d.exposed_transfer_s for d in offloaded)
+    detail = (f"{len(offloaded)} of {len(plan.units)} units hold {format_bytes(plan.host_peak_bytes)} in pinned host memory "
+              f"(host budget {format_bytes(plan.host_budget_bytes)}); with them on the device the same choices peak "
+              f"{format_bytes(saves)} higher. Their copies take {format_seconds(transfer)} over the "
+              f"{profile.device.host_bandwidth / 1e9:g} GB/s host link, {format_seconds(exposed)} of it not hidden by compute")
+    return Step("offload", TITLE, "chosen", detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")
