@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import autoplan
+import autoplan.inputs.batch
 from autoplan.errors import OptionError
 from autoplan.instruments.host import on_host
 from autoplan.instruments.tracker import LiveBytesTracker
@@ -28,6 +29,7 @@ from autoplan.plan import Choice
 from autoplan.planned.forwards import apply_choices, remove_plan
 from autoplan.planned.wrappers import PlannedForward
 from autoplan.profile.units import profile
+from autoplan.solve.search import offloaded_by_hand
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
 
@@ -270,3 +272,35 @@ def test_command_line_turns_offload_off(tmp_path):
     assert off.returncode != 0 and not json.loads(off.stdout)["plan"]["feasible"]
     advice = {step["key"]: step for step in on["advice"]["steps"]}
     assert advice["offload"]["status"] == "chosen" and advice["offload"]["saves_bytes"] > 0
+
+
+def test_by_hand_offload_is_a_floor_candidate(measured):
+    traced, measured = measured
+    hand = offloaded_by_hand(measured, None, None)
+    assert all(c.mode == "full" and c.offloaded for c in hand.values())
+    one = measured.units[0].options[hand[measured.units[0].name]].host_bytes
+    partial = offloaded_by_hand(measured, None, 2 * one)  # room for two units' inputs
+    assert [c.offloaded for c in partial.values()] == [True, True, False, False]
+
+
+def test_floor_is_never_above_transformers_offload_by_hand():
+    """transformers' activation_checkpointing_enable(offload=True): every layer full, its inputs on the host.
+
+    With the logits deciding the peak (after the last layer), the linear model counts the last layer's
+    input alive there though no unit keeps it: without the by-hand candidate the floor was 1 MB above."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=8192, max_position_embeddings=2048)
+    model = LlamaForCausalLM(config)
+    profiles: list = []
+    plan = autoplan.plan(model, "100MB", batch_size=1, seq_len=2048, device="rtx-4090", precision="bf16", reserve=0,
+                         on_profile=profiles.append)
+    measured = profiles[0]
+    traced = trace(model, autoplan.inputs.batch.training_batch(model, None, 1, 2048), unit_names=[u.name for u in measured.units])
+    hand = {unit.name: Choice("full", "bf16", placement="host") for unit in measured.units}
+    by_hand = simulate_plan(traced, hand, device=measured.device, optimizer="adamw", rest_precision="bf16",
+                            fused_loss=bool(measured.timeline.fused_loss))
+    on_device = autoplan.plan(model, "100MB", batch_size=1, seq_len=2048, device="rtx-4090", precision="bf16", reserve=0, offload=False)
+    assert plan.minimum_peak_bytes <= by_hand.peak_bytes < on_device.minimum_peak_bytes

@@ -8,6 +8,7 @@ MAX_RESOLVES times. The simulation is passed in as a function: it belongs to a l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -16,7 +17,7 @@ from autoplan.memory.model import predict_peak
 from autoplan.plan import MODES, Choice
 from autoplan.profile.units import Profile
 from autoplan.vocabulary.names import match_units
-from autoplan.solve.ilp import STOPPED_WITH_PLAN, minimum_peak, solve
+from autoplan.solve.ilp import STOPPED_WITH_PLAN, allowed_choices, minimum_peak, solve
 
 MAX_RESOLVES = 4
 RESOLVE_SLACK_BYTES = 2**20  # tighten by the overshoot and a MiB more, so a re-solve cannot land on the same point
@@ -66,10 +67,33 @@ def _floor(profile: Profile, usable_bytes: int, simulate, pins, time_limit_s: fl
     # the linear model errs high where units' savings overlap; the whole-step simulation of
     # these very choices is what a real step does, so it decides the floor
     lowest_simulated = simulate(lowest.choices)
+    hand = offloaded_by_hand(profile, pins, host_budget) if profile.offload else None
+    if hand is not None and hand != lowest.choices:
+        # the linear model counts a unit's input alive through the phase after it wherever no unit keeps
+        # it (offloaded), so it cannot see every byte offload frees there: checkpointing and offloading
+        # every unit, as transformers' offload=True does by hand, is a candidate of its own
+        hand_simulated = simulate(hand)
+        if hand_simulated < lowest_simulated:
+            lowest, lowest_simulated = dataclasses.replace(lowest, choices=hand), hand_simulated
     if lowest_simulated > usable_bytes and not lowest.proven:
         raise SolverTimeoutError(time_limit_s, f"the solver ran out of time ({time_limit_s:g} s) before it could tell "
                                  "whether any plan fits: raise time_limit_s (--time-limit on the command line)")
     return lowest, lowest_simulated, lowest_simulated
+
+
+def offloaded_by_hand(profile: Profile, pins, host_budget: int | None) -> dict[str, Choice] | None:
+    """Every unit checkpointed (full), its inputs in host memory while the host budget lasts: the allowed
+    choice that keeps least of each. None where a unit may not be checkpointed."""
+    choices, host = {}, 0
+    for unit, options in zip(profile.units, allowed_choices(profile, pins)):
+        full = [c for c in options if c.mode == "full"]
+        hosted = [c for c in full if c.offloaded and (host_budget is None or host + unit.options[c].host_bytes <= host_budget)]
+        if not full:
+            return None
+        choice = min(hosted or full, key=lambda c: (unit.options[c].held_bytes, unit.options[c].bwd_peak_bytes, unit.options[c].time_s))
+        host += unit.options[choice].host_bytes
+        choices[unit.name] = choice
+    return choices
 
 
 def search(
