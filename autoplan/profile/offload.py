@@ -48,3 +48,10 @@ def measure_host_twins(costs: Mapping[Choice, UnitCost], measure: Callable[[Choi
         if cost.host_bytes > 0:  # nothing saved but parameters: the twin is its device choice
             twins[twin] = priced(twin, cost, host_bandwidth)
     return twins
+
+
+def on_device_only(profile):
+    """`profile` without its host twins: the plan space with offload off."""
+    units = tuple(dataclasses.replace(unit, options={c: cost for c, cost in unit.options.items() if not c.offloaded})
+                  for unit in profile.units)
+    return dataclasses.replace(profile, units=units, offload=False)

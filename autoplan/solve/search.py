@@ -15,6 +15,7 @@ from typing import Callable, Mapping
 from autoplan.errors import SolverTimeoutError
 from autoplan.memory.model import predict_peak
 from autoplan.plan import MODES, Choice
+from autoplan.profile.offload import on_device_only
 from autoplan.profile.units import Profile
 from autoplan.vocabulary.names import match_units
 from autoplan.solve.ilp import STOPPED_WITH_PLAN, allowed_choices, minimum_peak, solve
@@ -67,18 +68,35 @@ def _floor(profile: Profile, usable_bytes: int, simulate, pins, time_limit_s: fl
     # the linear model errs high where units' savings overlap; the whole-step simulation of
     # these very choices is what a real step does, so it decides the floor
     lowest_simulated = simulate(lowest.choices)
-    hand = offloaded_by_hand(profile, pins, host_budget) if profile.offload else None
-    if hand is not None and hand != lowest.choices:
-        # the linear model counts a unit's input alive through the phase after it wherever no unit keeps
-        # it (offloaded), so it cannot see every byte offload frees there: checkpointing and offloading
-        # every unit, as transformers' offload=True does by hand, is a candidate of its own
-        hand_simulated = simulate(hand)
-        if hand_simulated < lowest_simulated:
-            lowest, lowest_simulated = dataclasses.replace(lowest, choices=hand), hand_simulated
+    if profile.offload:
+        lowest, lowest_simulated = _offload_floor(profile, pins, time_limit_s, world_size, host_budget, simulate,
+                                                  (lowest, lowest_simulated, lowest_peak))
     if lowest_simulated > usable_bytes and not lowest.proven:
         raise SolverTimeoutError(time_limit_s, f"the solver ran out of time ({time_limit_s:g} s) before it could tell "
                                  "whether any plan fits: raise time_limit_s (--time-limit on the command line)")
     return lowest, lowest_simulated, lowest_simulated
+
+
+def _offload_floor(profile: Profile, pins, time_limit_s, world_size, host_budget, simulate, found):
+    """With offload allowed, two more floor candidates, each simulated; the lowest of the three stays.
+
+    - checkpointing and offloading every unit, as transformers' offload=True does by hand: the linear
+      model counts a unit's input alive through the phase after it wherever no unit keeps it, so it
+      cannot see every byte offload frees there;
+    - where the simulation came out above the model (mixes of keep and full can share tensors the
+      model does not see), the lowest-peak choices on the device alone: offload must not raise the floor.
+    """
+    lowest, lowest_simulated, lowest_peak = found
+    candidates = [offloaded_by_hand(profile, pins, host_budget)]
+    if lowest_simulated > lowest_peak:
+        on_device = on_device_only(profile)
+        candidates.append(dict(minimum_peak(on_device, pins=pins, time_limit_s=time_limit_s, world_size=world_size).choices))
+    for choices in candidates:
+        if choices is not None and choices != lowest.choices:
+            simulated = simulate(choices)
+            if simulated < lowest_simulated:
+                lowest, lowest_simulated = dataclasses.replace(lowest, choices=choices), simulated
+    return lowest, lowest_simulated
 
 
 def offloaded_by_hand(profile: Profile, pins, host_budget: int | None) -> dict[str, Choice] | None:
