@@ -135,3 +135,25 @@ def eager_moe():
     from tests.structures import build_eager_moe
 
     return build_eager_moe()
+
+
+class _Residual(nn.Module):
+    def __init__(self, fn: nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x) + x
+
+
+def convmixer(batch_size: int = 4, dim: int = 16, depth: int = 8):
+    """ConvMixer as its paper writes it: one flat nn.Sequential of a stem (conv, GELU, BatchNorm),
+    `depth` identical residual blocks, and a pooling/flatten/linear head, all plain children."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, dim, kernel_size=2, stride=2), nn.GELU(), nn.BatchNorm2d(dim),
+        *[nn.Sequential(
+            _Residual(nn.Sequential(nn.Conv2d(dim, dim, 3, groups=dim, padding="same"), nn.GELU(), nn.BatchNorm2d(dim))),
+            nn.Conv2d(dim, dim, kernel_size=1), nn.GELU(), nn.BatchNorm2d(dim)) for _ in range(depth)],
+        nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(dim, 10))
+    return model, (torch.randn(batch_size, 3, 16, 16),)
