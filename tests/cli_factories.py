@@ -6,6 +6,7 @@ Each returns (model, example_inputs) like examples/gpt.py's build(); some are br
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -157,3 +158,21 @@ def convmixer(batch_size: int = 4, dim: int = 16, depth: int = 8):
             nn.Conv2d(dim, dim, kernel_size=1), nn.GELU(), nn.BatchNorm2d(dim)) for _ in range(depth)],
         nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(dim, 10))
     return model, (torch.randn(batch_size, 3, 16, 16),)
+
+
+class _Slow(nn.Module):
+    """A block whose forward takes a while in Python: planning runs it many times (trace, profile, simulate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return torch.relu(self.fc(x))
+
+
+def slow_mlp(batch_size: int = 2):
+    """Seconds of planning; announces on stderr when the factory is called (planning starts)."""
+    print("factory called", file=sys.__stderr__, flush=True)
+    return nn.Sequential(_Slow(), _Slow(), _Slow()), (torch.randn(batch_size, 8),)
