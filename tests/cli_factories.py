@@ -176,3 +176,35 @@ def slow_mlp(batch_size: int = 2):
     """Seconds of planning; announces on stderr when the factory is called (planning starts)."""
     print("factory called", file=sys.__stderr__, flush=True)
     return nn.Sequential(_Slow(), _Slow(), _Slow()), (torch.randn(batch_size, 8),)
+
+
+class _AttentionBlock(nn.Module):
+    """nn.MultiheadAttention with attention dropout, an MLP, LayerNorms: a block people write by hand."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(d, heads, dropout=0.1, batch_first=True)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class _AttentionStack(nn.Module):
+    def __init__(self, d: int, heads: int, n_blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_AttentionBlock(d, heads) for _ in range(n_blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.mean()
+
+
+def mha_dropout(batch_size: int = 4, seq_len: int = 32, d: int = 32, heads: int = 4):
+    """Three blocks of nn.MultiheadAttention(dropout=0.1, batch_first=True) on a (batch, seq, d) input."""
+    torch.manual_seed(0)
+    return _AttentionStack(d, heads, 3), (torch.randn(batch_size, seq_len, d),)
