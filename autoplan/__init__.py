@@ -12,15 +12,22 @@ is in `vocabulary/` (names, formatting), `instruments/` (fake tensors, the live-
 model runs); `api.py` is the orchestration.
 """
 
-from autoplan.api import apply, optimize, plan
-from autoplan.errors import InfeasibleBudgetError, TraceError, UnitPatternError
-from autoplan.inputs.budget import Budget, make_budget, parse_bytes
-from autoplan.inputs.devices import DEVICES, Device, get_device, list_devices
-from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import Choice, MemoryBreakdown, Plan, UnitDecision
-from autoplan.report.text import format_report
-from autoplan.planned.forwards import planned_choices, remove_plan
-from autoplan.verify.real import Verification, verify
+try:  # seconds of torch imports: Ctrl-C here, in the command line, is its exit 130 too (cli.interrupt)
+    from autoplan.api import apply, optimize, plan
+    from autoplan.errors import InfeasibleBudgetError, TraceError, UnitPatternError
+    from autoplan.inputs.budget import Budget, make_budget, parse_bytes
+    from autoplan.inputs.devices import DEVICES, Device, get_device, list_devices
+    from autoplan.inputs.loop import TrainingLoop
+    from autoplan.plan import Choice, MemoryBreakdown, Plan, UnitDecision
+    from autoplan.report.text import format_report
+    from autoplan.planned.forwards import planned_choices, remove_plan
+    from autoplan.verify.real import Verification, verify
+except KeyboardInterrupt:
+    from autoplan.cli.interrupt import exit_interrupted, is_command_line
+
+    if is_command_line():
+        exit_interrupted()
+    raise
 
 __all__ = [
     "Budget",

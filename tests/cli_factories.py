@@ -6,6 +6,7 @@ Each returns (model, example_inputs) like examples/gpt.py's build(); some are br
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -135,3 +136,75 @@ def eager_moe():
     from tests.structures import build_eager_moe
 
     return build_eager_moe()
+
+
+class _Residual(nn.Module):
+    def __init__(self, fn: nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x) + x
+
+
+def convmixer(batch_size: int = 4, dim: int = 16, depth: int = 8):
+    """ConvMixer as its paper writes it: one flat nn.Sequential of a stem (conv, GELU, BatchNorm),
+    `depth` identical residual blocks, and a pooling/flatten/linear head, all plain children."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, dim, kernel_size=2, stride=2), nn.GELU(), nn.BatchNorm2d(dim),
+        *[nn.Sequential(
+            _Residual(nn.Sequential(nn.Conv2d(dim, dim, 3, groups=dim, padding="same"), nn.GELU(), nn.BatchNorm2d(dim))),
+            nn.Conv2d(dim, dim, kernel_size=1), nn.GELU(), nn.BatchNorm2d(dim)) for _ in range(depth)],
+        nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(), nn.Linear(dim, 10))
+    return model, (torch.randn(batch_size, 3, 16, 16),)
+
+
+class _Slow(nn.Module):
+    """A block whose forward takes a while in Python: planning runs it many times (trace, profile, simulate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return torch.relu(self.fc(x))
+
+
+def slow_mlp(batch_size: int = 2):
+    """Seconds of planning; announces on stderr when the factory is called (planning starts)."""
+    print("factory called", file=sys.__stderr__, flush=True)
+    return nn.Sequential(_Slow(), _Slow(), _Slow()), (torch.randn(batch_size, 8),)
+
+
+class _AttentionBlock(nn.Module):
+    """nn.MultiheadAttention with attention dropout, an MLP, LayerNorms: a block people write by hand."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(d, heads, dropout=0.1, batch_first=True)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class _AttentionStack(nn.Module):
+    def __init__(self, d: int, heads: int, n_blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_AttentionBlock(d, heads) for _ in range(n_blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.mean()
+
+
+def mha_dropout(batch_size: int = 4, seq_len: int = 32, d: int = 32, heads: int = 4):
+    """Three blocks of nn.MultiheadAttention(dropout=0.1, batch_first=True) on a (batch, seq, d) input."""
+    torch.manual_seed(0)
+    return _AttentionStack(d, heads, 3), (torch.randn(batch_size, seq_len, d),)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -501,3 +503,32 @@ def test_verify_of_a_meta_model_says_it_needs_weights(tmp_path) -> None:
         """)
     result = run("verify", f"{path}:build", "--budget", "1GB")
     assert_one_line_error(result, ExitCode.USAGE, "returns a model on the meta device", "autoplan plan takes a meta model")
+
+
+def _interrupted(process: subprocess.Popen, already: str = "") -> str:
+    process.send_signal(signal.SIGINT)
+    stderr = already + process.communicate(timeout=60)[1]
+    assert process.returncode == ExitCode.INTERRUPTED, stderr
+    assert "Traceback" not in stderr and "terminate called" not in stderr and "python_error" not in stderr, stderr
+    assert stderr.splitlines()[-1] == "autoplan: interrupted", stderr
+    return stderr
+
+
+def test_ctrl_c_exits_130_with_one_line_in_imports_and_in_planning() -> None:
+    """Ctrl-C (issue 27 item 8): during the seconds of torch imports, and while planning runs the
+    model on fake tensors, `autoplan` ends with exit 130 and "autoplan: interrupted", no traceback
+    (it printed one, or 'terminate called after throwing an instance of python_error' from inside
+    a torch callback)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-P", "-m", "autoplan", "plan", "tests/cli_factories.py:slow_mlp", "--budget", "1GB"]
+    start = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # importing torch takes seconds
+    assert start.poll() is None
+    assert _interrupted(start) == "autoplan: interrupted\n"
+
+    planning = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    announced = planning.stderr.readline()
+    assert announced == "factory called\n", announced
+    time.sleep(0.5)  # tracing and profiling: the model's forward runs for seconds
+    assert planning.poll() is None
+    _interrupted(planning, announced)

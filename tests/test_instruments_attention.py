@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,10 +11,15 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autoplan
+from typer.testing import CliRunner
+
+from autoplan.cli.app import app
+from autoplan.cli.exits import ExitCode
 from autoplan.instruments.attention import AttentionKernel, TargetAttention, choose_kernel
 from autoplan.profile.units import profile
 from autoplan.trace.tracer import trace
 from examples.gpt import build as build_gpt
+from tests.cli_factories import mha_dropout
 from tests.models import make_tiny_gpt_dropout
 
 H100, RTX_4090, T4 = (9, 0), (8, 9), (7, 5)
@@ -137,3 +144,33 @@ def test_sdpa_is_the_cpus_again_after_a_gpu_simulation() -> None:
         F.scaled_dot_product_attention(*_qkv(torch.float32), is_causal=True)
     assert list(attention.kernels) == [AttentionKernel.EFFICIENT]
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", "h100-80gb"])
+def test_multihead_attention_with_dropout_checkpointed_trains_like_the_original(device: str) -> None:
+    """Issue 27 item 1: blocks of nn.MultiheadAttention(dropout=0.1) checkpointed in fp32 plan (no
+    CheckpointError on recompute) and train like the original: same loss and gradients, the same
+    dropout masks drawn again on recompute."""
+    model, inputs = mha_dropout()
+    every_block = {f"blocks.{i}": "full" for i in range(3)}
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device=device, precision="fp32", checkpoint=every_block)
+    assert {unit.choice for unit in plan.units} == {autoplan.Choice("full", "fp32")}
+    planned = autoplan.apply(copy.deepcopy(model), plan)
+    losses = []
+    for net in (model, planned):
+        torch.manual_seed(1)
+        loss = net(*inputs)
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[1], losses[0])
+    for (name, a), b in zip(model.named_parameters(), planned.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+
+
+def test_multihead_attention_with_dropout_plans_from_the_command_line() -> None:
+    model, inputs = mha_dropout()
+    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
+    # the lowest peak: every block recomputes something, attention with its dropout included
+    result = CliRunner().invoke(app, ["plan", "tests/cli_factories.py:mha_dropout", "--budget", f"{lowest}B",
+                                      "--device", "h100", "--reserve", "0"])
+    assert result.exit_code == ExitCode.FITS, result.output

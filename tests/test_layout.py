@@ -36,7 +36,7 @@ LAYERS = (
     ("api",),
     ("hf",),
     ("cli",),
-    ("__init__",),  # the package root re-exports the public names
+    ("__init__", "__main__"),  # the package root re-exports the public names; `python -m autoplan` runs the command line
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 MAX_MODULE_LINES = 400

@@ -16,6 +16,7 @@ from autoplan.report.text import format_report
 from autoplan.report.trainer import measured_peak_line
 from autoplan.vocabulary.formatting import format_bytes
 from examples.gpt import build
+from tests.cli_factories import convmixer
 
 SCIENTIFIC = re.compile(r"\d[eE][+-]?\d")  # 4.17e+03
 THOUSANDS = re.compile(r"\d,\d{3}")  # 31,336.1
@@ -112,3 +113,23 @@ def test_the_recompute_column_says_what_is_rerun() -> None:
     full = tuple(dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="selective"), recompute_flops=0) for u in plan.units)
     assert keep.mode == "keep" and "0 FLOP" not in format_report(plan)
     assert "no FLOPs" in format_report(dataclasses.replace(plan, units=full))
+
+
+def _bytes_in_row(report: str, label: str) -> str:
+    row = next(line for line in report.splitlines() if line.lstrip().startswith(label))
+    return row.split("│")[1].strip()
+
+
+def test_the_breakdowns_predicted_peak_row_is_the_headlines_number() -> None:
+    """The headline's predicted peak is the higher of the memory model's and the simulated step's; the
+    breakdown's parts are the model's at its peak. Where the simulation is higher (this ConvMixer: by
+    1 KB), a row says by how much, and the rows add up to the headline (issue 27 item 6)."""
+    model, inputs = convmixer()
+    plan = autoplan.plan(model, "1MB", example_inputs=inputs, reserve=0)
+    above = plan.predicted_peak_bytes - plan.breakdown.total
+    assert above > 0  # the case this is about: the two numbers differ
+    report = format_report(plan, width=200)
+    headline = format_bytes(plan.predicted_peak_bytes)
+    assert f"predicted peak {headline} of" in report.splitlines()[0]
+    assert _bytes_in_row(report, "= predicted peak") == headline
+    assert _bytes_in_row(report, "simulated step above the memory model") == format_bytes(above)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import networkx as nx
 import pytest
 import torch
@@ -11,8 +13,10 @@ from autoplan.planned.graph import split_by_units
 from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.trace.tracer import Traced, trace
-from autoplan.trace.units import find_units
-from autoplan.vocabulary.names import unit_endpoints, unit_module
+import autoplan
+from autoplan.trace.units import find_units, unit_levels
+from autoplan.vocabulary.names import sequential_run, unit_endpoints, unit_module
+from tests.cli_factories import convmixer
 from tests.models import (
     ALL_MODELS,
     BasicBlock,
@@ -140,6 +144,46 @@ def test_find_units_nested_sequential_run_names_its_parent() -> None:
     assert units == ["net[0:2]", "net[2:4]", "net[4:5]"]
     first, last = unit_endpoints(model, "net[2:4]")
     assert first is model.net[2] and last is model.net[3]
+
+
+def _modules_run(unit: str) -> list[str]:
+    run = sequential_run(unit)
+    return [unit] if run is None else run.layer_names()
+
+
+def test_convmixer_sequential_units_never_overlap() -> None:
+    """A flat Sequential of stem, repeated blocks and head (issue 27 item 5): the blocks are units by
+    their own names and the stem and head runs of the layers around them; no module is in two units
+    (it was: "0" and "[0:2]", "3" and "[3:4]", "4.1" and "4[1:3]", ...)."""
+    model, _ = convmixer()
+    levels = unit_levels(model)
+    assert levels[0].units == ("[0:2]", "[2:3]", "3", "4", "5", "6", "7", "8", "9", "10", "[13:14]")
+    for level in levels:
+        modules = [m for unit in level.units for m in _modules_run(unit)]
+        for i, a in enumerate(modules):
+            for b in modules[i + 1:]:
+                assert a != b and not a.startswith(b + ".") and not b.startswith(a + "."), (level.source, a, b)
+
+
+def test_convmixer_plan_says_nothing_never_ran_and_trains_like_the_original() -> None:
+    model, inputs = convmixer()
+    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, precision="fp32", reserve=0).minimum_peak_bytes
+    plan = autoplan.plan(model, lowest, example_inputs=inputs, precision="fp32", reserve=0)
+    assert "never ran" not in plan.report()  # every module ran; a unit overlapping another was called "never ran"
+    assert any(unit.choice.mode != "keep" for unit in plan.units)  # the plan does rewrite something
+    planned = autoplan.apply(copy.deepcopy(model), plan)
+    for step in range(2):  # twice: BatchNorm's running statistics are updated once per step, recompute or not
+        losses = []
+        for net in (model, planned):
+            net.zero_grad(set_to_none=True)
+            loss = net(*inputs).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[1], losses[0]), step
+        for (name, a), b in zip(model.named_parameters(), planned.parameters()):
+            assert torch.equal(b.grad, a.grad), name
+        for (name, a), b in zip(model.named_buffers(), planned.buffers()):
+            assert torch.equal(b, a), name
 
 
 def test_find_units_pattern() -> None:

@@ -33,6 +33,7 @@ from autoplan.errors import (
     TraceError,
     UnitPatternError,
 )
+from autoplan.cli.interrupt import INTERRUPTED as SIGINT_EXIT
 from autoplan.inputs.qlora_twin import QLORA_PACKAGES, missing_extra_message
 from autoplan.report.text import render
 
@@ -48,6 +49,7 @@ class ExitCode(IntEnum):
     MISSING_EXTRA = 7  # an optional dependency is missing (matplotlib for --plot, transformers for hf:, bitsandbytes/peft/trl: the qlora extra)
     OUTPUT_FAILED = 8  # --json or --plot could not be written
     DID_NOT_HOLD = 9  # verify: the real run went out of memory or beyond the usable budget
+    INTERRUPTED = SIGINT_EXIT  # Ctrl-C: 130, as a shell reports a command SIGINT ended (cli.interrupt)
 
 
 class CliError(Exception):

@@ -103,6 +103,8 @@ def _verdict(plan: "Plan") -> Text:
 
 
 def _breakdown(plan: "Plan") -> Table:
+    """The memory model's parts at its peak, adding up to the headline's predicted peak: where the
+    simulated step peaks higher than the model (`Plan.predicted_peak_bytes` is the higher), a row says by how much."""
     b = plan.breakdown
     # names from the model (units, phases) are text, never rich markup: "graph[fc_in:gelu]" would vanish
     table = Table(title=Text(f"memory at the peak ({plan.peak_phase})"), title_justify="left", show_edge=False)
@@ -116,9 +118,13 @@ def _breakdown(plan: "Plan") -> Table:
         ("activations", b.activations),
         ("transient", b.transient),
     ]
+    above = plan.predicted_peak_bytes - b.total
+    if above > 0:
+        rows.append(("simulated step above the memory model", above))
+    total = b.total + max(0, above)
     for name, nbytes in rows:
-        table.add_row(name, format_bytes(nbytes), f"{nbytes / max(1, b.total):.0%}")
-    table.add_row("= predicted peak", format_bytes(b.total), "", style="bold")
+        table.add_row(name, format_bytes(nbytes), f"{nbytes / max(1, total):.0%}")
+    table.add_row("= predicted peak", format_bytes(total), "", style="bold")
     table.add_row("reserve (CUDA context, fragmentation)", format_bytes(plan.budget_bytes - plan.usable_bytes), "")
     table.add_row("budget", format_bytes(plan.budget_bytes), "")
     return table

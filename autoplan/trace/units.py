@@ -80,8 +80,16 @@ def _module_name(unit: str) -> str:
     return run.layer_names()[0]
 
 
-def _overlaps(name: str, others: list[str]) -> bool:
-    return any(name == o or name.startswith(o + ".") or o.startswith(name + ".") for o in others)
+def _modules_of(unit: str) -> list[str]:
+    """The modules a unit runs: itself, or every layer of a Sequential run."""
+    run = sequential_run(unit)
+    return [unit] if run is None else run.layer_names()
+
+
+def _overlaps(unit: str, others: list[str]) -> bool:
+    """Whether `unit` shares a module with any of `others` (the same one, or one inside the other)."""
+    theirs = [m for other in others for m in _modules_of(other)]
+    return any(name == o or name.startswith(o + ".") or o.startswith(name + ".") for name in _modules_of(unit) for o in theirs)
 
 
 def _is_layer(module: torch.nn.Module) -> bool:
@@ -101,14 +109,38 @@ def sequential_runs(name: str, seq: torch.nn.Sequential, starts_at=None) -> list
     return [f"{name}[{a}:{b}]" for a, b in zip(bounds, bounds[1:])]
 
 
-def _siblings(model: torch.nn.Module, name: str) -> list[str]:
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _cut_into_runs(holder: torch.nn.Module) -> bool:
+    """A Sequential with parameter-free layers: its units are runs of layers, not its children."""
+    return isinstance(holder, torch.nn.Sequential) and any(parameter_count(child) == 0 for child in holder)
+
+
+def _siblings(model: torch.nn.Module, name: str, blocks: set[str]) -> list[str]:
     """Every child with parameters of the module that holds `name` (the model, for a top-level one)."""
-    parent = name.rsplit(".", 1)[0] if "." in name else ""
+    parent = _parent(name)
     holder = model.get_submodule(parent)
-    if isinstance(holder, torch.nn.Sequential) and any(parameter_count(child) == 0 for child in holder):
-        return sequential_runs(parent, holder)
+    if _cut_into_runs(holder):
+        return _runs_between_blocks(parent, holder, blocks)
     prefix = f"{parent}." if parent else ""
     return [f"{prefix}{child}" for child, module in holder.named_children() if parameter_count(module) > 0 and not isinstance(module, _LISTS)]
+
+
+def _runs_between_blocks(parent: str, seq: torch.nn.Sequential, blocks: set[str]) -> list[str]:
+    """`seq`'s runs (`sequential_runs`), each repeated block among them a unit of its own, by its
+    module name: a block is never also inside a run. The parameter-free layers a run would have
+    added to a block (pooling, a flatten after the last one) belong to no unit: they run as written."""
+    prefix = f"{parent}." if parent else ""
+    units: list[str] = []
+    for run in map(sequential_run, sequential_runs(parent, seq)):
+        at = [i for i in range(run.start, run.stop) if f"{prefix}{i}" in blocks]
+        if not at:
+            units.append(f"{parent}[{run.start}:{run.stop}]")
+        # blocks have parameters, so they start runs; only the first run may hold parameter-free layers before one
+        units.extend(f"{prefix}{i}" for i in at)
+    return units
 
 
 def _cousins(model: torch.nn.Module, name: str) -> list[str]:
@@ -134,7 +166,10 @@ def _groups(model: torch.nn.Module, *, with_members: bool = False) -> list:
         if len(names) < 2:
             continue
         cousins = {c for n in names for c in _cousins(model, n)}
-        around = cousins | {s for n in {*names, *cousins} for s in _siblings(model, _module_name(n))}
+        blocks = set(names)
+        # units never overlap: where a Sequential is cut into runs, its runs stand for its layers
+        around = {c for c in cousins if not _cut_into_runs(model.get_submodule(_parent(c)))}
+        around |= {s for n in {*names, *cousins} for s in _siblings(model, _module_name(n), blocks)}
         # a sibling or cousin that holds one of the blocks (a module calling a shared block) is not one itself
         found = set(names) | {s for s in around if not any(_module_name(n).startswith(_module_name(s) + ".") for n in names)}
         widened.setdefault(tuple(sorted(outermost(sorted(found)), key=_unit_order(model))), tuple(names))
@@ -147,8 +182,8 @@ def _unit_order(model: torch.nn.Module):
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
 
     def key(unit: str) -> tuple[int, int]:
-        run = sequential_run(unit)
-        return (order[unit], 0) if run is None else (order[run.parent], run.start + 1)
+        run = sequential_run(unit)  # a run sits where its first layer does
+        return (order[unit], 0) if run is None else (order[run.layer_names()[0]], 0)
 
     return key
 
@@ -162,8 +197,7 @@ def _level(model: torch.nn.Module, groups: list[tuple[str, ...]], first: tuple[s
     chosen = list(first)
     least = _coverage(model, first) / 10
     for names in sorted(groups, key=lambda g: _coverage(model, g), reverse=True):
-        modules = [_module_name(c) for c in chosen]
-        if _coverage(model, names) >= least and not any(_overlaps(_module_name(n), modules) for n in names):
+        if _coverage(model, names) >= least and not any(_overlaps(n, chosen) for n in names):
             chosen.extend(names)
     return tuple(sorted(chosen, key=_unit_order(model)))
 
