@@ -12,6 +12,13 @@ is in `vocabulary/` (names, formatting), `instruments/` (fake tensors, the live-
 model runs); `api.py` is the orchestration.
 """
 
+from autoplan.cli.interrupt import exit_on_interrupt, is_command_line
+
+if is_command_line():
+    # before seconds of torch imports: a KeyboardInterrupt raised inside them (numpy's lazy
+    # submodules) can surface as another error; the handler raises nothing
+    exit_on_interrupt()
+
 try:  # seconds of torch imports: Ctrl-C here, in the command line, is its exit 130 too (cli.interrupt)
     from autoplan.api import apply, optimize, plan
     from autoplan.errors import InfeasibleBudgetError, TraceError, UnitPatternError

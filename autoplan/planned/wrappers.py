@@ -144,18 +144,12 @@ class PlannedForward:
 
     def __call__(self, *args, **kwargs):
         if self.choice.offloaded and torch.is_grad_enabled():
-            return self._offloaded_call(*args, **kwargs)
+            return _eager_offloaded_call()(self, *args, **kwargs)
         return self._planned_call(*args, **kwargs)
 
-    # Dynamo does not trace saved-tensor hooks (it breaks the graph around them): an offloaded unit
-    # runs eagerly between the compiled graphs of the rest
-    @torch.compiler.disable
-    def _offloaded_call(self, *args, **kwargs):
-        offload = OffloadSaved(self.module)
-        with offload:
-            output = self._planned_call(*args, **kwargs)
-        offload.forward_done(output)
-        return output
+    def __post_init__(self) -> None:
+        if self.choice.offloaded:
+            _eager_offloaded_call()  # made now, eagerly, so that a compiled forward finds it made
 
     def _planned_call(self, *args, **kwargs):
         if self.choice.mode == "keep" or not torch.is_grad_enabled():
@@ -172,6 +166,26 @@ class PlannedForward:
         if self.cast_outputs and self.choice.precision != "fp32":
             output = _cast_like_inputs(output, args, kwargs, self.module)
         return output
+
+
+def _offloaded_call(planned: PlannedForward, *args, **kwargs):
+    offload = OffloadSaved(planned.module)
+    with offload:
+        output = planned._planned_call(*args, **kwargs)
+    offload.forward_done(output)
+    return output
+
+
+_EAGER_OFFLOADED: list = []
+
+
+def _eager_offloaded_call():
+    """`_offloaded_call` under torch.compiler.disable: Dynamo does not trace saved-tensor hooks (it breaks
+    the graph around them), so an offloaded unit runs eagerly between the compiled graphs of the rest.
+    Made on first use: it imports torch._dynamo, seconds that planning alone never needs."""
+    if not _EAGER_OFFLOADED:
+        _EAGER_OFFLOADED.append(torch.compiler.disable(_offloaded_call))
+    return _EAGER_OFFLOADED[0]
 
 
 def _class_forward(cls: type) -> Any:
