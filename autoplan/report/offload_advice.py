@@ -22,8 +22,8 @@ def offload_step(plan: Plan, profile: Profile) -> Step:
     chosen = plan.unit_choices()
     offloaded = [d for d in plan.units if d.choice.offloaded]
     if not offloaded:
-        detail = ("not needed: the plan fits with every unit's saved tensors on the device" if plan.feasible
-                  else "no unit's peak drops by offloading within the host budget")
+        detail = ("allowed, not chosen: the fastest plan that fits keeps every saved tensor on the device" if plan.feasible
+                  else "allowed, not chosen: the lowest peak keeps every saved tensor on the device")
         return Step("offload", TITLE, "n/a", detail)
     on_device = {name: dataclasses.replace(c, placement="device") for name, c in chosen.items()}
     saves = predict_peak(profile, on_device).bytes - plan.predicted_peak_bytes
