@@ -327,3 +327,15 @@ def test_the_plan_notes_how_the_budget_was_read() -> None:
     plan = autoplan.plan(model, "24GB", example_inputs=(torch.randn(2, 8),), device="rtx-4090")
     assert plan.budget_bytes == 24 * 2**30
     assert any("read as rtx-4090's whole memory" in note for note in plan.notes)
+
+
+def test_a_budget_allowed_over_the_card_is_told_apart_from_it() -> None:
+    """85.91 GB over an 85.90 GB card: one unit alone printed both as "85.9 GB"."""
+    import torch
+
+    import autoplan
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    plan = autoplan.plan(model, "85.91GB", example_inputs=(torch.randn(2, 8),), device="h100-80gb", allow_over_device=True)
+    note = next(note for note in plan.notes if "allow_over_device" in note)
+    assert "(80.01 GiB = 85.91 GB) is more than h100-80gb's 80.00 GiB = 85.90 GB" in note

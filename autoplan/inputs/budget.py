@@ -69,8 +69,8 @@ def make_budget(value: object, device: Device, reserve: object = None, *, allow_
     total, note = _as_the_card(value, total, device)
     if total > device.memory_bytes and not allow_over_device:
         raise BudgetOverDeviceError(
-            f"the budget {_shown(value)} ({_both_units(total)}) is more than {device.name}'s "
-            f"{_both_units(device.memory_bytes)} of memory: give at most that, \"100%\" for the whole card, or plan for a bigger "
+            f"the budget {_shown(value)} ({both_units(total)}) is more than {device.name}'s "
+            f"{both_units(device.memory_bytes)} of memory: give at most that, \"100%\" for the whole card, or plan for a bigger "
             "device (allow_over_device=True, --allow-over-device on the command line, plans for the budget anyway)",
             budget_bytes=total, device_name=device.name, device_memory_bytes=device.memory_bytes,
         )
@@ -87,7 +87,7 @@ def make_budget(value: object, device: Device, reserve: object = None, *, allow_
     return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=text, note=note)
 
 
-def _both_units(n: int) -> str:
+def both_units(n: int) -> str:
     """Bytes as a vendor and as a datasheet's small print count them: "80.00 GiB = 85.90 GB"."""
     return f"{n / 2**30:.2f} GiB = {n / 10**9:.2f} GB"
 
@@ -109,7 +109,7 @@ def _as_the_card(value: object, total: int, device: Device) -> tuple[int, str]:
     as_written = (device.memory_bytes / UNITS[unit], device.memory_bytes / UNITS[unit[0] + "ib"])
     if not any(round(amount, digits) == float(typed) for amount in as_written):
         return total, ""
-    note = (f"the budget {value.strip()!r} is read as {device.name}'s whole memory, {_both_units(device.memory_bytes)} "
+    note = (f"the budget {value.strip()!r} is read as {device.name}'s whole memory, {both_units(device.memory_bytes)} "
             f"(vendors sell GiB as GB); give it in bytes or GiB to mean less")
     return device.memory_bytes, note
 

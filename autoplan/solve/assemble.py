@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoplan.inputs.budget import Budget, budget_needed_for
+from autoplan.inputs.budget import Budget, both_units, budget_needed_for
 from autoplan.inputs.devices import Device
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
 from autoplan.memory.segments import chosen_segments, segment_terms
@@ -71,7 +71,7 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget
     """What a person should know about the plan beyond its numbers."""
     notes = [budget.note] if budget.note else []
     if budget.total_bytes > target.memory_bytes:
-        notes.append(f"the budget ({format_bytes(budget.total_bytes)}) is more than {target.name}'s {format_bytes(target.memory_bytes)} "
+        notes.append(f"the budget ({both_units(budget.total_bytes)}) is more than {target.name}'s {both_units(target.memory_bytes)} "
                      "of memory (allow_over_device): the plan fits the budget, not the device")
     if not found.feasible:
         notes.append("no choice fits the budget: the plan holds the lowest-peak choices")
