@@ -24,7 +24,8 @@ from autoplan.inputs.hf_models import training_inputs
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
 from autoplan.planned.forwards import apply_choices, has_fused_loss, planned_choices
-from autoplan.instruments.quantized import resident_tensors
+from autoplan.instruments.quantized import resident_tensors, settle_first_forward
+from autoplan.vocabulary.fingerprint import check_batch, check_model
 from autoplan.vocabulary.tensors import tensors_of
 from autoplan.instruments.tracker import LiveBytesTracker
 from autoplan.training.runner import LoopRunner
@@ -78,6 +79,7 @@ def verify(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     enforce_budget: bool = True,
     loop: TrainingLoop | None = None,
+    check: bool = True,
 ) -> Verification:
     """Train `steps` real steps of `model` run as `plan` says, and measure what the plan predicted.
 
@@ -87,7 +89,9 @@ def verify(
     its optimizer implementation, zero_grad and GradScaler. On CUDA the budget is enforced (the
     allocator may not go beyond it), so a plan that does not hold ends in an out-of-memory error,
     reported here rather than raised. Parameters, buffers and the RNG state are put back
-    afterwards. `optimizer` defaults to the one the plan counted.
+    afterwards. `optimizer` defaults to the one the plan counted. A model or batch other than the
+    plan's (another parameter shape or dtype, another batch shape) raises PlanMismatchError: the
+    plan's peak says nothing about them. check=False runs it anyway.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"verify() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
@@ -99,6 +103,10 @@ def verify(
     optimizer = optimizer if optimizer is not None else plan.optimizer
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ValueError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
+    settle_first_forward(model)  # as plan() and apply() do: a 4-bit layer's bias in its compute dtype
+    if check:  # before the model changes
+        check_model(plan.fingerprint, model)
+        check_batch(plan.fingerprint, normalize_inputs(example_inputs))
     if planned_choices(model) != plan.choices() or has_fused_loss(model) != bool(plan.fused_loss):
         apply_choices(model, plan.choices(), plan.outside_units)
     loop = check_loop(loop if loop is not None else plan.loop)
