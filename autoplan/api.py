@@ -111,7 +111,7 @@ def plan(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
         loop=step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss,
-        offload=offload, host_budget=host_budget))
+        offload=offload, host_budget=host_budget, compile=compile))
     _check_model(model, device_profile)
     settle_first_forward(model)
     batch = training_batch(model, example_inputs, batch_size, seq_len)

@@ -126,6 +126,24 @@ def test_plan_that_fits_report_and_json_schema(tmp_path) -> None:
     assert "what to change, in order" in out
 
 
+def test_compile_plans_for_torch_compile_and_says_so(tmp_path) -> None:
+    """--compile is autoplan.plan(compile=True): times priced as compiled, the code to apply it says so,
+    and the advice's compile step points a plan without it at --compile (issue 27, first hour)."""
+    for command in ("plan", "verify"):
+        assert "--compile" in run(command, "--help").output, command
+    eager, eager_doc = run_json(tmp_path, "plan", FACTORY, "--budget", "1GB", "--device", "h100-80gb")
+    result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", "1GB", "--device", "h100-80gb", "--compile")
+    assert result.exit_code == eager.exit_code == ExitCode.FITS, result.output
+    assert doc["plan"]["time_source"] == "roofline, compiled (elementwise fused)"
+    assert eager_doc["plan"]["time_source"] == "roofline"
+    assert doc["plan"]["request"]["compile"] is True and "compile" not in eager_doc["plan"]["request"]
+    assert "compile=True" in words(result.stdout)  # the code that reproduces the plan
+    advice = {doc_["plan"]["time_source"]: next(s["detail"] for s in doc_["advice"]["steps"] if s["key"] == "compile")
+              for doc_ in (doc, eager_doc)}
+    assert "autoplan plan --compile" in advice["roofline"]
+    assert "this plan was made for it" in advice["roofline, compiled (elementwise fused)"]
+
+
 def test_plan_that_does_not_fit_exits_3_with_advice(tmp_path, lowest_peak) -> None:
     budget = str(lowest_peak - 2**16)  # bytes just under the lowest reachable peak
     result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", f"{budget}B", "--device", "h100", "--reserve", "0")
