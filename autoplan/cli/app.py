@@ -30,7 +30,8 @@ from autoplan.inputs.qlora_twin import check_qlora_installed
 from autoplan.report.advice import advise
 from autoplan.report.ladder import plan_ladder
 from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
-from autoplan.report.text import report_renderables, verification_table
+from autoplan.report.text import report_renderables
+from autoplan.report.verification import verification_renderables
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
 
@@ -346,7 +347,7 @@ def verify_command(
             document = {"schema": "autoplan.verify/1", "target": target, "budget": budget,
                         "plan": plan.to_dict(), "verification": result.to_dict()}
             _write(json_path, json.dumps(document, indent=2) + "\n", err)
-        print_report(err if to_stdout else out, [verification_table(result)])
+        print_report(err if to_stdout else out, verification_renderables(plan, result))
     raise typer.Exit(int(ExitCode.FITS if result.held else ExitCode.DID_NOT_HOLD))
 
 

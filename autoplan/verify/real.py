@@ -57,6 +57,9 @@ class Verification:
     out_of_memory: bool
     held: bool  # no OOM and the measured peak within the usable budget
     loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the steps ran
+    measured_time_source: str = ""  # how the steps were timed: "CUDA events", or the CPU clock with every tensor counted
+    predicted_time_source: str = ""  # the plan's time_source: "roofline", "measured (CUDA events)", ...
+    planned_device: str = ""  # the device profile the plan's times are for, e.g. "h100-80gb"
 
     @property
     def peak_error(self) -> float | None:
@@ -65,8 +68,26 @@ class Verification:
             return None
         return (self.measured_peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
 
+    @property
+    def times_comparable(self) -> bool:
+        """Whether the predicted step time is a timing of the same kind as the measured one: the plan's units
+        timed with CUDA events, and these steps too. A roofline is a lower bound at datasheet rates, not a
+        forecast; the CPU steps run under the live-bytes tracker, slower than training."""
+        return self.predicted_time_source == self.measured_time_source == CUDA_EVENTS_SOURCE
+
+    @property
+    def step_time_error(self) -> float | None:
+        """(measured − predicted) / predicted, where the two are timings of the same kind; else None."""
+        if self.measured_step_time_s is None or not self.times_comparable or not self.predicted_step_time_s:
+            return None
+        return (self.measured_step_time_s - self.predicted_step_time_s) / self.predicted_step_time_s
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"peak_error": self.peak_error}
+        return dataclasses.asdict(self) | {"peak_error": self.peak_error, "step_time_error": self.step_time_error}
+
+
+CUDA_EVENTS_SOURCE = "measured (CUDA events)"  # profile.timing's time_source for a plan timed on this GPU
+CPU_TRACKED_SOURCE = "CPU wall clock while the live-bytes tracker counts every tensor, slower than a plain step"
 
 
 def verify(
@@ -131,6 +152,9 @@ def verify(
         out_of_memory=out_of_memory,
         held=held,
         loop=loop,
+        measured_time_source=CUDA_EVENTS_SOURCE if cuda else CPU_TRACKED_SOURCE,
+        predicted_time_source=plan.time_source,
+        planned_device=plan.device,
     )
 
 
