@@ -21,7 +21,7 @@ if is_command_line():
 
 try:  # seconds of torch imports: Ctrl-C here, in the command line, is its exit 130 too (cli.interrupt)
     from autoplan.api import apply, optimize, plan
-    from autoplan.errors import InfeasibleBudgetError, TraceError, UnitPatternError
+    from autoplan.errors import InfeasibleBudgetError, PlanMismatchError, TraceError, UnitPatternError
     from autoplan.inputs.budget import Budget, make_budget, parse_bytes
     from autoplan.inputs.devices import DEVICES, Device, get_device, list_devices
     from autoplan.inputs.loop import TrainingLoop
@@ -44,6 +44,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "MemoryBreakdown",
     "Plan",
+    "PlanMismatchError",
     "TraceError",
     "TrainingLoop",
     "UnitDecision",

@@ -44,6 +44,7 @@ from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
+from autoplan.vocabulary.fingerprint import fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.instruments.routing import check_moe_capacity
@@ -110,16 +111,17 @@ def plan(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
         keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
         loop=step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss,
-        offload=offload, host_budget=host_budget))
+        offload=offload, host_budget=host_budget, compile=compile))
     _check_model(model, device_profile)
     settle_first_forward(model)
     batch = training_batch(model, example_inputs, batch_size, seq_len)
+    fingerprint = fingerprint_of(model, batch)  # before planning: what apply and verify check the plan against
     # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
     # within a level, segments of consecutive blocks are candidates of the same program
     chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, step, space, progress or (lambda message: None))
     if on_profile is not None:
         on_profile(measured)
-    return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed)
+    return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed, fingerprint=fingerprint)
 
 
 def _check_model(model: torch.nn.Module, target: Device) -> None:
@@ -289,9 +291,14 @@ def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> boo
     return True
 
 
-def apply(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
-    """Rewrite `model` in place to run as `plan` says; returns the same object."""
-    return apply_plan(model, plan)
+def apply(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> torch.nn.Module:
+    """Rewrite `model` in place to run as `plan` says; returns the same object.
+
+    A plan is for the model it was made for: a model whose parameters differ in shape or dtype
+    (`Net(d=256)` given `Net(d=64)`'s plan) raises PlanMismatchError naming the first difference,
+    before anything changes. check=False applies it anyway (its peak and times then say nothing).
+    """
+    return apply_plan(model, plan, check=check)
 
 
 def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch.nn.Module:

@@ -54,6 +54,11 @@ class DeviceError(ValueError):
     """A device name or value that names no device profile."""
 
 
+class PlanMismatchError(ValueError):
+    """A plan applied to (or verified on) a model or batch other than the one it was made for: another
+    parameter shape or dtype, or, for verify, another batch; the message names the first difference."""
+
+
 class InfeasibleBudgetError(ValueError):
     """`optimize` was asked for a budget no plan fits; `.plan` says how close it gets."""
 

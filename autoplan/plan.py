@@ -202,6 +202,23 @@ class OutsideUnits:
 
 
 @dataclass(frozen=True)
+class Fingerprint:
+    """The model and the batch a plan was made for, by shape and dtype: what `apply` and `verify` check.
+
+    Each entry is a name and its tensor in words, ("blocks.0.fc.weight", "256×256 float32"): every
+    parameter by its qualified name (tied weights once), every tensor of the example batch by where
+    it is passed ("argument 0", "input_ids"). Devices are left out: a plan made on the meta device
+    applies to the same model with weights.
+    """
+
+    parameters: tuple[tuple[str, str], ...]
+    batch: tuple[tuple[str, str], ...]
+
+    def to_dict(self) -> dict[str, dict[str, str]]:
+        return {"parameters": dict(self.parameters), "batch": dict(self.batch)}
+
+
+@dataclass(frozen=True)
 class Plan:
     """What autoplan decided for one model, budget and device, and why it believes it fits."""
 
@@ -244,6 +261,7 @@ class Plan:
     host_budget_bytes: int = 0  # with offload: the pinned host memory the plan may use
     host_peak_bytes: int = 0  # what the offloaded units hold in host memory at once (before the first backward)
     simulated_host_peak_bytes: int = 0  # the same, from the whole-step simulation
+    fingerprint: Fingerprint | None = None  # the model and batch it was made for; None (built by hand): apply checks nothing
 
     @property
     def outside_units(self) -> OutsideUnits:
@@ -271,6 +289,7 @@ class Plan:
         data["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
         data["world_size_curve"] = [dataclasses.asdict(point) for point in self.world_size_curve]
         data["request"] = {name: value for name, value in self.request}
+        data["fingerprint"] = None if self.fingerprint is None else self.fingerprint.to_dict()
         return data
 
     def to_json(self, indent: int | None = 2) -> str:

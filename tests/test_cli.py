@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import autoplan
 from autoplan.report.advice import least_activation_choices
-from autoplan.vocabulary.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes, format_seconds
 from autoplan.cli.app import JSON_SCHEMA, app
 from autoplan.cli.exits import ExitCode
 from autoplan.inputs.devices import DEVICES
@@ -124,6 +124,24 @@ def test_plan_that_fits_report_and_json_schema(tmp_path) -> None:
     assert "transformer.h.0–1 ×2" in out  # identical blocks folded into one row
     assert 'autoplan.optimize(model, "1GB", example_inputs=batch, device="h100-80gb")' in out
     assert "what to change, in order" in out
+
+
+def test_compile_plans_for_torch_compile_and_says_so(tmp_path) -> None:
+    """--compile is autoplan.plan(compile=True): times priced as compiled, the code to apply it says so,
+    and the advice's compile step points a plan without it at --compile (issue 27, first hour)."""
+    for command in ("plan", "verify"):
+        assert "--compile" in run(command, "--help").output, command
+    eager, eager_doc = run_json(tmp_path, "plan", FACTORY, "--budget", "1GB", "--device", "h100-80gb")
+    result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", "1GB", "--device", "h100-80gb", "--compile")
+    assert result.exit_code == eager.exit_code == ExitCode.FITS, result.output
+    assert doc["plan"]["time_source"] == "roofline, compiled (elementwise fused)"
+    assert eager_doc["plan"]["time_source"] == "roofline"
+    assert doc["plan"]["request"]["compile"] is True and "compile" not in eager_doc["plan"]["request"]
+    assert "compile=True" in words(result.stdout)  # the code that reproduces the plan
+    advice = {doc_["plan"]["time_source"]: next(s["detail"] for s in doc_["advice"]["steps"] if s["key"] == "compile")
+              for doc_ in (doc, eager_doc)}
+    assert "autoplan plan --compile" in advice["roofline"]
+    assert "this plan was made for it" in advice["roofline, compiled (elementwise fused)"]
 
 
 def test_plan_that_does_not_fit_exits_3_with_advice(tmp_path, lowest_peak) -> None:
@@ -313,6 +331,28 @@ def test_verify_on_cpu_runs_real_steps_and_reports_the_measured_peak(tmp_path):
     assert verification["held"] is True and verification["measured_peak_bytes"] > 0
     assert abs(verification["peak_error"]) <= 0.01
     assert document["plan"]["predicted_peak_bytes"] == verification["predicted_peak_bytes"]
+
+
+def test_verify_shows_the_plan_it_checked_and_what_the_step_times_are(tmp_path):
+    """Issue 27, first hour: verify printed only its table, and the time row (seconds measured against
+    microseconds predicted, no error) did not say what either number was."""
+    path = tmp_path / "verify.json"
+    result = run("verify", FACTORY, "--budget", "200MB", "--on", "cpu", "--steps", "2", "--json", str(path))
+    assert result.exit_code == ExitCode.FITS, result.output
+    document = json.loads(path.read_text())
+    plan, verification = document["plan"], document["verification"]
+    out = words(result.stdout)
+    # the plan it checked, before the measurements: verdict, one row per (folded) unit with its choice
+    assert out.startswith("FITS") and out.index("transformer.h.0–1 ×2") < out.index("real training steps on cpu")
+    unit = plan["units"][0]
+    assert re.search(rf"transformer\.h\.0–1 ×2 │ {unit['mode']} │ {unit['precision']}", out), out
+    # the time row says what each number is and why it has no error
+    assert re.search(r"step time \(see below\) │ [\d.]+ \w?s │ [\d.]+ \w?s │ │ n/a", out), out
+    assert "measured: " in out and "the median of 1 step after the first on cpu (CPU wall clock while the live-bytes tracker counts every tensor" in out
+    assert f"predicted: {format_seconds(plan['predicted_step_time_s'])} for cpu (roofline)" in out
+    assert "no error: a roofline is FLOPs and bytes over cpu's datasheet peak rates, a lower bound" in out
+    assert verification["step_time_error"] is None and verification["predicted_time_source"] == plan["time_source"] == "roofline"
+    assert verification["planned_device"] == "cpu"
 
 
 def test_verify_runs_the_loss_as_planned_fused_or_as_written(tmp_path):

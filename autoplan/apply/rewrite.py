@@ -13,6 +13,7 @@ import torch
 
 from autoplan.apply.fsdp import apply_fsdp
 from autoplan.plan import Plan
+from autoplan.vocabulary.fingerprint import check_model
 from autoplan.vocabulary.names import is_graph_unit, unit_endpoints
 from autoplan.planned.forwards import apply_choices
 from autoplan.instruments.quantized import settle_first_forward
@@ -27,8 +28,11 @@ def refuse_meta(model: torch.nn.Module) -> None:
         )
 
 
-def apply_plan(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
-    """Rewrite `model` in place to run as `plan` says; returns the same object."""
+def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> torch.nn.Module:
+    """Rewrite `model` in place to run as `plan` says; returns the same object.
+
+    check: refuse (PlanMismatchError) a model whose parameters are not those the plan was made for.
+    """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
     choices = plan.choices()
@@ -49,6 +53,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
             unit_endpoints(model, name)
         except (AttributeError, IndexError, KeyError, TypeError) as error:
             raise ValueError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
+    if check:  # after the unit names: a model of another structure is told by the unit it lacks
+        check_model(plan.fingerprint, model)
     if plan.world_size > 1:
         return apply_fsdp(model, plan)
     return apply_choices(model, choices, plan.outside_units)

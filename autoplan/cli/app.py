@@ -30,7 +30,8 @@ from autoplan.inputs.qlora_twin import check_qlora_installed
 from autoplan.report.advice import advise
 from autoplan.report.ladder import plan_ladder
 from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
-from autoplan.report.text import report_renderables, verification_table
+from autoplan.report.text import report_renderables
+from autoplan.report.verification import verification_renderables
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
 
@@ -117,6 +118,10 @@ OFFLOAD = typer.Option(None, "--offload/--no-offload", help="Let units keep what
                        "copied over the host link (default: on for a GPU target, off for the CPU).")
 HOST_BUDGET = typer.Option(None, "--host-budget", help='Pinned host memory offloading may use, e.g. "64GB" or "40%" of '
                            "this machine's RAM. Default: half of it.")
+COMPILE = typer.Option(False, "--compile", help="Plan for the model you will run under torch.compile: recomputing ops "
+                       "without FLOPs (elementwise, norms) is priced as free, as Inductor fuses them, so units save "
+                       "matmul/attention outputs and recompute the rest. Peaks stay the eager model's; the loss is "
+                       "kept as written. Compile after applying the plan.")
 OPTIMIZER_IMPL = typer.Option(OptimizerImpl.auto, "--optimizer-impl", help="The optimizer's implementation: "
                               "auto (torch's default for the device), foreach, fused, for-loop.")
 
@@ -221,6 +226,7 @@ def plan_command(
                                            "memory (an error otherwise); the report says it fits the budget, not the device."),
     moe_capacity: Optional[float] = MOE_CAPACITY,
     fuse_loss: bool = FUSE_LOSS,
+    compiled: bool = COMPILE,
     offload: Optional[bool] = OFFLOAD,
     host_budget: Optional[str] = HOST_BUDGET,
     ladder: bool = LADDER,
@@ -232,7 +238,7 @@ def plan_command(
         _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device, moe_capacity, ladder)
         options = _plan_options(device, optimizer, precision, units, reserve, _loop(drop_outputs, accumulation_steps, optimizer_impl),
                                 world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity,
-                                                      fuse_loss=fuse_loss, offload=offload, host_budget=host_budget)
+                                                      fuse_loss=fuse_loss, compile=compiled, offload=offload, host_budget=host_budget)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
         with progress, quiet(debug), prints_to_stderr(err.file, when=_is_stdout(json_path)):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
@@ -295,6 +301,9 @@ def verify_command(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and the measurement as JSON to this file "
                                              "(- for stdout; the table then goes to stderr)."),
     fuse_loss: bool = FUSE_LOSS,
+    compiled: bool = typer.Option(False, "--compile", help="Plan as `autoplan plan --compile` does; the real steps run "
+                                  "eagerly (the plan's peaks are the eager model's), so the measured time is not the "
+                                  "compiled model's."),
     offload: Optional[bool] = OFFLOAD,
     host_budget: Optional[str] = HOST_BUDGET,
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
@@ -326,7 +335,7 @@ def verify_command(
             inputs = _to_device(loaded.example_inputs, where)
             loop = _loop(drop_outputs, accumulation_steps, optimizer_impl)
             options = _plan_options(device, optimizer, precision, units, reserve, loop) | dict(
-                fuse_loss=fuse_loss, offload=offload, host_budget=host_budget)
+                fuse_loss=fuse_loss, compile=compiled, offload=offload, host_budget=host_budget)
             plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
             if plan.feasible:
                 progress(f"training {steps} real steps on {where}")
@@ -338,7 +347,7 @@ def verify_command(
             document = {"schema": "autoplan.verify/1", "target": target, "budget": budget,
                         "plan": plan.to_dict(), "verification": result.to_dict()}
             _write(json_path, json.dumps(document, indent=2) + "\n", err)
-        print_report(err if to_stdout else out, [verification_table(result)])
+        print_report(err if to_stdout else out, verification_renderables(plan, result))
     raise typer.Exit(int(ExitCode.FITS if result.held else ExitCode.DID_NOT_HOLD))
 
 

@@ -26,6 +26,7 @@ from autoplan.errors import (
     MissingExtraError,
     ModelConfigError,
     OptionError,
+    PlanMismatchError,
     ProfileError,
     SolverTimeoutError,
     TargetNotFoundError,
@@ -41,7 +42,7 @@ from autoplan.report.text import render
 class ExitCode(IntEnum):
     FITS = 0  # the plan fits the budget
     ERROR = 1  # an unexpected error (a bug): rerun with --debug and report it
-    USAGE = 2  # a bad option value: budget, reserve, device, units, time limit, a size the model or factory does not take
+    USAGE = 2  # a bad option value: budget, reserve, device, units, time limit, a size the model or factory does not take, a plan for another model
     DOES_NOT_FIT = 3  # no plan fits: the report and advice say what to change
     NOT_FOUND = 4  # the target's file, module, function or HF config does not exist, or the config is invalid
     FACTORY_FAILED = 5  # importing the target or calling its factory raised or exited, or it returned no (model, inputs)
@@ -65,6 +66,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
     (BudgetError, ExitCode.USAGE),
     (DeviceError, ExitCode.USAGE),
     (OptionError, ExitCode.USAGE),
+    (PlanMismatchError, ExitCode.USAGE),
     (TargetNotFoundError, ExitCode.NOT_FOUND),
     (ModelConfigError, ExitCode.NOT_FOUND),
     (FactoryError, ExitCode.FACTORY_FAILED),

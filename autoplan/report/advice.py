@@ -205,8 +205,11 @@ def _compile(plan: Plan, profile: Profile) -> Step:
     detail = (f"{format_seconds(bound)} of the {format_seconds(plan.predicted_step_time_s)} roofline step is memory traffic of ops that are not "
               "compute-bound (elementwise, norms, casts): what Inductor's fusion attacks. autoplan does not predict how "
               "much it recovers, nor compile's memory effect; the planned model compiles as is")
-    detail += ("; plan with compile=True to price recomputation as compiled code runs it (elementwise ops fused, "
-               "so units save matmul/attention outputs and recompute the rest)")
+    if plan.time_source.startswith("roofline, compiled"):
+        detail += "; this plan was made for it (compile=True, --compile): recomputation priced as compiled code runs it"
+    else:
+        detail += ("; plan with compile=True (autoplan plan --compile) to price recomputation as compiled code runs it "
+                   "(elementwise ops fused, so units save matmul/attention outputs and recompute the rest)")
     return Step("compile", "torch.compile", "try", detail, None, None,
                 "model = torch.compile(autoplan.optimize(model, ..., compile=True))")
 

@@ -29,7 +29,6 @@ from autoplan.vocabulary.formatting import format_bytes, format_count, format_fl
 if TYPE_CHECKING:
     from autoplan.plan import Plan, ShardedPeak, UnitDecision
     from autoplan.report.advice import Advice
-    from autoplan.verify.real import Verification
 
 _NUMBERED = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
 
@@ -350,6 +349,14 @@ def report_renderables(
     return parts
 
 
+def plan_summary(plan: "Plan") -> list[RenderableType]:
+    """The short form of the report: the verdict, the units and the step times (what `autoplan verify` checked)."""
+    parts: list[RenderableType] = [_verdict(plan)]
+    if state_bound(plan) is None:
+        parts.extend([_units(plan), *_policies(plan), *_host(plan), _times(plan)])
+    return parts
+
+
 def render(console: Console, parts: list[RenderableType]) -> None:
     """Write the report's parts to `console`; code lines are never wrapped, so they paste as code."""
     for part in parts:
@@ -364,26 +371,6 @@ def format_report(
     console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
     render(console, report_renderables(plan, advice, budget_text=budget_text, with_code=with_code))
     return buffer.getvalue().rstrip() + "\n"
-
-
-def verification_table(result: "Verification") -> Table:
-    """What `autoplan verify` measured, next to what the plan predicted."""
-    held = "[green]held[/green]" if result.held else "[red]did not hold[/red]"
-    if result.out_of_memory:
-        held += " (out of memory)"
-    table = Table(title=f"{result.steps} real training steps on {result.device}: the plan {held}")
-    for column in ("", "measured", "predicted", "simulated", "error"):
-        table.add_column(column, justify="right" if column else "left")
-    measured = format_bytes(result.measured_peak_bytes) if result.measured_peak_bytes is not None else "—"
-    error = f"{result.peak_error:+.1%}" if result.peak_error is not None else "—"
-    table.add_row(f"peak ({result.peak_source})", measured, format_bytes(result.predicted_peak_bytes),
-                  format_bytes(result.simulated_peak_bytes), error)
-    if result.measured_reserved_bytes is not None:
-        table.add_row("reserved by the allocator", format_bytes(result.measured_reserved_bytes), "", "", "")
-    table.add_row("usable budget", format_bytes(result.usable_bytes), "", "", "")
-    step = format_seconds(result.measured_step_time_s) if result.measured_step_time_s is not None else "—"
-    table.add_row("step time", step, format_seconds(result.predicted_step_time_s), "", "")
-    return table
 
 
 register_report_formatter(format_report)  # Plan.report() renders with it

@@ -24,7 +24,8 @@ from autoplan.inputs.hf_models import training_inputs
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
 from autoplan.planned.forwards import apply_choices, has_fused_loss, planned_choices
-from autoplan.instruments.quantized import resident_tensors
+from autoplan.instruments.quantized import resident_tensors, settle_first_forward
+from autoplan.vocabulary.fingerprint import check_batch, check_model
 from autoplan.vocabulary.tensors import tensors_of
 from autoplan.instruments.tracker import LiveBytesTracker
 from autoplan.training.runner import LoopRunner
@@ -56,6 +57,9 @@ class Verification:
     out_of_memory: bool
     held: bool  # no OOM and the measured peak within the usable budget
     loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the steps ran
+    measured_time_source: str = ""  # how the steps were timed: "CUDA events", or the CPU clock with every tensor counted
+    predicted_time_source: str = ""  # the plan's time_source: "roofline", "measured (CUDA events)", ...
+    planned_device: str = ""  # the device profile the plan's times are for, e.g. "h100-80gb"
 
     @property
     def peak_error(self) -> float | None:
@@ -64,8 +68,26 @@ class Verification:
             return None
         return (self.measured_peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
 
+    @property
+    def times_comparable(self) -> bool:
+        """Whether the predicted step time is a timing of the same kind as the measured one: the plan's units
+        timed with CUDA events, and these steps too. A roofline is a lower bound at datasheet rates, not a
+        forecast; the CPU steps run under the live-bytes tracker, slower than training."""
+        return self.predicted_time_source == self.measured_time_source == CUDA_EVENTS_SOURCE
+
+    @property
+    def step_time_error(self) -> float | None:
+        """(measured − predicted) / predicted, where the two are timings of the same kind; else None."""
+        if self.measured_step_time_s is None or not self.times_comparable or not self.predicted_step_time_s:
+            return None
+        return (self.measured_step_time_s - self.predicted_step_time_s) / self.predicted_step_time_s
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"peak_error": self.peak_error}
+        return dataclasses.asdict(self) | {"peak_error": self.peak_error, "step_time_error": self.step_time_error}
+
+
+CUDA_EVENTS_SOURCE = "measured (CUDA events)"  # profile.timing's time_source for a plan timed on this GPU
+CPU_TRACKED_SOURCE = "CPU wall clock while the live-bytes tracker counts every tensor, slower than a plain step"
 
 
 def verify(
@@ -78,6 +100,7 @@ def verify(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     enforce_budget: bool = True,
     loop: TrainingLoop | None = None,
+    check: bool = True,
 ) -> Verification:
     """Train `steps` real steps of `model` run as `plan` says, and measure what the plan predicted.
 
@@ -87,7 +110,9 @@ def verify(
     its optimizer implementation, zero_grad and GradScaler. On CUDA the budget is enforced (the
     allocator may not go beyond it), so a plan that does not hold ends in an out-of-memory error,
     reported here rather than raised. Parameters, buffers and the RNG state are put back
-    afterwards. `optimizer` defaults to the one the plan counted.
+    afterwards. `optimizer` defaults to the one the plan counted. A model or batch other than the
+    plan's (another parameter shape or dtype, another batch shape) raises PlanMismatchError: the
+    plan's peak says nothing about them. check=False runs it anyway.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"verify() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
@@ -99,6 +124,10 @@ def verify(
     optimizer = optimizer if optimizer is not None else plan.optimizer
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise ValueError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
+    settle_first_forward(model)  # as plan() and apply() do: a 4-bit layer's bias in its compute dtype
+    if check:  # before the model changes
+        check_model(plan.fingerprint, model)
+        check_batch(plan.fingerprint, normalize_inputs(example_inputs))
     if planned_choices(model) != plan.choices() or has_fused_loss(model) != bool(plan.fused_loss):
         apply_choices(model, plan.choices(), plan.outside_units)
     loop = check_loop(loop if loop is not None else plan.loop)
@@ -123,6 +152,9 @@ def verify(
         out_of_memory=out_of_memory,
         held=held,
         loop=loop,
+        measured_time_source=CUDA_EVENTS_SOURCE if cuda else CPU_TRACKED_SOURCE,
+        predicted_time_source=plan.time_source,
+        planned_device=plan.device,
     )
 
 

@@ -1,0 +1,83 @@
+"""A plan's fingerprint: the model's parameters and the example batch it was made for, by shape and dtype.
+
+A plan's bytes and times hold for those shapes only: `Net(d=64)`'s plan on `Net(d=256)` has the same
+unit names but four times the bytes per parameter. `apply` checks the parameters (`check_model`);
+`verify`, which compares a real step with the plan's peak, checks the batch too (`check_batch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import SequenceKey, keystr, tree_flatten_with_path
+
+from autoplan.errors import PlanMismatchError
+from autoplan.plan import Fingerprint
+
+REPLAN = "plan again for this model (autoplan.plan)"
+
+
+def describe_tensor(tensor: torch.Tensor) -> str:
+    """A tensor in words: "256×256 float32", "scalar int64"."""
+    shape = "×".join(str(size) for size in tensor.shape) or "scalar"
+    return f"{shape} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def parameter_shapes(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    return tuple((name, describe_tensor(parameter)) for name, parameter in model.named_parameters())
+
+
+def batch_shapes(batch: tuple[tuple, dict]) -> tuple[tuple[str, str], ...]:
+    """Each tensor of an (args, kwargs) batch by where it is passed: "argument 0", "input_ids", "inputs['mask']"."""
+    leaves, _ = tree_flatten_with_path(batch)
+    return tuple((_where(path), describe_tensor(leaf)) for path, leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    positional, first, rest = path[0] == SequenceKey(0), path[1], path[2:]
+    head = f"argument {first.idx}" if positional else str(getattr(first, "key", first))
+    return head + keystr(rest)
+
+
+def fingerprint_of(model: torch.nn.Module, batch: tuple[tuple, dict]) -> Fingerprint:
+    return Fingerprint(parameter_shapes(model), batch_shapes(batch))
+
+
+def check_model(fingerprint: Fingerprint | None, model: torch.nn.Module) -> None:
+    """Raise PlanMismatchError naming the first parameter that differs from the plan's; None checks nothing."""
+    if fingerprint is None:
+        return
+    difference = _first_difference(dict(fingerprint.parameters), dict(parameter_shapes(model)), "parameter")
+    if difference:
+        raise PlanMismatchError(
+            f"this plan was made for another {type(model).__name__}: {difference}. Its bytes and times are for the "
+            f"model it was made for: {REPLAN}, or pass check=False to apply it anyway"
+        )
+
+
+def check_batch(fingerprint: Fingerprint | None, batch: tuple[tuple, dict]) -> None:
+    """Raise PlanMismatchError when `batch` is not the batch the plan's peak was predicted for."""
+    if fingerprint is None or not fingerprint.batch:
+        return
+    here = batch_shapes(batch)
+    difference = _first_difference(dict(fingerprint.batch), dict(here), "input")
+    if difference:
+        planned = ", ".join(f"{name} {shape}" for name, shape in fingerprint.batch)
+        raise PlanMismatchError(
+            f"the plan's peak is for a batch of {planned}; this batch differs: {difference}. Verify with the batch "
+            "the plan was made for, or plan for this batch (autoplan.plan(..., example_inputs=...))"
+        )
+
+
+def _first_difference(planned: dict[str, str], here: dict[str, str], what: str) -> str:
+    """The first name whose shape differs, in words, and how many more do; "" when none."""
+    differences = [
+        f"{what} {name} is {here[name]} here, {shape} in the plan" if name in here
+        else f"{what} {name} of the plan is missing here"
+        for name, shape in planned.items() if here.get(name) != shape
+    ] + [f"{what} {name} ({shape}) is not in the plan" for name, shape in here.items() if name not in planned]
+    if not differences:
+        return ""
+    more = len(differences) - 1
+    return differences[0] + (f" (and {more} more {what}{'s' if more > 1 else ''} differ{'' if more > 1 else 's'})" if more else "")
