@@ -253,3 +253,16 @@ def test_least_activation_choices_put_kept_bytes_first():
     keep, full = Choice("keep", "fp32"), Choice("full", "fp32")
     unit = UnitProfile("layers.0", {keep: cost(776, 2810, 1.0), full: cost(0, 3586, 2.0)}, keep)
     assert least_activation_choices(SimpleNamespace(units=(unit,))) == {"layers.0": full}
+
+
+def test_compile_advice_makes_no_roofline_split_of_measured_times() -> None:
+    """Measured CPU times against the CPU profile's guessed FLOP rate read as "0 s of memory traffic"."""
+    import autoplan
+    from tests.cli_factories import tiny_mlp
+
+    model, inputs = tiny_mlp()
+    profiles: list = []
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", profile="measure", on_profile=profiles.append)
+    step = advise(plan, profiles[0]).step("compile")
+    assert plan.time_source.startswith("measured") and "roofline step is memory traffic" not in step.detail
+    assert "measured" in step.detail and "not known" in step.detail

@@ -202,6 +202,15 @@ def _compile(plan: Plan, profile: Profile) -> Step:
         cost = units[name].options[choice]
         compute_s += (cost.fwd_flops + cost.bwd_flops) / device.flops_for(DTYPES[choice.precision])
     bound = max(0.0, plan.predicted_step_time_s - compute_s)
+    if not plan.time_source.startswith("roofline"):  # measured times have no roofline split into FLOPs and traffic
+        return Step("compile", "torch.compile", "try", f"the step times were {plan.time_source}, so how much of "
+                    "them is memory traffic Inductor's fusion could win is not known here; autoplan does not predict "
+                    "compile's effect; the planned model compiles as is", None, None,
+                    "model = torch.compile(autoplan.optimize(model, ..., compile=True))")
+    if bound < 0.01 * plan.predicted_step_time_s:  # (the CPU profile: its bandwidth never binds)
+        return Step("compile", "torch.compile", "n/a", f"by the roofline the whole {format_seconds(plan.predicted_step_time_s)} step "
+                    "is the ops' FLOPs, with no memory traffic left for Inductor's fusion to win; compile still runs the "
+                    "planned model as is")
     detail = (f"{format_seconds(bound)} of the {format_seconds(plan.predicted_step_time_s)} roofline step is memory traffic of ops that are not "
               "compute-bound (elementwise, norms, casts): what Inductor's fusion attacks. autoplan does not predict how "
               "much it recovers, nor compile's memory effect; the planned model compiles as is")
