@@ -192,6 +192,8 @@ def test_options_reach_the_plan(tmp_path) -> None:
     steps = {s["key"]: s for s in doc["advice"]["steps"]}
     assert steps["bf16"]["status"] == "n/a" and "--precision auto" in steps["bf16"]["detail"]
     assert steps["optimizer_8bit"]["status"] == "n/a"  # plain SGD keeps no state
+    # asked for 4 GPUs, the FSDP step is the plan itself: it said "not needed: the plan fits one GPU" (issue 27)
+    assert steps["fsdp"]["status"] == "chosen" and "planned for 4 × a100-80gb under FSDP2" in steps["fsdp"]["detail"]
 
 
 def test_precision_bf16_puts_every_unit_in_bf16(tmp_path) -> None:

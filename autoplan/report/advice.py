@@ -326,6 +326,11 @@ def _least(plan: Plan, choices: dict[str, Choice]) -> str:
 
 def _fsdp(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: dict[str, Choice]) -> Step:
     title = "FSDP (shard parameters, gradients, optimizer state)"
+    if plan.world_size > 1:  # asked for: the plan is FSDP's already, whatever one GPU would do
+        fits = "fits" if plan.feasible else "does not fit"
+        one = "; one GPU would fit too" if found is not None and found.world_size == 1 else ""
+        return Step("fsdp", title, "chosen", f"planned for {plan.world_size} × {plan.device} under FSDP2: per GPU "
+                    f"{format_bytes(plan.predicted_peak_bytes)}, {fits} {format_bytes(plan.usable_bytes)} usable{one}")
     if found is None:
         limit = min((sharded_peak(profile, choices, 2**k) for k in range(13)), key=lambda peak: peak.total)
         return Step("fsdp", title, "n/a", f"sharding alone cannot fit: the unsharded part (gathered parameters "
