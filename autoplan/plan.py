@@ -267,6 +267,16 @@ class Plan:
     def outside_units(self) -> OutsideUnits:
         return OutsideUnits(self.rest_precision, bool(self.fused_loss))
 
+    @property
+    def transfer_s(self) -> float:
+        """The offloaded units' copies over the host link, both ways (0 without offload)."""
+        return sum(unit.transfer_s for unit in self.units)
+
+    @property
+    def exposed_transfer_s(self) -> float:
+        """The part of `transfer_s` their own compute does not hide (in the predicted step time)."""
+        return sum(unit.exposed_transfer_s for unit in self.units)
+
     def choices(self) -> dict[str, Choice]:
         return {unit.name: unit.choice for unit in self.units}
 

@@ -18,25 +18,23 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def on_host() -> Iterator[None]:
+def _made_where(where: str) -> Iterator[None]:
+    previous = getattr(_state, "where", None)
+    _state.where = where
+    try:
+        yield
+    finally:
+        _state.where = previous
+
+
+def on_host() -> contextlib.AbstractContextManager[None]:
     """Tensors made in here are host memory (pinned copies of saved activations)."""
-    previous = getattr(_state, "where", None)
-    _state.where = "host"
-    try:
-        yield
-    finally:
-        _state.where = previous
+    return _made_where("host")
 
 
-@contextlib.contextmanager
-def over_the_link() -> Iterator[None]:
+def over_the_link() -> contextlib.AbstractContextManager[None]:
     """Tensors made in here are device memory filled by a host-to-device copy."""
-    previous = getattr(_state, "where", None)
-    _state.where = "link"
-    try:
-        yield
-    finally:
-        _state.where = previous
+    return _made_where("link")
 
 
 def allocating_on_host() -> bool:

@@ -28,8 +28,7 @@ def offload_step(plan: Plan, profile: Profile) -> Step:
     on_device = {name: dataclasses.replace(c, placement="device") for name, c in chosen.items()}
     saves = predict_peak(profile, on_device).bytes - plan.predicted_peak_bytes
     cost = plan.predicted_step_time_s - predict_step_time(profile, on_device)
-    transfer = sum(d.transfer_s for d in offloaded)
-    exposed = sum(d.exposed_transfer_s for d in offloaded)
+    transfer, exposed = plan.transfer_s, plan.exposed_transfer_s
     detail = (f"{len(offloaded)} of {len(plan.units)} units hold {format_bytes(plan.host_peak_bytes)} in pinned host memory "
               f"(host budget {format_bytes(plan.host_budget_bytes)}); with them on the device the same choices peak "
               f"{format_bytes(saves)} higher. Their copies take {format_seconds(transfer)} over the "

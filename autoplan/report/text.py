@@ -150,8 +150,7 @@ def _host(plan: "Plan") -> list[Text]:
     offloaded = [unit for unit in plan.units if unit.choice.offloaded]
     if not offloaded:
         return []
-    transfer = sum(unit.transfer_s for unit in offloaded)
-    exposed = sum(unit.exposed_transfer_s for unit in offloaded)
+    transfer, exposed = plan.transfer_s, plan.exposed_transfer_s
     hidden = 1 - exposed / transfer if transfer else 1.0
     return [Text(f"offload: {len(offloaded)} unit(s) keep what they save in pinned host memory, "
                  f"{format_bytes(plan.host_peak_bytes)} at once (host budget {format_bytes(plan.host_budget_bytes)}); "

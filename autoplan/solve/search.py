@@ -105,9 +105,9 @@ def offloaded_by_hand(profile: Profile, pins, host_budget: int | None) -> dict[s
     choices, host = {}, 0
     for unit, options in zip(profile.units, allowed_choices(profile, pins)):
         full = [c for c in options if c.mode == "full"]
-        hosted = [c for c in full if c.offloaded and (host_budget is None or host + unit.options[c].host_bytes <= host_budget)]
         if not full:
             return None
+        hosted = [c for c in full if c.offloaded and (host_budget is None or host + unit.options[c].host_bytes <= host_budget)]
         choice = min(hosted or full, key=lambda c: (unit.options[c].held_bytes, unit.options[c].bwd_peak_bytes, unit.options[c].time_s))
         host += unit.options[choice].host_bytes
         choices[unit.name] = choice
