@@ -44,7 +44,7 @@ from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
-from autoplan.vocabulary.fingerprint import fingerprint_of
+from autoplan.vocabulary.fingerprint import batch_values, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.instruments.routing import check_moe_capacity
@@ -121,7 +121,9 @@ def plan(
     chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, step, space, progress or (lambda message: None))
     if on_profile is not None:
         on_profile(measured)
-    return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed, fingerprint=fingerprint)
+    fingerprint = dataclasses.replace(fingerprint, values=batch_values(batch, measured.batch_reads))
+    return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
+                               batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
 
 
 def _check_model(model: torch.nn.Module, target: Device) -> None:

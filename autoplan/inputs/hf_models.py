@@ -258,6 +258,15 @@ def training_inputs(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> tuple
     args, kwargs = inputs
     # a peft wrapper passes use_cache on through **kwargs: ask the model it wraps
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    if is_hf_model(model) and "use_cache" not in kwargs and accepts_argument(base.forward, "use_cache", through_kwargs=False):
+    takes_it = accepts_argument(base.forward, "use_cache", through_kwargs=False) or _passes_to_language_model(base)
+    if is_hf_model(model) and "use_cache" not in kwargs and takes_it:
         kwargs = {**kwargs, "use_cache": False}
     return args, kwargs
+
+
+def _passes_to_language_model(model: torch.nn.Module) -> bool:
+    """A multimodal model (LLaVA) whose forward passes use_cache on, through **kwargs, to a language model that caches."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return (text is not config and getattr(text, "use_cache", False)
+            and accepts_argument(model.forward, "use_cache", through_kwargs=True))

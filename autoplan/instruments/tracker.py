@@ -53,6 +53,9 @@ class RooflineRates(Protocol):
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float: ...
 
 
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
 class LiveBytesTracker(TorchDispatchMode):
     """Counts live tensor bytes and roofline time of every op dispatched under it."""
 
@@ -109,8 +112,9 @@ class LiveBytesTracker(TorchDispatchMode):
         for tensor in outputs:
             storage = tensor.untyped_storage()
             key = id(storage)
-            # Views and in-place results reuse an input's storage: no new memory.
-            if key in input_storages or key in self._finalizers:
+            # Views and in-place results reuse an input's storage: no new memory. torch.tensor(data) is the
+            # exception: it made its tensor before any op, and hands it to lift_fresh, the first op to see it.
+            if (key in input_storages and func not in _LIFTS) or key in self._finalizers:
                 continue
             created = True
             self._count(storage, key)
