@@ -147,3 +147,46 @@ def test_vision_language_plans_both_towers_and_names_the_grid_it_was_made_for():
     other_images = qwen2_vl_batch(grids=((1, 8, 12), (1, 16, 16)))  # the same shapes, the images in the other order
     with pytest.raises(PlanMismatchError, match="image_grid_thw"):
         autoplan.verify(model, plan, example_inputs=other_images)
+
+
+def _image_text_examples(count: int) -> list[dict]:
+    """Examples as a processor makes them: each with its own image patches and grid (the images differ in size)."""
+    examples = []
+    for index in range(count):
+        grid = (1, 8, 12) if index % 2 else (1, 16, 16)
+        batch = qwen2_vl_batch(grids=(grid,), text=40)
+        examples.append({key: value[0] if key in ("input_ids", "mm_token_type_ids", "attention_mask", "labels") else value
+                         for key, value in batch.items() if key != "use_cache"})
+    return examples
+
+
+def _collate(examples: list[dict]) -> dict:
+    """An image-text collator: text padded to the longest example, image patches and grids concatenated."""
+    longest = max(len(example["input_ids"]) for example in examples)
+
+    def padded(key: str, fill: int) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(e[key], (0, longest - len(e[key])), value=fill) for e in examples])
+
+    return {"input_ids": padded("input_ids", 0), "mm_token_type_ids": padded("mm_token_type_ids", 0),
+            "attention_mask": padded("attention_mask", 0), "labels": padded("labels", -100),
+            "pixel_values": torch.cat([e["pixel_values"] for e in examples]),
+            "image_grid_thw": torch.cat([e["image_grid_thw"] for e in examples])}
+
+
+def test_the_trainer_plans_and_trains_a_vision_language_model_from_its_collator(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from autoplan.hf import optimize_for_trainer
+    from transformers import Trainer, TrainingArguments
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, _ = build_qwen2_vl()
+    examples = _image_text_examples(4)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+    setup = optimize_for_trainer(model, args, "1GB", device="cpu", train_dataset=examples, data_collator=_collate)
+    assert setup.plan.feasible and "image_grid_thw" in setup.plan.batch_values
+    assert {unit.name.split(".")[1] for unit in setup.plan.units} == {"visual", "language_model"}
+    trainer = Trainer(model=model, args=setup.training_args, train_dataset=examples, data_collator=_collate)
+    result = trainer.train()
+    assert result.global_step == 2 and np.isfinite(result.training_loss)
