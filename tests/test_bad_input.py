@@ -105,6 +105,11 @@ CASES = {
     "world size not ASCII": (["plan", GPT, "--budget", "1GB", "--world-size", "²"], ExitCode.USAGE, ["--world-size"]),
     "untraceable names the CLI option": (["plan", "tests/cli_factories.py:untraceable", "--budget", "1GB"],
                                          ExitCode.CANNOT_PLAN, ["--units"]),
+    # issue 25: no loss to backpropagate was "could not profile: ValueError: ..."; the model is to change
+    "integer output": (["plan", "tests/cli_factories.py:integer_output", "--budget", "1GB"], ExitCode.CANNOT_PLAN,
+                       ["no floating-point tensor", "from forward"]),
+    "integer output (verify)": (["verify", "tests/cli_factories.py:integer_output", "--budget", "1GB", "--on", "cpu"],
+                                ExitCode.CANNOT_PLAN, ["no floating-point tensor", "from forward"]),
 }
 HF_CASES = {
     # 2. a sequence longer than the model's positions

@@ -23,7 +23,7 @@ from typing import Mapping
 
 import pulp
 
-from autoplan.errors import SolverTimeoutError
+from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.memory.model import (
     HOLDING,
     Point,
@@ -73,7 +73,7 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
             # a pinned mode allows every menu point of that mode, on the device or offloaded (pins name modes)
             options = [c for c in options if dataclasses.replace(c, saves=None, placement="device") in pins[unit.name]]
             if not options:
-                raise ValueError(f"the pins on unit {unit.name!r} leave it no choice it can take")
+                raise OptionError(f"the pins on unit {unit.name!r} leave it no choice it can take")
         result.append(options)
     return result
 

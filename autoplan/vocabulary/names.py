@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autoplan.errors import UnitPatternError
+from autoplan.errors import PlanMismatchError, UnitPatternError
 
 RANGE_UNIT = re.compile(r"^(?P<parent>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 GRAPH_UNIT = re.compile(r"^graph\[(?P<first>[A-Za-z_][\w]*):(?P<last>[A-Za-z_][\w]*)\]$")
@@ -106,7 +106,7 @@ def segment_members(model: torch.nn.Module, name: str) -> list[str]:
     holder = model.get_submodule(parent)
     names = [child for child, _ in holder.named_children()]
     if parent != last_parent or start not in names or stop not in names or names.index(stop) <= names.index(start):
-        raise ValueError(f"segment {name!r}: {first} and {last} are not two children of one module, in order")
+        raise PlanMismatchError(f"segment {name!r}: {first} and {last} are not two children of one module, in order")
     prefix = f"{parent}." if parent else ""
     return [prefix + child for child in names[names.index(start) : names.index(stop) + 1]]
 
