@@ -315,7 +315,8 @@ def _largest_fitting_micro_batch(batch_size: int, plan_micro_batch) -> tuple[int
     none fits, the plan for a micro-batch of 1 comes back (it does not fit).
     """
     divisors = [d for d in range(1, batch_size) if batch_size % d == 0]
-    fitting = smallest = None
+    fitting: tuple[int, Plan, TrainingLoop] | None = None
+    smallest: tuple[int, Plan, TrainingLoop] | None = None
     low, high = 0, len(divisors) - 1
     while low <= high:
         middle = (low + high) // 2
@@ -324,7 +325,9 @@ def _largest_fitting_micro_batch(batch_size: int, plan_micro_batch) -> tuple[int
             fitting, low = (divisors[middle], decided, loop), middle + 1
         else:
             smallest, high = (divisors[middle], decided, loop), middle - 1
-    return fitting or smallest
+    result = fitting or smallest
+    assert result is not None, "a batch of 2 or more has the divisor 1"
+    return result
 
 
 def _over(decided: Plan) -> str:

@@ -20,9 +20,9 @@ def training_batch(model: torch.nn.Module, example_inputs: Any, batch_size: int 
                 "example_inputs=(x,) or example_inputs={'input_ids': ids}. batch_size= and seq_len= "
                 "build a batch only for Hugging Face transformers models."
             )
-        batch = 1 if batch_size is None else batch_size
+        size = 1 if batch_size is None else batch_size
         length = default_seq_len(model) if seq_len is None else seq_len
-        example_inputs = example_inputs_for(model, batch, length)
+        example_inputs = example_inputs_for(model, size, length)
     elif batch_size is not None or seq_len is not None:
         raise OptionError(
             "batch_size= and seq_len= build example inputs when example_inputs is omitted; "

@@ -204,7 +204,7 @@ def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) ->
     if limit and seq_len > limit[0] and model.main_input_name in ("input_ids", "input_features"):
         raise OptionError(f"a sequence length of {seq_len} is more than {type(model).__name__} takes: at most {limit[0]} "
                           f"positions (config.{limit[1]})")
-    config = model.config
+    config: Any = model.config  # a transformers PretrainedConfig
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 2
     generator = torch.Generator().manual_seed(0)

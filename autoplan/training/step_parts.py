@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
@@ -30,7 +30,7 @@ def sum_of_outputs(output: Any) -> torch.Tensor:
     if not tensors:
         raise LossError("the model's output has no floating-point tensor to backpropagate: return the loss (or the logits) from "
                         "forward, or pass loss_fn= to compute the loss from the output")
-    return sum(t.sum() for t in tensors)
+    return cast(torch.Tensor, sum(t.sum() for t in tensors))  # sum() starts from 0: a tensor after the first add
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -81,7 +81,7 @@ def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
     return optimizer
 
 
-OPTIMIZER_IMPLEMENTATION_FLAGS = {
+OPTIMIZER_IMPLEMENTATION_FLAGS: dict[str, dict[str, Any]] = {
     "foreach": {"foreach": True, "fused": False},
     "fused": {"foreach": False, "fused": True},
     "for-loop": {"foreach": False, "fused": False},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -38,7 +39,12 @@ class SequentialRun:
         return [f"{prefix}{i}" for i in range(self.start, self.stop)]
 
     def layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        return list(model.get_submodule(self.parent))[self.start : self.stop]
+        return list(_container(model, self.parent))[self.start : self.stop]
+
+
+def _container(model: torch.nn.Module, name: str) -> torch.nn.Sequential:
+    """The Sequential (or ModuleList: indexed and iterated alike) that holds a run of layers."""
+    return cast(torch.nn.Sequential, model.get_submodule(name))
 
 
 def sequential_run(name: str) -> SequentialRun | None:
@@ -133,7 +139,7 @@ def unit_endpoints(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, 
     if run is None:
         module = model.get_submodule(name)
         return module, module
-    parent = model.get_submodule(run.parent)
+    parent = _container(model, run.parent)
     return parent[run.start], parent[run.stop - 1]
 
 
