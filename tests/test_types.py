@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_mypy_is_clean_on_autoplan() -> None:
     pytest.importorskip("mypy")  # the test extra installs it
     done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=600)
