@@ -284,9 +284,9 @@ def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> boo
     if profile == "auto":
         return device.type == "cuda" and target.kind == "cuda" and target.name == get_device(None).name
     if device.type == "meta":
-        raise ValueError("profile='measure' needs real weights; this model is on the meta device. Use profile='roofline'.")
+        raise OptionError("profile='measure' needs real weights; this model is on the meta device. Use profile='roofline'.")
     if device.type != target.kind:
-        raise ValueError(
+        raise OptionError(
             f"profile='measure' times the model where it is ({device.type}), but the plan is for {target.name} "
             f"({target.kind}); move the model there first, or use profile='roofline'"
         )

@@ -104,6 +104,7 @@ def test_a_shared_block_is_one_unit_per_call_with_one_set_of_parameters():
     assert planned_choices(planned) == {}
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("structure", MOE, ids=lambda s: s.name)
 def test_mixture_of_experts_plans_rewrites_and_trains(structure):
     pytest.importorskip("transformers")

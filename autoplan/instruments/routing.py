@@ -127,6 +127,7 @@ class RoutingTracker:
 
     def _rows(self, elements: int) -> int:
         router = self.router
+        assert router is not None  # called after a router ran
         one_expert = elements in (router.tokens, router.tokens * router.top_k)
         expert_list = elements in (router.experts, router.experts + 1)
         if one_expert and not expert_list:
@@ -166,6 +167,7 @@ class RoutingTracker:
         if not self.bounded_calls:
             return self._whole_note() if self.whole_calls else ""
         router = self.largest_router
+        assert router is not None  # bounded_calls counts calls after a router ran
         rows = self.bound.rows_per_expert(router)
         if self.bound.capacity is None:
             return (f"mixture of experts: routing decides shapes here (torch.where/nonzero on the expert mask); profiled at the "

@@ -48,7 +48,8 @@ class TrackedPhase:
 class RooflineRates(Protocol):
     """What the tracker needs of a device to charge ops a time (an inputs.devices.Device has it)."""
 
-    memory_bandwidth: float  # bytes per second
+    @property
+    def memory_bandwidth(self) -> float: ...  # bytes per second (read-only: a Device is frozen)
 
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float: ...
 

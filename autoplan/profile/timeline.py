@@ -11,7 +11,7 @@ so a unit can later be profiled on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -84,8 +84,9 @@ class Timeline:
 
 def _phase_sample(tracked: TrackedPhase, grad_bytes: int, carried_bytes: int) -> PhaseSample:
     # the previous step's outputs (or loss) stay alive until this step's forward returns
-    extra = carried_bytes if tracked.label.kind == "fwd" else 0
-    return PhaseSample(tracked.label, tracked.start_bytes + extra, tracked.peak_bytes + extra, grad_bytes, tracked.time_s, tracked.flops)
+    phase = cast(Phase, tracked.label)  # the recorder labels a training step's phases with Phases
+    extra = carried_bytes if phase.kind == "fwd" else 0
+    return PhaseSample(phase, tracked.start_bytes + extra, tracked.peak_bytes + extra, grad_bytes, tracked.time_s, tracked.flops)
 
 
 def simulate_training(
@@ -219,7 +220,7 @@ class _RecordingHooks(StepHooks):
         self.recorder.begin(ZERO_GRAD)
 
 
-def _warm_up(runner: LoopRunner, trainable: list[torch.Tensor]) -> None:
+def _warm_up(runner: LoopRunner, trainable: Sequence[torch.Tensor]) -> None:
     """What the earlier steps leave behind for the recorded one: the optimizer's state, and the gradients.
 
     Under fake tensors the values do not matter, so gradients made here stand in for a forward and

@@ -23,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from autoplan.errors import OptionError, OptionTypeError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice
@@ -118,9 +119,9 @@ def precision_options(precision: str, device: Device) -> tuple[str, ...]:
     if precision == "auto":
         return ("fp32", device.low_precision_name)
     if precision not in DTYPES:
-        raise ValueError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got {precision!r}")
+        raise OptionError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got {precision!r}")
     if precision == "bf16" and not device.supports_bf16:
-        raise ValueError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
+        raise OptionError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
     return (precision,)
 
 
@@ -327,7 +328,7 @@ def profile(
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
-        raise TypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
+        raise OptionTypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
     rest = rest_precision
     base = {name: Choice("keep", rest) for name in traced.units}
     say = progress or (lambda message: None)

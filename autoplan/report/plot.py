@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoplan.errors import PlotUnavailable
+from autoplan.errors import OptionError, PlotUnavailable
 from autoplan.memory.model import phase_bytes
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, Phase, Plan
 from autoplan.profile.units import Profile
@@ -54,7 +54,7 @@ def plot_memory(plan: Plan, profile: Profile, path: str | Path) -> Path:
     """Write the before/after memory curves to `path` (.png, .svg or .pdf)."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"plot file must end in {', '.join(FORMATS)}; got {path.name!r}")
+        raise OptionError(f"plot file must end in {', '.join(FORMATS)}; got {path.name!r}")
     plt = require_pyplot()
     curves = memory_curves(plan, profile)
     gb = 1e9
