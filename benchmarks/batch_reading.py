@@ -53,7 +53,7 @@ def row(structure) -> str:
     plain = measured_step(every_layer_running(model), inputs)
     by_hand = measured_step(checkpoint_by_hand(every_layer_running(model), structure), inputs)
     plan = autoplan.plan(model, budget=by_hand.peak_bytes, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    read = ", ".join(plan.batch_values) + (" + random draws" if plan.random_control_flow else "")
+    read = " + ".join(filter(None, (", ".join(plan.batch_values), "random draws" if plan.random_control_flow else "")))
     if not plan.feasible:
         return f"| {structure.name} | {by_hand.peak_bytes:,} | {plan.minimum_peak_bytes:,} | does not fit | | | | | {read} |"
     planned = measured_step(autoplan.apply(every_layer_running(model), plan), inputs)

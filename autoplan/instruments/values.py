@@ -189,9 +189,10 @@ class KnownValues:
         if func is torch.ops.aten._ctc_loss_backward.Tensor:  # the gradient of log_probs
             log_probs = args[1]
             return empty_strided(tuple(log_probs.shape), tuple(log_probs.stride()), log_probs.dtype)
-        log_probs = args[0]
+        log_probs, lengths = args[0], self.value_of(target_lengths)
+        assert lengths is not None  # dispatch checked it
         with for_real():
-            longest = int(self.value_of(target_lengths).max()) if target_lengths.numel() else 0
+            longest = int(lengths.max()) if lengths.numel() else 0
         time, batch = log_probs.shape[0], (log_probs.shape[1] if log_probs.dim() == 3 else 1)
         alpha_shape = (batch, time, 2 * longest + 1)
         nll = empty_strided((batch,) if log_probs.dim() == 3 else (), (1,) if log_probs.dim() == 3 else (), log_probs.dtype)

@@ -174,7 +174,9 @@ class _GradientsReached:
     """While open, notes (by id) the parameters a gradient is accumulated into."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params, self.ids, self._handles = params, set(), []
+        self.params = params
+        self.ids: set[int] = set()
+        self._handles: list[Any] = []
 
     def __enter__(self) -> _GradientsReached:
         self._handles = [p.register_post_accumulate_grad_hook(lambda param: self.ids.add(id(param))) for p in self.params]
