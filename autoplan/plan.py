@@ -297,6 +297,7 @@ class Plan:
             for unit in self.units
         ]
         data["notes"] = list(self.notes)
+        data["batch_values"] = list(self.batch_values)
         data["peak_phase"] = str(self.peak_phase)
         data["breakdown"]["total"] = self.breakdown.total
         data["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
