@@ -75,7 +75,7 @@ def test_help_lists_commands_and_every_plan_option() -> None:
 # What each call below gets back without importing torch: (exit code, a fragment of its output).
 ANSWERED_BEFORE_TORCH = {
     "--help": (0, "Usage: autoplan"),
-    "plan --help": (0, "--budget"),
+    "plan --help": (0, "--verbose"),
     "verify --help": (0, "--steps"),
     "--version": (0, "autoplan 0.1.0"),
     "devices": (0, "h100-80gb"),

@@ -1,7 +1,7 @@
 """The command line: `autoplan plan TARGET --budget 24GB`, `autoplan verify ...`, `autoplan devices`.
 
 With `cli.exits`, the only code that prints or exits. Errors are one line on stderr with an exit
-code (the table in docs/cli.md and `ExitCode`); `--debug` adds the traceback. A plan that does not fit is not an
+code (the table in docs/command-line.md and `ExitCode`); `--debug` adds the traceback. A plan that does not fit is not an
 error: the report and the advice are printed and the exit code says "does not fit".
 """
 
