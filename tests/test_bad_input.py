@@ -480,6 +480,19 @@ def test_a_factory_that_turns_grad_off_is_planned_in_a_real_process(tmp_path) ->
     assert done.stdout.startswith("FITS") and "does not require grad" not in done.stderr
 
 
+def test_a_closed_stdout_is_an_output_error_not_the_models() -> None:
+    """Issue 27: `autoplan plan ... >&-` ended with exit 6, "cannot plan _TwoBlocks: AttributeError: 'NoneType'
+    object has no attribute 'flush'", blaming the model; the report has nowhere to go: exit 8, one line."""
+    from autoplan.cli.main import OUTPUT_FAILED
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "autoplan", "plan", MLP, "--budget", "1GB", "--device", "cpu"], cwd=ROOT,
+                          env=env, stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert done.returncode == OUTPUT_FAILED == ExitCode.OUTPUT_FAILED, done.stderr
+    assert done.stderr.splitlines() == ["autoplan: error: stdout is closed, so the report has nowhere to go: redirect it "
+                                        "instead (> report.txt, or > /dev/null with --json FILE)"]
+
+
 def test_a_frozen_model_says_it_has_nothing_to_train() -> None:
     model, inputs = tiny_mlp()
     model.requires_grad_(False)
