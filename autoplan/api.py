@@ -45,7 +45,7 @@ from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
 from autoplan.report import text as _report_text  # noqa: F401  registers Plan.report()'s formatter (the vocabulary cannot import it)
-from autoplan.vocabulary.fingerprint import fingerprint_of
+from autoplan.vocabulary.fingerprint import batch_values, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.instruments.routing import check_moe_capacity
@@ -124,7 +124,9 @@ def plan(
     chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, step, space, progress or (lambda message: None))
     if on_profile is not None:
         on_profile(measured)
-    return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed, fingerprint=fingerprint)
+    fingerprint = dataclasses.replace(fingerprint, values=batch_values(batch, measured.batch_reads))
+    return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
+                               batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -293,9 +295,9 @@ def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> boo
     if profile == "auto":
         return device.type == "cuda" and target.kind == "cuda" and target.name == get_device(None).name
     if device.type == "meta":
-        raise ValueError("profile='measure' needs real weights; this model is on the meta device. Use profile='roofline'.")
+        raise OptionError("profile='measure' needs real weights; this model is on the meta device. Use profile='roofline'.")
     if device.type != target.kind:
-        raise ValueError(
+        raise OptionError(
             f"profile='measure' times the model where it is ({device.type}), but the plan is for {target.name} "
             f"({target.kind}); move the model there first, or use profile='roofline'"
         )

@@ -30,6 +30,11 @@ class ProfileError(ValueError):
     """The traced model failed while its training step ran on fake tensors; names the model's line."""
 
 
+class LossError(ProfileError):
+    """The training step has nothing to backpropagate: the model's output holds no floating-point tensor,
+    or the loop says the model computes its loss and its output has no `.loss`."""
+
+
 class BudgetError(ValueError):
     """A budget or reserve that is not a size autoplan can plan for (unparsable, negative, too small,
     or a reserve that leaves nothing of the budget)."""
@@ -48,6 +53,11 @@ class BudgetOverDeviceError(BudgetError):
 class OptionError(ValueError):
     """An argument outside what the planner can use: a time limit that is not a positive number of
     seconds, a sequence longer than the model's positions."""
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An argument of the wrong kind (a Plan, a TrainingLoop, TrainingArguments expected, something else
+    given); a TypeError too, as the errors it replaces were."""
 
 
 class DeviceError(ValueError):

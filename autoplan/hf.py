@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from autoplan import api
-from autoplan.errors import InfeasibleBudgetError
+from autoplan.errors import InfeasibleBudgetError, OptionError, OptionTypeError
 from autoplan.inputs.hf_models import (
     DEFAULT_SEQ_LEN_CAP,
     PRESETS,
@@ -128,7 +128,7 @@ def trainer_optimizer(args: Any, model: torch.nn.Module | None = None) -> Traine
         if "8bit" in name or "4bit" in name:
             return TrainerOptimizer("adamw", "auto", f"optim={name!r} is counted as 32-bit AdamW state (two fp32 tensors "
                                     "per parameter): an upper bound on its quantised state")
-        raise ValueError(f"TrainingArguments(optim={name!r}): {error}") from None
+        raise OptionError(f"TrainingArguments(optim={name!r}): {error}") from None
     if isinstance(cls, type) and cls.__module__.startswith("bitsandbytes"):
         return TrainerOptimizer(cls([torch.nn.Parameter(torch.zeros(1))], **kwargs), "auto")
     if "8bit" in name or "4bit" in name:
@@ -141,7 +141,7 @@ def trainer_optimizer(args: Any, model: torch.nn.Module | None = None) -> Traine
         return TrainerOptimizer("sgd-momentum" if kwargs.get("momentum") else "sgd", implementation)
     if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.optim"):
         return TrainerOptimizer(cls([torch.nn.Parameter(torch.zeros(1))], **kwargs), implementation)
-    raise ValueError(
+    raise OptionError(
         f"TrainingArguments(optim={name!r}) builds {cls.__name__}, whose state autoplan cannot count: it plans the "
         "torch.optim optimizers (adamw_torch, adamw_torch_fused, sgd, adagrad, rmsprop) and counts 8-bit and 4-bit "
         "ones as 32-bit AdamW. Pass optimizer= (autoplan's name or an instance) to plan with another"
@@ -151,11 +151,11 @@ def trainer_optimizer(args: Any, model: torch.nn.Module | None = None) -> Traine
 def _check_trainer_args(args: Any) -> None:
     """TrainingArguments (or a subclass) for one GPU per process, else a one-line error."""
     if not all(hasattr(args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optim")):
-        raise TypeError(f"optimize_for_trainer takes transformers' TrainingArguments (or trl's SFTConfig, a subclass); "
-                        f"got {type(args).__name__}")
+        raise OptionTypeError(f"optimize_for_trainer takes transformers' TrainingArguments (or trl's SFTConfig, a subclass); "
+                              f"got {type(args).__name__}")
     if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
-        raise ValueError("optimize_for_trainer plans one GPU per process; for FSDP plan with autoplan.optimize(..., "
-                         "world_size=N) in your own loop. DeepSpeed is not planned")
+        raise OptionError("optimize_for_trainer plans one GPU per process; for FSDP plan with autoplan.optimize(..., "
+                          "world_size=N) in your own loop. DeepSpeed is not planned")
 
 
 def optimize_for_trainer(
@@ -263,12 +263,12 @@ def _batches(model, args, seq_len, train_dataset, data_collator) -> Batches:
     if seq_len is not None:
         return Batches(lambda size: example_inputs_for(model, size, int(seq_len)))
     if train_dataset is None:
-        raise ValueError("optimize_for_trainer needs the sequence length it plans for: pass seq_len= (the longest "
-                         "sequence a batch holds) or train_dataset= (with data_collator= when the Trainer gets one)")
+        raise OptionError("optimize_for_trainer needs the sequence length it plans for: pass seq_len= (the longest "
+                          "sequence a batch holds) or train_dataset= (with data_collator= when the Trainer gets one)")
     examples = list(itertools.islice(iter(train_dataset) if not hasattr(train_dataset, "__getitem__") else
                                      (train_dataset[i] for i in range(len(train_dataset))), SCANNED_EXAMPLES))
     if not examples:
-        raise ValueError("train_dataset is empty: there is no batch to plan for")
+        raise OptionError("train_dataset is empty: there is no batch to plan for")
     examples.sort(key=_length, reverse=True)  # the longest examples make the batch that peaks highest
     collate = data_collator or require_transformers().default_data_collator
 
@@ -288,8 +288,8 @@ def _sft_batches(model, args, seq_len) -> Batches:
     """SFTTrainer's batches: `max_length` tokens per example (or `seq_len=`), laid out as trl's collator lays them."""
     seq_len = seq_len or args.max_length
     if seq_len is None:
-        raise ValueError("SFTConfig(max_length=None) does not bound the sequences: pass seq_len= (the longest tokenized "
-                         "example) or set max_length")
+        raise OptionError("SFTConfig(max_length=None) does not bound the sequences: pass seq_len= (the longest tokenized "
+                          "example) or set max_length")
     if flattens_batch(args):
         note = (f"SFTConfig(packing={args.packing}, padding_free={args.padding_free}): each micro-batch is planned as "
                 f"one row of batch × {seq_len} tokens, as trl's padding-free collator flattens it")
@@ -315,7 +315,8 @@ def _largest_fitting_micro_batch(batch_size: int, plan_micro_batch) -> tuple[int
     none fits, the plan for a micro-batch of 1 comes back (it does not fit).
     """
     divisors = [d for d in range(1, batch_size) if batch_size % d == 0]
-    fitting = smallest = None
+    fitting: tuple[int, Plan, TrainingLoop] | None = None
+    smallest: tuple[int, Plan, TrainingLoop] | None = None
     low, high = 0, len(divisors) - 1
     while low <= high:
         middle = (low + high) // 2
@@ -324,7 +325,9 @@ def _largest_fitting_micro_batch(batch_size: int, plan_micro_batch) -> tuple[int
             fitting, low = (divisors[middle], decided, loop), middle + 1
         else:
             smallest, high = (divisors[middle], decided, loop), middle - 1
-    return fitting or smallest
+    result = fitting or smallest
+    assert result is not None, "a batch of 2 or more has the divisor 1"
+    return result
 
 
 def _over(decided: Plan) -> str:

@@ -214,9 +214,10 @@ class Fingerprint:
 
     parameters: tuple[tuple[str, str], ...]
     batch: tuple[tuple[str, str], ...]
+    values: tuple[tuple[str, str], ...] = ()  # batch inputs whose values the forward read (an image grid), with those values
 
     def to_dict(self) -> dict[str, dict[str, str]]:
-        return {"parameters": dict(self.parameters), "batch": dict(self.batch)}
+        return {"parameters": dict(self.parameters), "batch": dict(self.batch), "values": dict(self.values)}
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,8 @@ class Plan:
     host_peak_bytes: int = 0  # what the offloaded units hold in host memory at once (before the first backward)
     simulated_host_peak_bytes: int = 0  # the same, from the whole-step simulation
     fingerprint: Fingerprint | None = None  # the model and batch it was made for; None (built by hand): apply checks nothing
+    batch_values: tuple[str, ...] = ()  # batch inputs whose values the forward read (image grids, labels): planned for those values
+    random_control_flow: bool = False  # the forward decides on random draws (LayerDrop): planned at the worst case
 
     @property
     def outside_units(self) -> OutsideUnits:

@@ -94,6 +94,24 @@ class _TwoBlocks(nn.Module):
         return x
 
 
+class _Argmax(nn.Module):
+    """Returns class indices: nothing of its output can be backpropagated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.argmax(dim=-1)
+
+
+def integer_output():
+    """A model whose output has no floating-point tensor: a training step has no loss to backpropagate."""
+    return _Argmax(), (torch.randn(2, 8),)
+
+
 def unused_block():
     """Three repeated blocks, of which forward runs two: blocks.2 is defined but never called."""
     return _TwoBlocks(n_blocks=3, used=2), (torch.randn(2, 8),)

@@ -161,3 +161,32 @@ def compare_with_plan(structure: Structure, *, with_plain: bool = False) -> Comp
     planned = measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs) if plan.feasible else None
     units = tuple(unit.name for unit in plan.units)
     return Comparison(structure.name, by_hand, plan.minimum_peak_bytes, units, plan.feasible, planned, plain, plan)
+
+
+def assert_same_step(model: torch.nn.Module, plan: Any, inputs: Any) -> None:
+    """One training step of `model` rewritten with `plan` has the loss, gradients and buffers of the original.
+
+    Both run with the same seeds, torch's and numpy's (dropout masks; transformers' SpecAugment draws
+    its masks with numpy), and checkpoint replays the RNG on recomputation; each gets its own copy of
+    the batch, which a forward may write into.
+    """
+    import numpy as np
+
+    import autoplan
+
+    planned = autoplan.apply(copy.deepcopy(model), plan)
+    args, kwargs = normalize_inputs(inputs)
+    losses = []
+    for net in (model, planned):
+        net.train()
+        torch.manual_seed(1)
+        np.random.seed(1)
+        output = net(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        loss = output.loss if hasattr(output, "loss") else output.sum()
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, a), b in zip(model.named_parameters(), planned.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    for (name, a), b in zip(model.named_buffers(), planned.buffers()):
+        torch.testing.assert_close(b, a, msg=name)

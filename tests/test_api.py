@@ -202,6 +202,7 @@ def test_infeasible_budget_gives_an_infeasible_plan() -> None:
     json.loads(plan.to_json())
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_optimize_with_an_infeasible_budget_raises_with_the_plan() -> None:
     first = cached_plan("gpt_long", precision="fp32")
     model, inputs = make_gpt_long()
@@ -314,6 +315,7 @@ def test_pin_pattern_matching_no_unit_raises_listing_the_units(option: str) -> N
 # -- example_inputs forms ---------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_example_inputs_as_a_tuple_and_as_kwargs() -> None:
     model, (idx,) = make_tiny_gpt()
     by_tuple = cached_plan()
@@ -325,6 +327,7 @@ def test_example_inputs_as_a_tuple_and_as_kwargs() -> None:
         assert plan.baseline_peak_bytes == by_tuple.baseline_peak_bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_example_inputs_as_args_and_kwargs_use_the_models_own_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     model, (idx,) = make_tiny_gpt()
     targets = torch.randint(0, 64, idx.shape)
@@ -346,6 +349,7 @@ def test_example_inputs_as_args_and_kwargs_use_the_models_own_loss(monkeypatch: 
     assert torch.allclose(default_loss(output), output.logits.sum())
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_custom_loss_fn_is_used() -> None:
     model, inputs = make_tiny_gpt()
     calls = []
@@ -359,6 +363,7 @@ def test_a_custom_loss_fn_is_used() -> None:
     assert calls and set(calls) == {"GPTOutput"}
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_bad_example_inputs_raise_type_error() -> None:
     model, _ = make_tiny_gpt()
     with pytest.raises(TypeError):
@@ -380,6 +385,7 @@ def test_sgd_has_less_static_memory_than_adamw() -> None:
     assert sgd.predicted_peak_bytes < adamw.predicted_peak_bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_an_optimizer_instance_works() -> None:
     model, inputs = make_tiny_gpt()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -426,6 +432,7 @@ def _train_step(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return output.loss
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_optimize_returns_the_same_model_and_it_trains() -> None:
     model, (idx,) = make_tiny_gpt()
     params = list(model.parameters())
@@ -465,6 +472,7 @@ def test_apply_rejects_what_is_not_a_plan_or_a_plan_for_another_model() -> None:
         autoplan.apply(other, cached_plan())
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plan_and_apply_graph_units_of_a_flat_model():
     # No repeated block, no Sequential: units are runs of fx nodes; the plan fits, the rewrite is
     # the caller's model (same class, same state_dict keys) and trains to the original's loss.

@@ -40,6 +40,7 @@ def per_rank_plans():
     return model, batch, plans
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_world_size_one_is_the_single_gpu_plan(per_rank_plans) -> None:
     model, batch, plans = per_rank_plans
     default = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, profile="roofline")
@@ -59,6 +60,7 @@ def test_per_rank_breakdown_adds_up_and_shrinks_with_more_gpus(per_rank_plans) -
     assert plans[4].fsdp.parameters < plans[2].fsdp.parameters
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_per_rank_budget_constrains_the_solver() -> None:
     """A budget one GPU cannot meet without checkpointing is met on 4 ranks without it."""
     model, config = tiny_llama()
@@ -71,6 +73,7 @@ def test_per_rank_budget_constrains_the_solver() -> None:
     assert one.predicted_peak_bytes > budget or not one.feasible or any(u.choice.mode != "keep" for u in one.units)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_auto_finds_the_fewest_gpus_and_shows_the_curve() -> None:
     model, batch = build("tiny", 2, 32)
     plan = autoplan.plan(model, "12MB", example_inputs=batch, device="cpu", reserve=0, world_size="auto", profile="roofline")
@@ -86,6 +89,7 @@ def test_auto_finds_the_fewest_gpus_and_shows_the_curve() -> None:
     assert f"per rank on {plan.world_size} GPUs" in report
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "two", True])
 def test_bad_world_size_is_a_clear_error(bad) -> None:
     model, batch = build("tiny", 1, 8)
@@ -93,6 +97,7 @@ def test_bad_world_size_is_a_clear_error(bad) -> None:
         autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", world_size=bad)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_optimize_without_a_process_group_says_what_to_do() -> None:
     model, batch = build("tiny", 1, 8)
     for world_size in (2, "auto"):
@@ -128,6 +133,7 @@ def two_ranks(tmp_path_factory):
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.slow  # the whole pipeline
 @distributed
 def test_fsdp_trains_like_one_process_on_both_batches(two_ranks) -> None:
     plan = two_ranks[0]["plan"]

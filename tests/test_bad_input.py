@@ -105,6 +105,11 @@ CASES = {
     "world size not ASCII": (["plan", GPT, "--budget", "1GB", "--world-size", "²"], ExitCode.USAGE, ["--world-size"]),
     "untraceable names the CLI option": (["plan", "tests/cli_factories.py:untraceable", "--budget", "1GB"],
                                          ExitCode.CANNOT_PLAN, ["--units"]),
+    # issue 25: no loss to backpropagate was "could not profile: ValueError: ..."; the model is to change
+    "integer output": (["plan", "tests/cli_factories.py:integer_output", "--budget", "1GB"], ExitCode.CANNOT_PLAN,
+                       ["no floating-point tensor", "from forward"]),
+    "integer output (verify)": (["verify", "tests/cli_factories.py:integer_output", "--budget", "1GB", "--on", "cpu"],
+                                ExitCode.CANNOT_PLAN, ["no floating-point tensor", "from forward"]),
 }
 HF_CASES = {
     # 2. a sequence longer than the model's positions
@@ -135,22 +140,26 @@ def _check(case: tuple, targets: Path):
     return result
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("case", list(CASES))
 def test_cli_bad_input(case: str, targets: Path) -> None:
     _check(CASES[case], targets)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_cli_bad_hf_config(case: str, targets: Path) -> None:
     pytest.importorskip("transformers")
     _check(HF_CASES[case], targets)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_budget_error_lists_only_what_the_cli_takes() -> None:
     line = run("plan", GPT, "--budget", "20").stderr
     assert "int of bytes" not in line and "B" in line.split("Accepted:")[1]  # "1234B" is how the CLI says bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_transformers_missing_is_exit_7(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     assert_one_line_error(run("plan", "hf:gpt2", "--budget", "1GB"), ExitCode.MISSING_EXTRA, "pip install")
@@ -159,12 +168,14 @@ def test_transformers_missing_is_exit_7(monkeypatch) -> None:
 # -- 1. over the device, on purpose ---------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_allow_over_device_plans_and_says_so() -> None:
     result = run("plan", GPT, "--budget", "240GB", "--device", "rtx-4090", "--allow-over-device")
     assert result.exit_code == ExitCode.FITS, result.output
     assert "more than rtx-4090" in words(result.stdout)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_api_budget_over_the_device() -> None:
     model, inputs = tiny_gpt()
     with pytest.raises(ValueError, match="allow_over_device=True"):
@@ -177,6 +188,7 @@ def test_api_budget_over_the_device() -> None:
 # -- 2. sequence length beyond the model's positions (API) ----------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_api_seq_len_over_the_positions(targets: Path) -> None:
     pytest.importorskip("transformers")
     from autoplan.inputs.hf_models import example_inputs_for, model_from_config
@@ -194,6 +206,7 @@ def test_api_seq_len_over_the_positions(targets: Path) -> None:
 VARYING = ("solve_time_s",)  # wall-clock time of the solver
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize(
     "options",
     [
@@ -238,6 +251,7 @@ def test_solver_time_out_is_not_infeasible() -> None:
         minimum_peak(profile, time_limit_s=0.001)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_time_out_of_the_fastest_plan_falls_back_to_a_plan_that_fits(monkeypatch) -> None:
     """When the search for the fastest plan runs out of time, the lowest-peak plan (which fits) is the answer."""
     import autoplan.solve.search as search
@@ -253,6 +267,7 @@ def test_time_out_of_the_fastest_plan_falls_back_to_a_plan_that_fits(monkeypatch
     assert any("ran out of time" in note and "time_limit_s" in note for note in plan.notes)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("limit", [0, -1, float("nan"), float("inf")])
 def test_api_time_limit_must_be_positive(limit) -> None:
     model, inputs = tiny_gpt()
@@ -260,6 +275,7 @@ def test_api_time_limit_must_be_positive(limit) -> None:
         autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", time_limit_s=limit)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("flag,value", [("fuse_loss", "no"), ("segments", 0), ("compile", "False"), ("allow_over_device", None)])
 def test_api_yes_no_arguments_take_bools_only(flag, value) -> None:
     """`fuse_loss="no"` is truthy: read as a bool it would fuse the loss the caller asked to keep."""
@@ -280,6 +296,7 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_torch_logs_are_silent_without_debug() -> None:
     handler = _Records()
     # torch's loggers do not all propagate (torch._logging gives some their own handlers): listen to each
@@ -300,6 +317,7 @@ def test_torch_logs_are_silent_without_debug() -> None:
 # -- 10. a repeated block that never runs -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_block_that_never_runs_is_skipped_and_named(tmp_path) -> None:
     path = tmp_path / "plan.json"
     result = run("plan", "tests/cli_factories.py:unused_block", "--budget", "1GB", "--json", str(path))
@@ -324,6 +342,7 @@ def _autoplan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, process.returncode, "", stderr)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_closed_pipe_sibling_imports_and_a_profile_py_in_the_working_directory(tmp_path) -> None:
     """One process (each costs seconds of imports) for the three things only a real process shows:
     the target's sibling module imports from another directory (exit 5 if not), the working
@@ -358,12 +377,14 @@ def test_closed_pipe_sibling_imports_and_a_profile_py_in_the_working_directory(t
 # -- 12. the smaller ones ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_graph_unit_names_survive_the_report() -> None:
     result = run("plan", "tests/models.py:make_flat", "--budget", "1GB", "--device", "h100")
     assert result.exit_code == ExitCode.FITS, result.output
     assert "graph[fc_in:gelu]" in result.stdout
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_api_accepts_numpy_integers_and_torch_devices() -> None:
     numpy = pytest.importorskip("numpy")
     model, inputs = tiny_mlp()
@@ -375,6 +396,7 @@ def test_api_accepts_numpy_integers_and_torch_devices() -> None:
         autoplan.plan(model, numpy.bool_(True), example_inputs=inputs, device="cpu")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_api_units_with_a_typo() -> None:
     model, inputs = tiny_gpt()
     with pytest.raises(ValueError, match="typo"):
@@ -384,6 +406,7 @@ def test_api_units_with_a_typo() -> None:
 # -- 13. an integer batch into a float model -------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_integer_batch_into_a_float_layer_is_refused_not_planned() -> None:
     """Fake tensors' matmul accepts int64 × float32; the real kernel refuses it: no plan may say FITS."""
     from autoplan.errors import ProfileError
@@ -414,6 +437,7 @@ def test_random_option_values_exit_cleanly(option: str, value: str) -> None:
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("option,value,says", [
     ("menu_size", -1, "menu_size takes a whole number"), ("menu_size", 2.5, "menu_size takes a whole number"),
     ("profile", "gpu", "profile must be 'auto', 'measure' or 'roofline'; got 'gpu'"),
@@ -429,6 +453,7 @@ def test_api_options_are_checked_before_tracing(option, value, says) -> None:
 # -- a newcomer's hour (issue 27): each rough edge, one line ----------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize(("budget", "says"), [("20Gb", "Gb is gigabits; write GB for bytes"), ("512Mb", "Mb is megabits"),
                                               ("0", "a budget must be positive")])
 def test_budgets_a_newcomer_mistypes_say_what_they_are(budget: str, says: str) -> None:
@@ -436,6 +461,7 @@ def test_budgets_a_newcomer_mistypes_say_what_they_are(budget: str, says: str) -
     assert_one_line_error(result, ExitCode.USAGE, says)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_cuda_as_a_device_is_this_machines_gpu_or_says_to_name_one() -> None:
     result = run("plan", MLP, "--budget", "1GB", "--device", "cuda")
     if torch.cuda.is_available():
@@ -444,6 +470,7 @@ def test_cuda_as_a_device_is_this_machines_gpu_or_says_to_name_one() -> None:
         assert_one_line_error(result, ExitCode.USAGE, "not a CUDA device of this machine", "name the GPU to plan for")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_an_empty_batch_is_refused() -> None:
     model, _ = tiny_mlp()
     with pytest.raises(OptionError, match="the batch is empty: argument 0 has shape \\(0, 8\\)"):
@@ -452,6 +479,7 @@ def test_an_empty_batch_is_refused() -> None:
     assert result.exit_code == ExitCode.USAGE, result.output  # typer's own check: batch size ≥ 1
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plan_and_verify_train_with_grad_whatever_the_callers_grad_mode() -> None:
     """Issue 27: plan() under torch.no_grad() (or after a factory's torch.set_grad_enabled(False)) gave torch's
     "element 0 of tensors does not require grad"; a training step is planned, and the caller's mode is left as it was."""
@@ -465,6 +493,7 @@ def test_plan_and_verify_train_with_grad_whatever_the_callers_grad_mode() -> Non
     assert result.held
 
 
+@pytest.mark.slow  # a process
 def test_a_factory_that_turns_grad_off_is_planned_in_a_real_process(tmp_path) -> None:
     path = write(tmp_path / "no_grad_factory.py", """\
         import torch
@@ -480,6 +509,7 @@ def test_a_factory_that_turns_grad_off_is_planned_in_a_real_process(tmp_path) ->
     assert done.stdout.startswith("FITS") and "does not require grad" not in done.stderr
 
 
+@pytest.mark.slow  # a process
 def test_a_closed_stdout_is_an_output_error_not_the_models() -> None:
     """Issue 27: `autoplan plan ... >&-` ended with exit 6, "cannot plan _TwoBlocks: AttributeError: 'NoneType'
     object has no attribute 'flush'", blaming the model; the report has nowhere to go: exit 8, one line."""
@@ -493,6 +523,7 @@ def test_a_closed_stdout_is_an_output_error_not_the_models() -> None:
                                         "instead (> report.txt, or > /dev/null with --json FILE)"]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_frozen_model_says_it_has_nothing_to_train() -> None:
     model, inputs = tiny_mlp()
     model.requires_grad_(False)
@@ -500,6 +531,7 @@ def test_a_frozen_model_says_it_has_nothing_to_train() -> None:
         autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize(("factory", "target", "code", "says"), [
     ("def build():\n    import torch\n    return torch.nn.Linear(2, 2), (torch.randn(1, 2),), 1\n", "build", ExitCode.FACTORY_FAILED,
      "build() must return (model, example_inputs); it returned 3 items"),
@@ -510,10 +542,12 @@ def test_a_factory_that_is_not_one_says_what_it_is(tmp_path, factory, target, co
     assert_one_line_error(run("plan", f"{path}:{target}", "--budget", "1GB"), code, says)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_folder_as_target_says_to_name_the_file_in_it(tmp_path) -> None:
     assert_one_line_error(run("plan", f"{tmp_path}:build", "--budget", "1GB"), ExitCode.NOT_FOUND, "is a folder: name the .py file in it")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_factorys_prints_go_to_stderr_when_the_json_goes_to_stdout(tmp_path) -> None:
     """`--json -` pipes into json.load even when the target prints while it builds and runs (a real process)."""
     path = write(tmp_path / "loud.py", """\
@@ -531,11 +565,13 @@ def test_a_factorys_prints_go_to_stderr_when_the_json_goes_to_stdout(tmp_path) -
     assert "building the model..." in done.stderr and "building" not in done.stdout
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_bf16_on_a_card_without_it_is_a_bad_option_in_cli_words() -> None:
     result = run("plan", MLP, "--budget", "1GB", "--device", "t4", "--precision", "bf16")
     assert_one_line_error(result, ExitCode.USAGE, "--precision bf16", "t4 has no bf16", "'fp16'")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_verify_of_a_meta_model_says_it_needs_weights(tmp_path) -> None:
     path = write(tmp_path / "meta_model.py", """\
         import torch
@@ -558,6 +594,7 @@ def _interrupted(process: subprocess.Popen, already: str = "") -> str:
     return stderr
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_ctrl_c_exits_130_with_one_line_in_imports_and_in_planning() -> None:
     """Ctrl-C (issue 27 item 8): during the seconds of torch imports, and while planning runs the
     model on fake tensors, `autoplan` ends with exit 130 and "autoplan: interrupted", no traceback

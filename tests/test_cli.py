@@ -60,6 +60,7 @@ def lowest_peak() -> int:
 # -- help and devices --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_help_lists_commands_and_every_plan_option() -> None:
     top = run("--help")
     assert top.exit_code == 0 and "plan" in top.output and "devices" in top.output
@@ -89,6 +90,7 @@ ANSWERED_BEFORE_TORCH = {
 }
 
 
+@pytest.mark.slow  # a process
 def test_help_and_mistyped_options_are_answered_before_torch_is_imported(tmp_path) -> None:
     """`--help`, `devices` and an option's bad value cost no torch import (3–6 s on a laptop): the
     command's own process, through its entry point, imports torch only to plan (issue 27)."""
@@ -120,6 +122,7 @@ def test_help_and_mistyped_options_are_answered_before_torch_is_imported(tmp_pat
         assert not torch_imported, f"autoplan {call} imported torch"
 
 
+@pytest.mark.slow  # a process
 def test_the_package_imports_its_public_names_when_first_used() -> None:
     """`import autoplan` is light, and `autoplan.plan`/`apply`/`verify` stay the functions once their
     namesake modules (autoplan/plan.py, autoplan/apply/, autoplan/verify/) are imported."""
@@ -140,6 +143,7 @@ def test_devices_lists_every_profile_with_its_memory() -> None:
     assert f"{DEVICES['h100-80gb'].memory_bytes / 2**30:.0f} GiB" in result.output
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_devices_reads_at_80_columns_in_both_units() -> None:
     result = runner.invoke(app, ["devices"], env={"COLUMNS": "80"})
     assert result.exit_code == 0
@@ -152,6 +156,7 @@ def test_devices_reads_at_80_columns_in_both_units() -> None:
 # -- plan: report, JSON, options -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plan_that_fits_report_and_json_schema(tmp_path) -> None:
     result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", "1GB", "--device", "h100-80gb")
     assert result.exit_code == ExitCode.FITS, result.output
@@ -186,6 +191,7 @@ def test_plan_that_fits_report_and_json_schema(tmp_path) -> None:
     assert "what to change, in order" in out
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_compile_plans_for_torch_compile_and_says_so(tmp_path) -> None:
     """--compile is autoplan.plan(compile=True): times priced as compiled, the code to apply it says so,
     and the advice's compile step points a plan without it at --compile (issue 27, first hour)."""
@@ -204,6 +210,7 @@ def test_compile_plans_for_torch_compile_and_says_so(tmp_path) -> None:
     assert "this plan was made for it" in advice["roofline, compiled (elementwise fused)"]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plan_that_does_not_fit_exits_3_with_advice(tmp_path, lowest_peak) -> None:
     budget = str(lowest_peak - 2**16)  # bytes just under the lowest reachable peak
     result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", f"{budget}B", "--device", "h100", "--reserve", "0")
@@ -229,6 +236,7 @@ def test_plan_that_does_not_fit_exits_3_with_advice(tmp_path, lowest_peak) -> No
     assert f"{fsdp['world_size']} × h100-80gb" in steps["fsdp"]["detail"]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_options_reach_the_plan(tmp_path) -> None:
     result, doc = run_json(
         tmp_path, "plan", "tests.cli_factories:tiny_gpt", "--budget", "2GB", "--device", "a100-80gb",
@@ -263,6 +271,7 @@ def test_precision_bf16_puts_every_unit_in_bf16(tmp_path) -> None:
     assert doc["advice"]["steps"][0]["status"] == "chosen"
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_wide_model_on_meta_recommends_the_smallest_fsdp_size(tmp_path) -> None:
     result, doc = run_json(tmp_path, "plan", "tests/cli_factories.py:wide_gpt_on_meta", "--budget", "8GB", "--device", "rtx-4090")
     assert result.exit_code == ExitCode.DOES_NOT_FIT, result.output
@@ -279,6 +288,7 @@ def test_wide_model_on_meta_recommends_the_smallest_fsdp_size(tmp_path) -> None:
     assert f"{n} × rtx-4090: per GPU {format_bytes(fsdp['total'])}" in words(result.stdout)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plot_writes_an_image(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "memory.svg"
@@ -290,6 +300,7 @@ def test_plot_writes_an_image(tmp_path) -> None:
 # -- errors: one line on stderr, documented exit codes --------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize(
     "args, code, fragment",
     [
@@ -306,6 +317,7 @@ def test_bad_option_values(args, code, fragment) -> None:
     assert_one_line_error(run("plan", FACTORY, *args), code, fragment)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize(
     "target, code, fragment",
     [
@@ -322,22 +334,26 @@ def test_bad_targets(target, code, fragment) -> None:
     assert_one_line_error(run("plan", target, "--budget", "1GB"), code, fragment)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_option_a_factory_does_not_take() -> None:
     result = run("plan", "tests/cli_factories.py:no_sizes", "--budget", "1GB", "--batch-size", "2")
     assert_one_line_error(result, ExitCode.USAGE, "no_sizes() takes no batch_size", "--batch-size")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_units_matching_nothing() -> None:
     result = run("plan", FACTORY, "--budget", "1GB", "--units", "layers.*")
     assert_one_line_error(result, ExitCode.USAGE, "layers.*")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_debug_shows_the_traceback() -> None:
     result = run("plan", "tests/cli_factories.py:raises", "--budget", "1GB", "--debug")
     assert result.exit_code == ExitCode.FACTORY_FAILED
     assert "Traceback" in result.stderr and "the dataset is not downloaded" in result.stderr
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_unwritable_json(tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -345,6 +361,7 @@ def test_unwritable_json(tmp_path) -> None:
     assert result.exit_code == ExitCode.OUTPUT_FAILED and "cannot write" in result.stderr
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     result = run("plan", FACTORY, "--budget", "1GB", "--plot", str(tmp_path / "m.png"))
@@ -372,6 +389,7 @@ def test_hf_local_config(tmp_path) -> None:
     assert len(doc["plan"]["units"]) == 2
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_hf_unknown_preset() -> None:
     result = run("plan", "hf:no-such-model", "--budget", "1GB")
     assert_one_line_error(result, ExitCode.NOT_FOUND, "no-such-model", "llama-3-70b", "config.json")
@@ -381,6 +399,7 @@ def test_hf_unknown_preset() -> None:
 # -- verify ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_verify_on_cpu_runs_real_steps_and_reports_the_measured_peak(tmp_path):
     path = tmp_path / "verify.json"
     result = run("verify", FACTORY, "--budget", "200MB", "--on", "cpu", "--steps", "2", "--json", str(path))
@@ -395,6 +414,7 @@ def test_verify_on_cpu_runs_real_steps_and_reports_the_measured_peak(tmp_path):
     assert document["plan"]["predicted_peak_bytes"] == verification["predicted_peak_bytes"]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_verify_shows_the_plan_it_checked_and_what_the_step_times_are(tmp_path):
     """Issue 27, first hour: verify printed only its table, and the time row (seconds measured against
     microseconds predicted, no error) did not say what either number was."""
@@ -417,6 +437,7 @@ def test_verify_shows_the_plan_it_checked_and_what_the_step_times_are(tmp_path):
     assert verification["planned_device"] == "cpu"
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_verify_runs_the_loss_as_planned_fused_or_as_written(tmp_path):
     factory = "examples/llama.py:build"  # its Llama returns its loss: at batch 8 × 256 the head is fused
     measured = {}
@@ -432,11 +453,13 @@ def test_verify_runs_the_loss_as_planned_fused_or_as_written(tmp_path):
     assert measured["--fuse-loss"][1] < measured["--loss-as-written"][1]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_verify_exits_does_not_fit_when_no_plan_fits(lowest_peak):
     result = run("verify", FACTORY, "--budget", f"{lowest_peak // 2}B", "--on", "cpu", "--reserve", "0")
     assert result.exit_code == ExitCode.DOES_NOT_FIT, result.output
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_verify_option_errors():
     assert run("verify", FACTORY, "--budget", "200MB", "--steps", "1").exit_code == ExitCode.USAGE
     assert_one_line_error(run("verify", FACTORY, "--budget", "200MB", "--on", "tpu"), ExitCode.USAGE, "--on")
@@ -444,6 +467,7 @@ def test_verify_option_errors():
         assert_one_line_error(run("verify", FACTORY, "--budget", "200MB", "--on", "cuda"), ExitCode.USAGE, "no CUDA")
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("solver", ["highs", "cbc"])
 def test_json_to_stdout_is_json_on_the_real_file_descriptor(solver: str) -> None:
     """The installed command as a separate process: the solver's C++ banner (highspy ≥ 1.16 prints it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import autoplan
@@ -15,6 +16,7 @@ from tests.handmade import checkpoint_by_hand, measured_step
 from tests.structures import by_name
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_measured_step_counts_what_verify_counts():
     structure = by_name("blocks in a ModuleDict, called by key")
     model, inputs = structure.build()

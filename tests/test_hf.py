@@ -175,6 +175,7 @@ def test_default_seq_len_is_the_config_maximum_capped() -> None:
     assert default_seq_len(model_from_config("gpt2")) == 1024
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plan_without_inputs_needs_a_hf_model_and_not_both_ways() -> None:
     with pytest.raises(ValueError, match="example_inputs is required"):
         autoplan.plan(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), "1GB", batch_size=2)
@@ -183,6 +184,7 @@ def test_plan_without_inputs_needs_a_hf_model_and_not_both_ways() -> None:
         autoplan.plan(model, "1GB", example_inputs=example_inputs_for(model, 1, 8), seq_len=8)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_model_without_labels_backpropagates_the_sum_of_its_outputs_and_loss_fn_overrides() -> None:
     import transformers
 
@@ -229,6 +231,7 @@ def _tiny_llama_json(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_meta_model_plans_exactly_like_the_same_model_with_weights(tmp_path) -> None:
     spec = _tiny_llama_json(tmp_path)
     meta, real = model_from_config(spec), model_from_config(spec, meta=False)
@@ -241,6 +244,7 @@ def test_a_meta_model_plans_exactly_like_the_same_model_with_weights(tmp_path) -
         autoplan.apply(meta, plans[0])
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_a_loop_that_leaves_the_cache_on_trains_as_the_original(mode: str) -> None:
     """`model(**batch)` in training, use_cache left at the config's True: a checkpointed layer must not

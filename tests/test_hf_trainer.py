@@ -61,6 +61,7 @@ def lowest_and_no_plan_peaks(micro_batch: int) -> tuple[int, int]:
 
 # -- the argument changes -------------------------------------------------------------------
 
+@pytest.mark.slow  # the whole pipeline
 def test_checkpointing_is_turned_off_because_the_plan_checkpoints_per_layer(tmp_path) -> None:
     lowest, no_plan = lowest_and_no_plan_peaks(4)
     model = tiny_llama()
@@ -79,6 +80,7 @@ def test_checkpointing_is_turned_off_because_the_plan_checkpoints_per_layer(tmp_
     assert setup.loop.keep_outputs is False and setup.loop.accumulation_steps == 1
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_the_checkpointing_change_counts_layers_not_segments(tmp_path) -> None:
     """Issue 27: a plan of 6 layers, two of them one checkpointed segment, said "checkpoints 5 of 5 layers"."""
     from autoplan.hf import _changes
@@ -94,6 +96,7 @@ def test_the_checkpointing_change_counts_layers_not_segments(tmp_path) -> None:
     assert change.name == "activation_checkpointing" and change.reason.startswith("the plan checkpoints 5 of 6 layers itself")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_batch_that_does_not_fit_is_split_into_accumulated_micro_batches(tmp_path) -> None:
     lowest_at_2, _ = lowest_and_no_plan_peaks(2)
     lowest_at_4, _ = lowest_and_no_plan_peaks(4)
@@ -109,6 +112,7 @@ def test_a_batch_that_does_not_fit_is_split_into_accumulated_micro_batches(tmp_p
     assert setup.plan.feasible
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_nothing_fits_even_one_example_raises_with_the_plan(tmp_path) -> None:
     lowest_at_2, _ = lowest_and_no_plan_peaks(2)
     model = tiny_llama()
@@ -119,6 +123,7 @@ def test_nothing_fits_even_one_example_raises_with_the_plan(tmp_path) -> None:
     assert autoplan.planned_choices(model) == {}  # nothing applied
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_bf16_arguments_plan_the_whole_forward_under_bf16_autocast(tmp_path) -> None:
     setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path, bf16=True), "100%", device="cpu", reserve=0,
                                  seq_len=SEQ, apply=False)
@@ -127,6 +132,7 @@ def test_bf16_arguments_plan_the_whole_forward_under_bf16_autocast(tmp_path) -> 
     assert setup.changes == ()
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_sequence_length_comes_from_the_longest_examples_of_the_dataset(tmp_path) -> None:
     rows = dataset(8, lengths=(8, 24, 16))
     collated = []
@@ -144,6 +150,7 @@ def test_sequence_length_comes_from_the_longest_examples_of_the_dataset(tmp_path
     assert collated[0]["input_ids"].shape == (2, 24)  # the two longest examples, not the first two (8 and 24)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_without_a_sequence_length_or_data_it_says_what_to_pass(tmp_path) -> None:
     with pytest.raises(ValueError, match="seq_len=.*train_dataset="):
         optimize_for_trainer(tiny_llama(2), arguments(tmp_path), "100%", device="cpu", apply=False)
@@ -192,6 +199,7 @@ def test_an_optimizer_autoplan_cannot_count_is_a_clear_error(tmp_path) -> None:
 
 # -- the callback and the example ------------------------------------------------------------
 
+@pytest.mark.slow  # the whole pipeline
 def test_callback_prints_the_plan_at_train_begin_and_measures_nothing_on_the_cpu(tmp_path) -> None:
     from transformers import TrainerControl, TrainerState
 

@@ -318,6 +318,7 @@ def test_a_budget_over_the_card_says_both_units() -> None:
     assert "30.00 GB" in message and "24.00 GiB = 25.77 GB" in message and '"100%"' in message
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_the_plan_notes_how_the_budget_was_read() -> None:
     import torch
 
@@ -329,6 +330,7 @@ def test_the_plan_notes_how_the_budget_was_read() -> None:
     assert any("read as rtx-4090's whole memory" in note for note in plan.notes)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_budget_allowed_over_the_card_is_told_apart_from_it() -> None:
     """85.91 GB over an 85.90 GB card: one unit alone printed both as "85.9 GB"."""
     import torch

@@ -74,6 +74,7 @@ def _attention_flops(batch: int, heads: int, length: int, head_dim: int) -> int:
     return 4 * batch * heads * length * length * head_dim  # Q·Kᵀ and P·V, 2 FLOPs a multiply-add
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_gpu_plan_of_gpt2_with_dropout_counts_what_cuda_keeps() -> None:
     """GPT-2-style attention dropout sends the CPU to the math path (T×T kept); a GPU plan counts the fused kernel."""
     batch, heads, length = 2, 2, 256
@@ -103,6 +104,7 @@ def test_attention_is_priced_in_a_gpu_profile_and_recompute_is_not_free() -> Non
     assert "compute capability 9.0" in measured.timeline.target_kernels
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_checkpointed_units_recompute_attention_as_the_card_runs_it() -> None:
     """The checkpoint's recomputation in backward runs the same kernel as the forward (else torch refuses the replay)."""
     model, inputs = make_tiny_gpt_dropout()
@@ -146,6 +148,7 @@ def test_sdpa_is_the_cpus_again_after_a_gpu_simulation() -> None:
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), expected)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("device", ["cpu", "h100-80gb"])
 def test_multihead_attention_with_dropout_checkpointed_trains_like_the_original(device: str) -> None:
     """Issue 27 item 1: blocks of nn.MultiheadAttention(dropout=0.1) checkpointed in fp32 plan (no
@@ -167,6 +170,7 @@ def test_multihead_attention_with_dropout_checkpointed_trains_like_the_original(
         assert torch.equal(b.grad, a.grad), name
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_multihead_attention_with_dropout_plans_from_the_command_line() -> None:
     model, inputs = mha_dropout()
     lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes

@@ -134,6 +134,7 @@ class _AttentionStack(nn.Module):
         return x
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_plan_that_recomputes_attention_counts_its_flops():
     torch.manual_seed(0)
     batch, tokens, width, heads = 2, 256, 64, 4
@@ -178,6 +179,7 @@ class _FlexBlock(_Attention):
         return x + self.out(flex_attention(q, k, v).transpose(1, 2).reshape(b, t, width))
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_training_flex_attention_on_cpu_fakes_is_a_clean_error_naming_the_cause():
     """torch refuses FlexAttention's backward on a CPU, and the simulation's fake tensors are CPU tensors."""
     pytest.importorskip("torch.nn.attention.flex_attention")

@@ -107,6 +107,7 @@ def test_imports_only_go_towards_earlier_stages():
     assert not backward, "imports running back up the pipeline:\n" + "\n".join(backward)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_the_vocabulary_imports_nothing_else_of_autoplan():
     for module in ("autoplan.plan", "autoplan.errors"):
         imported = _imports(module, _modules()[module])

@@ -125,6 +125,7 @@ def test_each_loop_field_changes_the_predicted_peak_the_way_it_changes_memory():
     assert impl["foreach"] > impl["for-loop"] > impl["fused"]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_the_plan_states_the_loop_it_assumed():
     loop = TrainingLoop(keep_outputs=False, accumulation_steps=4, optimizer_impl="fused")
     model, inputs = ALL_MODELS["tiny_gpt"]()
@@ -136,6 +137,7 @@ def test_the_plan_states_the_loop_it_assumed():
     assert autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu").loop == TrainingLoop()  # the common loop
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_bad_loops_are_clear_errors():
     with pytest.raises(ValueError, match="accumulation_steps"):
         TrainingLoop(accumulation_steps=0)
@@ -152,6 +154,7 @@ def test_bad_loops_are_clear_errors():
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop=TrainingLoop(loss_in_model=True))
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_cli_loop_options_reach_the_plan_and_verify_runs_that_loop(tmp_path):
     from typer.testing import CliRunner
 
@@ -170,6 +173,7 @@ def test_cli_loop_options_reach_the_plan_and_verify_runs_that_loop(tmp_path):
     assert -TOLERANCE <= verification["peak_error"] <= 0
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("loop", [KEPT, TrainingLoop(keep_outputs=False, accumulation_steps=2)], ids=["kept", "dropped-accumulated"])
 def test_a_loop_shape_is_simulated_and_measured_by_the_same_runner(monkeypatch, loop):
     """A change to the step's one runner (here: the loop also holding a 1 MiB tensor from each

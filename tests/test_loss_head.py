@@ -133,6 +133,7 @@ def test_without_gradients_the_loss_runs_as_written_and_a_second_derivative_is_r
     assert remove_plan(fused).__dict__.get("forward") is None
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_the_plan_fuses_the_head_only_where_that_is_the_fastest_plan_that_fits():
     """Fusing costs time (the head's gradients in fp32, chunk by chunk); it is chosen like any choice: where a
     budget is loose the loss stays as written, where only the fused head fits it is fused, and the measured
@@ -159,6 +160,7 @@ def test_the_plan_fuses_the_head_only_where_that_is_the_fastest_plan_that_fits()
     assert autoplan.plan(model, tight_bytes, **options, compile=True).fused_loss == ""
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_fused_only_where_it_is_the_faster_plan_that_fits():
     """A caller that keeps the logits through backward keeps the head's input alive with them: that phase
     would hold more fused, so the loss stays as written; dropping the outputs first, the faster of fusing

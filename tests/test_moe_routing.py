@@ -112,6 +112,7 @@ def test_transformers_eager_experts_plan_hold_and_train():
     assert_trains_the_same(Structure("eager Mixtral", build, transformers_checkpointing=True), plan)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_command_line_capacity_reaches_the_plan(tmp_path):
     from typer.testing import CliRunner
 

@@ -260,6 +260,7 @@ def test_report_json_and_advice_say_where_saved_bytes_live():
     assert json.loads(plan.to_json())["host_budget_bytes"] == plan.host_budget_bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_command_line_turns_offload_off(tmp_path):
     factory = tmp_path / "net.py"
     factory.write_text(f"import sys\nsys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[1])!r})\n"
@@ -283,6 +284,7 @@ def test_by_hand_offload_is_a_floor_candidate(measured):
     assert [c.offloaded for c in partial.values()] == [True, True, False, False]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_floor_is_never_above_transformers_offload_by_hand():
     """transformers' activation_checkpointing_enable(offload=True): every layer full, its inputs on the host.
 
@@ -306,6 +308,7 @@ def test_floor_is_never_above_transformers_offload_by_hand():
     assert plan.minimum_peak_bytes <= by_hand.peak_bytes < on_device.minimum_peak_bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_offload_never_raises_the_floor():
     """transformers' ResNet: the lowest-peak program, given host twins, found a mix of keep and full the
     linear model under-predicts (26 KB, shared tensors it does not see) and the floor rose above the

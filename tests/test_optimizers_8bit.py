@@ -70,6 +70,7 @@ def expected_state_bytes(name: str, params: list[torch.Tensor]) -> int:
     return total + (moments * rounded_bytes(256 * 4) if any_8bit else 0)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("name", NAMES)
 def test_prediction_equals_real_steps_by_name(name):
     model, x = mlp(), mlp_input()
@@ -80,6 +81,7 @@ def test_prediction_equals_real_steps_by_name(name):
     assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("name", NAMES)
 def test_state_counted_is_what_bitsandbytes_allocates(name):
     model, x = mlp(), mlp_input()
@@ -100,6 +102,7 @@ def test_state_counted_is_what_bitsandbytes_allocates(name):
         assert plan.breakdown.optimizer < adamw.breakdown.optimizer * 0.6
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("cls", [bnb.optim.AdamW8bit, bnb.optim.Adam8bit, bnb.optim.PagedAdamW, bnb.optim.PagedAdamW8bit,
                                  bnb.optim.Lion8bit])
 def test_instance_of_a_llama_full_finetune_is_planned_and_measured(cls):
@@ -115,6 +118,7 @@ def test_instance_of_a_llama_full_finetune_is_planned_and_measured(cls):
     assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_instance_settings_decide_the_state():
     """min_8bit_size lives in the optimizer's args, not its defaults: a rebuilt optimizer keeps it."""
     model, x = mlp(), mlp_input()
@@ -123,6 +127,7 @@ def test_instance_settings_decide_the_state():
     assert plan.breakdown.optimizer == expected_state_bytes("paged-adamw", list(model.parameters()))
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_planned_model_trains_as_the_unplanned_one_with_adamw8bit():
     model, inputs = tiny_llama()
     twin = copy.deepcopy(model)
@@ -148,6 +153,7 @@ def test_planned_model_trains_as_the_unplanned_one_with_adamw8bit():
     assert all(torch.equal(a, b) for a, b in zip(planned_weights, plain_weights))
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("name", ["adamw8bit", "paged-adamw8bit", "lion8bit"])
 def test_cli_takes_the_names(tmp_path, name):
     out = tmp_path / "plan.json"
@@ -158,6 +164,7 @@ def test_cli_takes_the_names(tmp_path, name):
     assert plan["optimizer"] == name and plan["breakdown"]["optimizer"] > 0
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_missing_bitsandbytes_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(quantized_optim, "bitsandbytes_available", lambda: False)
     with pytest.raises(MissingExtraError, match=r'pip install -e "\.\[qlora\]"'):
@@ -175,6 +182,7 @@ def test_quantization_maps_outside_fake_mode_are_bitsandbytes_own():
     assert bnb.functional.create_dynamic_map.__module__ == "bitsandbytes.functional"
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("paged, unpaged", [("paged-adamw8bit", "adamw8bit"), ("paged-adamw", "paged-adamw32bit")])
 def test_paged_state_is_off_a_gpus_device_bytes(paged, unpaged):
     """On a GPU target bitsandbytes puts the moments of parameters of at least 1e5 elements in unified

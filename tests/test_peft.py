@@ -78,6 +78,7 @@ def test_adapters_save_and_merge_after_apply_and_remove_plan(tmp_path):
         torch.testing.assert_close(merged(**inputs).logits, merged_reference(**inputs).logits)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_merging_a_planned_model_keeps_the_plan_and_trains_as_the_merged_original():
     model, inputs = lora_model("qwen2"), batch()
     reference = lora_model("qwen2")

@@ -97,6 +97,7 @@ def test_verify_refuses_another_model(narrow_plan):
     assert autoplan.planned_choices(wide) == {}
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_verify_and_optimize_take_the_model_and_batch_planned():
     model = _net()
     plan = autoplan.plan(model, "1GB", example_inputs=_batch(), device="cpu", precision="fp32")

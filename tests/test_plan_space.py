@@ -20,13 +20,12 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
 import autoplan
-from autoplan.inputs.batch import normalize_inputs
 from autoplan.planned.forwards import apply_choices, planned_choices
 from autoplan.trace.tracer import trace
 from autoplan.trace.units import unit_levels
 from tests.generated import module_trees, structure_of
 from autoplan.instruments.fake import ROUTING_NOTE
-from tests.handmade import Comparison, checkpoint_by_hand, compare_with_plan, measured_step
+from tests.handmade import Comparison, assert_same_step, checkpoint_by_hand, compare_with_plan, measured_step
 from tests.structures import STRUCTURES, Structure, by_name
 
 
@@ -39,21 +38,7 @@ def assert_never_worse_than_by_hand(row: Comparison) -> None:
 
 def assert_trains_the_same(structure: Structure, plan: autoplan.Plan) -> None:
     model, inputs = structure.build()
-    planned = autoplan.apply(copy.deepcopy(model), plan)
-    args, kwargs = normalize_inputs(inputs)
-    losses = []
-    for net in (model, planned):
-        net.train()
-        torch.manual_seed(1)  # dropout draws the same masks (checkpoint replays the RNG on recompute)
-        output = net(*args, **kwargs)
-        loss = output.loss if hasattr(output, "loss") else output.sum()
-        loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[1], losses[0])
-    for (name, a), b in zip(model.named_parameters(), planned.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, msg=name)
-    for (name, a), b in zip(model.named_buffers(), planned.buffers()):
-        torch.testing.assert_close(b, a, msg=name)
+    assert_same_step(model, plan, inputs)
 
 
 def check_structure(structure: Structure) -> None:
@@ -119,6 +104,7 @@ def test_a_shared_block_is_one_unit_per_call_with_one_set_of_parameters():
     assert planned_choices(planned) == {}
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("structure", MOE, ids=lambda s: s.name)
 def test_mixture_of_experts_plans_rewrites_and_trains(structure):
     pytest.importorskip("transformers")

@@ -160,6 +160,7 @@ def _tiny_llama():
     return Llama(config), example_batch(config, 2, 64)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plan_carries_the_chosen_policy_into_json_and_report():
     model, inputs = _tiny_llama()
     roomy = autoplan.plan(model, "100%", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=6)

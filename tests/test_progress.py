@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -56,6 +57,7 @@ def test_quick_work_and_disabled_progress_write_nothing() -> None:
         assert buffer.getvalue() == "", (enabled, delay)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_plan_with_json_on_stdout_writes_only_the_document_there() -> None:
     result = CliRunner().invoke(app, ["plan", FACTORY, "--budget", "1GB", "--device", "h100", "--json", "-"])
     assert result.exit_code == 0, result.output

@@ -84,6 +84,7 @@ def test_8bit_base_prediction_equals_real_steps_in_the_common_loop(saved_llama):
     assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_packed_weights_and_quant_state_count_as_parameters(saved_llama):
     model = quantized(saved_llama, "nf4-double")
     state = quantization_state_tensors(model)
@@ -138,6 +139,7 @@ def test_4bit_matmul_flops_are_counted(saved_llama):
     assert tracker.phases()[0].flops == 2 * 15 * CONFIG["intermediate_size"] * CONFIG["hidden_size"]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_planned_qlora_trains_as_the_unplanned_model(saved_llama):
     inputs = batch()
     model = quantized(saved_llama, "nf4-double", compute=torch.float32)
@@ -166,6 +168,7 @@ def test_planned_qlora_trains_as_the_unplanned_model(saved_llama):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # Adam normalises tiny gradient differences
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_4bit_base_plans_for_a_gpu_and_8bit_says_it_cannot(saved_llama):
     plan = autoplan.plan(quantized(saved_llama, "nf4-double"), "24GB", example_inputs=batch(), device="rtx-4090")
     assert plan.feasible and plan.device == "rtx-4090"

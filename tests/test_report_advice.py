@@ -147,6 +147,7 @@ def test_checkpointing_step_is_measured_against_keeping_everything(tight) -> Non
     assert step.status == "chosen" and step.saves_bytes == predict_peak(profile, kept).bytes - plan.predicted_peak_bytes > 0
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_gradient_accumulation_is_verified_by_replanning(tight) -> None:
     _, plan, profile = tight
     calls = []
@@ -334,6 +335,7 @@ def test_least_activation_choices_put_kept_bytes_first():
     assert least_activation_choices(SimpleNamespace(units=(unit,))) == {"layers.0": full}
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_compile_advice_makes_no_roofline_split_of_measured_times() -> None:
     """Measured CPU times against the CPU profile's guessed FLOP rate read as "0 s of memory traffic"."""
     import autoplan

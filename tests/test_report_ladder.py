@@ -69,6 +69,7 @@ def test_ladder_rungs_are_cumulative_and_the_first_that_fits_is_marked(ladder_ru
     assert len(marked) == 1 and rungs[first]["title"].split("(")[0].strip() in marked[0]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_ladder_apply_code_names_the_libraries_of_the_rungs_taken(ladder_run):
     result, document = ladder_run
     ladder = document["advice"]["ladder"]
@@ -120,6 +121,7 @@ def _real_qlora(path, settings: QLoraSettings):
     return peft.get_peft_model(model, config)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("settings", [QLoraSettings(), QLoraSettings(quant_type="fp4", double_quant=False, rank=8)],
                          ids=["nf4-double", "fp4"])
 def test_qlora_twin_plans_as_a_real_4bit_load(tmp_path, settings):
@@ -166,6 +168,7 @@ def test_adamw8bit_state_formula_equals_bitsandbytes_state():
     assert unique_storage_bytes(state) == adamw8bit_state_bytes([p.numel() for p in params])
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_ladder_without_the_qlora_extra_is_one_line_and_exit_7(tiny_config, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import of it now fails, as when it is not installed
     result = runner.invoke(app, ["plan", f"hf:{tiny_config}", "--budget", "4MB", "--device", "cpu", "--ladder"])
@@ -175,6 +178,7 @@ def test_ladder_without_the_qlora_extra_is_one_line_and_exit_7(tiny_config, monk
     assert "Traceback" not in result.output
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_ladder_of_a_model_that_is_not_a_transformers_one_is_a_usage_error():
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
@@ -182,6 +186,7 @@ def test_ladder_of_a_model_that_is_not_a_transformers_one_is_a_usage_error():
     assert_one_line_error(result, ExitCode.USAGE, "--ladder takes a Hugging Face model")
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("package", ["peft", "trl", "bitsandbytes"])
 def test_a_target_that_needs_a_missing_qlora_package_is_exit_7(tmp_path, monkeypatch, package):
     factory = tmp_path / "needs_extra.py"

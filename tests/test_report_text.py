@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import re
 
+import pytest
+
 import autoplan
 from autoplan.report.advice import advise, state_bound
 from autoplan.report.text import format_report
@@ -69,6 +71,7 @@ def test_state_alone_over_the_budget_opens_the_report_with_that_and_no_unit_tabl
     assert state_bound(plan).step_bytes == 0
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_peak_in_optimizer_step_says_its_temporaries_are_why() -> None:
     roomy = roomy_plan()
     model, inputs = state_heavy_gpt()
@@ -88,6 +91,7 @@ def test_a_peak_in_optimizer_step_says_its_temporaries_are_why() -> None:
     assert advice.step("optimizer_8bit").status == "try"
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_plan_short_of_activation_memory_still_shows_its_units() -> None:
     model, inputs = build(n_layer=2, n_embd=32, n_head=2, block_size=64, vocab_size=64, batch_size=4, seq_len=32)
     lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
@@ -120,6 +124,7 @@ def _bytes_in_row(report: str, label: str) -> str:
     return row.split("│")[1].strip()
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_the_breakdowns_predicted_peak_row_is_the_headlines_number() -> None:
     """The headline's predicted peak is the higher of the memory model's and the simulated step's; the
     breakdown's parts are the model's at its peak. Where the simulation is higher (this ConvMixer: by

@@ -70,6 +70,7 @@ def _floor(model, inputs, **options) -> autoplan.Plan:
     return plan, profiles[0]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
     model, inputs = _chain()
     blocks, _ = _floor(model, inputs, segments=False)
@@ -86,6 +87,7 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
     assert predict_peak(profile, whole).bytes > mixed.minimum_peak_bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_plan_for_torch_compile_has_no_segments():
     """A segment's region runs eagerly between compiled graphs: compile=True plans blocks only."""
     model, inputs = _chain()
@@ -106,6 +108,7 @@ def test_candidates_are_runs_the_model_calls_back_to_back():
     assert {"layers.0–layers.1", "layers.0–layers.2", "layers.0–layers.5", "layers.4–layers.5"} <= names
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("fraction", [0.0, 0.3])
 def test_predicted_peak_of_mixed_plans_is_the_simulated_one(fraction):
     model, inputs = _chain(norm=True)
@@ -132,6 +135,7 @@ def _assert_trains_the_same(original, planned, inputs):
         torch.testing.assert_close(b, a, msg=name)  # BatchNorm statistics updated once
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_mixed_plan_trains_like_the_original_and_reads_back():
     model, inputs = _chain(norm=True)
     floor, _ = _floor(model, inputs)
@@ -207,6 +211,7 @@ def test_llama_layers_form_segments_priced_and_trained_exactly():
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_the_plan_is_never_worse_than_any_single_level_of_stages_of_blocks():
     from tests.structures import by_name
     from autoplan.trace.units import unit_levels

@@ -140,6 +140,7 @@ def _call(model, inputs):
     return model(*inputs)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("case", list(CASES))
 def test_plans_and_trains_like_the_original(case: str) -> None:
     torch.manual_seed(0)
@@ -163,6 +164,7 @@ def test_plans_and_trains_like_the_original(case: str) -> None:
     torch.testing.assert_close(results[1], results[0])
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_long_skip_from_the_config_flag_shows_in_the_unit_graph() -> None:
     tokens = _tokens(2, 8)
     with_skip = autoplan.plan(ConfigFlagsDataclassOut(SimpleNamespace(layers=3, long_skip=True)), "1GB", example_inputs=(tokens,), device="cpu")

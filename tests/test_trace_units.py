@@ -165,6 +165,7 @@ def test_convmixer_sequential_units_never_overlap() -> None:
                 assert a != b and not a.startswith(b + ".") and not b.startswith(a + "."), (level.source, a, b)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_convmixer_plan_says_nothing_never_ran_and_trains_like_the_original() -> None:
     model, inputs = convmixer()
     lowest = autoplan.plan(model, "1GB", example_inputs=inputs, precision="fp32", reserve=0).minimum_peak_bytes

@@ -79,6 +79,7 @@ def test_bf16_is_planned_as_sfttrainer_runs_it(tmp_path, changes, precision) -> 
     assert {unit.choice.precision for unit in setup.plan.units} == {precision}
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_trls_gradient_checkpointing_is_turned_off_because_the_plan_checkpoints(tmp_path) -> None:
     args = config(tmp_path)
     assert args.gradient_checkpointing is True  # trl's default
@@ -89,6 +90,7 @@ def test_trls_gradient_checkpointing_is_turned_off_because_the_plan_checkpoints(
     assert args.gradient_checkpointing is True  # the caller's config is left alone
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_arguments_it_cannot_read_are_a_clear_error() -> None:
     with pytest.raises(TypeError, match="TrainingArguments.*SFTConfig.*got dict"):
         optimize_for_trainer(tiny_llama(), {"max_length": 32}, "1GB", device="cpu", apply=False)

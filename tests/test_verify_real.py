@@ -72,6 +72,7 @@ def test_verify_rejects_bad_input():
         autoplan.verify(meta, plan, example_inputs=inputs)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_measured_profile_times_units_for_real_and_leaves_the_model_alone():
     model, inputs = batch_of("small_resnet")  # BatchNorm: real forwards would move its statistics
     buffers = [b.clone() for b in model.buffers()]
@@ -85,6 +86,7 @@ def test_measured_profile_times_units_for_real_and_leaves_the_model_alone():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_measure_needs_the_model_on_the_target_device():
     model, inputs = batch_of("mlp")
     with pytest.raises(ValueError, match="move the model there"):
@@ -93,6 +95,7 @@ def test_measure_needs_the_model_on_the_target_device():
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", profile="fast")
 
 
+@pytest.mark.slow  # the whole pipeline
 @CUDA
 def test_cuda_verify_measures_allocator_peak_within_5_percent():
     model, inputs = batch_of("tiny_gpt", repeat=64)
@@ -103,6 +106,7 @@ def test_cuda_verify_measures_allocator_peak_within_5_percent():
     assert result.held and abs(result.peak_error) <= 0.05, result
 
 
+@pytest.mark.slow  # the whole pipeline
 @CUDA
 def test_cuda_verify_reports_out_of_memory_instead_of_raising():
     model, inputs = batch_of("tiny_gpt", repeat=256)
@@ -113,6 +117,7 @@ def test_cuda_verify_reports_out_of_memory_instead_of_raising():
     assert result.out_of_memory and not result.held
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_an_optimizer_instance_is_counted_as_itself():
     """torch 2.13's AdamW keeps `decoupled_weight_decay` in its defaults, which its constructor rejects:
     planning with the person's own optimizer object must still work, and count its state."""

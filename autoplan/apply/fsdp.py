@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autoplan.errors import DistributedSetupError
+from autoplan.errors import DistributedSetupError, OptionError
 from autoplan.plan import OutsideUnits, Plan
 from autoplan.memory.sharded import fsdp_group
 from autoplan.vocabulary.names import is_graph_unit, sequential_run
@@ -53,7 +53,7 @@ def require_process_group(world_size: int) -> None:
 def _unit_modules(model: torch.nn.Module, name: str) -> torch.nn.Module | list[torch.nn.Module]:
     """What fully_shard groups for one unit: its submodule, or the layers of a Sequential range."""
     if is_graph_unit(name):
-        raise ValueError(
+        raise OptionError(
             f"unit {name!r} is a run of graph nodes, not a submodule; FSDP shards submodules. "
             "Pass units=['pattern'] naming the model's blocks"
         )
@@ -74,7 +74,7 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError as error:  # FSDP2 became public API in torch 2.6
-        raise RuntimeError(
+        raise DistributedSetupError(
             f"applying an FSDP plan needs torch.distributed.fsdp.fully_shard (FSDP2, torch >= 2.6); this is torch "
             f"{torch.__version__}. Upgrade torch, or plan with world_size=1."
         ) from error

@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from autoplan.errors import OptionError, OptionTypeError, PlanMismatchError
 from autoplan.apply.fsdp import apply_fsdp
 from autoplan.plan import Plan
 from autoplan.vocabulary.fingerprint import check_model
@@ -21,7 +22,7 @@ from autoplan.instruments.quantized import settle_first_forward
 
 def refuse_meta(model: torch.nn.Module) -> None:
     if any(p.is_meta for p in model.parameters()):
-        raise ValueError(
+        raise OptionError(
             f"{type(model).__name__} has parameters on the meta device (shapes, no data): it can be planned, "
             "not rewritten or trained. Build it with real weights (e.g. autoplan.hf.model_from_config(..., "
             "meta=False) or from_pretrained), then autoplan.apply(model, plan)."
@@ -34,7 +35,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
     check: refuse (PlanMismatchError) a model whose parameters are not those the plan was made for.
     """
     if not isinstance(plan, Plan):
-        raise TypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
+        raise OptionTypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
     choices = plan.choices()
     refuse_meta(model)
     settle_first_forward(model)  # a 4-bit layer's first forward must run the ops its recompute runs
@@ -52,7 +53,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
         try:
             unit_endpoints(model, name)
         except (AttributeError, IndexError, KeyError, TypeError) as error:
-            raise ValueError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
+            raise PlanMismatchError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
     if check:  # after the unit names: a model of another structure is told by the unit it lacks
         check_model(plan.fingerprint, model)
     if plan.world_size > 1:

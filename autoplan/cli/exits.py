@@ -22,17 +22,21 @@ from rich.console import Console
 from autoplan.errors import (
     BudgetError,
     DeviceError,
+    DistributedSetupError,
     FactoryError,
+    InfeasibleBudgetError,
     MissingExtraError,
     ModelConfigError,
     OptionError,
     PlanMismatchError,
     ProfileError,
+    SegmentError,
     SolverTimeoutError,
     TargetNotFoundError,
     TargetUsageError,
     TraceError,
     UnitPatternError,
+    UnknownModelError,
 )
 from autoplan.cli.interrupt import INTERRUPTED as SIGINT_EXIT
 
@@ -65,11 +69,15 @@ EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
     (DeviceError, ExitCode.USAGE),
     (OptionError, ExitCode.USAGE),
     (PlanMismatchError, ExitCode.USAGE),
+    (DistributedSetupError, ExitCode.USAGE),  # FSDP asked for outside torchrun, or on a torch without FSDP2
+    (InfeasibleBudgetError, ExitCode.DOES_NOT_FIT),
     (TargetNotFoundError, ExitCode.NOT_FOUND),
     (ModelConfigError, ExitCode.NOT_FOUND),
+    (UnknownModelError, ExitCode.NOT_FOUND),
     (FactoryError, ExitCode.FACTORY_FAILED),
     (TraceError, ExitCode.CANNOT_PLAN),
     (ProfileError, ExitCode.CANNOT_PLAN),
+    (SegmentError, ExitCode.CANNOT_PLAN),  # the model calls its planned blocks out of order
     (SolverTimeoutError, ExitCode.CANNOT_PLAN),
     (MissingExtraError, ExitCode.MISSING_EXTRA),
 )

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from autoplan.errors import OptionError
+from autoplan.errors import OptionError, OptionTypeError
 from autoplan.inputs.hf_models import default_seq_len, example_inputs_for, is_hf_model, training_inputs
 
 
@@ -15,16 +15,16 @@ def training_batch(model: torch.nn.Module, example_inputs: Any, batch_size: int 
     """The (args, kwargs) a training step is profiled with: the caller's, or one built for a HF model."""
     if example_inputs is None:
         if not is_hf_model(model):
-            raise ValueError(
+            raise OptionError(
                 f"example_inputs is required for {type(model).__name__}: pass one batch, e.g. "
                 "example_inputs=(x,) or example_inputs={'input_ids': ids}. batch_size= and seq_len= "
                 "build a batch only for Hugging Face transformers models."
             )
-        batch = 1 if batch_size is None else batch_size
+        size = 1 if batch_size is None else batch_size
         length = default_seq_len(model) if seq_len is None else seq_len
-        example_inputs = example_inputs_for(model, batch, length)
+        example_inputs = example_inputs_for(model, size, length)
     elif batch_size is not None or seq_len is not None:
-        raise ValueError(
+        raise OptionError(
             "batch_size= and seq_len= build example inputs when example_inputs is omitted; "
             "pass either them or example_inputs, not both"
         )
@@ -58,7 +58,7 @@ def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
         return tuple(example_inputs[0]), dict(example_inputs[1])
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
-    raise TypeError(
+    raise OptionTypeError(
         "example_inputs must be a tuple of positional arguments, a dict of keyword arguments, "
         f"or a pair (args, kwargs); got {type(example_inputs).__name__}"
     )

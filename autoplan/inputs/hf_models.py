@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autoplan.errors import MissingExtraError, ModelConfigError, OptionError, UnknownModelError
+from autoplan.errors import MissingExtraError, ModelConfigError, OptionError, OptionTypeError, UnknownModelError
 from autoplan.vocabulary.signatures import accepts_argument
 
 # name -> (transformers config class, the checkpoint's public config.json values)
@@ -230,14 +230,14 @@ def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) ->
     their decoder inputs. `labels` are left out when forward takes none.
     """
     if not is_hf_model(model):
-        raise TypeError(f"example_inputs_for() takes a transformers model; got {type(model).__name__}")
+        raise OptionTypeError(f"example_inputs_for() takes a transformers model; got {type(model).__name__}")
     if not (isinstance(batch_size, int) and batch_size > 0 and isinstance(seq_len, int) and seq_len > 0):
-        raise ValueError(f"batch_size and seq_len must be positive ints; got {batch_size!r}, {seq_len!r}")
+        raise OptionError(f"batch_size and seq_len must be positive ints; got {batch_size!r}, {seq_len!r}")
     limit = max_positions(model)
     if limit and seq_len > limit[0] and model.main_input_name in ("input_ids", "input_features"):
         raise OptionError(f"a sequence length of {seq_len} is more than {type(model).__name__} takes: at most {limit[0]} "
                           f"positions (config.{limit[1]})")
-    config = model.config
+    config: Any = model.config  # a transformers PretrainedConfig
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None) or 2
     generator = torch.Generator().manual_seed(0)
@@ -267,7 +267,7 @@ def example_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) ->
         inputs["input_features"] = torch.randn(batch_size, config.num_mel_bins, frames, generator=generator)
         labels = tokens(seq_len)
     else:
-        raise ValueError(
+        raise OptionError(
             f"autoplan cannot make inputs for {type(model).__name__} (main input {main!r}); pass example_inputs="
         )
     if accepts_argument(model.forward, "labels", through_kwargs=False):
@@ -291,6 +291,15 @@ def training_inputs(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> tuple
     args, kwargs = inputs
     # a peft wrapper passes use_cache on through **kwargs: ask the model it wraps
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    if is_hf_model(model) and "use_cache" not in kwargs and accepts_argument(base.forward, "use_cache", through_kwargs=False):
+    takes_it = accepts_argument(base.forward, "use_cache", through_kwargs=False) or _passes_to_language_model(base)
+    if is_hf_model(model) and "use_cache" not in kwargs and takes_it:
         kwargs = {**kwargs, "use_cache": False}
     return args, kwargs
+
+
+def _passes_to_language_model(model: torch.nn.Module) -> bool:
+    """A multimodal model (LLaVA) whose forward passes use_cache on, through **kwargs, to a language model that caches."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return (text is not config and getattr(text, "use_cache", False)
+            and accepts_argument(model.forward, "use_cache", through_kwargs=True))

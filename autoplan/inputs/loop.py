@@ -35,6 +35,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
+from autoplan.errors import OptionError, OptionTypeError
+
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for-loop")
 
 
@@ -49,14 +51,14 @@ class TrainingLoop:
 
     def __post_init__(self) -> None:
         if not isinstance(self.accumulation_steps, int) or isinstance(self.accumulation_steps, bool) or self.accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be a whole number, at least 1; got {self.accumulation_steps!r}")
+            raise OptionError(f"accumulation_steps must be a whole number, at least 1; got {self.accumulation_steps!r}")
         if self.optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
-            raise ValueError(f"optimizer_impl must be one of {OPTIMIZER_IMPLEMENTATIONS}; got {self.optimizer_impl!r}")
+            raise OptionError(f"optimizer_impl must be one of {OPTIMIZER_IMPLEMENTATIONS}; got {self.optimizer_impl!r}")
         for name in ("keep_outputs", "zero_grad_set_to_none", "grad_scaler"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
+                raise OptionError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if not (self.loss_in_model is None or isinstance(self.loss_in_model, bool)):
-            raise ValueError(f"loss_in_model must be True, False or None; got {self.loss_in_model!r}")
+            raise OptionError(f"loss_in_model must be True, False or None; got {self.loss_in_model!r}")
 
     @property
     def gradients_alive_in_forward(self) -> bool:
@@ -94,10 +96,10 @@ def check_loop(loop: object) -> TrainingLoop:
     if isinstance(loop, Mapping):  # the fields that differ from the common loop, as plan.request records them
         unknown = sorted(set(loop) - {field.name for field in dataclasses.fields(TrainingLoop)})
         if unknown:
-            raise TypeError(f"loop has no field {unknown[0]!r}; its fields are {[f.name for f in dataclasses.fields(TrainingLoop)]}")
+            raise OptionTypeError(f"loop has no field {unknown[0]!r}; its fields are {[f.name for f in dataclasses.fields(TrainingLoop)]}")
         return TrainingLoop(**loop)
     if not isinstance(loop, TrainingLoop):
-        raise TypeError(
+        raise OptionTypeError(
             f"loop must be an autoplan.TrainingLoop, e.g. TrainingLoop(keep_outputs=False, accumulation_steps=4); "
             f"got {type(loop).__name__}"
         )

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from autoplan.errors import MissingExtraError
+from autoplan.errors import MissingExtraError, OptionError
 
 QLORA_EXTRA = 'pip install -e ".[qlora]"'  # pyproject's qlora extra: bitsandbytes, peft, trl
 QLORA_PACKAGES = ("bitsandbytes", "peft", "trl")
@@ -115,8 +115,8 @@ def qlora_twin(model: torch.nn.Module, settings: QLoraSettings = QLoraSettings()
     """
     bnb, peft, transformers = require_qlora()
     if any(not p.is_meta for p in model.parameters()):
-        raise ValueError("qlora_twin() takes a model on the meta device (autoplan.hf.model_from_config); "
-                         "load a real one with BitsAndBytesConfig instead")
+        raise OptionError("qlora_twin() takes a model on the meta device (autoplan.hf.model_from_config); "
+                          "load a real one with BitsAndBytesConfig instead")
     twin = copy.deepcopy(model)
     stored = checkpoint_dtype(model)
     _quantize_linears(twin, bnb, transformers, settings, stored)

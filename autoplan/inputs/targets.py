@@ -70,6 +70,7 @@ def _load_file(path_text: str):
     _import_paths(first=path.resolve().parent)
     unique = f"autoplan_target_{abs(hash(str(path.resolve())))}"
     loader = importlib.util.spec_from_file_location(unique, path)
+    assert loader is not None and loader.loader is not None  # a .py file that exists has a source loader
     module = importlib.util.module_from_spec(loader)
     sys.modules[unique] = module  # dataclasses and pickling look their module up here
     try:

@@ -147,7 +147,8 @@ class TargetAttention:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._library._destroy()  # the composite kernel registered before is the op's again
+        if self._library is not None:  # entered
+            self._library._destroy()  # the composite kernel registered before is the op's again
         self._library = None
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

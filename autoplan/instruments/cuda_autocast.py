@@ -78,5 +78,6 @@ class CudaAutocastRules:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._library._destroy()
+        if self._library is not None:  # entered
+            self._library._destroy()
         self._library = None

@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 from torch._ops import HigherOrderOperator
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map_only
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from autoplan.instruments.quantized import fake_quantized_entries
 from autoplan.instruments.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
+from autoplan.instruments.values import VALUE_LIMIT, KnownValues, ValuesAsData, for_real
+from autoplan.vocabulary.fingerprint import input_names
 
 
 def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
@@ -65,12 +67,29 @@ def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
     batch's bytes once, as the real step holds them.
     """
     storage_fakes = StorageFakes(fake_mode)
+    values: KnownValues | None = getattr(fake_mode, "values", None)
+    clones: dict[int, torch.Tensor] = {}
 
-    def to_fake(tensor: torch.Tensor) -> torch.Tensor:
+    def to_fake(name: str, tensor: torch.Tensor) -> torch.Tensor:
         fake = storage_fakes.fake_of(tensor)
+        if values is not None and has_values(tensor) and tensor.numel() <= VALUE_LIMIT:
+            # a copy: ops the simulation runs on values must not write into the user's batch
+            if id(tensor) not in clones:
+                with for_real():
+                    clones[id(tensor)] = tensor.detach().clone()
+            value = clones[id(tensor)]
+            values.know(fake, value, frozenset((name,)))
         return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake
 
-    return tree_map_only(torch.Tensor, to_fake, tree)
+    leaves, spec = tree_flatten_with_path(tree)
+    names = input_names(leaves) if isinstance(tree, tuple) and len(tree) == 2 else [keystr(path) for path, _ in leaves]
+    fakes = [to_fake(name, leaf) if isinstance(leaf, torch.Tensor) else leaf for name, (_, leaf) in zip(names, leaves)]
+    return tree_unflatten(fakes, spec)
+
+
+def has_values(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds data we can read: not a fake, not on the meta device."""
+    return not isinstance(tensor, FakeTensor) and tensor.device.type != "meta"
 
 
 class PlanningFakeMode(FakeTensorMode):
@@ -91,9 +110,27 @@ class PlanningFakeMode(FakeTensorMode):
     # torch registers FlexAttention's fake kernels for FakeTensorMode itself, not its subclasses: take them in here
     supports_higher_order_operators = True
 
-    def __init__(self, routing: MoeRoutingBound = WORST_CASE, **kwargs: Any) -> None:
+    def __init__(self, routing: MoeRoutingBound = WORST_CASE, draws: str = "high", **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.routing = RoutingTracker(routing)
+        self.values = KnownValues(draws)
+        self.routing = RoutingTracker(routing, self.values)
+        self._data_modes: list[ValuesAsData | None] = []
+
+    # torch.tensor([t, ...]) of fake tensors reads their memory, below dispatch: a torch-function
+    # mode, entered with this one, hands it their values instead (`instruments.values`)
+    def __enter__(self):
+        entered = super().__enter__()
+        data_mode = ValuesAsData(self.values) if not self._data_modes else None  # the outermost entry only
+        if data_mode is not None:
+            data_mode.__enter__()
+        self._data_modes.append(data_mode)
+        return entered
+
+    def __exit__(self, *exc):
+        data_mode = self._data_modes.pop()
+        if data_mode is not None:
+            data_mode.__exit__(*exc)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -110,15 +147,23 @@ class PlanningFakeMode(FakeTensorMode):
             out = dispatch(func, types, (*low, *args[2:]), kwargs)
             return dispatch(cast, types, (out,), {"dtype": args[0].dtype})
 
-        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return dispatch(torch.ops.aten.empty.memory_format, types, (list(shape),), {"dtype": dtype, "device": args[0].device})
+        device = next((leaf.device for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)), "cpu")
 
-        answer = self.routing.before(func, args, kwargs, empty)
-        if answer is not NOT_ANSWERED:
-            return answer
-        out = dispatch(func, types, args, kwargs)
-        self.routing.after(func, args, kwargs, out)
-        return out
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return dispatch(torch.ops.aten.empty.memory_format, types, (list(shape),), {"dtype": dtype, "device": device})
+
+        def empty_strided(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return dispatch(torch.ops.aten.empty_strided.default, types, (list(shape), list(stride)), {"dtype": dtype, "device": device})
+
+        def fake_dispatch(args, kwargs):
+            answer = self.routing.before(func, args, kwargs, empty)
+            if answer is not NOT_ANSWERED:
+                return answer
+            out = dispatch(func, types, args, kwargs)
+            self.routing.after(func, args, kwargs, out)
+            return out
+
+        return self.values.dispatch(func, args, kwargs, fake_dispatch, empty_strided)
 
     def routing_note(self) -> str:
         """How routing was profiled under this mode, for the plan's notes ("" when the model routes nothing)."""
@@ -165,9 +210,10 @@ ROUTING_NOTE = (
 )
 
 
-def new_fake_mode(routing: MoeRoutingBound = WORST_CASE) -> PlanningFakeMode:
-    """The fake-tensor mode every simulation runs under (real tensors allowed as inputs)."""
-    return PlanningFakeMode(routing, allow_non_fake_inputs=True)
+def new_fake_mode(routing: MoeRoutingBound = WORST_CASE, draws: str = "high") -> PlanningFakeMode:
+    """The fake-tensor mode every simulation runs under (real tensors allowed as inputs); `draws`: the
+    value small random draws take (`instruments.values`)."""
+    return PlanningFakeMode(routing, draws, allow_non_fake_inputs=True)
 
 
 class FakeGradScaler:

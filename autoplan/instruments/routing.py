@@ -23,7 +23,7 @@ every point of the step. In the worst case that holds for any routing; with a ca
 routing that sends no expert more tokens than the capacity allows.
 
 The answer's rows are the tensor's first positions (row-major), and they carry those values, as
-do small integer tensors computed only from values (`ValueTable`), so code that reads them
+do tensors computed only from values (`instruments.values`), so code that reads them
 (`if expert_idx == self.num_experts: continue`, `weights[expert_idx]`) runs.
 """
 
@@ -34,13 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
-VALUE_LIMIT = 1 << 16  # elements: integer tensors up to this size carry their values (indices, expert ids)
+from autoplan.instruments.values import VALUE_LIMIT, KnownValues, for_real
+
 
 _NONZERO = torch.ops.aten.nonzero.default
-_SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
 _ROUTERS = (torch.ops.aten.topk.default, torch.ops.aten.max.dim)
 
 
@@ -91,44 +89,23 @@ class RouterShape:
     experts: int  # the size of the dimension the router picks from
 
 
-class ValueTable:
-    """Values of small integer fake tensors computed from values only (indices the bound chose, expert ids)."""
-
-    def __init__(self) -> None:
-        self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-    def of(self, tensor: Any) -> torch.Tensor | None:
-        if not isinstance(tensor, torch.Tensor):
-            return None
-        if not isinstance(tensor, torch._subclasses.fake_tensor.FakeTensor):
-            return tensor  # a real tensor is its own value
-        return self._values.get(tensor)
-
-    def attach(self, fake: torch.Tensor, value: torch.Tensor) -> None:
-        if value.numel() <= VALUE_LIMIT and not value.is_floating_point():
-            self._values[fake] = value
-
-    def all_valued(self, args: Any, kwargs: Any) -> bool:
-        """Every fake tensor among the arguments has a value, and at least one does."""
-        if not len(self._values):
-            return False  # the common case, checked first: most runs never route
-        leaves = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)]
-        fakes = [leaf for leaf in leaves if isinstance(leaf, torch._subclasses.fake_tensor.FakeTensor)]
-        return bool(fakes) and all(fake in self._values for fake in fakes)
-
-    def real(self, tree: Any) -> Any:
-        return tree_map(lambda leaf: self.of(leaf) if isinstance(leaf, torch.Tensor) else leaf, tree)
-
-
 NOT_ANSWERED = object()
+
+
+def _first_positions(rows: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first `rows` positions of a tensor of `shape` in row-major order, as `nonzero` lists them."""
+    with for_real():
+        if not shape:
+            return torch.zeros((rows, 0), dtype=torch.int64)
+        return torch.stack(torch.unravel_index(torch.arange(rows), shape), dim=1)
 
 
 class RoutingTracker:
     """The part of the planning fake mode that answers data-dependent routing with `bound`."""
 
-    def __init__(self, bound: MoeRoutingBound = WORST_CASE) -> None:
+    def __init__(self, bound: MoeRoutingBound = WORST_CASE, values: KnownValues | None = None) -> None:
         self.bound = bound
-        self.values = ValueTable()
+        self.values = values if values is not None else KnownValues()
         self.router: RouterShape | None = None
         self.bounded_calls = 0  # nonzeros answered with rows_per_expert: one per expert per layer run
         self.whole_calls = 0  # nonzeros after a router answered with every element: which experts ran, or a mask of another shape
@@ -136,28 +113,21 @@ class RoutingTracker:
 
     def before(self, func, args, kwargs, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> Any:
         """The answer to an op fake tensors cannot answer without values, or NOT_ANSWERED."""
-        if func in _SCALAR_READS and self.values.all_valued(args, kwargs):
-            return func(*self.values.real(args), **self.values.real(kwargs))
         if func is not _NONZERO:
             return NOT_ANSWERED
         source = args[0]
-        value = self.values.of(source)
-        if value is not None:  # computed from values: the exact answer
-            exact = torch.nonzero(value)
-            out = empty(tuple(exact.shape), exact.dtype)
-            self.values.attach(out, exact)
-            return out
-        if self.router is None:
-            return NOT_ANSWERED  # no router ran: not routing, so fake tensors' own refusal stands
+        if self.values.value_of(source) is not None or self.router is None:
+            # computed from values (the values answer it exactly), or not routing: fake tensors' own refusal stands
+            return NOT_ANSWERED
         rows = self._rows(source.numel())
         out = empty((rows, source.dim()), torch.int64)
         if rows * max(source.dim(), 1) <= VALUE_LIMIT:
-            positions = torch.unravel_index(torch.arange(rows), tuple(source.shape)) if source.dim() else ()
-            self.values.attach(out, torch.stack(positions, dim=1) if source.dim() else torch.zeros((rows, 0), dtype=torch.int64))
+            self.values.know(out, _first_positions(rows, tuple(source.shape)), frozenset())
         return out
 
     def _rows(self, elements: int) -> int:
         router = self.router
+        assert router is not None  # called after a router ran
         one_expert = elements in (router.tokens, router.tokens * router.top_k)
         expert_list = elements in (router.experts, router.experts + 1)
         if one_expert and not expert_list:
@@ -167,14 +137,9 @@ class RoutingTracker:
         return elements  # every element nonzero: the most any tensor of this size can give
 
     def after(self, func, args, kwargs, out: Any) -> None:
-        """Note a router; give `out` values when it was computed from values only."""
+        """Note a router."""
         if func in _ROUTERS and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() and args[0].dim() > 0:
             self._note_router(func, args, kwargs)
-        elif self.values.all_valued(args, kwargs):
-            real = func(*self.values.real(args), **self.values.real(kwargs))
-            for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
-                if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor):
-                    self.values.attach(fake, value)
 
     def _note_router(self, func, args, kwargs) -> None:
         scores = args[0]
@@ -202,6 +167,7 @@ class RoutingTracker:
         if not self.bounded_calls:
             return self._whole_note() if self.whole_calls else ""
         router = self.largest_router
+        assert router is not None  # bounded_calls counts calls after a router ran
         rows = self.bound.rows_per_expert(router)
         if self.bound.capacity is None:
             return (f"mixture of experts: routing decides shapes here (torch.where/nonzero on the expert mask); profiled at the "

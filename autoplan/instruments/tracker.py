@@ -48,9 +48,13 @@ class TrackedPhase:
 class RooflineRates(Protocol):
     """What the tracker needs of a device to charge ops a time (an inputs.devices.Device has it)."""
 
-    memory_bandwidth: float  # bytes per second
+    @property
+    def memory_bandwidth(self) -> float: ...  # bytes per second (read-only: a Device is frozen)
 
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float: ...
+
+
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -109,8 +113,9 @@ class LiveBytesTracker(TorchDispatchMode):
         for tensor in outputs:
             storage = tensor.untyped_storage()
             key = id(storage)
-            # Views and in-place results reuse an input's storage: no new memory.
-            if key in input_storages or key in self._finalizers:
+            # Views and in-place results reuse an input's storage: no new memory. torch.tensor(data) is the
+            # exception: it made its tensor before any op, and hands it to lift_fresh, the first op to see it.
+            if (key in input_storages and func not in _LIFTS) or key in self._finalizers:
                 continue
             created = True
             self._count(storage, key)

@@ -26,8 +26,9 @@ batch, the rest of the model) is in the timeline exactly as simulated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
+from autoplan.errors import OptionError
 from autoplan.memory.segments import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
 from autoplan.memory.sharded import RankTerms, rank_terms
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
@@ -130,7 +131,11 @@ def _rest_backward_end(profile: Profile, forward_phase: Phase, phase_index: dict
     end = phase_index[OPTIMIZER_STEP] - 1
     if forward_phase.kind != "fwd" or forward_phase.position not in ("start", "after"):
         return end
-    position = 0 if forward_phase.position == "start" else names.index(forward_phase.unit) + 1
+    if forward_phase.position == "start":
+        position = 0
+    else:
+        assert forward_phase.unit is not None  # an "after" phase names its unit
+        position = names.index(forward_phase.unit) + 1
     backward = BACKWARD_START if position == len(names) else Phase("bwd", names[position], "after")
     if backward not in phase_index:
         return end
@@ -147,7 +152,7 @@ def holds(profile: Profile, holder: Holder, choice: Choice | Covered) -> bool:
     return flags[holder.leaf] if holder.leaf < len(flags) else True  # unknown: assume kept
 
 
-def shared_bytes(profile: Profile, chosen: list[Choice], tensors: list[SharedTensor] | None = None) -> list[int]:
+def shared_bytes(profile: Profile, chosen: Sequence[Choice | Covered], tensors: list[SharedTensor] | None = None) -> list[int]:
     """Per unit: bytes of passed-along tensors alive in its window only because of it (or nothing earlier)."""
     extra = [0] * len(profile.units)
     for tensor in shared_tensors(profile) if tensors is None else tensors:
@@ -179,7 +184,7 @@ def held_changes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
     return [_delta_held(profile, u, c) + e - b for u, (c, e, b) in enumerate(zip(chosen, extra, base_extra))]
 
 
-def kept_flags(profile: Profile, tensor: SharedTensor, chosen: list[Choice]) -> list[bool]:
+def kept_flags(profile: Profile, tensor: SharedTensor, chosen: Sequence[Choice | Covered]) -> list[bool]:
     """kept[j]: whether any of the tensor's holders 0..j keeps it."""
     flags, kept = [], False
     for holder in tensor.holders:
@@ -268,7 +273,7 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: in
         activations=activations,
         transient=live[index] - offsets[index] - start,  # one GPU's transient
     )
-    if world_size == 1:
+    if terms is None:  # one GPU
         return PeakPrediction(live[index], phase.phase, breakdown)
     rank = _rank_peak(phase.phase, terms[index], live[index], world_size)
     # outside the optimizer step activations and transients are a single GPU's; in it, 1/N of them
@@ -331,7 +336,7 @@ def phase_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[PhaseBy
 
 def check_world_size(world_size: object) -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
+        raise OptionError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
     return world_size
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard, cast
 
 import torch
 
@@ -105,7 +105,10 @@ def _has_submodule(model: torch.nn.Module, name: str) -> bool:
         return False
 
 
-def _is_planned(forward: Any) -> bool:
+Planned = PlannedForward | PlannedSequential | PlannedGraph | PlannedCalls | SegmentMember | FusedLossForward
+
+
+def _is_planned(forward: Any) -> TypeGuard[Planned]:
     return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph, PlannedCalls, SegmentMember, FusedLossForward))
 
 
@@ -160,13 +163,13 @@ def apply_choices(
         layers = torch.nn.Sequential(*run.layers(model))
         runs.setdefault(run.parent, []).append((run.start, run.stop, PlannedForward(layers, choice)))
     for parent_name, parent_runs in runs.items():
-        parent = model.get_submodule(parent_name)
+        parent = cast(torch.nn.Sequential, model.get_submodule(parent_name))  # a run's parent: a Sequential or ModuleList
         parent.forward = PlannedSequential(parent, sorted(parent_runs, key=lambda run: run[0]), parent.__dict__.get("forward"))
     for module_name, by_call in calls.items():
         module = model.get_submodule(module_name)
         original = module.__dict__.get("forward")
-        planned = [by_call.get(i) for i in range(max(by_call) + 1)]
-        planned = [None if c is None else PlannedForward(module, c, original=original) for c in planned]
+        by_index = [by_call.get(i) for i in range(max(by_call) + 1)]
+        planned = [None if c is None else PlannedForward(module, c, original=original) for c in by_index]
         module.forward = PlannedCalls(module, planned, original)
     if outside.fused_loss:
         model.forward = FusedLossForward(model, original=model.__dict__.get("forward"))

@@ -20,6 +20,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from autoplan.errors import PlanMismatchError
 from autoplan.vocabulary.names import GRAPH_UNIT
 
 
@@ -44,7 +45,7 @@ def split_by_units(model: torch.nn.Module, names: list[str]) -> torch.fx.GraphMo
     for name in names:
         match = GRAPH_UNIT.match(name)
         if match is None or match["first"] not in position or match["last"] not in position:
-            raise ValueError(
+            raise PlanMismatchError(
                 f"{name!r} is not a run of {type(model).__name__}'s graph; its graph units are: {graph_units(model)}"
             )
         bounds.append((position[match["first"]], position[match["last"]]))
@@ -56,7 +57,7 @@ def split_by_units(model: torch.nn.Module, names: list[str]) -> torch.fx.GraphMo
             unit_of[node.name] = index
     missing = [node.name for node in nodes if node.name not in unit_of]
     if missing:
-        raise ValueError(f"graph units {names} leave nodes {missing} of {type(model).__name__} outside every unit")
+        raise PlanMismatchError(f"graph units {names} leave nodes {missing} of {type(model).__name__} outside every unit")
     split = split_module(traced, model, lambda node: unit_of[node.name])
     for node in split.graph.nodes:
         if node.op == "call_module" and str(node.target).startswith("submod_"):

@@ -79,11 +79,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad = chunk - log_total.unsqueeze(1)
                 grad.exp_().scatter_add_(1, picked, -torch.ones_like(picked, dtype=grad.dtype))
                 grad = grad.mul_(keep.unsqueeze(1) * scale).to(dtype)
-                if need_hidden:
+                if grad_hidden is not None:  # need_hidden
                     grad_hidden[rows] = grad @ matrix
-                if need_weight:  # accumulated in fp32 without a weight-sized temporary per chunk
+                if grad_weight is not None:  # need_weight; accumulated in fp32 without a weight-sized temporary per chunk
                     torch.addmm(grad_weight, grad.t().float(), hidden[rows].float(), out=grad_weight)  # addmm_ escapes FlopCounterMode
-                if need_bias:
+                if grad_bias is not None:  # need_bias
                     grad_bias += grad.float().sum(0)
         ctx.save_for_backward(
             grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None if grad_bias is None else grad_bias.to(bias.dtype)

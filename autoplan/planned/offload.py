@@ -52,9 +52,9 @@ class _HostCopy:
                 stream.wait_stream(torch.cuda.current_stream(tensor.device))
                 with torch.cuda.stream(stream):
                     self.host.copy_(tensor.detach(), non_blocking=True)
-        self.source = tensor  # held until the unit's forward returns: the copy may still be reading it
+        self.source: torch.Tensor | None = tensor  # held until the unit's forward returns: the copy may still be reading it
         self.on_device: torch.Tensor | None = None
-        self.event = None
+        self.event: torch.cuda.Event | None = None
 
     def fetch(self) -> None:
         """Start the copy back to the device (on CUDA, on the side stream into compute-stream memory)."""
@@ -75,6 +75,7 @@ class _HostCopy:
     def unpack(self) -> torch.Tensor:
         if self.on_device is None:
             self.fetch()
+        assert self.on_device is not None  # fetch made it
         if self.event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
         return self.on_device
@@ -107,15 +108,15 @@ class OffloadSaved(torch.autograd.graph.saved_tensors_hooks):
         self._copies = {}
         if not copies:
             return
-        streams = {copy.device for copy in copies if _side_stream(copy.device) is not None}
-        for device in streams:
-            torch.cuda.current_stream(device).wait_stream(_side_stream(device))
+        streams = {copy.device: stream for copy in copies if (stream := _side_stream(copy.device)) is not None}
+        for device, stream in streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
         for copy in copies:
             copy.source = None
         nodes = {id(t.grad_fn): t.grad_fn for t in tensors_of(output) if t.requires_grad and t.grad_fn is not None}
         if not nodes:
             return  # nothing to hook: each copy comes back when backward unpacks it
-        fetched = []
+        fetched: list[bool] = []
 
         def fetch_all(*_):
             if not fetched:

@@ -84,7 +84,7 @@ class PlannedSegment:
                 return self._open(args, kwargs)
         if self.region is None:
             return self.planned[index](*args, **kwargs)  # no_grad, eval: nothing to recompute
-        return self._continue(index, args, kwargs)
+        return self._continue(self.region, index, args, kwargs)
 
     def _open(self, args: tuple, kwargs: dict):
         args, kwargs = without_cache_writes(self.modules[0], args, kwargs)
@@ -97,8 +97,7 @@ class PlannedSegment:
         self.region = region
         return self._run(0, args, kwargs)
 
-    def _continue(self, index: int, args: tuple, kwargs: dict):
-        region = self.region
+    def _continue(self, region: _Region, index: int, args: tuple, kwargs: dict):
         if index != len(region.later) + 1:
             self.abandon()
             raise SegmentError(f"segment {self.name}: block {index} ran out of order; remove the plan (autoplan.remove_plan) and plan again")
@@ -130,6 +129,7 @@ class PlannedSegment:
             self.abandon()
             raise
         region = self.region
+        assert region is not None  # _open or _continue ran this block in it
         if index == len(self.modules) - 1:
             self.region = None
             # the region's own saved inputs keep what recomputation needs; references of ours would

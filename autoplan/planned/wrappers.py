@@ -188,7 +188,7 @@ def _eager_offloaded_call():
     return _EAGER_OFFLOADED[0]
 
 
-def _class_forward(cls: type) -> Any:
+def _class_forward(cls: type[torch.nn.Module]) -> Any:
     """The class's forward, minus transformers' own checkpointing wrapper.
 
     transformers v5 wraps every `GradientCheckpointingLayer.forward` in a function that checkpoints
@@ -220,7 +220,7 @@ def without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> 
         bound = inspect.signature(_class_forward(type(module))).bind(module, *args, **kwargs)
     except (TypeError, ValueError):
         return args, kwargs
-    extra = next(
+    extra: dict[str, Any] = next(
         (bound.arguments[p.name] for p in bound.signature.parameters.values() if p.kind is p.VAR_KEYWORD and p.name in bound.arguments),
         {},
     )
@@ -239,7 +239,7 @@ def without_second_stats_update(module: torch.nn.Module, function):
     The first call (the forward) runs as is; later calls (recomputation) restore the running
     statistics afterwards, so the buffers end the step as they would without checkpointing.
     """
-    calls = []
+    calls: list[Any] = []
     restoring = restoring_running_stats(module, function)
 
     @functools.wraps(function)

@@ -191,7 +191,7 @@ def _kind(op: OpRecord) -> str:
 
 
 def _grouped(chosen: list[OpRecord], ops: tuple[OpRecord, ...], most: int = 8) -> str:
-    kinds_in = {}
+    kinds_in: dict[str, set[str]] = {}
     for op in ops:
         kinds_in.setdefault(op.module, set()).add(_kind(op))
     groups: dict[str, list[str]] = {}

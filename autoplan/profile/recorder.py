@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -17,6 +17,7 @@ from autoplan.plan import Phase
 from autoplan.vocabulary.names import call_site, unit_endpoints
 from autoplan.vocabulary.tensors import storage_bytes, tensors_of, unique_storage_bytes
 from autoplan.instruments.tracker import LiveBytesTracker
+from autoplan.instruments.values import copy_with_digest, give_value, known_value
 
 
 class UnitRecorder:
@@ -79,7 +80,10 @@ class UnitRecorder:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.recording and self.in_forward and self.in_rest:
             self.rest_saved[self.key(tensor)] = self.tracker.current_phase
-        return tensor
+        # An alias without autograd history: a node saving its own output through a hook that returns the
+        # tensor itself holds itself (a reference cycle), so a part of the graph backward never runs (a
+        # layer whose output no loss uses) would outlive the outputs, as it does not in the real step.
+        return tensor.detach()
 
     def begin(self, phase: Phase) -> None:
         if not self.recording:
@@ -110,11 +114,7 @@ class UnitRecorder:
                 )
             self.begin(Phase("fwd", name))
             tensors = tensors_of((args, kwargs))
-            spec = tree_map_only(
-                torch.Tensor,
-                lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad),
-                (args, kwargs),
-            )
+            spec = tree_map_only(torch.Tensor, TensorSpec.of, (args, kwargs))
             keys = tuple(self.key(t) for t in tensors)
             for tensor, key in zip(tensors, keys):
                 self.tracker.watch(tensor, key)
@@ -185,15 +185,32 @@ class UnitRecorder:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and kind of a tensor a unit was called with; enough to make a fake one like it."""
+    """Shape and kind of a tensor a unit was called with; enough to make a fake one like it.
+
+    Where the simulation knew its value (computed from the batch only: positions, a grid's
+    sequence bounds; `instruments.values`), the fake one made from it has that value too, so a unit
+    that reads it (`cu_seqlens.tolist()`) runs alone as in the step.
+    """
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    value_digest: str = ""  # identifies the value: units called with other values are measured apart
+    value: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        value = known_value(tensor)
+        if value is None:
+            return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad)
+        value, digest = copy_with_digest(value)
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad, digest, value)
 
     def materialize(self) -> torch.Tensor:
         tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="cpu")
+        if self.value is not None:
+            give_value(tensor, self.value)
         return tensor.requires_grad_(self.requires_grad)
 
 

@@ -52,7 +52,7 @@ def run_timeline(
 ) -> Timeline:
     """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with
     `choices` (and its loss head fused, if `fused_loss`), under `fake_mode` (or a new one)."""
-    fake_mode = fake_mode or new_fake_mode(traced.routing)
+    fake_mode = fake_mode or new_fake_mode(traced.routing, traced.draws)
     model = simulation_model(traced, fake_mode, choices, rest_precision, fused_loss)
     timeline = simulate_training(
         model, traced.example_inputs, fake_mode=fake_mode, units=list(traced.units), device=device, optimizer=optimizer,

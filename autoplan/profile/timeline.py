@@ -11,7 +11,7 @@ so a unit can later be profiled on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -84,8 +84,9 @@ class Timeline:
 
 def _phase_sample(tracked: TrackedPhase, grad_bytes: int, carried_bytes: int) -> PhaseSample:
     # the previous step's outputs (or loss) stay alive until this step's forward returns
-    extra = carried_bytes if tracked.label.kind == "fwd" else 0
-    return PhaseSample(tracked.label, tracked.start_bytes + extra, tracked.peak_bytes + extra, grad_bytes, tracked.time_s, tracked.flops)
+    phase = cast(Phase, tracked.label)  # the recorder labels a training step's phases with Phases
+    extra = carried_bytes if phase.kind == "fwd" else 0
+    return PhaseSample(phase, tracked.start_bytes + extra, tracked.peak_bytes + extra, grad_bytes, tracked.time_s, tracked.flops)
 
 
 def simulate_training(
@@ -108,6 +109,21 @@ def simulate_training(
     optimizer.step() and zero_grad.
     """
     loop = loop or TrainingLoop()
+    step = (model, example_inputs, fake_mode, units, device, optimizer, loss_fn, loop)
+    timeline, gradless = _simulated_step(*step, gradless=frozenset())
+    if gradless:
+        # Parameters no gradient reaches (a vision layer whose output the model does not use) have
+        # none in the real loop, and so no optimizer state: the step again without them.
+        for param in model.parameters():
+            param.grad = None
+        timeline, _ = _simulated_step(*step, gradless=gradless)
+    return timeline
+
+
+def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, loss_fn, loop: TrainingLoop, *,
+                    gradless: frozenset[int]) -> tuple[Timeline, frozenset[int]]:
+    """One simulated step (`simulate_training`), the parameters in `gradless` (by id) given no gradient by the
+    earlier steps; and the trainable parameters its backward gave no gradient."""
     tracker = LiveBytesTracker(device)
     recorder = UnitRecorder(tracker, model, units)
     try:
@@ -121,16 +137,19 @@ def simulate_training(
             runner = LoopRunner(model, opt, loop, loss_fn, scaler=FakeGradScaler() if loop.grad_scaler else None)
             # looked up when called, so that the module's default_loss is the one used
             runner.loss_of = loss_function(loss_fn, loop.loss_in_model, default=lambda output: default_loss(output))
-            _warm_up(runner, trainable)
+            graded = [p for p in trainable if id(p) not in gradless]
+            _warm_up(runner, graded)
             first_phase = tracker.phase_count
             hooks = _RecordingHooks(recorder, model, (args, kwargs), loop.keep_outputs)
             runner.hooks = hooks
+            reached = _GradientsReached(trainable)
             # the last micro-batch of a step, the one that runs with every gradient alive
-            runner.micro_batch(args, kwargs)
+            with reached:
+                runner.micro_batch(args, kwargs)
             runner.optimizer_step()
             static = StaticBytes(
                 parameters=unique_storage_bytes(resident_tensors(model)),
-                gradients=unique_storage_bytes(trainable),
+                gradients=unique_storage_bytes(graded),
                 optimizer=unique_storage_bytes(optimizer_state_tensors(opt)),
                 inputs=unique_storage_bytes(batch),
             )
@@ -146,8 +165,26 @@ def simulate_training(
     missing = [name for name in units if name not in {call.name for call in hooks.calls}]
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
-    return Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried,
-                    target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes)
+    timeline = Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried,
+                        target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes)
+    return timeline, frozenset(id(p) for p in trainable) - reached.ids
+
+
+class _GradientsReached:
+    """While open, notes (by id) the parameters a gradient is accumulated into."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.ids: set[int] = set()
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _GradientsReached:
+        self._handles = [p.register_post_accumulate_grad_hook(lambda param: self.ids.add(id(param))) for p in self.params]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 class _RecordingHooks(StepHooks):
@@ -185,7 +222,7 @@ class _RecordingHooks(StepHooks):
         self.recorder.begin(ZERO_GRAD)
 
 
-def _warm_up(runner: LoopRunner, trainable: list[torch.Tensor]) -> None:
+def _warm_up(runner: LoopRunner, trainable: Sequence[torch.Tensor]) -> None:
     """What the earlier steps leave behind for the recorded one: the optimizer's state, and the gradients.
 
     Under fake tensors the values do not matter, so gradients made here stand in for a forward and

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.utils._pytree import tree_map_only
 
+from autoplan.errors import OptionError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import DTYPES, Choice, OutsideUnits
@@ -101,7 +102,7 @@ def measure_times(
     model = traced.model
     device = model_device(model)
     if device.type == "meta":
-        raise ValueError("the model's parameters are on the meta device: there is nothing real to time; use profile='roofline'")
+        raise OptionError("the model's parameters are on the meta device: there is nothing real to time; use profile='roofline'")
     say = progress or (lambda message: None)
     calls = {call.name: call for call in profile.timeline.unit_calls}
     rest = profile.rest_precision

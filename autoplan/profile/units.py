@@ -23,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from autoplan.errors import OptionError, OptionTypeError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice
@@ -106,6 +107,8 @@ class Profile:
     segments: bool = True  # whether the plan may checkpoint runs of consecutive units as one (memory.segments)
     alternative: Timeline | None = None  # the step with the loss head the other way (fused or as written), where it can be fused
     offload: bool = False  # its units' options include host twins (profile.offload)
+    batch_reads: tuple[str, ...] = ()  # batch inputs whose values the forward read (image grids, labels): planned for those values
+    random_reads: int = 0  # values computed from random draws the forward read (LayerDrop): planned at the worst case
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
@@ -116,9 +119,9 @@ def precision_options(precision: str, device: Device) -> tuple[str, ...]:
     if precision == "auto":
         return ("fp32", device.low_precision_name)
     if precision not in DTYPES:
-        raise ValueError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got {precision!r}")
+        raise OptionError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got {precision!r}")
     if precision == "bf16" and not device.supports_bf16:
-        raise ValueError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
+        raise OptionError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
     return (precision,)
 
 
@@ -134,7 +137,7 @@ def _materialize(spec: TensorSpec) -> torch.Tensor:
     """A fake input like the one recorded; one that needs grad is made by an op, as in the real
     step, so that only the unit's own saved tensors (not autograd's leaf bookkeeping) keep it alive."""
     if not spec.requires_grad:
-        return TensorSpec(spec.shape, spec.stride, spec.dtype, False).materialize()
+        return spec.materialize()
     return spec.materialize().clone()
 
 
@@ -325,17 +328,17 @@ def profile(
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
-        raise TypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
+        raise OptionTypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
     rest = rest_precision
     base = {name: Choice("keep", rest) for name in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
-    timeline_mode = new_fake_mode(traced.routing)
+    timeline_mode = new_fake_mode(traced.routing, traced.draws)
     timelines = base_timelines(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
                                fake_mode=timeline_mode, loop=loop, fuse_loss=fuse_loss)
     timeline, reference = timelines.timeline, timelines.reference
 
-    fake_mode = new_fake_mode(traced.routing)
+    fake_mode = new_fake_mode(traced.routing, traced.draws)
     model = simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(device) if compile else device
     host_bandwidth = device.host_bandwidth if offload else 0.0
@@ -359,6 +362,8 @@ def profile(
         routing_assumed=timeline_mode.routing_assumed(),
         loop=loop,
         offload=host_bandwidth > 0,
+        batch_reads=timeline_mode.values.batch_reads(),
+        random_reads=timeline_mode.values.random_reads,
     )
 
 
@@ -369,7 +374,7 @@ def with_choices(traced: Traced, measured: Profile, extra: Iterable[Choice], *, 
     matmuls); planning itself measures only the menu `profile` builds.
     """
     extra = tuple(extra)
-    fake_mode = new_fake_mode()
+    fake_mode = new_fake_mode(traced.routing, traced.draws)
     model = simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(measured.device) if compile else measured.device
     by_signature: dict[tuple, dict[Choice, UnitCost]] = {}

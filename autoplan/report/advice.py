@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autoplan.errors import OptionTypeError
 from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
@@ -341,7 +342,7 @@ def advise(
     (`report.ladder.plan_ladder`); its rungs replace the estimates of the steps it planned (SDPA, QLoRA).
     """
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
-        raise TypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
+        raise OptionTypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
     phases = [sample.phase for sample in profile.timeline.phases]
     peak_index = phases.index(plan.peak_phase) if plan.peak_phase in phases else 0
     # A plan that fits is the starting point; one that does not, the choices that keep least.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autoplan.errors import PlotUnavailable
+from autoplan.errors import OptionError, PlotUnavailable
 from autoplan.vocabulary.formatting import byte_unit
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def plot_memory(plan: Plan, profile: Profile, path: str | Path) -> Path:
     """Write the before/after memory curves to `path` (.png, .svg or .pdf)."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"plot file must end in {', '.join(FORMATS)}; got {path.name!r}")
+        raise OptionError(f"plot file must end in {', '.join(FORMATS)}; got {path.name!r}")
     plt = require_pyplot()
     curves = memory_curves(plan, profile)
     scale, unit = byte_unit(max(*curves.before, *curves.after, curves.budget_bytes))  # the axis in the unit that fits

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from autoplan.errors import OptionError
 from autoplan.inputs.hf_models import require_transformers
 from autoplan.plan import Plan
 from autoplan.report.text import format_report
@@ -53,7 +54,7 @@ def callback_class() -> type:
 
         def __init__(self, plan: Plan, *, measure_step: int = MEASURE_STEP, write: Callable[[str], Any] = print) -> None:
             if measure_step < 1:
-                raise ValueError(f"measure_step counts optimizer steps from 1; got {measure_step}")
+                raise OptionError(f"measure_step counts optimizer steps from 1; got {measure_step}")
             self.plan, self.measure_step, self.write = plan, measure_step, write
             self.measured_peak_bytes: int | None = None
 

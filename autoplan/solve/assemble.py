@@ -86,6 +86,7 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget
                      "skipped, not planned")
     if measured.routing:
         notes.append(measured.routing)
+    notes += value_notes(measured, traced)
     if measured.timeline.target_kernels:
         notes.append(measured.timeline.target_kernels)
     if traced.skip_edges:
@@ -94,6 +95,20 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget
         notes.append("fp16 units need torch.amp.GradScaler in the training loop")
     return notes
 
+
+
+def value_notes(measured: Profile, traced: Traced) -> list[str]:
+    """What the plan assumed of values the forward read: the batch's, and random draws'."""
+    notes = []
+    if measured.batch_reads:
+        notes.append(f"the forward reads values of {', '.join(measured.batch_reads)} (sizes, counts or checks decided by "
+                     "them): simulated with this batch's values, so the plan holds for batches of these shapes with the "
+                     "same sizes in them (image grids, sequence lengths); verify refuses a batch with other sizes")
+    if measured.random_reads:
+        how = "every layer runs" if not traced.never_ran else f"the most units run ({', '.join(traced.never_ran)} never did)"
+        notes.append(f"random control flow (LayerDrop, stochastic depth as a branch: the forward decides on random draws): "
+                     f"planned at the worst case, with the draws under which {how}")
+    return notes
 
 
 def assemble_plan(

@@ -19,11 +19,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import pulp
 
-from autoplan.errors import SolverTimeoutError
+from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.memory.model import (
     HOLDING,
     Point,
@@ -73,7 +73,7 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
             # a pinned mode allows every menu point of that mode, on the device or offloaded (pins name modes)
             options = [c for c in options if dataclasses.replace(c, saves=None, placement="device") in pins[unit.name]]
             if not options:
-                raise ValueError(f"the pins on unit {unit.name!r} leave it no choice it can take")
+                raise OptionError(f"the pins on unit {unit.name!r} leave it no choice it can take")
         result.append(options)
     return result
 
@@ -133,11 +133,11 @@ def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name
     problem += prefix[0] == 0, "held_first_0"
     for i, u in enumerate(forward_order):
         problem += prefix[i + 1] == prefix[i] + held[u], f"held_first_{i + 1}"
-    position = {u: i for i, u in enumerate(forward_order)}
+    rank = {u: i for i, u in enumerate(forward_order)}  # a unit's place in forward order
 
     def phase_bytes(point: Point):
         holding = [u for u, relation in point.relations if relation in HOLDING]
-        if sorted(position[u] for u in holding) == list(range(len(holding))):
+        if sorted(rank[u] for u in holding) == list(range(len(holding))):
             held_now = prefix[len(holding)]
         else:  # not a prefix of forward order (parallel branches): sum the units themselves
             held_now = pulp.lpSum(held[u] for u in holding)
@@ -160,11 +160,11 @@ class Program:
     segments: list[SegmentOption]  # the segments it may take instead
     x: dict  # (unit, choice) -> binary
     y: list  # per segment option -> binary
-    phase_bytes: object  # Point -> the phase's bytes in MiB, an expression of x and y
+    phase_bytes: Callable[[Point], pulp.LpAffineExpression]  # the phase's bytes in MiB, an expression of x and y
     constraints: list
 
 
-def _held_expressions(profile: Profile, allowed, x, problem, covering) -> list:
+def _held_expressions(profile: Profile, allowed, x, problem, covering) -> tuple[list, dict[int, list]]:
     """Per unit, in MiB: its held-bytes change plus the passed-along tensors alive because of it.
 
     A passed-along tensor is alive in holder j's window when any of holders 1..j keeps it:

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from autoplan.errors import SolverTimeoutError
+from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.memory.model import predict_peak
 from autoplan.plan import MODES, Choice
 from autoplan.profile.offload import on_device_only
@@ -45,7 +45,7 @@ def pinned_choices(
         requested = checkpoint if isinstance(checkpoint, Mapping) else {p: "full" for p in ([checkpoint] if isinstance(checkpoint, str) else checkpoint)}
         for pattern, mode in requested.items():
             if mode not in MODES:
-                raise ValueError(f"checkpoint mode for {pattern!r} must be one of {MODES}; got {mode!r}")
+                raise OptionError(f"checkpoint mode for {pattern!r} must be one of {MODES}; got {mode!r}")
             for unit in match_units(units, [pattern], "checkpoint"):
                 modes[unit] = (mode,)
     fp32_units = match_units(units, keep_fp32, "keep_fp32") if keep_fp32 else set()

@@ -62,9 +62,10 @@ class _Provenance(TorchDispatchMode):
 
 
 def runtime_unit_graph(
-    model: torch.nn.Module, inputs: tuple[tuple, dict], units: list[str], routing: MoeRoutingBound = WORST_CASE
-) -> tuple[list[str], nx.DiGraph]:
-    """Run `model` once on fake tensors; return its units in call order and the unit dataflow graph.
+    model: torch.nn.Module, inputs: tuple[tuple, dict], units: list[str], routing: MoeRoutingBound = WORST_CASE, draws: str = "high",
+) -> tuple[list[str], nx.DiGraph, int]:
+    """Run `model` once on fake tensors; return its units in call order, the unit dataflow graph and
+    how many values computed from random draws the forward read (random control flow: `instruments.values`).
 
     Raises RuntimeError naming the failing line of the model's code when the forward cannot run
     on fake tensors.
@@ -72,7 +73,7 @@ def runtime_unit_graph(
     from autoplan.vocabulary.names import unit_endpoints
     from autoplan.planned.forwards import remove_plan
 
-    fake_mode = new_fake_mode(routing)
+    fake_mode = new_fake_mode(routing, draws)
     twin = remove_plan(fake_copy(model, fake_mode))
     twin.train()  # the step being planned is a training step: dropout and friends as in training
     provenance = _Provenance()
@@ -119,4 +120,4 @@ def runtime_unit_graph(
     graph.add_edges_from(provenance.edges)
     graph.add_edges_from((source, "output") for source in finished)
     once = {call_site_name(name, 0): name for name, count in calls.items() if count == 1}
-    return [once.get(site, site) for site in order], nx.relabel_nodes(graph, once)
+    return [once.get(site, site) for site in order], nx.relabel_nodes(graph, once), fake_mode.values.random_reads

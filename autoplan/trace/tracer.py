@@ -21,7 +21,10 @@ across units.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import logging
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
@@ -54,14 +58,31 @@ class Traced:
     trace_errors: tuple[str, ...] = ()  # what each tracer tripped on, when one did
     never_ran: tuple[str, ...] = ()  # units found in the model that its forward never calls: not planned
     routing: MoeRoutingBound = WORST_CASE  # how every fake-tensor run of this model answers data-dependent expert routing
+    draws: str = "high"  # the value small random draws take in every fake-tensor run ("high" or "low": `instruments.values`)
+    random_reads: int = 0  # values computed from random draws the forward read (LayerDrop): random control flow
 
 
 # What a failure under fake tensors most often is, and its fix (trace and profile both run there).
 FAKE_TENSOR_HINT = (
-    "autoplan runs the forward on fake tensors, which have shapes but no values: code that needs a tensor's value "
-    "(`if x.sum() > 0`, `.item()`, `.tolist()`) cannot run there. Compute it with tensor ops (torch.where) or move it "
-    "out of forward."
+    "autoplan runs the forward on fake tensors, which carry the example batch's values (and what is computed from "
+    "them alone) but no values computed from the weights: code that reads such a value (`if x.sum() > 0` on "
+    "activations, `.item()`, `.tolist()`) cannot run there. Compute it with tensor ops (torch.where) or move it out "
+    "of forward."
 )
+
+
+META_BATCH_HINT = (
+    "the example batch is on the meta device, which has no values to read: pass a real batch (example_inputs=..., "
+    "a few real rows are enough), and the values the forward reads (image grids, labels, lengths) are taken from it."
+)
+
+
+def _value_hint(inputs: tuple[tuple, dict]) -> str:
+    """What to do when the forward needed a value: a real batch, when the example one has none."""
+    from autoplan.vocabulary.tensors import tensors_of
+
+    on_meta = any(tensor.device.type == "meta" for tensor in tensors_of(inputs))
+    return FAKE_TENSOR_HINT + (" Here, " + META_BATCH_HINT if on_meta else "")
 
 
 # -- finding units ------------------------------------------------------------------------
@@ -79,12 +100,38 @@ class _UnitLeafTracer(torch.fx.Tracer):
 
 
 def _symbolic_trace(model: torch.nn.Module, leaves: set[str]) -> torch.fx.Graph:
-    return _UnitLeafTracer(leaves).trace(model)
+    with _EagerDraws() as draws:
+        graph = _UnitLeafTracer(leaves).trace(model)
+    if draws.seen:
+        # torch.fx runs what does not depend on the inputs for real, so `torch.rand([]) < p` was decided once,
+        # at random, and the graph holds that branch: LayerDrop would leave layers out of the plan at random
+        raise RuntimeError(f"the forward draws random numbers ({draws.seen}) that the traced graph would fix at one "
+                           "random value (random control flow, such as LayerDrop)")
+    return graph
+
+
+class _EagerDraws(TorchDispatchMode):
+    """Notes random ops run for real (outside the graph) while torch.fx traces."""
+
+    seen = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags and not self.seen:
+            self.seen = func.__name__
+        return func(*args, **(kwargs or {}))
 
 
 def _export(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> torch.fx.Graph:
     args, kwargs = inputs
-    return torch.export.export(model, args, kwargs, strict=False).graph
+    # export prints the whole graph (and warns) when it meets a value it cannot guard on; the error says enough
+    quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return torch.export.export(model, args, kwargs, strict=False).graph
+    finally:
+        quiet.setLevel(level)
 
 
 def _node_unit(node: torch.fx.Node, module_units: dict[str, str]) -> str | None:
@@ -148,7 +195,6 @@ def trace(
     depend on the data is profiled (`instruments.routing`); the later stages read it from the result.
     """
     from autoplan.inputs.hf_models import is_hf_model
-    from autoplan.trace.dataflow import runtime_unit_graph
 
     inputs = normalize_inputs(example_inputs)
     unit_names = list(unit_names) if unit_names else find_units(model, units)  # unit_names: one level of `unit_levels`
@@ -158,7 +204,7 @@ def trace(
     tracers = {
         "symbolic_trace": ("torch.fx.symbolic_trace", lambda: _symbolic_trace(model, leaves)),
         "export": ("torch.export(strict=False)", lambda: _export(model, inputs)),
-        "hooks": ("a forward on fake tensors", lambda: runtime_unit_graph(model, inputs, unit_names, routing)),
+        "hooks": ("a forward on fake tensors", lambda: _worst_case_draws(model, inputs, unit_names, routing)),
     }
     order = ("hooks", "export") if is_hf_model(model) else ("symbolic_trace", "export", "hooks")
     errors: list[str] = []
@@ -169,17 +215,38 @@ def trace(
         except Exception as error:  # noqa: BLE001 - any failure means: try the next tracer
             errors.append(f"{label}: {first_line(error)}" if method == "hooks" else f"{label}: {type(error).__name__}: {first_line(error)}")
             continue
+        draws, random_reads = "high", 0
         if method == "hooks":
-            graph, (executed, dataflow) = None, result
+            graph, (executed, dataflow, random_reads, draws) = None, result
         else:
             graph = result
             executed, dataflow = _unit_graph(graph, unit_names)
-        return dataclasses.replace(_traced(model, inputs, unit_names, graph, method, executed, dataflow, errors), routing=routing)
+        traced = _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors)
+        return dataclasses.replace(traced, routing=routing, draws=draws, random_reads=random_reads)
     raise TraceError(
-        f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n" + FAKE_TENSOR_HINT + " If the "
+        f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n" + _value_hint(inputs) + " If the "
         "units were the problem, name the submodules to plan, e.g. its blocks (units=['pattern', ...]; --units on the "
         "command line)."
     )
+
+
+def _worst_case_draws(model, inputs, unit_names, routing) -> tuple[list[str], nx.DiGraph, int, str]:
+    """The forward on fake tensors with the random draws that run the most units: the worst case.
+
+    Random control flow (LayerDrop's `torch.rand([]) < p`, stochastic depth as a branch) skips
+    layers at random in training; a plan must hold when none is skipped. Draws at the top of their
+    range make `rand < p` false (every layer runs); a forward that skips on `rand > p` instead runs
+    every layer with draws at the bottom, so both are tried when the first skipped a unit.
+    """
+    from autoplan.trace.dataflow import runtime_unit_graph
+
+    executed, dataflow, random_reads = runtime_unit_graph(model, inputs, unit_names, routing, "high")
+    if not random_reads or set(unit_names) <= {call_site(u).module if call_site(u) else u for u in executed}:
+        return executed, dataflow, random_reads, "high"
+    low = runtime_unit_graph(model, inputs, unit_names, routing, "low")
+    if len(set(low[0])) > len(set(executed)):
+        return (*low, "low")
+    return executed, dataflow, random_reads, "high"
 
 
 def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors) -> Traced:

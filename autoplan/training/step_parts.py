@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
+from autoplan.errors import LossError, OptionError
 from autoplan.instruments.quantized import is_quantized_parameter
 from autoplan.instruments.quantized_optim import BNB_OPTIMIZERS, bnb_optimizer_by_name, is_bnb_optimizer, rebuilt_bnb_optimizer
 from autoplan.vocabulary.signatures import accepts_argument
@@ -27,9 +28,9 @@ def sum_of_outputs(output: Any) -> torch.Tensor:
     """Every floating-point tensor of the output summed: each output gets a gradient of its size."""
     tensors = [t for t in tensors_of(output) if t.is_floating_point() and t is not model_loss(output)]
     if not tensors:
-        raise ValueError("the model's output has no floating-point tensor to backpropagate: return the loss (or the logits) from "
-                         "forward, or pass loss_fn= to compute the loss from the output")
-    return sum(t.sum() for t in tensors)
+        raise LossError("the model's output has no floating-point tensor to backpropagate: return the loss (or the logits) from "
+                        "forward, or pass loss_fn= to compute the loss from the output")
+    return cast(torch.Tensor, sum(t.sum() for t in tensors))  # sum() starts from 0: a tensor after the first add
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -59,7 +60,7 @@ def loss_function(
     def own_loss(output: Any) -> torch.Tensor:
         loss = model_loss(output)
         if loss is None:
-            raise ValueError(
+            raise LossError(
                 f"the loop says the model computes its loss (loss_in_model=True), but its {type(output).__name__} output "
                 "has no .loss: pass the labels in the batch, or TrainingLoop(loss_in_model=False) with loss_fn="
             )
@@ -76,11 +77,11 @@ def optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
     if isinstance(optimizer, torch.optim.Optimizer):
         return type(optimizer).__name__
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS} or a torch.optim.Optimizer")
+        raise OptionError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS} or a torch.optim.Optimizer")
     return optimizer
 
 
-OPTIMIZER_IMPLEMENTATION_FLAGS = {
+OPTIMIZER_IMPLEMENTATION_FLAGS: dict[str, dict[str, Any]] = {
     "foreach": {"foreach": True, "fused": False},
     "fused": {"foreach": False, "fused": True},
     "for-loop": {"foreach": False, "fused": False},

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from autoplan.errors import OptionError, OptionTypeError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.inputs.devices import get_device
 from autoplan.inputs.hf_models import training_inputs
@@ -116,15 +117,15 @@ def verify(
     plan's peak says nothing about them. check=False runs it anyway.
     """
     if not isinstance(plan, Plan):
-        raise TypeError(f"verify() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
+        raise OptionTypeError(f"verify() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
     if steps < 2:
-        raise ValueError(f"steps must be at least 2 (the first step creates the optimizer state); got {steps}")
+        raise OptionError(f"steps must be at least 2 (the first step creates the optimizer state); got {steps}")
     device = model_device(model)
     if device.type == "meta":
-        raise ValueError("the model's parameters are on the meta device; load real weights (or build it on a device) to verify")
+        raise OptionError("the model's parameters are on the meta device; load real weights (or build it on a device) to verify")
     optimizer = optimizer if optimizer is not None else plan.optimizer
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
-        raise ValueError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
+        raise OptionError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
     settle_first_forward(model)  # as plan() and apply() do: a 4-bit layer's bias in its compute dtype
     if check:  # before the model changes
         check_model(plan.fingerprint, model)

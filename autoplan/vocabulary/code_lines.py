@@ -30,9 +30,8 @@ def _wrap(body: str, indent: str, width: int) -> list[str]:
     if len(indent) + len(body) <= width:
         return [indent + body]
     opened, closed = _outer_brackets(body)
-    inner = body[opened + 1 : closed] if opened is not None else ""
-    arguments = _arguments(inner)
-    if not arguments or any(" for " in f" {argument} " for argument in arguments):
+    arguments = _arguments(body[opened + 1 : closed]) if opened is not None and closed is not None else []
+    if opened is None or not arguments or any(" for " in f" {argument} " for argument in arguments):
         return [indent + body]  # nothing to break inside (or a comprehension, read whole): left long
     head, tail = body[: opened + 1], body[closed:]
     deeper = indent + "    "

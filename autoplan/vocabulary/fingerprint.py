@@ -34,14 +34,38 @@ def batch_shapes(batch: tuple[tuple, dict]) -> tuple[tuple[str, str], ...]:
     return tuple((_where(path), describe_tensor(leaf)) for path, leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
+def input_names(leaves: list[tuple[tuple[Any, ...], Any]]) -> list[str]:
+    """The names `batch_shapes` gives the leaves of an (args, kwargs) batch flattened with their paths."""
+    return [_where(path) for path, _ in leaves]
+
+
 def _where(path: tuple[Any, ...]) -> str:
     positional, first, rest = path[0] == SequenceKey(0), path[1], path[2:]
     head = f"argument {first.idx}" if positional else str(getattr(first, "key", first))
     return head + keystr(rest)
 
 
-def fingerprint_of(model: torch.nn.Module, batch: tuple[tuple, dict]) -> Fingerprint:
-    return Fingerprint(parameter_shapes(model), batch_shapes(batch))
+def fingerprint_of(model: torch.nn.Module, batch: tuple[tuple, dict], read: tuple[str, ...] = ()) -> Fingerprint:
+    """`read`: the batch inputs whose values the forward read (`Profile.batch_reads`): their values are part of it."""
+    return Fingerprint(parameter_shapes(model), batch_shapes(batch), batch_values(batch, read))
+
+
+SIZES_LIMIT = 64  # elements: a read input this small holds sizes (an image grid, sequence lengths), checked by value
+
+
+def batch_values(batch: tuple[tuple, dict], names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The values of the batch's tensors named `names` that hold sizes (at most SIZES_LIMIT elements), in words.
+
+    Those are what a plan's shapes were simulated with (image grids, lengths); larger inputs the
+    forward read (token ids, masks, labels) decide counts a batch of the same shape rarely changes,
+    and are named in the plan's notes instead of being checked.
+    """
+    if not names:
+        return ()
+    leaves, _ = tree_flatten_with_path(batch)
+    tensors = {_where(path): leaf for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+    return tuple((name, str(tensors[name].tolist())) for name in names
+                 if name in tensors and tensors[name].numel() <= SIZES_LIMIT and tensors[name].device.type != "meta")
 
 
 def check_model(fingerprint: Fingerprint | None, model: torch.nn.Module) -> None:
@@ -67,6 +91,14 @@ def check_batch(fingerprint: Fingerprint | None, batch: tuple[tuple, dict]) -> N
         raise PlanMismatchError(
             f"the plan's peak is for a batch of {planned}; this batch differs: {difference}. Verify with the batch "
             "the plan was made for, or plan for this batch (autoplan.plan(..., example_inputs=...))"
+        )
+    values = batch_values(batch, tuple(name for name, _ in fingerprint.values))
+    difference = _first_difference(dict(fingerprint.values), dict(values), "value of")
+    if difference:
+        raise PlanMismatchError(
+            f"the model's forward reads values of {', '.join(name for name, _ in fingerprint.values)}, and the plan's "
+            f"peak is for the values it was made with; this batch differs: {difference}. Verify with that batch, or plan "
+            "for this one (autoplan.plan(..., example_inputs=...))"
         )
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from autoplan.errors import UnitPatternError
+from autoplan.errors import PlanMismatchError, UnitPatternError
 
 RANGE_UNIT = re.compile(r"^(?P<parent>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 GRAPH_UNIT = re.compile(r"^graph\[(?P<first>[A-Za-z_][\w]*):(?P<last>[A-Za-z_][\w]*)\]$")
@@ -38,7 +39,12 @@ class SequentialRun:
         return [f"{prefix}{i}" for i in range(self.start, self.stop)]
 
     def layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        return list(model.get_submodule(self.parent))[self.start : self.stop]
+        return list(_container(model, self.parent))[self.start : self.stop]
+
+
+def _container(model: torch.nn.Module, name: str) -> torch.nn.Sequential:
+    """The Sequential (or ModuleList: indexed and iterated alike) that holds a run of layers."""
+    return cast(torch.nn.Sequential, model.get_submodule(name))
 
 
 def sequential_run(name: str) -> SequentialRun | None:
@@ -106,7 +112,7 @@ def segment_members(model: torch.nn.Module, name: str) -> list[str]:
     holder = model.get_submodule(parent)
     names = [child for child, _ in holder.named_children()]
     if parent != last_parent or start not in names or stop not in names or names.index(stop) <= names.index(start):
-        raise ValueError(f"segment {name!r}: {first} and {last} are not two children of one module, in order")
+        raise PlanMismatchError(f"segment {name!r}: {first} and {last} are not two children of one module, in order")
     prefix = f"{parent}." if parent else ""
     return [prefix + child for child in names[names.index(start) : names.index(stop) + 1]]
 
@@ -133,7 +139,7 @@ def unit_endpoints(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, 
     if run is None:
         module = model.get_submodule(name)
         return module, module
-    parent = model.get_submodule(run.parent)
+    parent = _container(model, run.parent)
     return parent[run.start], parent[run.stop - 1]
 
 

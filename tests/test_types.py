@@ -1,0 +1,23 @@
+"""The type checker passes on autoplan/ (issue 25): `mypy`, configured in pyproject.toml.
+
+Run as a test so the README's one test command (and .ci/run) covers it. Its cache
+(.mypy_cache, ignored by git) makes a second run take seconds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_mypy_is_clean_on_autoplan() -> None:
+    pytest.importorskip("mypy")  # the test extra installs it
+    done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Success: no issues found" in done.stdout
