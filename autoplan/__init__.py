@@ -10,7 +10,17 @@ solve, verify, apply, report, cli; `plan.py` and `errors.py` are the vocabulary;
 is in `vocabulary/` (names, formatting), `instruments/` (fake tensors, the live-bytes tracker),
 `training/` (the step, run once for simulation and measurement) and `planned/` (what a rewritten
 model runs); `api.py` is the orchestration.
+
+The public names are imported on first use, not with the package: `import autoplan` costs no
+torch import, so the command line (`autoplan.cli.main`, inside this package) answers `--help`
+and a mistyped option at once, not after seconds of imports.
 """
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
 
 from autoplan.cli.interrupt import exit_on_interrupt, is_command_line
 
@@ -19,47 +29,81 @@ if is_command_line():
     # submodules) can surface as another error; the handler raises nothing
     exit_on_interrupt()
 
-try:  # seconds of torch imports: Ctrl-C here, in the command line, is its exit 130 too (cli.interrupt)
-    from autoplan.api import apply, optimize, plan
-    from autoplan.errors import InfeasibleBudgetError, PlanMismatchError, TraceError, UnitPatternError
-    from autoplan.inputs.budget import Budget, make_budget, parse_bytes
-    from autoplan.inputs.devices import DEVICES, Device, get_device, list_devices
-    from autoplan.inputs.loop import TrainingLoop
-    from autoplan.plan import Choice, MemoryBreakdown, Plan, UnitDecision
-    from autoplan.report.text import format_report
-    from autoplan.planned.forwards import planned_choices, remove_plan
-    from autoplan.verify.real import Verification, verify
-except KeyboardInterrupt:
-    from autoplan.cli.interrupt import exit_interrupted, is_command_line
-
-    if is_command_line():
-        exit_interrupted()
-    raise
-
-__all__ = [
-    "Budget",
-    "Choice",
-    "DEVICES",
-    "Device",
-    "InfeasibleBudgetError",
-    "MemoryBreakdown",
-    "Plan",
-    "PlanMismatchError",
-    "TraceError",
-    "TrainingLoop",
-    "UnitDecision",
-    "UnitPatternError",
-    "Verification",
-    "apply",
-    "format_report",
-    "get_device",
-    "list_devices",
-    "make_budget",
-    "optimize",
-    "parse_bytes",
-    "plan",
-    "planned_choices",
-    "remove_plan",
-    "verify",
-]
+# public name -> the module that defines it
+_EXPORTS = {
+    "apply": "autoplan.api",
+    "optimize": "autoplan.api",
+    "plan": "autoplan.api",
+    "InfeasibleBudgetError": "autoplan.errors",
+    "PlanMismatchError": "autoplan.errors",
+    "TraceError": "autoplan.errors",
+    "UnitPatternError": "autoplan.errors",
+    "Budget": "autoplan.inputs.budget",
+    "make_budget": "autoplan.inputs.budget",
+    "parse_bytes": "autoplan.inputs.budget",
+    "DEVICES": "autoplan.inputs.devices",
+    "Device": "autoplan.inputs.devices",
+    "get_device": "autoplan.inputs.devices",
+    "list_devices": "autoplan.inputs.devices",
+    "TrainingLoop": "autoplan.inputs.loop",
+    "Choice": "autoplan.plan",
+    "MemoryBreakdown": "autoplan.plan",
+    "Plan": "autoplan.plan",
+    "UnitDecision": "autoplan.plan",
+    "format_report": "autoplan.report.text",
+    "planned_choices": "autoplan.planned.forwards",
+    "remove_plan": "autoplan.planned.forwards",
+    "Verification": "autoplan.verify.real",
+    "verify": "autoplan.verify.real",
+}
+# modules that import no torch; the others come with the report stage, as Plan.report() needs it
+_LIGHT = {"autoplan.errors", "autoplan.inputs.budget", "autoplan.inputs.devices", "autoplan.inputs.loop"}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+class _Export:
+    """A public name of the package, imported from its module when first read.
+
+    A data descriptor, not a module `__getattr__`: `plan`, `apply` and `verify` are also the names
+    of submodules, and importing a submodule binds it on the package (`autoplan.plan` would become
+    the module `autoplan/plan.py` once anything imported it). The import system's binding is
+    dropped here; anything else set on the name (a test's monkeypatch) is kept.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, package, owner=None):
+        if package is None:
+            return self
+        if self.name not in vars(package):
+            module = _EXPORTS[self.name]
+            if module not in _LIGHT:
+                importlib.import_module("autoplan.report.text")  # registers Plan.report()'s formatter
+            vars(package)[self.name] = getattr(importlib.import_module(module), self.name)
+        return vars(package)[self.name]
+
+    def __set__(self, package, value) -> None:
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{package.__name__}.{self.name}":
+            return  # a submodule of the same name being imported: the public name keeps its function
+        vars(package)[self.name] = value
+
+    def __delete__(self, package) -> None:
+        vars(package).pop(self.name, None)
+
+
+class _Package(types.ModuleType):
+    """The package's module type: its public names are `_Export`s."""
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(_EXPORTS))
+
+
+for _name in _EXPORTS:
+    _export = _Export()
+    _export.__set_name__(_Package, _name)
+    setattr(_Package, _name, _export)
+del _name, _export
+
+sys.modules[__name__].__class__ = _Package

@@ -44,11 +44,12 @@ from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
+from autoplan.report import text as _report_text  # noqa: F401  registers Plan.report()'s formatter (the vocabulary cannot import it)
 from autoplan.vocabulary.fingerprint import batch_values, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.instruments.routing import check_moe_capacity
-from autoplan.training.step_parts import model_device
+from autoplan.training.step_parts import model_device, optimizer_name
 from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head, infeasible_message
 from autoplan.solve.search import pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus
@@ -57,6 +58,7 @@ from autoplan.trace.units import UnitLevel, unit_levels
 from autoplan.verify.simulate import simulate_plan
 
 
+@torch.enable_grad()  # a training step is planned: the caller's no_grad (or a factory's) is not the step's
 def plan(
     model: torch.nn.Module,
     budget: str | int,
@@ -99,6 +101,7 @@ def plan(
     the arguments that shaped the plan; plan.report() shows the call that reproduces it.
     """
     # every option checked before minutes of tracing and profiling
+    _check_optimizer(optimizer)
     step = StepOptions(optimizer, loss_fn, check_loop(loop), check_moe_capacity(moe_capacity))
     device_profile = get_device(device)
     space = search_space(precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, menu_size=menu_size, segments=segments,
@@ -124,6 +127,14 @@ def plan(
     fingerprint = dataclasses.replace(fingerprint, values=batch_values(batch, measured.batch_reads))
     return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
                                batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """An optimizer whose state plan() can count: a name it knows, or a torch.optim.Optimizer."""
+    try:
+        optimizer_name(optimizer)
+    except ValueError as error:
+        raise OptionError(f"optimizer (--optimizer on the command line): {error}") from None
 
 
 def _check_model(model: torch.nn.Module, target: Device) -> None:

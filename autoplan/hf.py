@@ -349,8 +349,9 @@ def _changes(args: Any, decided: Plan, whole: Plan, micro: int) -> tuple[Argumen
     changes = []
     name = next((n for n in CHECKPOINTING_ARGUMENTS if hasattr(args, n)), None)
     if name is not None and getattr(args, name):
-        checkpointed = sum(unit.choice.checkpointed for unit in decided.units)
-        changes.append(ArgumentChange(name, True, False, f"the plan checkpoints {checkpointed} of {len(decided.units)} "
+        layers = decided.unit_choices()  # a segment's layers one by one: a segment of 2 is 2 layers, not 1
+        checkpointed = sum(choice.checkpointed for choice in layers.values())
+        changes.append(ArgumentChange(name, True, False, f"the plan checkpoints {checkpointed} of {len(layers)} "
                                       "layers itself; transformers would checkpoint every one"))
     batch_size, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     if micro != batch_size:

@@ -137,7 +137,8 @@ class UnitDecision:
     saved_bytes: int  # bytes this unit keeps alive from its forward until its backward
     recompute_flops: int  # extra FLOPs its backward spends recomputing the forward
     step_time_s: float  # its forward + backward (+ recompute) time under this choice
-    policy: str = ""  # a menu point's policy in words: what it saves and what it recomputes
+    policy: str = ""  # a menu point's policy op by op, by submodule: what it saves and what it recomputes
+    policy_summary: str = ""  # the same in a person's words, by kind of op ("keeps the outputs of matmuls; recomputes norms")
     members: tuple[str, ...] = ()  # a segment (consecutive units checkpointed as one region): its units, in order
     host_bytes: int = 0  # offloaded: what it keeps in pinned host memory from its forward until its backward
     transfer_s: float = 0.0  # offloaded: its device-to-host and host-to-device copies at the host link's rate
@@ -309,19 +310,20 @@ class Plan:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    def report(self) -> str:
-        """The text report (`autoplan.report.text.format_report`); the report stage installs it on import."""
+    def report(self, verbose: bool = False) -> str:
+        """The text report (`autoplan.report.text.format_report`); the report stage installs it on import.
+        verbose=True names, op by op, what the selective units save."""
         if _REPORT_FORMATTER is None:
-            raise RuntimeError("no report formatter: import autoplan (the package) rather than autoplan.plan alone")
-        return _REPORT_FORMATTER(self)
+            raise RuntimeError("no report formatter: import autoplan.api or autoplan.report.text rather than autoplan.plan alone")
+        return _REPORT_FORMATTER(self, verbose=verbose)
 
 
 # The vocabulary cannot import the report stage (it comes last); the report stage registers its
-# formatter here when it is imported, which `import autoplan` always does.
-_REPORT_FORMATTER: Callable[[Plan], str] | None = None
+# formatter here when it is imported, which `autoplan.api` (and so `autoplan.plan(...)`) always does.
+_REPORT_FORMATTER: Callable[..., str] | None = None
 
 
-def register_report_formatter(formatter: Callable[[Plan], str]) -> None:
+def register_report_formatter(formatter: Callable[..., str]) -> None:
     global _REPORT_FORMATTER
     _REPORT_FORMATTER = formatter
 

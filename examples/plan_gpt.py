@@ -1,12 +1,14 @@
-"""Plan a GPT-style model for an H100 under a tight budget, rewrite it, and train a few steps.
+"""Plan a GPT-style model for this machine under a tight budget, rewrite it, and train a few steps.
 
     python examples/plan_gpt.py
 
-Planning runs on fake tensors (no GPU, no real memory); training runs on whatever device is here.
+Planning runs on fake tensors (no real memory) for the device the steps then run on: this machine's
+GPU, else the CPU profile. `device="h100-80gb"` would plan for a card that is not here.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -20,11 +22,13 @@ from examples.gpt import build  # noqa: E402
 
 def main() -> None:
     model, (idx,) = build(n_layer=6, n_embd=128, n_head=4, block_size=128, vocab_size=512, batch_size=8, seq_len=128)
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu")
+    idx = idx.to(next(model.parameters()).device)
     inputs = ((idx,), {"targets": idx})  # the model computes its own cross-entropy loss
-    no_plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100-80gb", reserve=0)
-    # ask for the midpoint between "no plan" and "everything checkpointed": a real trade-off
-    budget = (no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) // 2
-    plan = autoplan.plan(model, budget, example_inputs=inputs, device="h100-80gb", reserve=0)
+    no_plan = autoplan.plan(model, "1GB", example_inputs=inputs, reserve=0)
+    # ask for the midpoint between "no plan" and "everything checkpointed", in MB: a real trade-off
+    budget = f"{math.ceil((no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) / 2 / 1e6)}MB"
+    plan = autoplan.plan(model, budget, example_inputs=inputs, reserve=0)
     print(plan.report())
 
     autoplan.apply(model, plan)  # same model object, units wrapped in place

@@ -220,8 +220,10 @@ def test_apply_snippet_reproduces_the_plan(tmp_path, options) -> None:
     result = run("plan", GPT, "--budget", "1GB", "--device", "h100", *options, "--json", str(path))
     assert result.exit_code == ExitCode.FITS, result.output
     lines = result.stdout.splitlines()
-    code = "\n".join(line for line in lines[lines.index("apply it:") + 1:] if line.startswith(("model =", "scaler =")))
-    assert code.startswith("model = autoplan.optimize(model, ")
+    after = lines[lines.index("apply it:") + 1:]
+    # the call as printed: wrapped inside its brackets where it is long, continued 4 spaces deeper
+    code = "\n".join(after[: next(i for i, line in enumerate(after) if not line.startswith(("model =", "scaler =", "    ")))])
+    assert code.startswith("model = autoplan.optimize(") and "model, " in code
     model, batch = tiny_gpt()
     namespace = {"autoplan": autoplan, "torch": torch, "model": model, "batch": batch}
     # optimize() is plan() then apply(); with world_size > 1 it needs torchrun, so compare the plan it makes
@@ -440,6 +442,7 @@ def test_random_option_values_exit_cleanly(option: str, value: str) -> None:
     ("menu_size", -1, "menu_size takes a whole number"), ("menu_size", 2.5, "menu_size takes a whole number"),
     ("profile", "gpu", "profile must be 'auto', 'measure' or 'roofline'; got 'gpu'"),
     ("precision", "int8", "precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got 'int8'"),
+    ("optimizer", "lion", "optimizer .*: unknown optimizer 'lion'; expected one of"),  # issue 27: was a ProfileError
 ])
 def test_api_options_are_checked_before_tracing(option, value, says) -> None:
     model, inputs = tiny_gpt()
@@ -474,6 +477,50 @@ def test_an_empty_batch_is_refused() -> None:
         autoplan.plan(model, "1GB", example_inputs=(torch.randn(0, 8),), device="cpu")
     result = run("plan", MLP, "--budget", "1GB", "--device", "cpu", "--batch-size", "0")
     assert result.exit_code == ExitCode.USAGE, result.output  # typer's own check: batch size ≥ 1
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_plan_and_verify_train_with_grad_whatever_the_callers_grad_mode() -> None:
+    """Issue 27: plan() under torch.no_grad() (or after a factory's torch.set_grad_enabled(False)) gave torch's
+    "element 0 of tensors does not require grad"; a training step is planned, and the caller's mode is left as it was."""
+    model, inputs = tiny_mlp()
+    expected = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
+    with torch.no_grad():
+        planned = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
+        result = autoplan.verify(model, planned, example_inputs=inputs, steps=2)
+        assert not torch.is_grad_enabled()
+    assert planned.choices() == expected.choices() and planned.predicted_peak_bytes == expected.predicted_peak_bytes
+    assert result.held
+
+
+@pytest.mark.slow  # a process
+def test_a_factory_that_turns_grad_off_is_planned_in_a_real_process(tmp_path) -> None:
+    path = write(tmp_path / "no_grad_factory.py", """\
+        import torch
+        from tests.cli_factories import tiny_mlp
+        def build():
+            torch.set_grad_enabled(False)  # e.g. left over from an evaluation script
+            return tiny_mlp()
+        """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "autoplan", "plan", f"{path}:build", "--budget", "1GB", "--device", "cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == ExitCode.FITS, done.stderr
+    assert done.stdout.startswith("FITS") and "does not require grad" not in done.stderr
+
+
+@pytest.mark.slow  # a process
+def test_a_closed_stdout_is_an_output_error_not_the_models() -> None:
+    """Issue 27: `autoplan plan ... >&-` ended with exit 6, "cannot plan _TwoBlocks: AttributeError: 'NoneType'
+    object has no attribute 'flush'", blaming the model; the report has nowhere to go: exit 8, one line."""
+    from autoplan.cli.main import OUTPUT_FAILED
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "autoplan", "plan", MLP, "--budget", "1GB", "--device", "cpu"], cwd=ROOT,
+                          env=env, stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert done.returncode == OUTPUT_FAILED == ExitCode.OUTPUT_FAILED, done.stderr
+    assert done.stderr.splitlines() == ["autoplan: error: stdout is closed, so the report has nowhere to go: redirect it "
+                                        "instead (> report.txt, or > /dev/null with --json FILE)"]
 
 
 @pytest.mark.slow  # the whole pipeline

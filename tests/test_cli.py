@@ -73,6 +73,68 @@ def test_help_lists_commands_and_every_plan_option() -> None:
     assert run("--version").output.strip() == f"autoplan {autoplan.__version__}"
 
 
+# What each call below gets back without importing torch: (exit code, a fragment of its output).
+ANSWERED_BEFORE_TORCH = {
+    "--help": (0, "Usage: autoplan"),
+    "plan --help": (0, "--verbose"),
+    "verify --help": (0, "--steps"),
+    "--version": (0, "autoplan 0.1.0"),
+    "devices": (0, "h100-80gb"),
+    "plan model.py:build --budget 20XB": (2, "unknown unit 'XB'"),
+    "plan model.py:build --budget 1GB --device h1000": (2, "unknown device 'h1000'"),
+    "plan model.py:build --budget 1GB --time-limit 0": (2, "--time-limit"),
+    "plan model.py:build --budget 1GB --plot memory.txt": (2, "--plot file must end in"),
+    "plan model.py:build --budget 1GB --batch-size 0": (2, "--batch-size"),
+    "verify model.py:build --budget 20Gb": (2, "gigabits"),
+    "verify model.py:build --budget 1GB --on tpu": (2, "--on must be cuda or cpu"),
+}
+
+
+@pytest.mark.slow  # a process
+def test_help_and_mistyped_options_are_answered_before_torch_is_imported(tmp_path) -> None:
+    """`--help`, `devices` and an option's bad value cost no torch import (3–6 s on a laptop): the
+    command's own process, through its entry point, imports torch only to plan (issue 27)."""
+    import subprocess
+    from pathlib import Path
+
+    script = tmp_path / "calls.py"
+    script.write_text(
+        "import contextlib, io, json, shlex, sys\n"
+        "from autoplan.cli.main import main\n"
+        "answers = {}\n"
+        "for call in json.loads(sys.argv[1]):\n"
+        "    sys.argv = ['autoplan', *shlex.split(call)]\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):\n"
+        "        try:\n"
+        "            main()\n"
+        "        except SystemExit as done:\n"
+        "            code = done.code or 0\n"
+        "    answers[call] = [code, out.getvalue(), 'torch' in sys.modules]\n"
+        "print(json.dumps(answers))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(script), json.dumps(list(ANSWERED_BEFORE_TORCH))], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for call, (code, output, torch_imported) in json.loads(done.stdout).items():
+        assert (code, ANSWERED_BEFORE_TORCH[call][1] in words(output)) == (ANSWERED_BEFORE_TORCH[call][0], True), (call, output)
+        assert not torch_imported, f"autoplan {call} imported torch"
+
+
+@pytest.mark.slow  # a process
+def test_the_package_imports_its_public_names_when_first_used() -> None:
+    """`import autoplan` is light, and `autoplan.plan`/`apply`/`verify` stay the functions once their
+    namesake modules (autoplan/plan.py, autoplan/apply/, autoplan/verify/) are imported."""
+    import subprocess
+
+    code = ("import sys, autoplan; light = 'torch' not in sys.modules; "
+            "import autoplan.plan, autoplan.apply, autoplan.verify.real; from autoplan.plan import Plan; "
+            "print(light, [callable(getattr(autoplan, n)) for n in ('plan', 'apply', 'verify', 'optimize')], autoplan.Plan is Plan)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.stdout.split("\n")[0] == "True [True, True, True, True] True", done.stderr
+
+
 def test_devices_lists_every_profile_with_its_memory() -> None:
     result = run("devices")
     assert result.exit_code == 0

@@ -77,3 +77,32 @@ def test_any_flop_count_reads_back_with_three_digits(flops: int) -> None:
     assert 1 <= mantissa < 1000 or text.endswith("EFLOP")
     assert mantissa * scale == pytest.approx(flops, rel=5e-3)
     assert len(text.split()[0].replace(".", "").lstrip("0")) <= 3
+
+
+# -- code a person pastes (vocabulary/code_lines.py) ---------------------------------------------
+
+SNIPPETS = [
+    'model = autoplan.optimize(model, 2804121, example_inputs=batch, device="cpu", precision="fp32", reserve=0, '
+    'units=["layers.*", "head"], loop={"keep_outputs": False, "accumulation_steps": 4})',
+    "model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+    'bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))  # a comment, with (brackets, and commas)',
+    'for start in range(0, 8, 4):  # 2 micro-batches of 4\n    micro = {name: value[start:start + 4] for name, value in '
+    'batch.items() if name != "a, (b"}\n    (model(**micro).loss / 2).backward()',
+]
+
+
+@pytest.mark.parametrize("code", SNIPPETS)
+@pytest.mark.parametrize("width", [40, 60, 88])
+def test_long_code_lines_wrap_inside_their_brackets_and_stay_the_same_python(code: str, width: int) -> None:
+    """Issue 27: the report's snippets were single lines of 150 columns, cut or soft-wrapped by the terminal."""
+    import ast
+
+    from autoplan.vocabulary.code_lines import wrap_code
+
+    wrapped = wrap_code(code, width)
+    assert ast.dump(ast.parse(wrapped)) == ast.dump(ast.parse(code))  # the same program
+    assert "# a comment, with (brackets, and commas)" in wrapped or "comment" not in code
+    for line in wrapped.split("\n"):  # only what has no bracket to break in, or a comprehension, stays longer
+        assert len(line) <= width or " for " in line or ("(" not in line.strip()[:-1] and "," not in line), wrapped
+    if width == 88 and " for " not in code:
+        assert max(map(len, wrapped.split("\n"))) <= 88

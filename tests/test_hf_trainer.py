@@ -81,6 +81,22 @@ def test_checkpointing_is_turned_off_because_the_plan_checkpoints_per_layer(tmp_
 
 
 @pytest.mark.slow  # the whole pipeline
+def test_the_checkpointing_change_counts_layers_not_segments(tmp_path) -> None:
+    """Issue 27: a plan of 6 layers, two of them one checkpointed segment, said "checkpoints 5 of 5 layers"."""
+    from autoplan.hf import _changes
+    from autoplan.plan import Choice, UnitDecision
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                             activation_checkpointing=True)
+    plan = optimize_for_trainer(tiny_llama(6), args, "100%", device="cpu", reserve=0, seq_len=SEQ, apply=False).plan
+    full, keep = Choice("full", "fp32"), Choice("keep", "fp32")
+    units = (UnitDecision("model.layers.[0:2]", full, 0, 0, 0.0, members=("model.layers.0", "model.layers.1")),
+             *(UnitDecision(f"model.layers.{i}", full if i < 5 else keep, 0, 0, 0.0) for i in range(2, 6)))
+    [change] = _changes(args, dataclasses.replace(plan, units=units), plan, 4)
+    assert change.name == "activation_checkpointing" and change.reason.startswith("the plan checkpoints 5 of 6 layers itself")
+
+
+@pytest.mark.slow  # the whole pipeline
 def test_a_batch_that_does_not_fit_is_split_into_accumulated_micro_batches(tmp_path) -> None:
     lowest_at_2, _ = lowest_and_no_plan_peaks(2)
     lowest_at_4, _ = lowest_and_no_plan_peaks(4)

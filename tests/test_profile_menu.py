@@ -26,7 +26,7 @@ if _ROOT not in sys.path:
 import autoplan  # noqa: E402
 from autoplan.inputs.devices import get_device  # noqa: E402
 from autoplan.plan import Choice  # noqa: E402
-from autoplan.profile.menu import describe, menu_points, record_ops  # noqa: E402
+from autoplan.profile.menu import OpRecord, describe, menu_points, record_ops, summarize  # noqa: E402
 from autoplan.profile.units import profile  # noqa: E402
 from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
@@ -144,7 +144,7 @@ def test_menu_points_are_measured_choices_the_plan_can_take():
     unit = measured.units[0]
     menu = [c for c in unit.options if c.saves is not None]
     assert menu, "no menu point survived"
-    assert all(unit.policies[c].startswith("saves ") for c in menu)
+    assert all(unit.policies[c].ops.startswith("saves ") and unit.policies[c].summary.startswith("keeps ") for c in menu)
     keep, full = unit.options[Choice("keep", "fp32")], unit.options[Choice("full", "fp32")]
     for choice in menu:  # every surviving point lies between the two ends in held bytes or time
         cost = unit.options[choice]
@@ -174,8 +174,31 @@ def test_plan_carries_the_chosen_policy_into_json_and_report():
     for unit, decision in zip(data["units"], plan.units):
         assert unit["saves"] == (None if decision.choice.saves is None else list(decision.choice.saves))
         assert unit["policy"] == decision.policy
-    report = " ".join(plan.report().split())
-    assert "what the selective units save:" in report and chosen[0].policy.split(";")[0][:40] in report
+    # the report says it by kind of op; the aten ops by submodule only when asked (issue 27)
+    report, verbose = " ".join(plan.report().split()), " ".join(plan.report(verbose=True).split())
+    assert "what the selective units save" in report and chosen[0].policy_summary in report
+    assert chosen[0].policy_summary.startswith("keeps ") and "(matmul" not in report and "sdpa" not in report
+    assert chosen[0].policy.split(";")[0][:40] in verbose and "--verbose" not in verbose
+
+
+def _op(occurrence: str, module: str = "", saved_bytes: int = 8, recompute_s: float = 1e-6) -> OpRecord:
+    return OpRecord(occurrence, module, saved_bytes, recompute_s, flops=0, savable=True)
+
+
+def test_a_policy_in_a_persons_words_names_kinds_of_op_not_aten_ops():
+    """"keeps matmul and attention outputs; recomputes norms and activations", not a wall of aten names:
+    an RMSNorm's pow/mean/rsqrt are a norm by the submodule they run in; a kind partly kept is said so."""
+    ops = (_op("aten.pow#0", "attention_norm"), _op("aten.mean#0", "attention_norm"), _op("aten.mm#0", "attention.wq"),
+           _op("aten.mm#1", "attention.wk"), _op("aten.sdpa#0", "attention"), _op("aten._to_copy#0", "attention.wq"),
+           _op("aten.silu#0", "feed_forward"), _op("aten.mul#0", "feed_forward"),
+           _op("aten.mm#2", "feed_forward.w2", recompute_s=0.0),  # checkpoint's early stop never reruns it
+           _op("aten.view#0", "feed_forward", saved_bytes=0))  # a view holds nothing
+    assert summarize(ops, ("aten.mm#0", "aten.mm#1", "aten.sdpa#0")) == (
+        "keeps the outputs of matmuls and attention; recomputes norms, activations, casts and elementwise ops")
+    assert summarize(ops, ("aten.mm#0", "aten.sdpa#0", "aten.mean#0")) == (
+        "keeps the outputs of attention and some matmuls and norms; recomputes activations, casts, elementwise ops "
+        "and the rest of the matmuls and norms")
+    assert summarize(ops, ()).startswith("keeps only its inputs; recomputes ")
 
 
 def test_compile_plans_price_only_flops_and_the_policy_runs_compiled():

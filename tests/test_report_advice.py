@@ -15,6 +15,7 @@ from autoplan.memory.model import phase_bytes, predict_peak, sharded_peak, unit_
 from autoplan.plan import Choice, UnitDecision
 from autoplan.errors import PlotUnavailable
 from autoplan.report.plot import memory_curves, plot_memory
+from autoplan.vocabulary.formatting import format_bytes
 from autoplan.report.text import fold_units, format_report
 from autoplan.vocabulary.tensors import unique_storage_bytes
 from autoplan.vocabulary.names import unit_module
@@ -167,6 +168,57 @@ def test_gradient_accumulation_is_verified_by_replanning(tight) -> None:
     assert advice.first_fix is not None and plan.predicted_peak_bytes - advice.step(advice.first_fix).saves_bytes <= plan.usable_bytes
 
 
+def _run_snippet(code: str, batch) -> list:
+    """Run an accumulation snippet on `batch` with a model that records what each call receives."""
+    import torch
+    from types import SimpleNamespace
+
+    calls = []
+
+    def model(*args, **kwargs):
+        calls.append((args, kwargs))
+        return SimpleNamespace(loss=torch.zeros((), requires_grad=True))
+
+    optimizer = SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none: None)
+    exec(code, {"model": model, "batch": batch, "optimizer": optimizer})
+    return calls
+
+
+def test_the_accumulation_snippet_splits_the_batch_the_plan_was_made_with(tight) -> None:
+    """Issue 27: the snippet said `batch.split(2)` and `model(micro)` for a dict batch too. A dict batch
+    (keyword arguments) is split key by key and passed as keywords; the snippet runs as printed."""
+    import torch
+    from autoplan.plan import Fingerprint
+
+    _, plan, profile = tight
+    tensor_code = advise(plan, profile, batch_size=BATCH, seq_len=SEQ).step("grad_accumulation").code
+    assert plan.fingerprint.batch[0][0] == "argument 0" and "batch.split(" in tensor_code
+    calls = _run_snippet(tensor_code, torch.zeros(BATCH, SEQ))
+    assert sum(args[0].shape[0] for args, _ in calls) == BATCH and len(calls) > 1
+
+    as_dict = dataclasses.replace(plan, fingerprint=Fingerprint(plan.fingerprint.parameters, (
+        ("input_ids", f"{BATCH}×{SEQ} int64"), ("labels", f"{BATCH}×{SEQ} int64"))))
+    dict_code = advise(as_dict, profile, batch_size=BATCH, seq_len=SEQ).step("grad_accumulation").code
+    assert "batch.split" not in dict_code and "model(**micro)" in dict_code
+    batch = {"input_ids": torch.arange(BATCH * SEQ).view(BATCH, SEQ), "labels": torch.ones(BATCH, SEQ)}
+    calls = _run_snippet(dict_code, batch)
+    assert len(calls) > 1 and all(not args and set(kwargs) == {"input_ids", "labels"} for args, kwargs in calls)
+    assert torch.equal(torch.cat([kwargs["input_ids"] for _, kwargs in calls]), batch["input_ids"])
+
+
+def test_the_qlora_snippet_loads_the_planned_class_with_its_auto_class(tight) -> None:
+    """Issue 27: the QLoRA step's code said `AutoModel.from_pretrained(...)` whatever was planned (a causal
+    LM loads with AutoModelForCausalLM); a model transformers does not load gets no snippet."""
+    pytest.importorskip("transformers")
+    _, plan, profile = tight
+    for name, loader in (("Qwen2ForCausalLM", "AutoModelForCausalLM"), ("BertForSequenceClassification",
+                                                                        "AutoModelForSequenceClassification")):
+        code = advise(dataclasses.replace(plan, model_name=name), profile).step("qlora").code
+        assert code.startswith(f"model = {loader}.from_pretrained(CHECKPOINT, quantization_config=BitsAndBytesConfig(")
+        assert "prepare_model_for_kbit_training(model)" in code
+    assert advise(plan, profile).step("qlora").code == ""  # the tiny GPT is not a transformers model
+
+
 def test_shorter_sequences_needs_a_length(tight) -> None:
     _, plan, profile = tight
     assert advise(plan, profile).step("shorter_sequences").status == "n/a"
@@ -238,6 +290,33 @@ def test_plot_writes_png(tmp_path, tight) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match=".png"):
         plot_memory(plan, profile, tmp_path / "m.txt")
+
+
+def test_plot_reads_in_the_unit_that_fits_names_the_phases_and_keeps_the_legend_off_the_lines(monkeypatch, tmp_path, tight) -> None:
+    """Issue 27: a plan of kilobytes plotted in GB read 0.000; the x axis had numbers, not phases; the
+    no-plan curve vanished under the plan's where they coincide (the optimizer's step); the legend sat
+    on the budget lines."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    _, plan, profile = tight
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda figure=None: figures.append(figure))
+    plot_memory(plan, profile, tmp_path / "m.png")
+    (axes,) = figures[0].axes
+    curves = memory_curves(plan, profile)
+    top = max(*curves.before, *curves.after, plan.budget_bytes)
+    unit = format_bytes(top).split()[1]  # the axis's top, in the unit the report says it in
+    assert unit != "GB" and axes.get_ylabel() == f"live memory ({unit})"  # a tiny GPT's step: not 0.00x GB
+    scale = {"KB": 1e3, "MB": 1e6}[unit]
+    assert max(max(line.get_ydata()) for line in axes.get_lines()) == pytest.approx(top / scale)
+    labels = [tick.get_text() for tick in axes.get_xticklabels()]
+    assert labels == [str(phase) for phase in curves.phases] and "optimizer" in labels and "bwd:start" in labels
+    no_plan = next(line for line in axes.get_lines() if line.get_label().startswith("no plan"))
+    planned_line = next(line for line in axes.get_lines() if line.get_label() == "planned")
+    assert no_plan.get_xdata()[-1] == len(curves.phases)  # drawn to the end of the step, through the optimizer's
+    assert no_plan.get_linewidth() > planned_line.get_linewidth() and no_plan.get_zorder() <= planned_line.get_zorder()
+    renderer = figures[0].canvas.get_renderer()
+    legend, plot_area = axes.get_legend().get_window_extent(renderer), axes.get_window_extent(renderer)
+    assert legend.x0 >= plot_area.x1  # beside the plot: on no line
 
 
 def test_least_activation_choices_put_kept_bytes_first():

@@ -1,7 +1,7 @@
 """The command line: `autoplan plan TARGET --budget 24GB`, `autoplan verify ...`, `autoplan devices`.
 
 With `cli.exits`, the only code that prints or exits. Errors are one line on stderr with an exit
-code (the table in docs/cli.md and `ExitCode`); `--debug` adds the traceback. A plan that does not fit is not an
+code (the table in docs/command-line.md and `ExitCode`); `--debug` adds the traceback. A plan that does not fit is not an
 error: the report and the advice are printed and the exit code says "does not fit".
 """
 
@@ -9,59 +9,31 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 import autoplan
-from autoplan.inputs.options import check_time_limit
-from autoplan.instruments.routing import check_moe_capacity
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, prints_to_stderr, quiet, reported, write_stdout
+from autoplan.cli.options import (ACCUMULATION_STEPS, COMPILE, DROP_OUTPUTS, FUSE_LOSS, HOST_BUDGET, LADDER, MOE_CAPACITY, OFFLOAD,
+                                  OPTIMIZER_IMPL, TARGET, UNITS, VERBOSE, Optimizer, OptimizerImpl, Precision)
 from autoplan.cli.progress import PlanningProgress, progress_wanted
-from autoplan.inputs.budget import make_budget
+from autoplan.inputs.budget import check_size_syntax, make_budget
 from autoplan.inputs.devices import get_device, list_devices
-from autoplan.inputs.targets import Target, load_target
-from autoplan.inputs.hf_models import is_hf_model
-from autoplan.inputs.qlora_twin import check_qlora_installed
-from autoplan.report.advice import advise
-from autoplan.report.ladder import plan_ladder
-from autoplan.report.plot import FORMATS, plot_memory, require_pyplot
-from autoplan.report.text import report_renderables
-from autoplan.report.verification import verification_renderables
+from autoplan.inputs.loop import TrainingLoop
+from autoplan.inputs.options import check_time_limit
+from autoplan.report.plot import FORMATS, require_pyplot
+
+# Everything that imports torch (seconds) is imported inside the commands, after the options are
+# checked: `--help` and a mistyped option are answered at once (tests/test_cli.py checks that
+# torch stays unimported).
+if TYPE_CHECKING:
+    from autoplan.inputs.targets import Target
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
-
-
-class Precision(str, Enum):
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Optimizer(str, Enum):
-    adamw = "adamw"
-    adam = "adam"
-    sgd = "sgd"
-    sgd_momentum = "sgd-momentum"
-    # bitsandbytes' (runtime.quantized_optim; docs/optimizers.md says what each keeps)
-    adamw8bit = "adamw8bit"
-    adam8bit = "adam8bit"
-    paged_adamw = "paged-adamw"
-    paged_adamw8bit = "paged-adamw8bit"
-    paged_adamw32bit = "paged-adamw32bit"
-    lion8bit = "lion8bit"
-
-
-class OptimizerImpl(str, Enum):
-    auto = "auto"
-    foreach = "foreach"
-    fused = "fused"
-    for_loop = "for-loop"
 
 app = typer.Typer(
     help="Make a PyTorch training step fit a memory budget: plan checkpointing and precision per block, "
@@ -85,54 +57,26 @@ def _world_size(text: Optional[str]) -> int | str | None:
 def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path],
                    time_limit: float = 10.0, allow_over_device: bool = False, moe_capacity: Optional[float] = None,
                    ladder: bool = False):
-    make_budget(budget, get_device(device), reserve, allow_over_device=allow_over_device)  # BudgetError, DeviceError: exit 2
-    if ladder:
-        check_qlora_installed("--ladder")  # before minutes of planning: MissingExtraError, exit 7
+    """Every option's value, before minutes of planning; those that need no torch before seconds of its imports."""
+    check_size_syntax(budget, reserve)  # BudgetError: exit 2
     _world_size(world_size)
     check_time_limit(time_limit)  # OptionError: exit 2
+    if plot is not None and plot.suffix.lower() not in FORMATS:
+        raise CliError(ExitCode.USAGE, f"--plot file must end in {', '.join(FORMATS)}; got {plot.name!r}")
+    make_budget(budget, get_device(device), reserve, allow_over_device=allow_over_device)  # DeviceError: exit 2 (this GPU: torch)
+    from autoplan.instruments.routing import check_moe_capacity
+    from autoplan.inputs.qlora_twin import check_qlora_installed
+
     check_moe_capacity(moe_capacity)  # OptionError: exit 2
+    if ladder:
+        check_qlora_installed("--ladder")  # MissingExtraError, exit 7
     if plot is not None:
-        if plot.suffix.lower() not in FORMATS:
-            raise CliError(ExitCode.USAGE, f"--plot file must end in {', '.join(FORMATS)}; got {plot.name!r}")
-        require_pyplot()  # fail before minutes of planning, not after: PlotUnavailable is exit 7
+        require_pyplot()  # PlotUnavailable is exit 7
 
 
-# the training loop planned for (docs/loops.md): the same options for `plan` and `verify`
-TARGET = typer.Argument(..., help="path/to/file.py:factory, package.module:factory, or hf:CONFIG (a preset such as gpt2, "
-                        "llama-3-8b, or a path to config.json). A factory returns (model, example_inputs) and may take "
-                        "batch_size and seq_len.")
-UNITS = typer.Option(None, "--units", help='Name patterns of the blocks to plan, e.g. "layers.*" (repeat or comma-separate). '
-                     "Default: the blocks the model repeats.")
-MOE_CAPACITY = typer.Option(None, "--moe-capacity", help="Mixture-of-experts layers whose routing decides shapes: profile "
-                            "each expert with CAPACITY × tokens × top_k / experts tokens (1.0: balanced routing). Default: the "
-                            "worst case, every expert gets every token.")
-DROP_OUTPUTS = typer.Option(False, "--drop-outputs", help="The loop drops the model's outputs before backward "
-                            "(loss = model(**batch).loss). Default: they stay alive through backward "
-                            "(outputs = model(**batch); outputs.loss.backward()).")
-ACCUMULATION_STEPS = typer.Option(1, "--accumulation-steps", min=1, help="Micro-batches per optimizer step "
-                                  "(gradient accumulation); the batch is one micro-batch.")
-FUSE_LOSS = typer.Option(True, "--fuse-loss/--loss-as-written", help="Fuse the cross-entropy of the output head's "
-                         "logits with that Linear (gradients in chunks, during the forward; no FLOP added), or keep the "
-                         "loss as the model writes it.")
-OFFLOAD = typer.Option(None, "--offload/--no-offload", help="Let units keep what they save in pinned host memory, "
-                       "copied over the host link (default: on for a GPU target, off for the CPU).")
-HOST_BUDGET = typer.Option(None, "--host-budget", help='Pinned host memory offloading may use, e.g. "64GB" or "40%" of '
-                           "this machine's RAM. Default: half of it.")
-COMPILE = typer.Option(False, "--compile", help="Plan for the model you will run under torch.compile: recomputing ops "
-                       "without FLOPs (elementwise, norms) is priced as free, as Inductor fuses them, so units save "
-                       "matmul/attention outputs and recompute the rest. Peaks stay the eager model's; the loss is "
-                       "kept as written. Compile after applying the plan.")
-OPTIMIZER_IMPL = typer.Option(OptimizerImpl.auto, "--optimizer-impl", help="The optimizer's implementation: "
-                              "auto (torch's default for the device), foreach, fused, for-loop.")
-
-LADDER = typer.Option(False, "--ladder", help="Also plan the toolbox ladder of a Hugging Face model: baseline, + bf16, "
-                      "+ checkpointing, + SDPA, + 4-bit QLoRA, + 8-bit optimizer, each with its predicted peak and step "
-                      "time, and the first that fits (three more plans; needs the qlora extra).")
-
-
-def _loop(drop_outputs: bool, accumulation_steps: int, optimizer_impl: OptimizerImpl) -> autoplan.TrainingLoop:
+def _loop(drop_outputs: bool, accumulation_steps: int, optimizer_impl: OptimizerImpl) -> TrainingLoop:
     """The training loop the options describe (docs/loops.md): what the plan is for and verify runs."""
-    return autoplan.TrainingLoop(
+    return TrainingLoop(
         keep_outputs=not drop_outputs, accumulation_steps=accumulation_steps, optimizer_impl=optimizer_impl.value
     )
 
@@ -152,9 +96,11 @@ def _units(values: Optional[list[str]]) -> Optional[list[str]]:
 
 
 def _plan(target: Target, budget: str, options: dict, progress, inputs=None, model=None):
+    from autoplan.api import plan as plan_model
+
     profiles = []
     try:
-        plan = autoplan.plan(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
+        plan = plan_model(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
                              progress=progress, on_profile=profiles.append, **options)
     except Exception as error:
         if exit_code_for(error) != ExitCode.ERROR:
@@ -230,6 +176,7 @@ def plan_command(
     offload: Optional[bool] = OFFLOAD,
     host_budget: Optional[str] = HOST_BUDGET,
     ladder: bool = LADDER,
+    verbose: bool = VERBOSE,
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
@@ -240,25 +187,38 @@ def plan_command(
                                 world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity,
                                                       fuse_loss=fuse_loss, compile=compiled, offload=offload, host_budget=host_budget)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
+        from autoplan.inputs.targets import load_target
+        from autoplan.report.text import report_renderables
+
         with progress, quiet(debug), prints_to_stderr(err.file, when=_is_stdout(json_path)):
             loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
             plan, profile = _plan(loaded, budget, options, progress)
-
-            def replan(micro: int, loop: autoplan.TrainingLoop):
-                progress(f"checking micro-batch {micro}: planning again")
-                model, inputs = loaded.rebuild(micro)
-                return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
-
-            advice = advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
-                            parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None,
-                            ladder=_ladder(loaded, budget, options, device, progress) if ladder else None)
+            advice = _advise(loaded, plan, profile, budget, options, progress, world_size=world_size,
+                             ladder=_ladder(loaded, budget, options, device, progress) if ladder else None)
         _write_files(json_path, plot, json_document(loaded, plan, advice, budget), plan, profile, err)
-        print_report(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget))
+        print_report(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget, verbose=verbose))
     raise typer.Exit(int(ExitCode.FITS if plan.feasible else ExitCode.DOES_NOT_FIT))
+
+
+def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress, *, world_size: Optional[str], ladder):
+    """What to change, in order (FSDP's step for the plan's world size where --world-size was given); a smaller
+    micro-batch is planned again where the factory can rebuild the batch."""
+    from autoplan.report.advice import advise
+
+    def replan(micro: int, loop: TrainingLoop):
+        progress(f"checking micro-batch {micro}: planning again")
+        model, inputs = loaded.rebuild(micro)
+        return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
+
+    return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
+                  parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None, ladder=ladder)
 
 
 def _ladder(loaded: Target, budget: str, options: dict, device: Optional[str], progress):
     """The toolbox ladder of a Hugging Face target: its variants planned with every block in the device's low precision."""
+    from autoplan.inputs.hf_models import is_hf_model
+    from autoplan.report.ladder import plan_ladder
+
     if not is_hf_model(loaded.model):
         raise CliError(ExitCode.USAGE, f"--ladder takes a Hugging Face model (hf:CONFIG, or a factory returning a transformers "
                        f"model); {loaded.spec} gives a {type(loaded.model).__name__}")
@@ -276,6 +236,8 @@ def _write_files(json_path: Optional[Path], plot: Optional[Path], document: dict
     if json_path is not None:
         _write(json_path, json.dumps(document, indent=2) + "\n", err)
     if plot is not None:
+        from autoplan.report.plot import plot_memory
+
         try:
             plot_memory(plan, profile, plot)
         except OSError as error:
@@ -306,6 +268,7 @@ def verify_command(
                                   "compiled model's."),
     offload: Optional[bool] = OFFLOAD,
     host_budget: Optional[str] = HOST_BUDGET,
+    verbose: bool = VERBOSE,
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
 ) -> None:
     """Plan TARGET, then train real steps of the planned model and measure whether the plan held.
@@ -315,13 +278,12 @@ def verify_command(
     """
     out, err = Console(highlight=False), Console(file=sys.stderr)
     with reported(debug):
-        import torch
+        where = _where(on, budget, reserve)
+        from autoplan.inputs.targets import load_target
+        from autoplan.report.text import report_renderables
+        from autoplan.report.verification import verification_renderables
+        from autoplan.verify.real import verify
 
-        where = on or ("cuda" if torch.cuda.is_available() else "cpu")
-        if where not in ("cuda", "cpu"):
-            raise CliError(ExitCode.USAGE, f"--on must be cuda or cpu; got {where!r}")
-        if where == "cuda" and not torch.cuda.is_available():
-            raise CliError(ExitCode.USAGE, "--on cuda: this machine has no CUDA device; use --on cpu")
         device = None if where == "cuda" else "cpu"  # plan for the device the steps run on
         _check_options(budget, device, reserve, None, None)
         to_stdout = _is_stdout(json_path)
@@ -339,16 +301,29 @@ def verify_command(
             plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
             if plan.feasible:
                 progress(f"training {steps} real steps on {where}")
-                result = autoplan.verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
+                result = verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
         if not plan.feasible:
-            print_report(err if to_stdout else out, report_renderables(plan, budget_text=budget))
+            print_report(err if to_stdout else out, report_renderables(plan, budget_text=budget, verbose=verbose))
             raise typer.Exit(int(ExitCode.DOES_NOT_FIT))
         if json_path is not None:
             document = {"schema": "autoplan.verify/1", "target": target, "budget": budget,
                         "plan": plan.to_dict(), "verification": result.to_dict()}
             _write(json_path, json.dumps(document, indent=2) + "\n", err)
-        print_report(err if to_stdout else out, verification_renderables(plan, result))
+        print_report(err if to_stdout else out, verification_renderables(plan, result, verbose))
     raise typer.Exit(int(ExitCode.FITS if result.held else ExitCode.DID_NOT_HOLD))
+
+
+def _where(on: Optional[str], budget: str, reserve: Optional[str]) -> str:
+    """verify's --on: cuda or cpu (default: cuda if this machine has it); a typo in it or in the budget is
+    answered before torch is imported to find a GPU."""
+    if on not in (None, "cuda", "cpu"):
+        raise CliError(ExitCode.USAGE, f"--on must be cuda or cpu; got {on!r}")
+    check_size_syntax(budget, reserve)
+    import torch
+
+    if on == "cuda" and not torch.cuda.is_available():
+        raise CliError(ExitCode.USAGE, "--on cuda: this machine has no CUDA device; use --on cpu")
+    return on or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _to_device(inputs, where: str):

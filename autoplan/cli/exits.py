@@ -39,8 +39,6 @@ from autoplan.errors import (
     UnknownModelError,
 )
 from autoplan.cli.interrupt import INTERRUPTED as SIGINT_EXIT
-from autoplan.inputs.qlora_twin import QLORA_PACKAGES, missing_extra_message
-from autoplan.report.text import render
 
 
 class ExitCode(IntEnum):
@@ -113,11 +111,15 @@ def missing_extra(error: BaseException) -> CliError | None:
     while seen is not None:
         if isinstance(seen, MissingExtraError):
             return None  # already says what to install
-        name = (getattr(seen, "name", None) or "").partition(".")[0] if isinstance(seen, ModuleNotFoundError) else ""
-        if name in QLORA_PACKAGES:
-            missing = CliError(ExitCode.MISSING_EXTRA, missing_extra_message(name, "the target's model"))
-            missing.__cause__ = error
-            return missing
+        if isinstance(seen, ModuleNotFoundError):
+            # imported here, not with the command line: a mistyped option is answered before torch is imported
+            from autoplan.inputs.qlora_twin import QLORA_PACKAGES, missing_extra_message
+
+            name = (seen.name or "").partition(".")[0]
+            if name in QLORA_PACKAGES:
+                missing = CliError(ExitCode.MISSING_EXTRA, missing_extra_message(name, "the target's model"))
+                missing.__cause__ = error
+                return missing
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -171,6 +173,8 @@ def write_stdout(text: str) -> None:
 
 def print_report(console: Console, parts) -> None:
     """The report on stdout; a reader that went away (`| head -1`) is not an error: the exit code stands."""
+    from autoplan.report.text import render
+
     console.on_broken_pipe = _reader_gone  # rich's own handler exits with 1
     try:
         render(console, parts)

@@ -50,6 +50,18 @@ def parse_bytes(value: object, *, device_memory_bytes: int | None = None) -> int
     return _parse(value, device_memory_bytes, allow_zero=False, what="budget")
 
 
+def check_size_syntax(budget: object, reserve: object = None) -> None:
+    """The BudgetError `make_budget` would raise for a budget or reserve that is no size at all, before
+    the device is known (finding this machine's GPU imports torch: seconds a typo need not wait).
+    A percentage passes here; it is checked against the device's memory by `make_budget`."""
+    _parse(budget, _ANY_MEMORY, allow_zero=False, what="budget")
+    if reserve is not None:
+        _parse(reserve, _ANY_MEMORY, allow_zero=True, what="reserve")
+
+
+_ANY_MEMORY = 2**62  # bytes a percentage is taken of when only its syntax is checked
+
+
 def default_reserve(total_bytes: int, device: Device) -> int:
     """Bytes held back: the CUDA context plus fragmentation of the rest."""
     spare = max(0, total_bytes - device.context_bytes)

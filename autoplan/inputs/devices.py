@@ -12,14 +12,17 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from autoplan.errors import DeviceError
 from autoplan.vocabulary.sizes import parse_size
+
+if TYPE_CHECKING:  # torch is imported where a device needs it: naming a profile (`--device h100`) costs no torch import
+    import torch
 
 _GB = 2**30  # datasheet "80GB" of GPU memory is 80 GiB (nvidia-smi counts MiB)
 _T = 1e12
@@ -61,6 +64,8 @@ class Device:
 
     @property
     def low_precision_dtype(self) -> torch.dtype:
+        import torch
+
         return torch.bfloat16 if self.supports_bf16 else torch.float16
 
     @property
@@ -73,6 +78,8 @@ class Device:
         A precision the hardware lacks runs at the fp32 rate (emulated or
         upcast), and so do dtypes without a tensor-core path (ints, float64).
         """
+        import torch
+
         fp32 = self.peak_flops["fp32"]
         if dtype == torch.float32:
             return self.peak_flops.get("tf32", fp32) if allow_tf32 else fp32
@@ -227,7 +234,7 @@ def get_device(spec: str | Device | torch.device | None = None) -> Device:
         return spec
     if spec is None:
         return _current_device()
-    if isinstance(spec, torch.device):
+    if _is_torch_device(spec):
         return _torch_device(spec)
     if not isinstance(spec, str):
         raise DeviceError(f"device must be a name (see autoplan devices), a Device or a torch.device; got {spec!r}")
@@ -237,6 +244,8 @@ def get_device(spec: str | Device | torch.device | None = None) -> Device:
         return custom_device(_json_object(spec.strip()), spec)
     key = re.sub(r"[\s_]+", "-", spec.strip().lower())
     if re.fullmatch(r"cuda(:\d+)?", key):  # this machine's GPU, as torch names it
+        import torch
+
         return _torch_device(torch.device(key))
     key = _ALIASES.get(key, key)
     sizes = _FAMILIES.get(key, ())
@@ -327,7 +336,14 @@ def _capability(text: str, fail) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
+def _is_torch_device(spec: object) -> bool:
+    torch = sys.modules.get("torch")  # not imported: spec cannot be one of its devices
+    return torch is not None and isinstance(spec, torch.device)
+
+
 def _torch_device(device: torch.device) -> Device:
+    import torch
+
     if device.type == "cpu":
         return DEVICES["cpu"]
     if device.type != "cuda":
@@ -340,6 +356,8 @@ def _torch_device(device: torch.device) -> Device:
 
 
 def _current_device() -> Device:
+    import torch
+
     if not torch.cuda.is_available():
         return DEVICES["cpu"]
     return _torch_device(torch.device("cuda", torch.cuda.current_device()))

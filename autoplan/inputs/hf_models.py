@@ -13,6 +13,7 @@ autoplan recognises a Hugging Face model by duck typing (`config` + `main_input_
 from __future__ import annotations
 
 import difflib
+import sys
 import json
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,38 @@ def require_transformers():
     except ImportError:
         raise MissingExtraError("Hugging Face models need the transformers package: pip install 'autoplan[hf]'") from None
     return transformers
+
+
+# The auto classes a snippet loads a checkpoint with, and transformers' table of the model classes
+# each loads; the first that lists a class names it (AutoModel, last, loads the bare models).
+_AUTO_CLASSES = (
+    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+    ("AutoModelForSpeechSeq2Seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+    ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    ("AutoModel", "MODEL_MAPPING_NAMES"),
+)
+
+
+def loader_class(class_name: str) -> str | None:
+    """The transformers class a snippet loads a checkpoint of `class_name` with: its auto class
+    ("Qwen2ForCausalLM" -> "AutoModelForCausalLM"), else the class itself where transformers exports
+    it; None for a model that is not transformers'. A transformers model has imported transformers: a
+    report for another model does not pay seconds to import it."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return None
+    from transformers.models.auto import modeling_auto
+    for auto, table in _AUTO_CLASSES:
+        for names in getattr(modeling_auto, table, {}).values():
+            if class_name in ((names,) if isinstance(names, str) else names):
+                return auto
+    return class_name if hasattr(transformers, class_name) else None
 
 
 def is_hf_model(model: torch.nn.Module) -> bool:

@@ -19,16 +19,18 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from autoplan.errors import OptionError
 from autoplan.inputs.budget import Budget
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.instruments.routing import MoeRoutingBound
 from autoplan.vocabulary.sizes import parse_size
+
+if TYPE_CHECKING:  # annotations only: the command line checks its options here before torch is imported
+    import torch
+
+    from autoplan.instruments.routing import MoeRoutingBound
 
 PROFILE_SOURCES = ("auto", "measure", "roofline")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")

@@ -44,9 +44,17 @@ class OpRecord:
 
 
 @dataclass(frozen=True)
+class PolicyWords:
+    """What a menu point saves and what it recomputes, said twice."""
+
+    summary: str  # in a person's words, by kind of op: "keeps the outputs of matmuls and attention; recomputes norms, ..."
+    ops: str  # op by op, by submodule (`describe`): what --verbose shows
+
+
+@dataclass(frozen=True)
 class MenuPoint:
     choice: Choice
-    policy: str  # in words: what it saves and what it recomputes
+    policy: PolicyWords
     estimated_bytes: int  # saved bytes by the estimate above (the measurement is what counts)
     estimated_recompute_s: float
 
@@ -157,7 +165,8 @@ def menu_points(ops: tuple[OpRecord, ...], precision: str, size: int = DEFAULT_M
     for end in ends:
         saved = sorted((op.occurrence for op in candidates[: end + 1]), key=order.__getitem__)
         choice = Choice("selective", precision, saves=tuple(saved))
-        points.append(MenuPoint(choice, describe(ops, choice.saves), held[end], total_s - spared[end]))
+        words = PolicyWords(summarize(ops, choice.saves), describe(ops, choice.saves))
+        points.append(MenuPoint(choice, words, held[end], total_s - spared[end]))
     return points
 
 
@@ -201,6 +210,55 @@ def _grouped(chosen: list[OpRecord], ops: tuple[OpRecord, ...], most: int = 8) -
     if len(words) <= most:
         return ", ".join(words)
     return ", ".join(words[:most]) + f" and {len(words) - most} more"
+
+
+# Kinds of op, in a person's words, in the order a summary names them: by the op's name ("aten.mm"
+# after `_kind`), and norms by the submodule they run in too (an RMSNorm is pow, mean, rsqrt, mul).
+_KINDS_IN_WORDS = (
+    ("matmuls", ("matmul", "gemm", "linear")),
+    ("attention", ("sdpa", "attention")),
+    ("convolutions", ("conv",)),
+    ("softmax", ("softmax",)),
+    ("norms", ("norm",)),
+    ("activations", ("silu", "gelu", "relu", "sigmoid", "tanh", "elu", "mish", "softplus", "hardswish", "glu", "threshold")),
+    ("dropout", ("dropout", "bernoulli")),
+    ("casts", ("to_copy", "copy")),
+    ("embeddings", ("embedding",)),
+)
+_OTHER = "elementwise ops"
+
+
+def summarize(ops: tuple[OpRecord, ...], saves: tuple[str, ...]) -> str:
+    """A policy in a person's words, by kind of op: "keeps the outputs of attention and some matmuls and
+    norms; recomputes activations, casts and the rest of the matmuls and norms".
+
+    Ops checkpoint's early stop never reruns (a block's last matmul) count as neither: saving them
+    would spare nothing, and nothing reruns them.
+    """
+    kept = set(saves)
+    saved: dict[str, int] = {}
+    recomputed: dict[str, int] = {}
+    for op in ops:
+        if op.occurrence in kept:
+            saved[_in_words(op)] = saved.get(_in_words(op), 0) + 1
+        elif op.savable and op.saved_bytes > 0 and op.recompute_s > 0:
+            recomputed[_in_words(op)] = recomputed.get(_in_words(op), 0) + 1
+    order = [words for words, _ in _KINDS_IN_WORDS] + [_OTHER]
+    split = [kind for kind in order if kind in saved and kind in recomputed]  # some kept, the rest recomputed
+    keeps = [kind for kind in order if kind in saved and kind not in split] + (["some " + _listed(split)] if split else [])
+    reruns = [kind for kind in order if kind in recomputed and kind not in split] + (["the rest of the " + _listed(split)] if split else [])
+    return f"keeps {'the outputs of ' + _listed(keeps) if keeps else 'only its inputs'}; recomputes {_listed(reruns) or 'nothing'}"
+
+
+def _in_words(op: OpRecord) -> str:
+    kind, within = _kind(op), op.module.rsplit(".", 1)[-1].lower()
+    if "norm" in within or within.startswith("ln"):
+        return "norms"
+    return next((words for words, marks in _KINDS_IN_WORDS if any(mark in kind for mark in marks)), _OTHER)
+
+
+def _listed(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1] if words else ""
 
 
 def dominated(cost, others) -> bool:

@@ -28,7 +28,7 @@ from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice
 from autoplan.profile.layout import ParamShape, layout_of
-from autoplan.profile.menu import DEFAULT_MENU_SIZE, dominated, menu_points, record_ops
+from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, menu_points, record_ops
 from autoplan.profile.offload import measure_host_twins
 from autoplan.profile.recorder import TensorSpec, UnitCall
 from autoplan.profile.simulation import base_timelines, simulation_model
@@ -75,7 +75,7 @@ class UnitProfile:
     base: Choice  # the choice it had in the timeline
     param_bytes: int = 0  # its parameters (what FSDP gathers to run it), tied weights once
     param_layout: tuple[ParamShape, ...] = ()  # its parameters' shapes, as FSDP shards them
-    policies: Mapping[Choice, str] = field(default_factory=lambda: MappingProxyType({}))  # its menu points' policies in words (profile.menu)
+    policies: Mapping[Choice, PolicyWords] = field(default_factory=lambda: MappingProxyType({}))  # its menu points' policies in words (profile.menu)
 
     def delta_held(self, choice: Choice) -> int:
         return self.options[choice].held_bytes - self.options[self.base].held_bytes

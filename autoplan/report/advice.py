@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autoplan.errors import OptionTypeError
+from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
 from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
@@ -265,9 +266,17 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
                  f"{format_bytes(static.parameters)} with {format_bytes(static.gradients + state)} of gradients and optimizer "
                  f"state: saves about {format_bytes(saves)} before the LoRA adapters (usually under 1% of the parameters). "
                  "It trains adapters, not the model: for fine-tuning, not pre-training (--ladder plans it)",
-                 saves, None, "peft.prepare_model_for_kbit_training(AutoModel.from_pretrained(..., quantization_config="
-                 "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')))")
+                 saves, None, _qlora_code(plan.model_name))
     return [eight_bit, qlora]
+
+
+def _qlora_code(model_name: str) -> str:
+    """Loading the planned model's checkpoint in 4 bits with its own auto class; none for a model transformers does not load."""
+    loader = loader_class(model_name)
+    if loader is None:
+        return ""
+    return (f"model = {loader}.from_pretrained(CHECKPOINT, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_type=\"nf4\"))\nmodel = peft.prepare_model_for_kbit_training(model)")
 
 
 def _from_ladder(step: Step, plan: Plan, ladder: Any) -> Step:

@@ -54,12 +54,26 @@ def accumulation_peak(profile: Profile, phases: list[PhaseBytes], fraction: floa
 
 
 
-def accumulation_code(loop: TrainingLoop, micro: int, steps: int) -> str:
-    """The loop the advice is for, as code: the planned loop with the batch split into `steps` micro-batches."""
-    backward = (f"    outputs = model(micro)\n    (outputs.loss / {steps}).backward()" if loop.keep_outputs
-                else f"    (model(micro).loss / {steps}).backward()")
-    return (f"for micro in batch.split({micro}):  # {steps} micro-batches\n{backward}\n"
-            f"optimizer.step(); optimizer.zero_grad(set_to_none={loop.zero_grad_set_to_none})")
+def accumulation_code(loop: TrainingLoop, micro: int, steps: int, inputs: tuple[tuple[str, str], ...] = ()) -> str:
+    """The loop the advice is for, as code: the planned loop with the batch split into `steps` micro-batches.
+
+    `inputs`: the batch's tensors by where they were passed (`Fingerprint.batch`): keywords are a dict
+    batch (`model(**batch)`), split key by key; several positional tensors are split together.
+    """
+    names = [name for name, _ in inputs]
+    positional = {name.split("[")[0] for name in names if name.startswith("argument ")}
+    counted = f"  # {steps} micro-batches of {micro}"
+    if (names and not positional) or (positional == {"argument 0"} and all("[" in name for name in names)):
+        call = "model(**micro)" if not positional else "model(micro)"  # a dict, as keywords or as the one argument
+        loop_head = (f"for start in range(0, {micro * steps}, {micro}):{counted}\n"
+                     f"    micro = {{name: value[start:start + {micro}] for name, value in batch.items()}}")
+    elif len(positional) > 1:
+        call, loop_head = "model(*micro)", f"for micro in zip(*(part.split({micro}) for part in batch)):{counted}"
+    else:
+        call, loop_head = "model(micro)", f"for micro in batch.split({micro}):{counted}"
+    backward = (f"    outputs = {call}\n    (outputs.loss / {steps}).backward()" if loop.keep_outputs
+                else f"    ({call}.loss / {steps}).backward()")
+    return f"{loop_head}\n{backward}\noptimizer.step(); optimizer.zero_grad(set_to_none={loop.zero_grad_set_to_none})"
 
 
 
@@ -93,7 +107,7 @@ def grad_accumulation_step(plan: Plan, profile: Profile, phases, batch_size, rep
     detail = (f"micro-batch {micro} × {steps} accumulation steps keeps the global batch of {batch_size}; peak about "
               f"{format_bytes(peak)} ({how}); {format_seconds(global_time)} per global batch vs {format_seconds(plan.predicted_step_time_s)}")
     return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s,
-                accumulation_code(profile.loop, micro, steps))
+                accumulation_code(profile.loop, micro, steps, plan.fingerprint.batch if plan.fingerprint else ()))
 
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from autoplan.errors import OptionError
+from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora, with_attention
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time
 from autoplan.plan import Choice, Plan
@@ -76,6 +77,7 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
     device's low precision. Needs bitsandbytes and peft (MissingExtraError otherwise).
     """
     require_qlora("the ladder's 4-bit QLoRA rung")
+    loader = loader_class(type(model).__name__) or type(model).__name__  # what the snippets load CHECKPOINT with
     eager, sdpa = _attention_variants(model)
     say("ladder: planning with eager attention")
     eager_plan, eager_profile = plan_model(eager)
@@ -88,20 +90,20 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
     qlora_plan, qlora_profile = plan_model(twin)
     trainable = [p.numel() for p in twin.parameters() if p.requires_grad]
     rungs = [
-        *_precision_rungs(eager_plan, eager_profile, low),
+        *_precision_rungs(eager_plan, eager_profile, low, loader),
         _planned("checkpointing", "+ checkpointing (autoplan)", eager_plan,
                  f"autoplan's plan, every block in {low}", apply_code(eager_plan, budget_text)),
         _planned("sdpa", "+ fused attention (SDPA)", sdpa_plan, "planned again with attn_implementation=\"sdpa\"",
-                 'model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, attn_implementation="sdpa")'),
+                 f'model = {loader}.from_pretrained(CHECKPOINT, attn_implementation="sdpa")'),
         _planned("qlora", f"+ 4-bit QLoRA ({settings.quant_type.upper()}, r={settings.rank})", qlora_plan,
                  "planned on the meta-device QLoRA twin (packed 4-bit weights and quant state, LoRA adapters "
-                 "trainable, the rest upcast to fp32 by prepare_model_for_kbit_training)", _qlora_code(settings)),
+                 "trainable, the rest upcast to fp32 by prepare_model_for_kbit_training)", _qlora_code(settings, loader)),
         _eight_bit_rung(qlora_plan, qlora_profile, trainable),
     ]
     first = next((r.key for r in rungs if r.fits), None)
     plans = {"checkpointing": eager_plan, "sdpa": sdpa_plan, "qlora": qlora_plan, "optimizer_8bit": qlora_plan}
     return Ladder(tuple(rungs), eager_plan.budget_bytes, eager_plan.usable_bytes, eager_plan.device, first,
-                  _apply(rungs, first, plans, budget_text) if first else "")
+                  _apply(rungs, first, plans, budget_text, loader) if first else "")
 
 
 def _attention_variants(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -118,13 +120,13 @@ def _keep_all(profile: Profile, precision: str) -> dict[str, Choice] | None:
     return None if any(choice not in unit.options for unit in profile.units) else {u.name: choice for u in profile.units}
 
 
-def _precision_rungs(plan: Plan, profile: Profile, low: str) -> list[Rung]:
+def _precision_rungs(plan: Plan, profile: Profile, low: str, loader: str) -> list[Rung]:
     usable = plan.usable_bytes
     reference = profile.reference
     base_time = profile.reference_step_time_s or reference.step_time_s
     baseline = Rung("baseline", "baseline (fp32, eager attention)", reference.peak_bytes, base_time,
                     reference.peak_bytes <= usable, "simulated step with no plan: every block keeps its activations, nothing "
-                    "under autocast", 'model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, attn_implementation="eager")')
+                    "under autocast", f'model = {loader}.from_pretrained(CHECKPOINT, attn_implementation="eager")')
     kept = _keep_all(profile, low)
     peak = predict_peak(profile, kept).bytes if kept else profile.timeline.peak_bytes
     time = predict_step_time(profile, kept) if kept else profile.timeline.step_time_s
@@ -140,9 +142,9 @@ def _planned(key: str, title: str, plan: Plan, how: str, code: str) -> Rung:
     return Rung(key, title, plan.predicted_peak_bytes, plan.predicted_step_time_s, plan.feasible, how, code)
 
 
-def _qlora_code(settings: QLoraSettings) -> str:
+def _qlora_code(settings: QLoraSettings, loader: str) -> str:
     return "\n".join([
-        "model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, attn_implementation=\"sdpa\",",
+        f"model = {loader}.from_pretrained(CHECKPOINT, attn_implementation=\"sdpa\",",
         f"    quantization_config=BitsAndBytesConfig({settings.bits_and_bytes_arguments()}))",
         "model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # autoplan checkpoints",
         f"model = get_peft_model(model, LoraConfig({settings.lora_arguments()}))",
@@ -166,11 +168,11 @@ def _eight_bit_rung(plan: Plan, profile: Profile, trainable: list[int]) -> Rung:
     return Rung("optimizer_8bit", "+ 8-bit optimizer (AdamW8bit)", peak, time, peak <= plan.usable_bytes, how, code)
 
 
-def _apply(rungs: list[Rung], first: str, plans: dict[str, Plan], budget_text: str) -> str:
+def _apply(rungs: list[Rung], first: str, plans: dict[str, Plan], budget_text: str, loader: str) -> str:
     """The lines up to the first rung that fits: imports, load, autoplan, optimizer."""
     chosen = rungs[: [r.key for r in rungs].index(first) + 1]
     taken = {r.key for r in chosen}
-    lines = ["import torch", "import autoplan", "from transformers import AutoModelForCausalLM" + (", BitsAndBytesConfig" if "qlora" in taken else "")]
+    lines = ["import torch", "import autoplan", f"from transformers import {loader}" + (", BitsAndBytesConfig" if "qlora" in taken else "")]
     if "qlora" in taken:
         lines.append("from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training")
     if "optimizer_8bit" in taken:

@@ -3,20 +3,25 @@
 The curves are the memory model's (`memory.phase_bytes`): the same per-phase numbers the solver
 constrains, so the picture and the plan cannot disagree. "Before" is no plan — every unit keep/fp32
 and nothing under autocast (the profile's reference step when fp32 choices were not profiled).
-matplotlib is an optional extra: `pip install "autoplan[plot]"`.
+matplotlib is an optional extra: `pip install "autoplan[plot]"`; it and the memory model are
+imported when a plot is drawn, so the command line checks `--plot`'s file name without torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from autoplan.errors import OptionError, PlotUnavailable
-from autoplan.memory.model import phase_bytes
-from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, Phase, Plan
-from autoplan.profile.units import Profile
+from autoplan.vocabulary.formatting import byte_unit
+
+if TYPE_CHECKING:
+    from autoplan.plan import Phase, Plan
+    from autoplan.profile.units import Profile
 
 FORMATS = (".png", ".svg", ".pdf")
+MOST_LABELS = 40  # phase names on the x axis; more are thinned out to every k-th (they would overlap)
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,9 @@ class MemoryCurves:
 
 
 def memory_curves(plan: Plan, profile: Profile) -> MemoryCurves:
+    from autoplan.memory.model import phase_bytes
+    from autoplan.plan import Choice
+
     after = [p.live_bytes for p in phase_bytes(profile, plan.choices())]
     no_plan = {unit.name: Choice("keep", "fp32") for unit in profile.units}
     if profile.rest_precision == "fp32" and all(Choice("keep", "fp32") in unit.options for unit in profile.units):
@@ -57,24 +65,39 @@ def plot_memory(plan: Plan, profile: Profile, path: str | Path) -> Path:
         raise OptionError(f"plot file must end in {', '.join(FORMATS)}; got {path.name!r}")
     plt = require_pyplot()
     curves = memory_curves(plan, profile)
-    gb = 1e9
-    steps = range(len(curves.phases))
-    figure, axes = plt.subplots(figsize=(10, 4.5))
-    axes.step(steps, [b / gb for b in curves.before], where="mid", label="no plan (keep, fp32)", color="tab:gray")
-    axes.step(steps, [b / gb for b in curves.after], where="mid", label="planned", color="tab:blue")
-    axes.axhline(curves.usable_bytes / gb, color="tab:red", linestyle="--", label="usable budget")
-    axes.axhline(curves.budget_bytes / gb, color="tab:red", linestyle=":", label="budget")
-    for marker, label in ((BACKWARD_START, "backward"), (OPTIMIZER_STEP, "optimizer")):
-        if marker in curves.phases:
-            axes.axvline(curves.phases.index(marker), color="black", linewidth=0.5)
-            axes.annotate(label, (curves.phases.index(marker), 0), xytext=(3, 3), textcoords="offset points", fontsize=8)
-    axes.set_xlabel("phase of the training step (forward, backward, optimizer)")
-    axes.set_ylabel("live memory (GB)")
+    scale, unit = byte_unit(max(*curves.before, *curves.after, curves.budget_bytes))  # the axis in the unit that fits
+    # a step per phase, the last one drawn to its end (where="post" with the last value repeated)
+    steps = range(len(curves.phases) + 1)
+    figure, axes = plt.subplots(figsize=(max(10, 0.25 * len(curves.phases)), 5.5))
+    # no plan wide and pale under the plan: where they coincide (the optimizer's step) both stay visible
+    axes.step(steps, [b / scale for b in (*curves.before, curves.before[-1])], where="post", label="no plan (keep, fp32)",
+              color="tab:gray", linewidth=5, alpha=0.45)
+    axes.step(steps, [b / scale for b in (*curves.after, curves.after[-1])], where="post", label="planned", color="tab:blue")
+    axes.axhline(curves.usable_bytes / scale, color="tab:red", linestyle="--", label="usable budget")
+    axes.axhline(curves.budget_bytes / scale, color="tab:red", linestyle=":", label="budget")
+    _phase_axis(axes, curves.phases)
+    axes.set_ylabel(f"live memory ({unit})")
     axes.set_title(f"{plan.model_name} on {plan.device}: memory over one training step")
     axes.set_ylim(bottom=0)
-    axes.legend(loc="upper left", fontsize=8)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)  # beside the plot, off the lines
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def _phase_axis(axes, phases: tuple[Phase, ...]) -> None:
+    """The x axis names each phase ("fwd:layers.3", "bwd:start", "optimizer") under the step it is;
+    lines mark where backward and the optimizer's step begin."""
+    from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP
+
+    every = -(-len(phases) // MOST_LABELS)  # ceiling: at most MOST_LABELS names
+    shown = range(0, len(phases), every)
+    axes.set_xticks([i + 0.5 for i in shown], [str(phases[i]) for i in shown], rotation=90, fontsize=7)
+    axes.set_xlim(0, len(phases))
+    for marker, label in ((BACKWARD_START, "backward"), (OPTIMIZER_STEP, "optimizer")):
+        if marker in phases:
+            axes.axvline(phases.index(marker), color="black", linewidth=0.5)
+            axes.annotate(label, (phases.index(marker), 0), xytext=(3, 3), textcoords="offset points", fontsize=8)
+    axes.set_xlabel("phase of the training step (forward, backward, optimizer)")

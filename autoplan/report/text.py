@@ -25,6 +25,7 @@ from rich.text import Text
 from autoplan.plan import register_report_formatter
 from autoplan.report.advice import state_bound
 from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds
+from autoplan.vocabulary.code_lines import wrap_code
 
 if TYPE_CHECKING:
     from autoplan.plan import Plan, ShardedPeak, UnitDecision
@@ -166,14 +167,22 @@ def _recomputed(unit) -> str:
     return format_flops(unit.recompute_flops) if unit.recompute_flops else "no FLOPs"
 
 
-def _policies(plan: "Plan") -> list[Text]:
-    """Each menu point the plan chose, in words (selective units that save ops of their own choosing)."""
-    lines = [
-        f"  {row.label}: {row.first.policy} ({format_bytes(row.first.saved_bytes)} saved, {format_seconds(row.first.step_time_s)})"
-        for row in fold_units(plan.units)
-        if row.first.policy
-    ]
-    return [Text("what the selective units save:\n" + "\n".join(lines))] if lines else []
+def _policies(plan: "Plan", verbose: bool = False) -> list[Text]:
+    """Each menu point the plan chose (selective units that save ops of their own choosing): in a person's
+    words, by kind of op; op by op, by submodule, when `verbose`."""
+    lines = []
+    for row in fold_units(plan.units):
+        if not row.first.policy:
+            continue
+        unit = row.first
+        lines.append(f"  {row.label}: {unit.policy_summary or unit.policy} ({format_bytes(unit.saved_bytes)} saved, "
+                     f"{format_seconds(unit.step_time_s)})")
+        if verbose and unit.policy_summary:
+            lines.append(f"    op by op: {unit.policy}")
+    if not lines:
+        return []
+    hint = "" if verbose else " (op by op: --verbose, report(verbose=True))"
+    return [Text(f"what the selective units save{hint}:\n" + "\n".join(lines))]
 
 
 def _times(plan: "Plan") -> Text:
@@ -198,7 +207,7 @@ def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
     code = f"model = autoplan.optimize(model, {', '.join(arguments)})"
     if plan.needs_grad_scaler:
         code += "\nscaler = torch.amp.GradScaler()  # fp16 units: scale the loss"
-    return code
+    return wrap_code(code)
 
 
 def _request_of(plan: "Plan") -> dict:
@@ -223,7 +232,8 @@ def _python(value) -> str:
 
 
 def _code(code: str) -> Text:
-    return Text(code, style="cyan", no_wrap=True, overflow="ignore")  # never wrapped: it is copied and pasted
+    # wrapped as Python (inside its brackets), never by the terminal: it is copied and pasted
+    return Text(wrap_code(code), style="cyan", no_wrap=True, overflow="ignore")
 
 
 def _sharded(peak: "ShardedPeak", usable: int) -> Text:
@@ -323,14 +333,15 @@ def ladder_renderables(ladder) -> list[RenderableType]:
 
 
 def report_renderables(
-    plan: "Plan", advice: "Advice | None" = None, *, budget_text: str | None = None, with_code: bool = True
+    plan: "Plan", advice: "Advice | None" = None, *, budget_text: str | None = None, with_code: bool = True, verbose: bool = False
 ) -> list[RenderableType]:
-    """The report's parts in order. with_code=False leaves out the line that applies the plan (it is applied)."""
+    """The report's parts in order. with_code=False leaves out the line that applies the plan (it is applied);
+    verbose=True names, op by op, what the selective units save."""
     parts: list[RenderableType] = [_verdict(plan), _breakdown(plan)]
     if plan.world_size > 1 or plan.world_size_curve:
         parts.extend(_world_sizes(plan))
     if state_bound(plan) is None:  # otherwise any choice of the units would do: they are not the problem
-        parts.extend([_units(plan), *_policies(plan), *_host(plan), _times(plan)])
+        parts.extend([_units(plan), *_policies(plan, verbose), *_host(plan), _times(plan)])
     if plan.feasible and with_code:  # for a plan that does not fit, optimize() would raise: the advice says what to change
         parts.append(Text("apply it:", style="bold"))
         parts.append(_code(apply_code(plan, budget_text)))
@@ -348,11 +359,11 @@ def report_renderables(
     return parts
 
 
-def plan_summary(plan: "Plan") -> list[RenderableType]:
+def plan_summary(plan: "Plan", verbose: bool = False) -> list[RenderableType]:
     """The short form of the report: the verdict, the units and the step times (what `autoplan verify` checked)."""
     parts: list[RenderableType] = [_verdict(plan)]
     if state_bound(plan) is None:
-        parts.extend([_units(plan), *_policies(plan), *_host(plan), _times(plan)])
+        parts.extend([_units(plan), *_policies(plan, verbose), *_host(plan), _times(plan)])
     return parts
 
 
@@ -363,12 +374,13 @@ def render(console: Console, parts: list[RenderableType]) -> None:
 
 
 def format_report(
-    plan: "Plan", advice: "Advice | None" = None, *, width: int = 110, budget_text: str | None = None, with_code: bool = True
+    plan: "Plan", advice: "Advice | None" = None, *, width: int = 110, budget_text: str | None = None, with_code: bool = True,
+    verbose: bool = False,
 ) -> str:
     """The report as plain text (no colour, no terminal codes)."""
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
-    render(console, report_renderables(plan, advice, budget_text=budget_text, with_code=with_code))
+    render(console, report_renderables(plan, advice, budget_text=budget_text, with_code=with_code, verbose=verbose))
     return buffer.getvalue().rstrip() + "\n"
 
 

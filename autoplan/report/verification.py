@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from autoplan.verify.real import Verification
 
 
-def verification_renderables(plan: "Plan", result: "Verification") -> list[RenderableType]:
+def verification_renderables(plan: "Plan", result: "Verification", verbose: bool = False) -> list[RenderableType]:
     """What `autoplan verify` prints: the plan it checked, the measurements, and what the step times are."""
-    return [*plan_summary(plan), verification_table(result), step_time_note(result)]
+    return [*plan_summary(plan, verbose), verification_table(result), step_time_note(result)]
 
 
 def verification_table(result: "Verification") -> Table:

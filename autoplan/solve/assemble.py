@@ -184,10 +184,15 @@ def _decisions(measured: Profile, chosen) -> tuple[UnitDecision, ...]:
             decisions.append(UnitDecision(
                 name=unit.name, choice=choice, saved_bytes=cost.held_bytes,
                 recompute_flops=unit.recompute_flops(choice), step_time_s=cost.time_s,
-                policy=unit.policies.get(choice, ""), host_bytes=cost.host_bytes, transfer_s=cost.transfer_s,
-                exposed_transfer_s=cost.exposed_transfer_s,
+                host_bytes=cost.host_bytes, transfer_s=cost.transfer_s, exposed_transfer_s=cost.exposed_transfer_s,
+                **_policy_fields(unit.policies.get(choice)),
             ))
     return tuple(decisions)
+
+
+def _policy_fields(words) -> dict[str, str]:
+    """A menu point's policy, as the plan carries it: in a person's words, and op by op."""
+    return {} if words is None else {"policy": words.ops, "policy_summary": words.summary}
 
 
 def infeasible_message(plan: Plan) -> str:

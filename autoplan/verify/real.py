@@ -91,6 +91,7 @@ CUDA_EVENTS_SOURCE = "measured (CUDA events)"  # profile.timing's time_source fo
 CPU_TRACKED_SOURCE = "CPU wall clock while the live-bytes tracker counts every tensor, slower than a plain step"
 
 
+@torch.enable_grad()  # real training steps, whatever grad mode the caller is in
 def verify(
     model: torch.nn.Module,
     plan: Plan,

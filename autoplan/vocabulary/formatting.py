@@ -18,10 +18,15 @@ def format_bytes(n: int) -> str:
         return "-" + format_bytes(-n)
     if n < 1000:
         return f"{n} B"
-    units = ((10**3, "KB"), (10**6, "MB"), (10**9, "GB"), (10**12, "TB"), (10**15, "PB"))
-    # Move up a unit when rounding would print "1000".
-    scale, unit = next(((s, u) for s, u in units if n / s < 999.5), units[-1])
+    scale, unit = byte_unit(n)
     return f"{_three_digits(n / scale)} {unit}"
+
+
+def byte_unit(n: float) -> tuple[int, str]:
+    """The decimal unit `format_bytes` shows `n` bytes in: (10**6, "MB") for 24.2 MB; a plot's axis takes its largest value's."""
+    units = ((1, "B"), (10**3, "KB"), (10**6, "MB"), (10**9, "GB"), (10**12, "TB"), (10**15, "PB"))
+    # Move up a unit when rounding would print "1000".
+    return next(((s, u) for s, u in units if abs(n) / s < 999.5), units[-1])
 
 
 def format_count(n: int) -> str:
