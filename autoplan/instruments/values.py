@@ -63,7 +63,7 @@ class KnownValues:
             raise ValueError(f"draws must be one of {DRAWS}; got {draws!r}")
         self.draws = draws
         self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake -> (real value, names of the batch inputs it came from)
-        self.reads: dict[str, int] = {}  # batch input (or RANDOM) -> how many reads of a value computed from it
+        self.reads: dict[str, None] = {}  # the batch inputs (and RANDOM) a read value came from, in the order first read
         self.random_reads = 0  # reads of a value computed from a random draw: random control flow
 
     def __len__(self) -> int:
@@ -88,17 +88,6 @@ class KnownValues:
         known = self._values.get(tensor) if isinstance(tensor, FakeTensor) else None
         return frozenset() if known is None else known[1]
 
-    def _split(self, args: Any, kwargs: Any) -> tuple[list, Any, list[FakeTensor]]:
-        leaves, spec = tree_flatten((args, kwargs))
-        return leaves, spec, [leaf for leaf in leaves if isinstance(leaf, FakeTensor)]
-
-    def all_valued(self, args: Any, kwargs: Any) -> bool:
-        """Every fake tensor among the arguments has a value, and at least one does."""
-        if not len(self._values):
-            return False  # the common case without a batch's values: checked first
-        _, _, fakes = self._split(args, kwargs)
-        return bool(fakes) and all(fake in self._values for fake in fakes)
-
     def real(self, tree: Any) -> Any:
         leaves, spec = tree_flatten(tree)
         return tree_unflatten([self.value_of(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
@@ -111,13 +100,13 @@ class KnownValues:
         `fake_dispatch(args, kwargs)` is the fake mode's own dispatch; `empty_strided(shape, stride, dtype)`
         makes a fake tensor. Returns `func`'s result, with values attached where they are known.
         """
-        if not len(self._values) and func not in _RANDOM_OPS:
-            return fake_dispatch(args, kwargs)
         if func in _RANDOM_OPS:
             out = fake_dispatch(args, kwargs)
             self._draw(func, args, kwargs, out)
             return out
-        _, _, fakes = self._split(args, kwargs)
+        if not len(self._values):  # the common case without a batch's values: nothing to answer from
+            return fake_dispatch(args, kwargs)
+        fakes = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, FakeTensor)]
         known = [self._values.get(fake) for fake in fakes]
         if fakes and all(entry is not None for entry in known):
             sources = frozenset().union(*(entry[1] for entry in known))
@@ -231,8 +220,7 @@ class KnownValues:
                     del self._values[fake]
 
     def _note_read(self, sources: frozenset[str]) -> None:
-        for source in sources:
-            self.reads[source] = self.reads.get(source, 0) + 1
+        self.reads.update(dict.fromkeys(sources))
         if RANDOM in sources:
             self.random_reads += 1
 

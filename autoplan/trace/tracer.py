@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.vocabulary.formatting import first_line
+from autoplan.vocabulary.tensors import tensors_of
 from autoplan.planned.graph import split_by_units
 from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound
 from autoplan.vocabulary.names import call_site, call_site_name, is_graph_unit, is_range_unit, sequential_run
@@ -79,8 +80,6 @@ META_BATCH_HINT = (
 
 def _value_hint(inputs: tuple[tuple, dict]) -> str:
     """What to do when the forward needed a value: a real batch, when the example one has none."""
-    from autoplan.vocabulary.tensors import tensors_of
-
     on_meta = any(tensor.device.type == "meta" for tensor in tensors_of(inputs))
     return FAKE_TENSOR_HINT + (" Here, " + META_BATCH_HINT if on_meta else "")
 
@@ -241,19 +240,25 @@ def _worst_case_draws(model, inputs, unit_names, routing) -> tuple[list[str], nx
     from autoplan.trace.dataflow import runtime_unit_graph
 
     executed, dataflow, random_reads = runtime_unit_graph(model, inputs, unit_names, routing, "high")
-    if not random_reads or set(unit_names) <= {call_site(u).module if call_site(u) else u for u in executed}:
+    skipped = _never_ran(unit_names, executed)
+    if not random_reads or not skipped:
         return executed, dataflow, random_reads, "high"
     low = runtime_unit_graph(model, inputs, unit_names, routing, "low")
-    if len(set(low[0])) > len(set(executed)):
+    if len(_never_ran(unit_names, low[0])) < len(skipped):
         return (*low, "low")
     return executed, dataflow, random_reads, "high"
+
+
+def _never_ran(unit_names, executed) -> tuple[str, ...]:
+    """The units the forward never called (a module called several times counts once it ran at all)."""
+    called = {site.module for site in map(call_site, executed) if site is not None}  # units planned per call site
+    return tuple(u for u in unit_names if u not in executed and u not in called)
 
 
 def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors) -> Traced:
     # A unit the forward never calls (a layer built but unused, a branch not taken) has nothing to plan:
     # it is left out, and the plan names it. When a tracer placed no unit at all, none is left out.
-    called = {site.module for site in map(call_site, executed) if site is not None}  # units planned per call site
-    never_ran = tuple(u for u in unit_names if u not in executed and u not in called) if executed else ()
+    never_ran = _never_ran(unit_names, executed) if executed else ()
     ordered = list(executed) if executed else list(unit_names)
     neighbours = {(a, b) for a, b in zip(["input", *ordered], [*ordered, "output"])}
     skips = tuple(sorted((a, b) for a, b in dataflow.edges if (a, b) not in neighbours and a != "input" and b != "output"))

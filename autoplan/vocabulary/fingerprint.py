@@ -45,9 +45,9 @@ def _where(path: tuple[Any, ...]) -> str:
     return head + keystr(rest)
 
 
-def fingerprint_of(model: torch.nn.Module, batch: tuple[tuple, dict], read: tuple[str, ...] = ()) -> Fingerprint:
-    """`read`: the batch inputs whose values the forward read (`Profile.batch_reads`): their values are part of it."""
-    return Fingerprint(parameter_shapes(model), batch_shapes(batch), batch_values(batch, read))
+def fingerprint_of(model: torch.nn.Module, batch: tuple[tuple, dict]) -> Fingerprint:
+    """By shape; the values the forward read are added once planning knows them (`batch_values`)."""
+    return Fingerprint(parameter_shapes(model), batch_shapes(batch))
 
 
 SIZES_LIMIT = 64  # elements: a read input this small holds sizes (an image grid, sequence lengths), checked by value
