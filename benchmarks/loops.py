@@ -6,7 +6,7 @@ families at static memory + 50% of their no-plan activations in that loop, the z
 its no-plan and its lowest peak), rewrites the model, trains two real steps of that loop
 (`autoplan.verify`: live bytes of real tensors, the peak from the second) and prints the markdown
 table that docs/loops.md shows. Error = (measured − predicted) / predicted: never above 0, at most 3% below
-is the claim the tests (`tests/test_loop.py`) assert.
+is the claim the tests (`tests/inputs/test_loop.py`) assert.
 
     python benchmarks/loops.py            # everything (a few minutes on 2 cores)
     python benchmarks/loops.py Llama T5   # some models
@@ -29,7 +29,7 @@ from tests import families  # noqa: E402
 from tests.models import ALL_MODELS  # noqa: E402
 
 SHAPES = {"outputs kept": TrainingLoop(), "outputs dropped": TrainingLoop(keep_outputs=False)}  # every model
-ACCUMULATION = {  # the models of tests/test_loop.py's accumulation tests, and GPT-2 and T5
+ACCUMULATION = {  # the models of tests/inputs/test_loop.py's accumulation tests, and GPT-2 and T5
     "accumulate 2": TrainingLoop(accumulation_steps=2),
     "accumulate 4, outputs dropped": TrainingLoop(accumulation_steps=4, keep_outputs=False),
 }

@@ -1,6 +1,6 @@
 """The Hugging Face model families autoplan is tested on, the checks run on each, and the README table.
 
-`FAMILIES` is what `tests/test_hf.py` parametrizes over; `check_*` are the checks those tests run.
+`FAMILIES` is what `tests/hf/test_models.py` parametrizes over; `check_*` are the checks those tests run.
 Run as a script, it runs the same checks on every family and prints the markdown table the README
 shows, so the table cannot claim more than the tests prove:
 

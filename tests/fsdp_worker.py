@@ -1,4 +1,4 @@
-"""One rank of tests/test_apply_fsdp.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
+"""One rank of tests/apply/test_fsdp.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
 
 Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET [MODEL]`,
 MODEL "llama" (default: tests/fsdp_model.tiny_llama) or "shared" (one block called six times per forward).
@@ -13,7 +13,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root replaces this script's folder (sys.path[0]): tests/ holds packages named like
+# the standard library's `trace` and `profile`, which must not shadow them.
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import autoplan  # noqa: E402
 from autoplan.verify.fsdp import measure_rank_peak

@@ -113,7 +113,7 @@ def test_help_and_mistyped_options_are_answered_before_torch_is_imported(tmp_pat
         "    answers[call] = [code, out.getvalue(), 'torch' in sys.modules]\n"
         "print(json.dumps(answers))\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(script), json.dumps(list(ANSWERED_BEFORE_TORCH))], cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -476,7 +476,7 @@ def test_json_to_stdout_is_json_on_the_real_file_descriptor(solver: str) -> None
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     without_highs = "import pulp; pulp.HiGHS.available = lambda self: False; " if solver == "cbc" else ""
     command = [sys.executable, "-c", without_highs + "from autoplan.cli.app import app; app()", "plan", FACTORY, "--budget", "1GB",
                "--device", "h100-80gb", "--json", "-"]

@@ -263,8 +263,8 @@ def test_report_json_and_advice_say_where_saved_bytes_live():
 @pytest.mark.slow  # the whole pipeline
 def test_command_line_turns_offload_off(tmp_path):
     factory = tmp_path / "net.py"
-    factory.write_text(f"import sys\nsys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[1])!r})\n"
-                       "from tests.test_offload import _net\n\ndef build():\n    model, x = _net()\n    return model, (x,)\n")
+    factory.write_text(f"import sys\nsys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2])!r})\n"
+                       "from tests.planned.test_offload import _net\n\ndef build():\n    model, x = _net()\n    return model, (x,)\n")
     base = [sys.executable, "-P", "-c", "from autoplan.cli.app import app; app()", "plan", f"{factory}:build", "--budget", "100MB", "--device", "rtx-4090",
             "--precision", "fp32", "--reserve", "0", "--json", "-"]
     on = json.loads(subprocess.run(base, capture_output=True, text=True, check=True).stdout)

@@ -19,7 +19,7 @@ from autoplan.cli.exits import ExitCode
 from autoplan.errors import MissingExtraError
 from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora
 from autoplan.report.advice import adamw8bit_state_bytes
-from tests.test_cli import assert_one_line_error, words
+from tests.cli.test_app import assert_one_line_error, words
 
 transformers = pytest.importorskip("transformers")
 

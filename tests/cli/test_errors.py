@@ -17,7 +17,7 @@ import autoplan
 import autoplan.errors as errors
 from autoplan.cli.exits import ExitCode, exit_code_for
 from autoplan.errors import LossError, OptionError, OptionTypeError, PlanMismatchError
-from tests.test_bad_input import CASES, HF_CASES
+from tests.cli.test_bad_input import CASES, HF_CASES
 
 NEVER_RAISED = {errors.TargetError}  # the base of the target errors: each failure raises a subclass
 ERROR_CLASSES = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)

@@ -471,7 +471,7 @@ def test_untraceable_model_with_units_raises_naming_the_line_and_each_tracer() -
         trace(_DataDependent(), (torch.randn(3, 8),), units=["blocks.*"])
     message = str(info.value)
     assert "symbolic_trace" in message and "torch.export" in message and "fake tensors" in message
-    assert "test_trace_units.py" in message and "if self.blocks[0](x).sum() > 0" in message
+    assert "test_units.py" in message and "if self.blocks[0](x).sum() > 0" in message
     assert "torch.where" in message and "units=" in message
 
 

@@ -15,7 +15,7 @@ import torch
 
 from examples.gpt import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str):

@@ -30,9 +30,9 @@ from autoplan.errors import OptionError
 from autoplan.cli.exits import ExitCode
 from autoplan.cli.app import app
 from tests.cli_factories import tiny_gpt, tiny_mlp
-from tests.test_cli import assert_one_line_error, words
+from tests.cli.test_app import assert_one_line_error, words
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPT = "tests/cli_factories.py:tiny_gpt"
 MLP = "tests/cli_factories.py:tiny_mlp"
 runner = CliRunner()
@@ -241,7 +241,7 @@ def test_apply_snippet_reproduces_the_plan(tmp_path, options) -> None:
 def test_solver_time_out_is_not_infeasible() -> None:
     from autoplan.errors import SolverTimeoutError
     from autoplan.solve.ilp import minimum_peak, solve
-    from tests.test_solve_ilp import keep_peak, random_chain
+    from tests.solve.test_ilp import keep_peak, random_chain
 
     profile = random_chain(1, 200, three_modes=True, passed=True)  # CBC needs seconds for this one
     with pytest.raises(SolverTimeoutError, match="ran out of time") as raised:

@@ -1,6 +1,6 @@
 """The memory model (autoplan/memory/model.py) on synthetic profiles: no model, no trace, milliseconds.
 
-The chain of tests/test_solve_ilp.py: units u0..u{n-1}, sizes in MiB, the timeline the step with
+The chain of tests/solve/test_ilp.py: units u0..u{n-1}, sizes in MiB, the timeline the step with
 every unit kept (static 100, each unit keeps 10 with a forward transient of 1 and a backward one of
 2; fully checkpointed it keeps 1 and its backward recomputes the 10). Each expectation is worked
 out by hand from those numbers, phase by phase.
@@ -19,7 +19,7 @@ from autoplan.memory.model import (
     predict_peak,
     predict_step_time,
 )
-from tests.test_solve_ilp import FULL, KEEP, MIB, synthetic_chain
+from tests.solve.test_ilp import FULL, KEEP, MIB, synthetic_chain
 
 
 def _choices(*modes):

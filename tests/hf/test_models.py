@@ -32,7 +32,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-_planned = families.planned  # one plan per family, shared with tests/test_loop.py
+_planned = families.planned  # one plan per family, shared with tests/inputs/test_loop.py
 
 
 def _layer_names(model: torch.nn.Module) -> list[str]:

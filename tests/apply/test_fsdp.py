@@ -24,7 +24,7 @@ from examples.llama import build
 from autoplan.planned.forwards import apply_choices
 from tests.fsdp_model import STEPS, rank_batch, shared_batch, shared_block, tiny_llama
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 distributed = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
     reason="needs torch.distributed with the gloo backend",

@@ -19,7 +19,7 @@ import autoplan
 from autoplan.errors import OptionError
 from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound, RouterShape
 from tests.structures import Structure, _MOE, _hf, _tokens, build_eager_moe, build_residual_list
-from tests.test_plan_space import assert_trains_the_same
+from tests.end_to_end.test_plan_space import assert_trains_the_same
 
 
 def _plan(model, inputs, budget="1GB", **options) -> autoplan.Plan:

@@ -33,7 +33,7 @@ def assert_holds(result: autoplan.Verification) -> None:
 
 def family_plan(name: str, loop: TrainingLoop) -> autoplan.Plan:
     """The family's plan for `loop` at static memory + half the common loop's activations."""
-    checked = families.planned(name)  # the common loop's plan, shared with tests/test_hf.py
+    checked = families.planned(name)  # the common loop's plan, shared with tests/hf/test_models.py
     if loop == KEPT:
         return checked.plan
     model = families.BY_NAME[name].build()
