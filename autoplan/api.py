@@ -38,7 +38,8 @@ from autoplan.inputs.options import (
     host_budget_bytes,
     search_space,
 )
-from autoplan.memory.model import check_world_size, rank_offsets
+from autoplan.inputs.options import check_world_size
+from autoplan.memory.model import rank_offsets
 from autoplan.plan import Choice, Plan, WorldSizePoint
 from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times

@@ -124,10 +124,16 @@ def missing_extra(error: BaseException) -> CliError | None:
     return None
 
 
+LONGEST_ERROR_LINE = 1000  # characters: autoplan's own messages stay under it; torch's can run to kilobytes (tensor metadata)
+
+
 def fail_with(error: CliError, debug: bool) -> None:
     if debug:
         traceback.print_exception(error.__cause__ or error, file=sys.stderr)
     message = str(error).replace("\n", " ")
+    if len(message) > LONGEST_ERROR_LINE and not debug:
+        cut = message[:LONGEST_ERROR_LINE].rstrip()
+        message = f"{cut} … ({len(message) - len(cut):,} more characters; --debug prints the whole error)"
     typer.echo(f"autoplan: error: {message}" + ("" if debug else "  (--debug for the traceback)" if error.code == ExitCode.ERROR else ""), err=True)
     raise typer.Exit(int(error.code))
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from autoplan.inputs.options import MAX_WORLD_SIZE  # beyond it the floor (activations, gathered units) is what does not fit
 from autoplan.memory.model import predict_peak
 from autoplan.memory.sharded import fsdp_group
 from autoplan.plan import Choice, WorldSizePoint
 from autoplan.profile.units import Profile
 from autoplan.solve.ilp import minimum_peak
 
-MAX_WORLD_SIZE = 65536  # beyond this the floor (activations, gathered units) is what does not fit
 
 
 def profiled_parameter_count(profile: Profile) -> int:

@@ -315,7 +315,17 @@ def _matching(model: torch.nn.Module, patterns) -> tuple[str, ...]:
             f"units {unmatched} matched no submodule of {type(model).__name__}; "
             f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
         )
-    return tuple(outermost([n for n in modules if any(fnmatch.fnmatchcase(n, p) for p in patterns)]))
+    matched = outermost([n for n in modules if any(fnmatch.fnmatchcase(n, p) for p in patterns)])
+    return tuple(unit for name in matched for unit in _called(model, name))
+
+
+def _called(model: torch.nn.Module, name: str) -> list[str]:
+    """A matched module as units: itself, or for a ModuleList/ModuleDict (never called, so never a unit that
+    runs: `--units 'b*'` matching `blocks`) the children it holds."""
+    module = model.get_submodule(name)
+    if not isinstance(module, _LISTS):
+        return [name]
+    return [f"{name}.{child}" for child, _ in module.named_children()]
 
 
 def unit_levels(model: torch.nn.Module, patterns: list[str] | None = None) -> list[UnitLevel]:

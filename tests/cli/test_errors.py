@@ -77,7 +77,7 @@ MISTAKES = {
     "precision: unknown": (lambda: _precision("int8", "h100"), OptionError, ValueError, "'int8'"),
     "precision: bf16 on a t4": (lambda: _precision("bf16", "t4"), OptionError, ValueError, "no bf16"),
     "profile: not a trace": (_call("autoplan.profile.units", "profile", object(), None), OptionTypeError, TypeError, "Traced"),
-    "world size 0": (_call("autoplan.memory.model", "check_world_size", 0), OptionError, ValueError, "world_size"),
+    "world size 0": (_call("autoplan.inputs.options", "check_world_size", 0), OptionError, ValueError, "world_size"),
     "apply: not a plan": (_call("autoplan", "apply", _mlp(), "plan.json"), OptionTypeError, TypeError, "got str"),
     "apply: a meta model": (_call("autoplan.apply.rewrite", "refuse_meta", _meta_mlp()), OptionError, ValueError, "meta device"),
     "verify: not a plan": (_call("autoplan", "verify", _mlp(), None, example_inputs=(torch.randn(2, 4),)),

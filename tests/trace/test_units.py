@@ -542,3 +542,12 @@ def test_export_fallback_finds_skip_edges() -> None:
     assert traced.method == "export"
     assert traced.units == ("blocks.0", "blocks.1", "blocks.2")
     assert traced.skip_edges == (("blocks.0", "blocks.2"),)
+
+
+def test_a_pattern_that_matches_a_module_list_plans_the_blocks_it_holds() -> None:
+    """A ModuleList is never called: `--units 'b*'` matching `blocks` means its blocks (it was exit 6, "never ran")."""
+    from tests.cli_factories import tiny_mlp
+
+    model, _ = tiny_mlp()
+    assert unit_levels(model, ["b*"])[0].units == ("blocks.0", "blocks.1")
+    assert unit_levels(model, ["blocks", "blocks.1"])[0].units == ("blocks.0", "blocks.1")
