@@ -32,6 +32,7 @@ from autoplan.report.plot import FORMATS, require_pyplot
 # torch stays unimported).
 if TYPE_CHECKING:
     from autoplan.inputs.targets import Target
+    from autoplan.profile.units import Profile
 
 JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
 
@@ -116,7 +117,7 @@ def _units(values: Optional[list[str]]) -> Optional[list[str]]:
 def _plan(target: Target, budget: str, options: dict, progress, inputs=None, model=None):
     from autoplan.api import plan as plan_model
 
-    profiles = []
+    profiles: list[Profile] = []
     try:
         plan = plan_model(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
                              progress=progress, on_profile=profiles.append, **options)
@@ -222,13 +223,16 @@ def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress,
     micro-batch is planned again where the factory can rebuild the batch."""
     from autoplan.report.advice import advise
 
+    rebuild = loaded.rebuild
+
     def replan(micro: int, loop: TrainingLoop):
+        assert rebuild is not None  # passed only when the target has one
         progress(f"checking micro-batch {micro}: planning again")
-        model, inputs = loaded.rebuild(micro)
+        model, inputs = rebuild(micro)
         return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
 
     return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
-                  parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None, ladder=ladder)
+                  parameter_count=loaded.parameter_count, replan=replan if rebuild else None, ladder=ladder)
 
 
 def _ladder(loaded: Target, budget: str, options: dict, device: Optional[str], progress):
@@ -355,9 +359,9 @@ def devices_command() -> None:
     """List the device profiles a plan can target (--device NAME)."""
     table = Table(title="device profiles: dense datasheet rates", caption="GiB = 2³⁰ bytes (what vendors call GB), "
                   "GB = 10⁹ bytes; a card of your own: --device custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,...")
-    for column, justify in (("name", "left"), ("memory", "right"), ("sm", "right"), ("fp32", "right"),
-                            ("low precision", "right"), ("bandwidth", "right")):
-        table.add_column(column, justify=justify)
+    table.add_column("name", justify="left")
+    for column in ("memory", "sm", "fp32", "low precision", "bandwidth"):
+        table.add_column(column, justify="right")
     for device in list_devices():
         low = device.peak_flops.get(device.low_precision_name, device.peak_flops["fp32"])
         memory = f"{device.memory_bytes / 2**30:.0f} GiB ({device.memory_bytes / 1e9:.1f} GB)"

@@ -181,7 +181,7 @@ def print_report(console: Console, parts) -> None:
     """The report on stdout; a reader that went away (`| head -1`) is not an error: the exit code stands."""
     from autoplan.report.text import render
 
-    console.on_broken_pipe = _reader_gone  # rich's own handler exits with 1
+    setattr(console, "on_broken_pipe", _reader_gone)  # this console's only: rich's own handler exits with 1
     try:
         render(console, parts)
         console.file.flush()
