@@ -24,7 +24,7 @@ from autoplan.solve.ilp import minimum_peak
 def profiled_parameter_count(profile: Profile) -> int:
     """Parameters of the model (units and the rest), tied weights once."""
     # a module called several times (call sites block@0, block@1, ...) has one set of parameters
-    layouts = list({fsdp_group(unit.name): unit.param_layout for unit in profile.units}.values()) + [profile.rest_param_layout]
+    layouts = list({fsdp_group(unit.unit): unit.param_layout for unit in profile.units}.values()) + [profile.rest_param_layout]
     return sum(p.rows * p.row_numel for layout in layouts for p in layout)
 
 
