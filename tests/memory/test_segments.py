@@ -145,7 +145,7 @@ def test_a_mixed_plan_trains_like_the_original_and_reads_back():
     segments = [unit for unit in plan.units if unit.members]
     assert segments and len(plan.units) > len(segments)  # a mix: segments and blocks on their own
     planned = autoplan.apply(copy.deepcopy(model), plan)
-    assert planned_choices(planned) == plan.choices()
+    assert planned_choices(planned) == plan.choices_by_unit()
     _assert_trains_the_same(model, planned, inputs)
     # one line and one JSON entry per segment, naming its units
     first = segments[0]
