@@ -185,7 +185,13 @@ def _apply_segment(model: torch.nn.Module, unit: Segment, choice: Choice) -> Non
         module.forward = SegmentMember(segment, index, original)
 
 
-def planned_choices(model: torch.nn.Module) -> dict[Unit, Choice]:
+def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
+    """The choice each unit of a rewritten model runs with, by unit name (as `Plan.choices()`, the report and the
+    JSON name them; `planned_units` keys the same by Unit)."""
+    return {unit.name: choice for unit, choice in planned_units(model).items()}
+
+
+def planned_units(model: torch.nn.Module) -> dict[Unit, Choice]:
     """The choice each unit of a rewritten model runs with (the root's own autocast excluded)."""
     choices: dict[Unit, Choice] = {}
     for name, module in model.named_modules():

@@ -86,8 +86,8 @@ def test_auto_finds_the_fewest_gpus_and_shows_the_curve() -> None:
     assert plan.state_bytes / plan.parameter_count == pytest.approx(16, rel=0.02)
     assert plan.world_size >= -(-plan.state_bytes // plan.usable_bytes)
     report = plan.report()
-    assert "per-rank peak against the number of GPUs" in report and "← chosen" in report
-    assert f"per rank on {plan.world_size} GPUs" in report
+    assert "per-rank peak against the number of ranks" in report and "← chosen" in report  # the cpu profile: ranks, not GPUs
+    assert f"per rank on {plan.world_size} ranks" in report
 
 
 @pytest.mark.slow  # the whole pipeline

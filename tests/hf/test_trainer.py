@@ -76,7 +76,7 @@ def test_checkpointing_is_turned_off_because_the_plan_checkpoints_per_layer(tmp_
     assert setup.training_args.activation_checkpointing is False
     assert setup.training_args.gradient_checkpointing is False  # transformers' deprecated alias follows
     assert args.activation_checkpointing is True  # the caller's arguments are left alone
-    assert autoplan.planned_choices(model) == setup.plan.choices_by_unit()  # applied in place
+    assert autoplan.planned_choices(model) == setup.plan.choices()  # applied in place
     assert model.config.use_cache is False  # a KV cache in training holds every layer's keys and values
     assert setup.loop.keep_outputs is False and setup.loop.accumulation_steps == 1
 

@@ -145,7 +145,7 @@ def test_a_mixed_plan_trains_like_the_original_and_reads_back():
     segments = [unit for unit in plan.units if unit.members]
     assert segments and len(plan.units) > len(segments)  # a mix: segments and blocks on their own
     planned = autoplan.apply(copy.deepcopy(model), plan)
-    assert planned_choices(planned) == plan.choices_by_unit()
+    assert planned_choices(planned) == plan.choices()
     _assert_trains_the_same(model, planned, inputs)
     # one line and one JSON entry per segment, naming its units
     first = segments[0]
@@ -219,7 +219,7 @@ def test_the_plan_is_never_worse_than_any_single_level_of_stages_of_blocks():
 
     model, inputs = by_name("stages of blocks (stages[i].blocks[j])").build()
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=0)
-    levels = [autoplan.plan(model, "10GB", units=list(level.units), segments=False, **options) for level in unit_levels(model)]
+    levels = [autoplan.plan(model, "10GB", units=[unit.name for unit in level.units], segments=False, **options) for level in unit_levels(model)]
     budget = max(level.minimum_peak_bytes for level in levels) + 1
     mixed = autoplan.plan(model, budget, **options)
     assert mixed.minimum_peak_bytes <= min(level.minimum_peak_bytes for level in levels)
