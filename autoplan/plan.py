@@ -15,6 +15,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from autoplan.units import Unit
+
 Mode = Literal["keep", "selective", "full"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Placement = Literal["device", "host"]
@@ -132,7 +134,7 @@ class Choice:
 class UnitDecision:
     """The plan's decision for one unit, with what it costs."""
 
-    name: str  # qualified module name, e.g. "transformer.h.3"
+    unit: Unit  # e.g. the module "transformer.h.3"; `name` is its name (patterns, JSON, reports)
     choice: Choice
     saved_bytes: int  # bytes this unit keeps alive from its forward until its backward
     recompute_flops: int  # extra FLOPs its backward spends recomputing the forward
@@ -143,6 +145,10 @@ class UnitDecision:
     host_bytes: int = 0  # offloaded: what it keeps in pinned host memory from its forward until its backward
     transfer_s: float = 0.0  # offloaded: its device-to-host and host-to-device copies at the host link's rate
     exposed_transfer_s: float = 0.0  # the part of transfer_s its own compute does not hide (in step_time_s)
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
 
 
 @dataclass(frozen=True)
@@ -284,6 +290,10 @@ class Plan:
     def choices(self) -> dict[str, Choice]:
         return {unit.name: unit.choice for unit in self.units}
 
+    def choices_by_unit(self) -> dict[Unit, Choice]:
+        """`choices()` keyed by the units themselves: what the planned forwards apply (`planned.forwards`)."""
+        return {unit.unit: unit.choice for unit in self.units}
+
     def unit_choices(self) -> dict[str, Choice]:
         """Per unit, its choice; a segment's units each with the segment's (full: what each does in forward)."""
         return {name: unit.choice for unit in self.units for name in unit.members or (unit.name,)}
@@ -293,7 +303,7 @@ class Plan:
         data["units"] = [
             {"name": unit.name, "mode": unit.choice.mode, "precision": unit.choice.precision,
              "saves": None if unit.choice.saves is None else list(unit.choice.saves), "placement": unit.choice.placement}
-            | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice", "members")}
+            | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("unit", "choice", "members")}
             | {"members": list(unit.members)}  # a segment's units; empty for a unit on its own
             for unit in self.units
         ]

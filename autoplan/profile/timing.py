@@ -113,7 +113,7 @@ def measure_times(
             key = id(unit.options)  # identical units share one options mapping
             if key not in measured:
                 say(f"timing unit {index + 1}/{len(profile.units)}: {unit.name}")
-                module = unit_module(model, unit.name)
+                module = unit_module(model, unit.unit)
                 costs = {}
                 for choice, cost in unit.options.items():
                     fwd_s, bwd_s = _time_unit(module, calls[unit.name].inputs, choice, rest, device, warmup, runs)
@@ -121,7 +121,7 @@ def measure_times(
                 measured[key] = MappingProxyType(costs)
             units.append(dataclasses.replace(unit, options=measured[key]))
         say("timing whole training steps")
-        base = {u.name: u.base for u in profile.units}
+        base = {u.unit: u.base for u in profile.units}
         steps = {}
         fused = bool(profile.timeline.fused_loss)
         for name, choices, outside in (("base", base, OutsideUnits(rest, fused)), ("reference", {}, OutsideUnits())):

@@ -35,6 +35,7 @@ from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
 from autoplan.instruments.target import as_the_target_runs
 from autoplan.instruments.fake import new_fake_mode
+from autoplan.units import Unit
 from autoplan.vocabulary.names import unit_module
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.tracker import FusedElementwiseRates, LiveBytesTracker
@@ -70,12 +71,16 @@ class UnitCost:
 
 @dataclass(frozen=True)
 class UnitProfile:
-    name: str
+    unit: Unit
     options: Mapping[Choice, UnitCost]  # every choice this unit may take
     base: Choice  # the choice it had in the timeline
     param_bytes: int = 0  # its parameters (what FSDP gathers to run it), tied weights once
     param_layout: tuple[ParamShape, ...] = ()  # its parameters' shapes, as FSDP shards them
     policies: Mapping[Choice, PolicyWords] = field(default_factory=lambda: MappingProxyType({}))  # its menu points' policies in words (profile.menu)
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
 
     def delta_held(self, choice: Choice) -> int:
         return self.options[choice].held_bytes - self.options[self.base].held_bytes
@@ -285,16 +290,18 @@ def unit_choices(precisions: tuple[str, ...]) -> list[Choice]:
 def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth=0.0) -> list[UnitProfile]:
     """Every unit alone under every choice; identical units (class, parameter and input shapes) measured once."""
     measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, str]]] = {}
+    units_by_name = {unit.name: unit for unit in base}
     units = []
     for index, call in enumerate(timeline.unit_calls):
-        module = unit_module(model, call.name)
+        unit = units_by_name[call.name]
+        module = unit_module(model, unit)
         key = _signature(module, call)
         if key not in measured:
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
             measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size, host_bandwidth)
         params = list(module.parameters())
         costs, policies = measured[key]
-        units.append(UnitProfile(call.name, costs, base[call.name], unique_storage_bytes(params), layout_of(params), policies=policies))
+        units.append(UnitProfile(unit, costs, base[unit], unique_storage_bytes(params), layout_of(params), policies=policies))
     return units
 
 
@@ -330,7 +337,7 @@ def profile(
     if not isinstance(traced, Traced):
         raise OptionTypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
     rest = rest_precision
-    base = {name: Choice("keep", rest) for name in traced.units}
+    base = {unit: Choice("keep", rest) for unit in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
     timeline_mode = new_fake_mode(traced.routing, traced.draws)
@@ -343,7 +350,7 @@ def profile(
     rates = FusedElementwiseRates(device) if compile else device
     host_bandwidth = device.host_bandwidth if offload else 0.0
     units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth)
-    in_units = {id(p) for unit in units for p in unit_module(model, unit.name).parameters()}
+    in_units = {id(p) for unit in units for p in unit_module(model, unit.unit).parameters()}
     return Profile(
         model_name=type(traced.model).__name__,
         device=device,
@@ -380,7 +387,7 @@ def with_choices(traced: Traced, measured: Profile, extra: Iterable[Choice], *, 
     by_signature: dict[tuple, dict[Choice, UnitCost]] = {}
     units = []
     for call, unit in zip(measured.timeline.unit_calls, measured.units):
-        module = unit_module(model, call.name)
+        module = unit_module(model, unit.unit)
         key = _signature(module, call)
         if key not in by_signature:
             by_signature[key] = {c: _measure_unit(module, call, c, measured.rest_precision, rates, fake_mode) for c in extra}

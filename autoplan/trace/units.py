@@ -40,7 +40,8 @@ import torch
 
 from autoplan.errors import TraceError, UnitPatternError
 from autoplan.planned.graph import graph_units
-from autoplan.vocabulary.names import sequential_run, unit_module
+from autoplan.units import SequentialRun, Unit
+from autoplan.vocabulary.names import unit_module
 from autoplan.training.step_parts import parameter_count
 
 _LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # hold blocks, but are never called themselves
@@ -51,7 +52,7 @@ MAX_LEVELS = 2  # nested levels of repeated blocks (plus the finest); each level
 class UnitLevel:
     """One complete set of units the plan may decide about, and where it came from."""
 
-    units: tuple[str, ...]
+    units: tuple[Unit, ...]
     source: str  # "units= patterns", "transformers layers", "repeated blocks", "Sequential runs", ...
 
 
@@ -70,6 +71,12 @@ def outermost(names: list[str]) -> list[str]:
         if not any(name.startswith(outer + ".") for outer in kept):
             kept.append(name)
     return kept
+
+
+def sequential_run(name: str) -> SequentialRun | None:
+    """The Sequential run a unit name found here denotes, or None for a module."""
+    unit = Unit.from_name(name)
+    return unit if isinstance(unit, SequentialRun) else None
 
 
 def _module_name(unit: str) -> str:
@@ -189,7 +196,7 @@ def _unit_order(model: torch.nn.Module):
 
 
 def _coverage(model: torch.nn.Module, units) -> int:
-    return sum(parameter_count(unit_module(model, unit)) for unit in units)
+    return sum(parameter_count(unit_module(model, Unit.from_name(unit))) for unit in units)
 
 
 def _level(model: torch.nn.Module, groups: list[tuple[str, ...]], first: tuple[str, ...]) -> tuple[str, ...]:
@@ -212,7 +219,7 @@ def _repeats_inside(model: torch.nn.Module, level: tuple[str, ...], names: tuple
         return False
     repeated = 0
     for outer in level:
-        inner = [unit_module(model, n) for n in names if _inside(n, outer)]
+        inner = [unit_module(model, Unit.from_name(n)) for n in names if _inside(n, outer)]
         inner = [m for m in inner if not _is_layer(m)]
         kinds = Counter(type(m) for m in inner) + Counter(structural_signature(m) for m in inner)
         repeated += any(count >= 2 for count in kinds.values())
@@ -315,35 +322,50 @@ def _matching(model: torch.nn.Module, patterns) -> tuple[str, ...]:
             f"units {unmatched} matched no submodule of {type(model).__name__}; "
             f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
         )
-    return tuple(outermost([n for n in modules if any(fnmatch.fnmatchcase(n, p) for p in patterns)]))
+    matched = outermost([n for n in modules if any(fnmatch.fnmatchcase(n, p) for p in patterns)])
+    return tuple(unit for name in matched for unit in _called(model, name))
+
+
+def _called(model: torch.nn.Module, name: str) -> list[str]:
+    """A matched module as units: itself, or for a ModuleList/ModuleDict (never called, so never a unit that
+    runs: `--units 'b*'` matching `blocks`) the children it holds."""
+    module = model.get_submodule(name)
+    if not isinstance(module, _LISTS):
+        return [name]
+    return [f"{name}.{child}" for child, _ in module.named_children()]
 
 
 def unit_levels(model: torch.nn.Module, patterns: list[str] | None = None) -> list[UnitLevel]:
     """Every level of units the plan may decide about, the preferred first (see the module docstring)."""
+    return [UnitLevel(tuple(map(Unit.from_name, names)), source) for names, source in _named_levels(model, patterns)]
+
+
+def _named_levels(model: torch.nn.Module, patterns: list[str] | None) -> list[tuple[tuple[str, ...], str]]:
+    """`unit_levels` by name: each level's unit names and where they came from."""
     if patterns:
-        return [UnitLevel(_matching(model, patterns), "units= patterns")]
+        return [(_matching(model, patterns), "units= patterns")]
     transformers_layers = _checkpointing_layer_units(model)
     if transformers_layers:
         # what gradient_checkpointing_enable() checkpoints: where its layers nest (Swin's stages
         # and their blocks), transformers checkpoints both, so both levels are offered
         inner = _checkpointing_layer_units(model, innermost=True)
-        levels = [UnitLevel(transformers_layers, "transformers layers")]
-        return levels + ([UnitLevel(inner, "transformers layers inside them")] if inner != transformers_layers else [])
+        levels = [(transformers_layers, "transformers layers")]
+        return levels + ([(inner, "transformers layers inside them")] if inner != transformers_layers else [])
     blocks = nested_levels(model)
     finest = _finest_blocks(model)
     if finest and finest not in blocks:
         blocks = [*blocks[-1:], finest]  # at most two levels: each costs a whole profile
     if blocks:
-        return [UnitLevel(level, "repeated blocks") for level in blocks]
+        return [(level, "repeated blocks") for level in blocks]
     sequential = _sequential_levels(model)
     if isinstance(model, torch.nn.Sequential):
-        levels = [UnitLevel(level, "Sequential runs") for level in sequential]
+        levels = [(level, "Sequential runs") for level in sequential]
     else:
         # a Sequential inside (its runs, as before), else the fx graph's runs; and the model's children
-        graph = () if sequential else tuple(graph_units(model))
-        first = [UnitLevel(sequential[-1], "Sequential runs")] if sequential else [UnitLevel(graph, "graph runs")] if graph else []
+        graph = () if sequential else tuple(unit.name for unit in graph_units(model))
+        first = [(sequential[-1], "Sequential runs")] if sequential else [(graph, "graph runs")] if graph else []
         children = _children_level(model)
-        levels = first + ([UnitLevel(children, "the model's children")] if children else [])
+        levels = first + ([(children, "the model's children")] if children else [])
     if not levels:
         raise TraceError(
             f"{type(model).__name__} has no repeated submodule, no nn.Sequential, no two children with parameters and "
@@ -353,6 +375,6 @@ def unit_levels(model: torch.nn.Module, patterns: list[str] | None = None) -> li
     return levels
 
 
-def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> list[str]:
-    """Names of the modules (or Sequential runs) of the preferred level (`unit_levels`' first)."""
+def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> list[Unit]:
+    """The units (modules, Sequential runs, graph runs) of the preferred level (`unit_levels`' first)."""
     return list(unit_levels(model, patterns)[0].units)

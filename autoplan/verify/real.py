@@ -130,8 +130,8 @@ def verify(
     if check:  # before the model changes
         check_model(plan.fingerprint, model)
         check_batch(plan.fingerprint, normalize_inputs(example_inputs))
-    if planned_choices(model) != plan.choices() or has_fused_loss(model) != bool(plan.fused_loss):
-        apply_choices(model, plan.choices(), plan.outside_units)
+    if planned_choices(model) != plan.choices_by_unit() or has_fused_loss(model) != bool(plan.fused_loss):
+        apply_choices(model, plan.choices_by_unit(), plan.outside_units)
     loop = check_loop(loop if loop is not None else plan.loop)
     args, kwargs = training_inputs(model, normalize_inputs(example_inputs))  # as planned: no KV cache
     cuda = device.type == "cuda"

@@ -17,6 +17,7 @@ from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, Phase
 from autoplan.profile.simulation import run_timeline
+from autoplan.units import Unit
 from autoplan.trace.tracer import Traced
 
 
@@ -30,7 +31,7 @@ class Simulation:
 
 def simulate_plan(
     traced: Traced,
-    choices: Mapping[str, Choice],
+    choices: Mapping[Unit, Choice],
     *,
     device: Device,
     optimizer: str | torch.optim.Optimizer,

@@ -456,7 +456,7 @@ def test_apply_rewrites_the_model_as_planned() -> None:
     model, (idx,) = make_tiny_gpt()
     reference, _ = make_tiny_gpt()
     assert autoplan.apply(model, plan) is model
-    assert planned_choices(model) == plan.choices()
+    assert planned_choices(model) == plan.choices_by_unit()
     # all fp32: the same loss as the untouched model
     torch.manual_seed(0)
     targets = torch.randint(0, 64, idx.shape)

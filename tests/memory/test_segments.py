@@ -21,11 +21,12 @@ from autoplan.errors import SegmentError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import predict_peak
-from autoplan.memory.segments import chains, segment_candidates
+from autoplan.memory.segments import chains, choices_by_unit, segment_candidates
 from autoplan.plan import Choice
 from autoplan.planned.forwards import apply_choices, planned_choices, remove_plan
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
+from autoplan.units import Segment
 
 DEVICE = get_device("cpu")
 
@@ -83,7 +84,7 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
     # the other single level, one segment over the whole run, recomputes everything at once: worse
     whole = {f"layers.0–layers.{len(model.layers) - 1}": Choice("full", "fp32")}
     traced = trace(model, inputs)
-    assert simulate_plan(traced, whole, device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes > mixed.minimum_peak_bytes
+    assert simulate_plan(traced, choices_by_unit(profile, whole), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes > mixed.minimum_peak_bytes
     assert predict_peak(profile, whole).bytes > mixed.minimum_peak_bytes
 
 
@@ -144,7 +145,7 @@ def test_a_mixed_plan_trains_like_the_original_and_reads_back():
     segments = [unit for unit in plan.units if unit.members]
     assert segments and len(plan.units) > len(segments)  # a mix: segments and blocks on their own
     planned = autoplan.apply(copy.deepcopy(model), plan)
-    assert planned_choices(planned) == plan.choices()
+    assert planned_choices(planned) == plan.choices_by_unit()
     _assert_trains_the_same(model, planned, inputs)
     # one line and one JSON entry per segment, naming its units
     first = segments[0]
@@ -157,7 +158,7 @@ def test_a_mixed_plan_trains_like_the_original_and_reads_back():
 
 def test_no_grad_and_eval_open_no_region_and_out_of_order_calls_are_refused():
     model, inputs = _chain(depth=4)
-    planned = apply_choices(copy.deepcopy(model), {"layers.0–layers.2": Choice("full", "fp32")})
+    planned = apply_choices(copy.deepcopy(model), {Segment("layers.0", "layers.2"): Choice("full", "fp32")})
     segment = planned.layers[0].forward.segment
     with torch.no_grad():
         torch.testing.assert_close(planned.eval()(*inputs), model.eval()(*inputs))
@@ -174,7 +175,7 @@ def test_segments_train_the_same_under_torch_compile():
     torch._dynamo.reset()
     model, inputs = _chain(depth=4)
     model.eval()  # dropout masks are not replayable across eager and compiled code
-    planned = apply_choices(copy.deepcopy(model), {"layers.0–layers.2": Choice("full", "fp32")})
+    planned = apply_choices(copy.deepcopy(model), {Segment("layers.0", "layers.2"): Choice("full", "fp32")})
     compiled = torch.compile(planned, backend="aot_eager")  # the segment's blocks run eagerly, between graphs
     try:
         torch.testing.assert_close(_train_step(compiled, inputs), _train_step(model, inputs))
@@ -197,9 +198,9 @@ def test_llama_layers_form_segments_priced_and_trained_exactly():
     assert chains(profile) == [[0, 1, 2, 3]]  # decoder layers fed one another's hidden states
     choices = {"model.layers.0–model.layers.2": Choice("full", "fp32"), "model.layers.3": Choice("full", "fp32")}
     traced = trace(model, training_batch(model, batch, None, None))  # as plan() traces it
-    simulated = simulate_plan(traced, choices, device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
+    simulated = simulate_plan(traced, choices_by_unit(profile, choices), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
     assert abs(predict_peak(profile, choices).bytes - simulated) <= 0.05 * simulated
-    planned = apply_choices(copy.deepcopy(model), choices)
+    planned = apply_choices(copy.deepcopy(model), choices_by_unit(profile, choices))
     losses = []
     for net in (model, planned):
         torch.manual_seed(1)

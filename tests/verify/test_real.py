@@ -43,7 +43,7 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
     assert not result.out_of_memory and result.held
     assert abs(result.peak_error) <= 0.01, (result.measured_peak_bytes, result.predicted_peak_bytes)
     assert result.measured_step_time_s > 0
-    assert autoplan.planned_choices(model) == plan.choices()  # verify applied the plan
+    assert autoplan.planned_choices(model) == plan.choices_by_unit()  # verify applied the plan
     # verify trained real steps, then put the model back
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
@@ -52,9 +52,9 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
 def test_verify_runs_the_plan_and_judges_it_against_the_usable_budget():
     model, inputs = batch_of("tiny_gpt")
     plan = tight_plan(model, inputs)
-    apply_choices(model, {u.name: Choice("keep", "fp32") for u in plan.units})  # not the plan
+    apply_choices(model, {u.unit: Choice("keep", "fp32") for u in plan.units})  # not the plan
     result = autoplan.verify(model, plan, example_inputs=inputs)
-    assert autoplan.planned_choices(model) == plan.choices()
+    assert autoplan.planned_choices(model) == plan.choices_by_unit()
     assert result.held and abs(result.peak_error) <= 0.01
     short = dataclasses.replace(plan, usable_bytes=result.measured_peak_bytes - 1)
     assert not autoplan.verify(model, short, example_inputs=inputs).held
