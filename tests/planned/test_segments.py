@@ -14,6 +14,7 @@ from autoplan.inputs.devices import get_device
 from autoplan.instruments.tracker import LiveBytesTracker
 from autoplan.plan import Choice
 from autoplan.planned.segments import PlannedSegment, SegmentMember
+from autoplan.units import Segment
 from autoplan.vocabulary.tensors import rounded_bytes
 
 
@@ -45,7 +46,8 @@ class Loop(nn.Module):
 
 
 def _install(model: Loop, mode: str = "full") -> PlannedSegment:
-    segment = PlannedSegment("blocks.0–blocks.2", list(model.blocks), Choice(mode, "fp32"), [None] * len(model.blocks))
+    unit = Segment("blocks.0", "blocks.2")
+    segment = PlannedSegment(unit, list(model.blocks), Choice(mode, "fp32"), [None] * len(model.blocks))
     for index, block in enumerate(model.blocks):
         block.forward = SegmentMember(segment, index)
     return segment
@@ -126,7 +128,7 @@ def test_a_block_called_out_of_order_is_refused_and_the_region_closed() -> None:
     scale = torch.ones(8)
     h = model.blocks[0](x, scale)
     assert segment.region is not None
-    with pytest.raises(SegmentError, match="out of order"):
+    with pytest.raises(SegmentError, match="segment blocks.0–blocks.2: block 2 ran out of order"):
         model.blocks[2](h, scale)
     assert segment.region is None
 
