@@ -4,6 +4,7 @@ per-process cache on one worker, so the cache is filled once per run instead of 
 
 import os
 
+import pytest
 import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -17,6 +18,7 @@ SHARED_CACHE_FILES = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist (-p no:xdist) there is nothing to schedule
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, with the files of SHARED_CACHE_FILES scheduled as one unit.
 
