@@ -50,6 +50,7 @@ _EXPORTS = {
     "MemoryBreakdown": "autoplan.plan",
     "Plan": "autoplan.plan",
     "UnitDecision": "autoplan.plan",
+    "Unit": "autoplan.units",
     "format_report": "autoplan.report.text",
     "planned_choices": "autoplan.planned.forwards",
     "remove_plan": "autoplan.planned.forwards",
@@ -57,7 +58,7 @@ _EXPORTS = {
     "verify": "autoplan.verify.real",
 }
 # modules that import no torch; the others come with the report stage, as Plan.report() needs it
-_LIGHT = {"autoplan.errors", "autoplan.inputs.budget", "autoplan.inputs.devices", "autoplan.inputs.loop"}
+_LIGHT = {"autoplan.errors", "autoplan.units", "autoplan.inputs.budget", "autoplan.inputs.devices", "autoplan.inputs.loop"}
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
