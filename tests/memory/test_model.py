@@ -9,7 +9,7 @@ import torch
 
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import predict_peak
-from autoplan.plan import MODES, Choice
+from autoplan.plan import Choice
 from autoplan.profile.units import profile
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
