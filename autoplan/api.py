@@ -41,7 +41,7 @@ from autoplan.inputs.options import (
 from autoplan.inputs.options import check_world_size
 from autoplan.memory.model import rank_offsets
 from autoplan.memory.segments import choices_by_unit
-from autoplan.plan import Choice, Plan, WorldSizePoint
+from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
 from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
@@ -258,7 +258,7 @@ def _trace_and_profile(model, batch, target: Target, unit_names, step: StepOptio
     precisions = precision_options(space.precision, target.device)
     if space.keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
-    rest = "fp32" if space.precision == "auto" else space.precision
+    rest: Precision = "fp32" if space.precision == "auto" else precisions[0]  # the one precision forced
     say("tracing")
     traced = trace(model, batch, unit_names=unit_names, routing=step.routing)
     if space.compile and target.profile == "measure":

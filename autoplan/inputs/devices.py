@@ -16,7 +16,7 @@ import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Literal, TypeGuard
 
 from autoplan.errors import DeviceError
 from autoplan.vocabulary.sizes import parse_size
@@ -69,7 +69,7 @@ class Device:
         return torch.bfloat16 if self.supports_bf16 else torch.float16
 
     @property
-    def low_precision_name(self) -> str:
+    def low_precision_name(self) -> Literal["bf16", "fp16"]:  # a plan.Precision (plan.py imports torch)
         return "bf16" if self.supports_bf16 else "fp16"
 
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:

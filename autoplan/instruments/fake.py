@@ -241,5 +241,7 @@ class FakeGradScaler:
         opt.step()
 
     def update(self) -> None:
+        if self.found_inf is None:  # as torch.amp.GradScaler.update: the step found no inf to say about
+            raise RuntimeError("the simulated GradScaler was updated before a step")
         torch._amp_update_scale_(self.scale_tensor, self.growth_tracker, self.found_inf, 2.0, 0.5, 2000)
         self.found_inf = None

@@ -160,8 +160,9 @@ def apply_choices(
             module = model.get_submodule(unit.name)
             module.forward = PlannedForward(module, choice, original=module.__dict__.get("forward"))
     for parent_name, parent_runs in runs.items():
-        parent = cast(torch.nn.Sequential, model.get_submodule(parent_name))  # a run's parent: a Sequential or ModuleList
-        parent.forward = PlannedSequential(parent, sorted(parent_runs, key=lambda run: run[0]), parent.__dict__.get("forward"))
+        parent = model.get_submodule(parent_name)  # a run's parent: a Sequential or ModuleList, indexed alike
+        parent.forward = PlannedSequential(cast(torch.nn.Sequential, parent), sorted(parent_runs, key=lambda run: run[0]),
+                                           parent.__dict__.get("forward"))
     for module_name, by_call in calls.items():
         module = model.get_submodule(module_name)
         original = module.__dict__.get("forward")

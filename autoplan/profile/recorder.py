@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -80,7 +80,7 @@ class UnitRecorder:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.recording and self.in_forward and self.in_rest:
-            self.rest_saved[self.key(tensor)] = self.tracker.current_phase
+            self.rest_saved[self.key(tensor)] = cast(Phase, self.tracker.current_phase)  # begin() labels every phase with one
         # An alias without autograd history: a node saving its own output through a hook that returns the
         # tensor itself holds itself (a reference cycle), so a part of the graph backward never runs (a
         # layer whose output no loss uses) would outlive the outputs, as it does not in the real step.
@@ -95,7 +95,7 @@ class UnitRecorder:
         self.tracker.begin_phase(phase)
 
     def _once(self, phase: Phase) -> Callable:
-        fired = []
+        fired: list[bool] = []
 
         def hook(grad):
             if not fired:
@@ -165,7 +165,7 @@ class UnitRecorder:
             for leaf, (key, nbytes) in enumerate(zip(call.input_keys, call.input_bytes)):
                 consumers[key] = consumers.get(key, ()) + ((call.name, leaf),)
                 sizes[key] = nbytes
-        labels = [phase.label for phase in self.tracker.phases()]
+        labels = [cast(Phase, phase.label) for phase in self.tracker.phases()]  # begin() labels each with a Phase
         return tuple(
             Boundary(
                 key,

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from autoplan.errors import OptionError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import DTYPES, Choice, OutsideUnits
+from autoplan.plan import DTYPES, Choice, OutsideUnits, Precision
 from autoplan.profile.recorder import TensorSpec
 from autoplan.profile.units import Profile, UnitCost
 from autoplan.vocabulary.names import unit_module
@@ -44,13 +44,13 @@ def _real_inputs(inputs: Any, device: torch.device) -> Any:
     return tree_map_only(TensorSpec, make, inputs)
 
 
-def _rest_autocast(rest: str, device: torch.device):
+def _rest_autocast(rest: Precision, device: torch.device):
     if rest == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[rest], cache_enabled=False)
 
 
-def _time_unit(module, inputs, choice: Choice, rest: str, device, warmup: int, runs: int) -> tuple[float, float]:
+def _time_unit(module, inputs, choice: Choice, rest: Precision, device, warmup: int, runs: int) -> tuple[float, float]:
     planned = PlannedForward(module, choice)
     timer = Timer(device)
     fwd_times, bwd_times = [], []

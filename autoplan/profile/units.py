@@ -17,7 +17,7 @@ import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from autoplan.errors import OptionError, OptionTypeError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop, check_loop
-from autoplan.plan import DTYPES, MODES, Choice
+from autoplan.plan import DTYPES, MODES, Choice, Precision
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, menu_points, record_ops
 from autoplan.profile.offload import measure_host_twins
@@ -38,7 +38,7 @@ from autoplan.instruments.fake import new_fake_mode
 from autoplan.units import Unit
 from autoplan.vocabulary.names import unit_module
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
-from autoplan.instruments.tracker import FusedElementwiseRates, LiveBytesTracker
+from autoplan.instruments.tracker import FusedElementwiseRates, LiveBytesTracker, RooflineRates
 from autoplan.training.step_parts import optimizer_name
 from autoplan.planned.wrappers import PlannedForward
 from autoplan.trace.tracer import Traced
@@ -95,7 +95,7 @@ class Profile:
     model_name: str
     device: Device
     optimizer: str
-    rest_precision: str  # precision of everything outside the units
+    rest_precision: Precision  # precision of everything outside the units
     timeline: Timeline  # every unit at its base choice
     reference: Timeline  # no plan at all: every unit keep/fp32, nothing under autocast
     units: tuple[UnitProfile, ...]  # forward order
@@ -119,7 +119,7 @@ class Profile:
         return next(u for u in self.units if u.name == name)
 
 
-def precision_options(precision: str, device: Device) -> tuple[str, ...]:
+def precision_options(precision: str, device: Device) -> tuple[Precision, ...]:
     """The precisions the solver may choose from: "auto" means fp32 or the device's autocast dtype."""
     if precision == "auto":
         return ("fp32", device.low_precision_name)
@@ -127,7 +127,7 @@ def precision_options(precision: str, device: Device) -> tuple[str, ...]:
         raise OptionError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got {precision!r}")
     if precision == "bf16" and not device.supports_bf16:
         raise OptionError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
-    return (precision,)
+    return (cast(Precision, precision),)  # one of DTYPES, checked above
 
 
 def _signature(module: torch.nn.Module, call: UnitCall) -> tuple:
@@ -192,7 +192,7 @@ class _AttentionSaved(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _measure_unit(
-    module: torch.nn.Module, call: UnitCall, choice: Choice, rest: str, device: Device, fake_mode: FakeTensorMode
+    module: torch.nn.Module, call: UnitCall, choice: Choice, rest: Precision, device: RooflineRates, fake_mode: FakeTensorMode
 ) -> UnitCost:
     tracker = LiveBytesTracker(device)
     planned = PlannedForward(module, choice)
@@ -249,7 +249,7 @@ def _measure_unit(
     )
 
 
-def _measure_options(module, call: UnitCall, precisions, rest: str, device: Device, fake_mode: FakeTensorMode, menu_size: int,
+def _measure_options(module, call: UnitCall, precisions, rest: Precision, device: Device, fake_mode: FakeTensorMode, menu_size: int,
                      host_bandwidth: float = 0.0):
     """Every choice of one unit measured: the three modes × precisions, their host twins when a host link is
     given (`profile.offload`), then its menu points (with their policies in words)."""
@@ -273,7 +273,7 @@ def _measure_options(module, call: UnitCall, precisions, rest: str, device: Devi
     return MappingProxyType(costs), MappingProxyType(policies)
 
 
-def _menu(module, call: UnitCall, precision: str, device: Device, fake_mode: FakeTensorMode, size: int):
+def _menu(module, call: UnitCall, precision: Precision, device: Device, fake_mode: FakeTensorMode, size: int):
     """The unit's menu points in `precision`, from one recorded forward with inputs like the timeline's."""
     with fake_mode, as_the_target_runs(device):
         args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
@@ -283,13 +283,13 @@ def _menu(module, call: UnitCall, precision: str, device: Device, fake_mode: Fak
     return menu_points(ops, precision, size)
 
 
-def unit_choices(precisions: tuple[str, ...]) -> list[Choice]:
+def unit_choices(precisions: tuple[Precision, ...]) -> list[Choice]:
     return [Choice(mode, precision) for precision in precisions for mode in MODES]
 
 
 def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth=0.0) -> list[UnitProfile]:
     """Every unit alone under every choice; identical units (class, parameter and input shapes) measured once."""
-    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, str]]] = {}
+    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, PolicyWords]]] = {}
     units_by_name = {unit.name: unit for unit in base}
     units = []
     for index, call in enumerate(timeline.unit_calls):
@@ -310,8 +310,8 @@ def profile(
     device: Device,
     *,
     optimizer: str | torch.optim.Optimizer = "adamw",
-    precisions: tuple[str, ...] = ("fp32",),
-    rest_precision: str = "fp32",
+    precisions: tuple[Precision, ...] = ("fp32",),
+    rest_precision: Precision = "fp32",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
     menu_size: int = DEFAULT_MENU_SIZE,

@@ -163,20 +163,20 @@ def _unit_graph(graph: torch.fx.Graph, units: list[Unit]) -> tuple[list[str], nx
     dataflow = nx.DiGraph()
     dataflow.add_nodes_from(["input", "output"])
     for node in graph.nodes:
-        unit = _node_unit(node, module_units)
-        if unit is not None and node.op == "call_module" and calls[unit] > 1:
-            seen[unit] += 1
-            unit = CallSite(unit, seen[unit] - 1).name
+        owner = _node_unit(node, module_units)
+        if owner is not None and node.op == "call_module" and calls[owner] > 1:
+            seen[owner] += 1
+            owner = CallSite(owner, seen[owner] - 1).name
         incoming = set().union(*(sources.get(arg, set()) for arg in node.all_input_nodes)) if node.all_input_nodes else set()
         if node.op == "placeholder":
             sources[node] = {"input"}
-        elif unit is not None:
-            if unit not in order:
-                order.append(unit)
-                dataflow.add_node(unit)
-            for source in incoming - {unit}:
-                dataflow.add_edge(source, unit)
-            sources[node] = {unit}
+        elif owner is not None:
+            if owner not in order:
+                order.append(owner)
+                dataflow.add_node(owner)
+            for source in incoming - {owner}:
+                dataflow.add_edge(source, owner)
+            sources[node] = {owner}
         else:
             sources[node] = incoming
             if node.op == "output":
@@ -200,32 +200,29 @@ def trace(
     from autoplan.inputs.hf_models import is_hf_model
 
     inputs = normalize_inputs(example_inputs)
-    unit_names = list(unit_names) if unit_names else find_units(model, units)  # unit_names: one level of `unit_levels`
-    graph_runs = [unit for unit in unit_names if isinstance(unit, GraphRun)]
-    if graph_runs and len(graph_runs) == len(unit_names):
+    found = list(unit_names) if unit_names else find_units(model, units)  # unit_names: one level of `unit_levels`
+    graph_runs = [unit for unit in found if isinstance(unit, GraphRun)]
+    if graph_runs and len(graph_runs) == len(found):
         model = split_by_units(model, graph_runs)  # the same layers, one submodule per unit
-    leaves = {u.name for u in unit_names if not isinstance(u, SequentialRun)}
-    tracers = {
-        "symbolic_trace": ("torch.fx.symbolic_trace", lambda: _symbolic_trace(model, leaves)),
-        "export": ("torch.export(strict=False)", lambda: _export(model, inputs)),
-        "hooks": ("a forward on fake tensors", lambda: _worst_case_draws(model, inputs, unit_names, routing)),
-    }
+    leaves = {u.name for u in found if not isinstance(u, SequentialRun)}
+    labels = {"symbolic_trace": "torch.fx.symbolic_trace", "export": "torch.export(strict=False)", "hooks": "a forward on fake tensors"}
     order = ("hooks", "export") if is_hf_model(model) else ("symbolic_trace", "export", "hooks")
     errors: list[str] = []
     for method in order:
-        label, run = tracers[method]
+        graph: torch.fx.Graph | None = None
         try:
-            result = run()
+            if method == "hooks":
+                executed, dataflow, random_reads, draws = _worst_case_draws(model, inputs, found, routing)
+            else:
+                graph = _symbolic_trace(model, leaves) if method == "symbolic_trace" else _export(model, inputs)
         except Exception as error:  # noqa: BLE001 - any failure means: try the next tracer
+            label = labels[method]
             errors.append(f"{label}: {first_line(error)}" if method == "hooks" else f"{label}: {type(error).__name__}: {first_line(error)}")
             continue
-        draws, random_reads = "high", 0
-        if method == "hooks":
-            graph, (executed, dataflow, random_reads, draws) = None, result
-        else:
-            graph = result
-            executed, dataflow = _unit_graph(graph, unit_names)
-        traced = _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors)
+        if graph is not None:
+            draws, random_reads = "high", 0
+            executed, dataflow = _unit_graph(graph, found)
+        traced = _traced(model, inputs, found, graph, method, executed, dataflow, errors)
         return dataclasses.replace(traced, routing=routing, draws=draws, random_reads=random_reads)
     raise TraceError(
         f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n" + _value_hint(inputs) + " If the "

@@ -35,6 +35,7 @@ import fnmatch
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 
@@ -105,6 +106,11 @@ def _is_layer(module: torch.nn.Module) -> bool:
 
 
 def sequential_runs(name: str, seq: torch.nn.Sequential, starts_at=None) -> list[str]:
+    """`seq`'s layers cut into runs (`_runs`), by name."""
+    return [run.name for run in _runs(name, seq, starts_at)]
+
+
+def _runs(name: str, seq: torch.nn.Sequential, starts_at=None) -> list[SequentialRun]:
     """`seq`'s layers cut into runs, each starting at a layer `starts_at` accepts (default: one with
     parameters), so parameter-free layers (ReLU, pooling) ride with the layer before them."""
     accept = starts_at or (lambda layer: parameter_count(layer) > 0)
@@ -113,14 +119,14 @@ def sequential_runs(name: str, seq: torch.nn.Sequential, starts_at=None) -> list
         return []
     starts[0] = 0
     bounds = starts + [len(seq)]
-    return [f"{name}[{a}:{b}]" for a, b in zip(bounds, bounds[1:])]
+    return [SequentialRun(name, a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def _cut_into_runs(holder: torch.nn.Module) -> bool:
+def _cut_into_runs(holder: torch.nn.Module) -> TypeGuard[torch.nn.Sequential]:
     """A Sequential with parameter-free layers: its units are runs of layers, not its children."""
     return isinstance(holder, torch.nn.Sequential) and any(parameter_count(child) == 0 for child in holder)
 
@@ -141,10 +147,10 @@ def _runs_between_blocks(parent: str, seq: torch.nn.Sequential, blocks: set[str]
     added to a block (pooling, a flatten after the last one) belong to no unit: they run as written."""
     prefix = f"{parent}." if parent else ""
     units: list[str] = []
-    for run in map(sequential_run, sequential_runs(parent, seq)):
+    for run in _runs(parent, seq):
         at = [i for i in range(run.start, run.stop) if f"{prefix}{i}" in blocks]
         if not at:
-            units.append(f"{parent}[{run.start}:{run.stop}]")
+            units.append(run.name)
         # blocks have parameters, so they start runs; only the first run may hold parameter-free layers before one
         units.extend(f"{prefix}{i}" for i in at)
     return units

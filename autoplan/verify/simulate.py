@@ -15,7 +15,7 @@ import torch
 
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import Choice, Phase
+from autoplan.plan import Choice, Phase, Precision
 from autoplan.profile.simulation import run_timeline
 from autoplan.units import Unit
 from autoplan.trace.tracer import Traced
@@ -35,7 +35,7 @@ def simulate_plan(
     *,
     device: Device,
     optimizer: str | torch.optim.Optimizer,
-    rest_precision: str,
+    rest_precision: Precision,
     loss_fn: Callable | None = None,
     rank_offsets: Mapping[Phase, int] | None = None,
     loop: TrainingLoop | None = None,
