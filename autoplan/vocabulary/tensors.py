@@ -50,10 +50,13 @@ def _collect_plain(tree: Any, found: list[torch.Tensor]) -> bool:
     `found` to be discarded) at anything else, which `tree_flatten` then reads. Every op the tracker sees comes
     here with its arguments: pytree's generic walk was a tenth of a plan's time."""
     kind = type(tree)
-    if kind is tuple or kind is list:
-        return all(_collect_plain(item, found) for item in tree)
-    if kind is dict:
-        return all(_collect_plain(item, found) for item in tree.values())
+    if kind is tuple or kind is list or kind is dict:
+        for item in tree.values() if kind is dict else tree:  # loops, not all(...): this runs for every op
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif not _collect_plain(item, found):
+                return False
+        return True
     if isinstance(tree, torch.Tensor):
         found.append(tree)
         return True
