@@ -52,8 +52,8 @@ def verify_family(name: str, plan: autoplan.Plan) -> autoplan.Verification:
 def test_hf_family_peak_holds_in_the_planned_loop(name, loop):
     pytest.importorskip("transformers")
     plan = family_plan(name, loop)
-    assert plan.feasible and plan.loop == loop
-    assert any(u.choice.mode != "keep" for u in plan.units)  # the budget makes the plan checkpoint
+    assert plan.outcome.feasible and plan.request.loop == loop
+    assert any(u.choice.mode != "keep" for u in plan.decisions.units)  # the budget makes the plan checkpoint
     assert_holds(verify_family(name, plan))
 
 
@@ -72,7 +72,7 @@ def zoo_plan(name: str, loop: TrainingLoop):
 @pytest.mark.parametrize("name", sorted(ALL_MODELS))
 def test_zoo_peak_holds_in_the_planned_loop(name, loop):
     model, inputs, plan = zoo_plan(name, loop)
-    assert plan.feasible and plan.loop == loop
+    assert plan.outcome.feasible and plan.request.loop == loop
     assert_holds(autoplan.verify(model, plan, example_inputs=inputs, steps=2))
 
 
@@ -83,7 +83,7 @@ ACCUMULATING = {"2": TrainingLoop(accumulation_steps=2), "4-dropped": TrainingLo
 @pytest.mark.parametrize("name", ["tiny_gpt", "small_resnet", "skipnet"])
 def test_gradient_accumulation_peak_holds(name, loop):
     model, inputs, plan = zoo_plan(name, loop)
-    assert plan.feasible and any(u.choice.mode != "keep" for u in plan.units)
+    assert plan.outcome.feasible and any(u.choice.mode != "keep" for u in plan.decisions.units)
     assert_holds(autoplan.verify(model, plan, example_inputs=inputs, steps=2))
 
 
@@ -91,7 +91,7 @@ def test_gradient_accumulation_peak_holds(name, loop):
 def test_hf_gradient_accumulation_peak_holds(loop):
     pytest.importorskip("transformers")
     plan = family_plan("Llama", loop)
-    assert plan.feasible
+    assert plan.outcome.feasible
     assert_holds(verify_family("Llama", plan))
 
 
@@ -130,7 +130,7 @@ def test_the_plan_states_the_loop_it_assumed():
     loop = TrainingLoop(keep_outputs=False, accumulation_steps=4, optimizer_impl="fused")
     model, inputs = ALL_MODELS["tiny_gpt"]()
     plan = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop=loop)
-    assert plan.loop == loop
+    assert plan.request.loop == loop
     assert json.loads(plan.to_json())["loop"] == dataclasses.asdict(loop)
     report = plan.report()
     assert "4 micro-batches per optimizer step" in report and "outputs dropped before backward" in report
@@ -148,7 +148,7 @@ def test_bad_loops_are_clear_errors():
     model, inputs = ALL_MODELS["mlp"]()  # returns a tensor: no .loss
     with pytest.raises(TypeError, match="TrainingLoop"):
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop="dropped")
-    with pytest.raises(TypeError, match="no field 'keep_output'"):  # a mapping of fields (plan.request's form) is checked
+    with pytest.raises(TypeError, match="no field 'keep_output'"):  # a mapping of fields (plan.request.arguments's form) is checked
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop={"keep_output": False})
     with pytest.raises(ValueError, match="loss_in_model=True"):
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop=TrainingLoop(loss_in_model=True))
@@ -194,5 +194,5 @@ def test_a_loop_shape_is_simulated_and_measured_by_the_same_runner(monkeypatch, 
 
     monkeypatch.setattr(LoopRunner, "micro_batch", holding_more)
     holding = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)
-    assert holding.simulated_peak_bytes == plan.simulated_peak_bytes + 2**20
+    assert holding.prediction.simulated_peak_bytes == plan.prediction.simulated_peak_bytes + 2**20
     assert autoplan.verify(model, holding, example_inputs=inputs).measured_peak_bytes == measured + 2**20
