@@ -33,7 +33,7 @@ from autoplan.report.plot import FORMATS, require_pyplot
 if TYPE_CHECKING:
     from autoplan.inputs.targets import Target
 
-JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
+JSON_SCHEMA = "autoplan.plan/3"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; 3: fused_loss a bool, its logits in fused_loss_logits; bump when a key of the --json document changes meaning or goes away
 
 app = typer.Typer(
     help="Make a PyTorch training step fit a memory budget: plan checkpointing and precision per block, "

@@ -57,7 +57,7 @@ class Verification:
     predicted_step_time_s: float
     out_of_memory: bool
     held: bool  # no OOM and the measured peak within the usable budget
-    loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the steps ran
+    loop: TrainingLoop | None = None  # the loop the steps ran
     measured_time_source: str = ""  # how the steps were timed: "CUDA events", or the CPU clock with every tensor counted
     predicted_time_source: str = ""  # the plan's time_source: "roofline", "measured (CUDA events)", ...
     planned_device: str = ""  # the device profile the plan's times are for, e.g. "h100-80gb"

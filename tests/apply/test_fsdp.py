@@ -175,17 +175,17 @@ def _run_workers(out: Path, budget: str, kind: str) -> list[dict]:
 def shared_two_ranks(tmp_path_factory):
     model, batch = shared_block(), shared_batch(0)
     free = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=2, profile="roofline", precision="fp32")
-    budget = (free.minimum_peak_bytes + free.predicted_peak_bytes) // 2  # per rank: some calls keep, some recompute
+    budget = (free.prediction.minimum_peak_bytes + free.prediction.peak_bytes) // 2  # per rank: some calls keep, some recompute
     return free, _run_workers(tmp_path_factory.mktemp("fsdp_shared"), f"{budget}B", "shared")
 
 
 def test_call_sites_of_one_module_are_one_fsdp_group_in_the_plan(shared_two_ranks) -> None:
     free, _ = shared_two_ranks
     model = shared_block()
-    assert [unit.name for unit in free.units] == ["embed", *(f"block@{k}" for k in range(6)), "head"]
+    assert [unit.name for unit in free.decisions.units] == ["embed", *(f"block@{k}" for k in range(6)), "head"]
     # the block's parameters count once per rank (about half of them on 2 ranks), not once per call
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert free.fsdp.parameters < parameter_bytes and free.parameter_count == sum(p.numel() for p in model.parameters())
+    assert free.prediction.fsdp.parameters < parameter_bytes and free.model.parameter_count == sum(p.numel() for p in model.parameters())
 
 
 @distributed

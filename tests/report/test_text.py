@@ -46,9 +46,11 @@ def test_every_number_reads_in_human_units_at_any_scale() -> None:
     plan = roomy_plan()
     # the same plan as if it ran a model a million times larger: seconds and TFLOP, not 1e+03 ms and 1,000 GFLOP
     scaled = dataclasses.replace(
-        plan, predicted_step_time_s=4.17, fastest_step_time_s=3.9, baseline_step_time_s=125.0,
-        units=tuple(dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="full"), recompute_flops=31_336_100_000_000,
-                                         step_time_s=0.0000173) for u in plan.decisions.units),
+        plan,
+        prediction=dataclasses.replace(plan.prediction, step_time_s=4.17, fastest_step_time_s=3.9, baseline_step_time_s=125.0),
+        decisions=dataclasses.replace(plan.decisions, units=tuple(
+            dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="full"), recompute_flops=31_336_100_000_000,
+                                step_time_s=0.0000173) for u in plan.decisions.units)),
     )
     for report in (format_report(plan), format_report(scaled)):
         assert not SCIENTIFIC.search(report), report
@@ -60,7 +62,7 @@ def test_every_number_reads_in_human_units_at_any_scale() -> None:
 
 
 def test_state_alone_over_the_budget_opens_the_report_with_that_and_no_unit_table() -> None:
-    plan = plan_at(roomy_plan().state_bytes // 2)
+    plan = plan_at(roomy_plan().model.state_bytes // 2)
     report = format_report(plan, width=400)  # one line per paragraph
     first = report.splitlines()[0]
     assert first.startswith("DOES NOT FIT")

@@ -27,7 +27,7 @@ def batch_of(name: str, repeat: int = 4):
 
 def tight_plan(model, inputs, **options):
     free = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
-    budget = (free.baseline_peak_bytes + free.minimum_peak_bytes) // 2
+    budget = (free.prediction.baseline_peak_bytes + free.prediction.minimum_peak_bytes) // 2
     return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
 
 
