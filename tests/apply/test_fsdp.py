@@ -57,7 +57,7 @@ def test_per_rank_breakdown_adds_up_and_shrinks_with_more_gpus(per_rank_plans) -
         data = json.loads(plan.to_json())
         assert data["world_size"] == n and data["fsdp"]["total"] == plan.prediction.peak_bytes
     assert plans[4].prediction.peak_bytes < plans[2].prediction.peak_bytes < plans[1].prediction.peak_bytes
-    assert plans[4].fsdp.parameters < plans[2].fsdp.parameters
+    assert plans[4].prediction.fsdp.parameters < plans[2].prediction.fsdp.parameters
 
 
 @pytest.mark.slow  # the whole pipeline

@@ -54,7 +54,7 @@ def assert_one_line_error(result, code: ExitCode, *fragments: str) -> None:
 def lowest_peak() -> int:
     """The lowest peak any plan reaches for the tiny GPT at batch 4, from the API."""
     model, inputs = tiny_gpt()
-    return autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
+    return autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).prediction.minimum_peak_bytes
 
 
 # -- help and devices --------------------------------------------------------------------------

@@ -392,7 +392,7 @@ def test_an_optimizer_instance_works() -> None:
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device=DEVICE, reserve=0, optimizer=optimizer)
     assert plan.outcome.feasible
     assert plan.request.optimizer == "SGD"
-    assert plan.prediction.breakdown.optimizer == cached_plan(optimizer="sgd-momentum").breakdown.optimizer
+    assert plan.prediction.breakdown.optimizer == cached_plan(optimizer="sgd-momentum").prediction.breakdown.optimizer
     assert not optimizer.state  # planning did not step the person's optimizer
 
 

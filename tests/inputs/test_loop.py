@@ -110,7 +110,7 @@ def test_optimizer_implementation_grad_scaler_and_zero_grad_hold_for_real(loop):
 def no_plan_peak(loop: TrainingLoop | None, name: str = "tiny_gpt", repeat: int = 1) -> int:
     model, inputs = ALL_MODELS[name]()
     inputs = tuple(t.repeat(repeat, *[1] * (t.dim() - 1)) for t in inputs)
-    return autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop).baseline_peak_bytes
+    return autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop).prediction.baseline_peak_bytes
 
 
 def test_each_loop_field_changes_the_predicted_peak_the_way_it_changes_memory():
@@ -134,7 +134,7 @@ def test_the_plan_states_the_loop_it_assumed():
     assert json.loads(plan.to_json())["loop"] == dataclasses.asdict(loop)
     report = plan.report()
     assert "4 micro-batches per optimizer step" in report and "outputs dropped before backward" in report
-    assert autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu").loop == TrainingLoop()  # the common loop
+    assert autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu").request.loop == TrainingLoop()  # the common loop
 
 
 @pytest.mark.slow  # the whole pipeline

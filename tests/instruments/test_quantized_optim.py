@@ -198,11 +198,11 @@ def test_paged_state_is_off_a_gpus_device_bytes(paged, unpaged):
               for name in (paged, "adamw8bit")}
     on_cpu = {name: autoplan.plan(model(), "1GB", example_inputs=(x,), device="cpu", optimizer=name, reserve=0)
               for name in (paged, unpaged)}
-    assert on_cpu[paged].breakdown.optimizer == on_cpu[unpaged].breakdown.optimizer
+    assert on_cpu[paged].prediction.breakdown.optimizer == on_cpu[unpaged].prediction.breakdown.optimizer
     if paged == "paged-adamw8bit":
         off_device = sum(2 * rounded_bytes(p.numel()) for p in big)  # two uint8 moments each
-        assert on_gpu[paged].breakdown.optimizer == on_gpu["adamw8bit"].breakdown.optimizer - off_device
-        assert on_gpu[paged].baseline_peak_bytes <= on_gpu["adamw8bit"].baseline_peak_bytes - off_device
+        assert on_gpu[paged].prediction.breakdown.optimizer == on_gpu["adamw8bit"].prediction.breakdown.optimizer - off_device
+        assert on_gpu[paged].prediction.baseline_peak_bytes <= on_gpu["adamw8bit"].prediction.baseline_peak_bytes - off_device
     else:
         small = [p for p in model().parameters() if p.numel() < quantized_optim.PAGED_MIN_NUMEL]
-        assert on_gpu[paged].breakdown.optimizer == sum(2 * rounded_bytes(4 * p.numel()) for p in small)
+        assert on_gpu[paged].prediction.breakdown.optimizer == sum(2 * rounded_bytes(4 * p.numel()) for p in small)

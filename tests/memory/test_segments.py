@@ -91,9 +91,9 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
 def test_a_plan_for_torch_compile_has_no_segments():
     """A segment's region runs eagerly between compiled graphs: compile=True plans blocks only."""
     model, inputs = _chain()
-    lowest = _floor(model, inputs)[0].minimum_peak_bytes
+    lowest = _floor(model, inputs)[0].prediction.minimum_peak_bytes
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=0)
-    assert any(unit.members for unit in autoplan.plan(model, lowest + 1, **options).units)
+    assert any(unit.members for unit in autoplan.plan(model, lowest + 1, **options).decisions.units)
     compiled = autoplan.plan(model, "10GB", compile=True, **options)
     at_its_floor = autoplan.plan(model, compiled.prediction.minimum_peak_bytes + 1, compile=True, **options)
     assert at_its_floor.outcome.feasible and not any(unit.members for unit in at_its_floor.decisions.units)

@@ -227,7 +227,7 @@ def test_offload_reaches_below_the_on_device_floor():
 
 
 def test_host_budget_binds():
-    assert not _plan("100MB", host_budget=0).feasible
+    assert not _plan("100MB", host_budget=0).outcome.feasible
     plan = _plan("100MB", host_budget="5MB")
     assert plan.outcome.feasible and 0 < plan.prediction.host_peak_bytes <= 5_000_000
 
@@ -244,7 +244,7 @@ def test_offload_is_refused_where_it_cannot_be():
         _plan("1GB", device="cpu", offload=True)
     with pytest.raises(OptionError, match="host_budget"):
         _plan("1GB", host_budget="12 apples")
-    assert not _plan("1GB", device="cpu").offload
+    assert not _plan("1GB", device="cpu").request.offload
 
 
 # -- what the person reads ------------------------------------------------------------------------
@@ -318,5 +318,5 @@ def test_offload_never_raises_the_floor():
     structure = next(s for s in STRUCTURES if s.name == "transformers ResNet")
     model, inputs = structure.build()
     floors = [autoplan.plan(model, 1, example_inputs=inputs, device="rtx-4090", precision="fp32", reserve=0,
-                            offload=offload).minimum_peak_bytes for offload in (False, True)]
+                            offload=offload).prediction.minimum_peak_bytes for offload in (False, True)]
     assert floors[1] <= floors[0]

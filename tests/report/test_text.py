@@ -96,7 +96,7 @@ def test_a_peak_in_optimizer_step_says_its_temporaries_are_why() -> None:
 @pytest.mark.slow  # the whole pipeline
 def test_a_plan_short_of_activation_memory_still_shows_its_units() -> None:
     model, inputs = build(n_layer=2, n_embd=32, n_head=2, block_size=64, vocab_size=64, batch_size=4, seq_len=32)
-    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
+    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).prediction.minimum_peak_bytes
     plan = autoplan.plan(model, lowest - 2**16, example_inputs=inputs, device="h100", reserve=0)
     assert not plan.outcome.feasible and state_bound(plan) is None
     report = format_report(plan)
