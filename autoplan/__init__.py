@@ -50,6 +50,7 @@ _EXPORTS = {
     "MemoryBreakdown": "autoplan.plan",
     "Plan": "autoplan.plan",
     "UnitDecision": "autoplan.plan",
+    "Unit": "autoplan.units",
     "format_report": "autoplan.report.text",
     "planned_choices": "autoplan.planned.forwards",
     "remove_plan": "autoplan.planned.forwards",

@@ -38,8 +38,10 @@ from autoplan.inputs.options import (
     host_budget_bytes,
     search_space,
 )
-from autoplan.memory.model import check_world_size, rank_offsets
-from autoplan.plan import Choice, Plan, WorldSizePoint
+from autoplan.inputs.options import check_world_size
+from autoplan.memory.model import rank_offsets
+from autoplan.memory.segments import choices_by_unit
+from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
 from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
@@ -173,7 +175,7 @@ def _plan_levels(model, batch, levels: list[UnitLevel], target: Target, step: St
             continue  # a Sequential run called twice: the other levels are the plan space
         planned_levels.append(level)
         measured = dataclasses.replace(measured, segments=space.segments)
-        pins = pinned_choices(list(traced.units), precision_options(space.precision, target.device), space.keep_fp32, space.checkpoint)
+        pins = pinned_choices(list(traced.unit_names), precision_options(space.precision, target.device), space.keep_fp32, space.checkpoint)
         planned.append(_decide_loss_head(traced, measured, target, step, pins, say))
     return best_level(planned, planned_levels, tried=len(levels))
 
@@ -227,7 +229,7 @@ def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         simulated = simulate_plan(
-            traced, choices, device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
+            traced, choices_by_unit(measured, choices), device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
         )
         host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
@@ -258,7 +260,7 @@ def _trace_and_profile(model, batch, target: Target, unit_names, step: StepOptio
     precisions = precision_options(space.precision, target.device)
     if space.keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
-    rest = "fp32" if space.precision == "auto" else space.precision
+    rest: Precision = "fp32" if space.precision == "auto" else precisions[0]  # the one precision forced
     say("tracing")
     traced = trace(model, batch, unit_names=unit_names, routing=step.routing)
     if space.compile and target.profile == "measure":

@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
+from autoplan.units import Unit
+
 Mode = Literal["keep", "selective", "full"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Placement = Literal["device", "host"]
@@ -126,7 +128,7 @@ class Choice:
 class UnitDecision:
     """The plan's decision for one unit, with what it costs."""
 
-    name: str  # qualified module name, e.g. "transformer.h.3"
+    unit: Unit  # e.g. the module "transformer.h.3"; `name` is its name (patterns, JSON, reports)
     choice: Choice
     saved_bytes: int  # bytes this unit keeps alive from its forward until its backward
     recompute_flops: int  # extra FLOPs its backward spends recomputing the forward
@@ -137,6 +139,10 @@ class UnitDecision:
     host_bytes: int = 0  # offloaded: what it keeps in pinned host memory from its forward until its backward
     transfer_s: float = 0.0  # offloaded: its device-to-host and host-to-device copies at the host link's rate
     exposed_transfer_s: float = 0.0  # the part of transfer_s its own compute does not hide (in step_time_s)
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
 
 
 @dataclass(frozen=True)
@@ -224,7 +230,6 @@ class TrainingLoopLike(Protocol):
 @dataclass(frozen=True)
 class Request:
     """What was asked: the budget and what it leaves, the optimizer, the GPUs, the training loop."""
-
     budget_bytes: int  # the budget as given
     usable_bytes: int  # budget minus the reserve (CUDA context, fragmentation)
     optimizer: str  # the optimizer whose state was counted
@@ -238,7 +243,6 @@ class Request:
 @dataclass(frozen=True)
 class PlannedModel:
     """The model the plan is for, as it was traced."""
-
     name: str  # the model's class name
     trace_method: str  # "symbolic_trace", "export", "hooks", or "none" when units were named and tracing failed
     parameter_count: int = 0  # trainable and frozen parameters, tied weights once
@@ -252,7 +256,6 @@ class PlannedModel:
 @dataclass(frozen=True)
 class DeviceTarget:
     """The device planned for and what its precision asks of the training loop."""
-
     device: str  # the device profile planned for, e.g. "h100-80gb"
     low_precision: Precision  # the autocast dtype a low-precision unit uses on this device
     needs_grad_scaler: bool = False  # fp16 units need torch.amp.GradScaler in the training loop
@@ -276,17 +279,19 @@ class Decisions:
         return OutsideUnits(self.rest_precision, self.fused_loss)
 
     @property
-    def transfer_s(self) -> float:
-        """The offloaded units' copies over the host link, both ways (0 without offload)."""
+    def transfer_s(self) -> float:  # the offloaded units' copies over the host link, both ways (0 without offload)
         return sum(unit.transfer_s for unit in self.units)
 
     @property
-    def exposed_transfer_s(self) -> float:
-        """The part of `transfer_s` their own compute does not hide (in the predicted step time)."""
+    def exposed_transfer_s(self) -> float:  # the part of `transfer_s` their own compute does not hide (in the step time)
         return sum(unit.exposed_transfer_s for unit in self.units)
 
     def choices(self) -> dict[str, Choice]:
         return {unit.name: unit.choice for unit in self.units}
+
+    def choices_by_unit(self) -> dict[Unit, Choice]:
+        """`choices()` keyed by the units themselves: what the planned forwards apply (`planned.forwards`)."""
+        return {unit.unit: unit.choice for unit in self.units}
 
     def unit_choices(self) -> dict[str, Choice]:
         """Per unit, its choice; a segment's units each with the segment's (full: what each does in forward)."""
@@ -296,7 +301,6 @@ class Decisions:
 @dataclass(frozen=True)
 class Prediction:
     """What one training step under the decisions is predicted to hold and take."""
-
     peak_bytes: int  # the higher of the linear memory model's peak and the simulated step's
     simulated_peak_bytes: int  # peak of one real training step of the rewritten model, under fake tensors
     baseline_peak_bytes: int  # simulated peak with no plan (every unit keep/fp32)
@@ -317,7 +321,6 @@ class Prediction:
 @dataclass(frozen=True)
 class Outcome:
     """How the search ended."""
-
     feasible: bool  # the simulated peak of one training step fits the usable budget
     solver_status: str  # pulp's status of the final solve, e.g. "Optimal"
     solve_time_s: float  # wall time spent in the ILP solver, all re-solves included
@@ -380,9 +383,8 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def report(self, verbose: bool = False) -> str:
-        """The text report, `autoplan.format_report(plan, verbose=verbose)`; verbose=True names, op by op, what
-        the selective units save. The vocabulary imports no stage, so this finds the report stage through the
-        package's public names when called: it works whatever was imported before."""
+        """`autoplan.format_report(plan, verbose=verbose)` (verbose: selective units' saves op by op), found among the
+        package's public names when called, as the vocabulary imports no stage: works whatever was imported before."""
         package = sys.modules[__name__.rpartition(".")[0]]  # `autoplan`, imported before any of its modules
         return package.format_report(self, verbose=verbose)
 
@@ -390,7 +392,7 @@ class Plan:
 def _unit_dict(unit: UnitDecision) -> dict[str, Any]:
     """A unit's decision in the JSON schema: its choice's fields flat, then its costs, then a segment's members."""
     choice = unit.choice
-    costs = {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("name", "choice", "members")}
+    costs = {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("unit", "choice", "members")}
     return {"name": unit.name, "mode": choice.mode, "precision": choice.precision, "saves": None if choice.saves is None else list(choice.saves),
             "placement": choice.placement} | costs | {"members": list(unit.members)}  # members: a segment's units, empty for one on its own
 

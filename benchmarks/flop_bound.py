@@ -42,7 +42,7 @@ from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.profile.menu import describe, record_ops  # noqa: E402
 from autoplan.profile.units import with_choices  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
-from autoplan.vocabulary.names import segment_ends  # noqa: E402
+from autoplan.memory.segments import choices_by_unit  # noqa: E402
 from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.solve.ilp import solve  # noqa: E402
 from examples.llama import Llama  # noqa: E402
@@ -74,7 +74,8 @@ def recomputed_flops(profile, choices) -> int:
     """FLOPs the choices recompute; a chosen segment recomputes each of its members whole."""
     segments = sum(profile.units[u].recompute_flops(Choice("full", choice.precision))
                    for candidate, choice in chosen_segments(profile, choices) for u in candidate.members)
-    return segments + sum(profile.unit(n).recompute_flops(c) for n, c in choices.items() if segment_ends(n) is None)
+    units = {unit.name for unit in profile.units}  # any other name is a segment's
+    return segments + sum(profile.unit(n).recompute_flops(c) for n, c in choices.items() if n in units)
 
 
 def main(size: str, fuse_loss: bool) -> None:
@@ -121,7 +122,7 @@ def main(size: str, fuse_loss: bool) -> None:
             continue
         predicted = recomputed_flops(studied, solution.choices)
         model = copy.deepcopy(original)
-        apply_choices(model, solution.choices, OutsideUnits(fused_loss=studied.timeline.fused_loss))
+        apply_choices(model, choices_by_unit(studied, solution.choices), OutsideUnits(fused_loss=studied.timeline.fused_loss))
         real_flops = flops_of(copy.deepcopy(model), inputs) / plain_flops - 1
         peak = peak_of(copy.deepcopy(model), inputs)
         per_block = ", ".join(c.mode if c.saves is None else f"{len(c.saves)} mm" for c in solution.choices.values())

@@ -64,7 +64,7 @@ def zoo_case(name: str, loop: TrainingLoop):
     inputs = tuple(t.repeat(repeat, *[1] * (t.dim() - 1)) for t in inputs)
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)
     free = autoplan.plan(model, "4GB", **options)
-    plan = autoplan.plan(model, (free.baseline_peak_bytes + free.minimum_peak_bytes) // 2, **options)
+    plan = autoplan.plan(model, (free.prediction.baseline_peak_bytes + free.prediction.minimum_peak_bytes) // 2, **options)
     return model, inputs, plan
 
 

@@ -43,6 +43,7 @@ from autoplan.plan import Choice  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
 from autoplan.verify.simulate import simulate_plan  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes, format_seconds  # noqa: E402
+from autoplan.memory.segments import choices_by_unit  # noqa: E402
 
 CONFIGS = {  # LlamaConfig sizes of two open Llama-style models
     "TinyLlama-1.1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -70,7 +71,7 @@ def by_hand(traced, profile, every_n_layers: int, offload: bool) -> tuple[int, f
     placement = "host" if offload else "device"
     choices = {unit.name: Choice("full", "bf16", placement=placement) if i % every_n_layers == 0 else Choice("keep", "bf16")
                for i, unit in enumerate(profile.units)}
-    simulated = simulate_plan(traced, choices, device=profile.device, optimizer="adamw", rest_precision="bf16",
+    simulated = simulate_plan(traced, choices_by_unit(profile, choices), device=profile.device, optimizer="adamw", rest_precision="bf16",
                               fused_loss=profile.timeline.fused_loss)
     step = predict_step_time(profile, choices)
     if offload:  # transformers' save_on_cpu copies on the compute stream: nothing hides
@@ -96,7 +97,7 @@ def row(name: str, card: str, batch_size: int, seq_len: int) -> list[str]:
     with_offload = autoplan.plan(model, "100%", **options)
     without = autoplan.plan(model, "100%", **options, offload=False)
     profile = profiles[0]
-    traced = trace(model, training_batch(model, None, batch_size, seq_len), unit_names=[unit.name for unit in profile.units])
+    traced = trace(model, training_batch(model, None, batch_size, seq_len), unit_names=tuple(unit.unit for unit in profile.units))
     hand = {flags: by_hand(traced, profile, *flags) for flags in BY_HAND}
     seconds = time.perf_counter() - started
 

@@ -63,6 +63,7 @@ from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.profile.units import profile  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
 from autoplan.planned.forwards import apply_choices  # noqa: E402
+from autoplan.units import ModuleUnit  # noqa: E402
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes  # noqa: E402
 from autoplan.instruments.tracker import op_roofline  # noqa: E402
 from autoplan.instruments.tracker import LiveBytesTracker  # noqa: E402
@@ -174,7 +175,7 @@ def _count_graph_flops(graph: torch.fx.Graph) -> None:
     COMPILED_FLOPS.append(total)
 
 
-def auto_sac_choices(config: LlamaConfig, inputs, budget_bytes: int) -> dict[str, Choice] | None:
+def auto_sac_choices(config: LlamaConfig, inputs, budget_bytes: int) -> dict[ModuleUnit, Choice] | None:
     """torch's auto-SAC (torch.distributed._tools: sac_estimator + sac_milp) for `budget_bytes`, as autoplan choices.
 
     Its statistics come from one fake-tensor run of the same model and loop (MemTracker for memory,
@@ -225,7 +226,7 @@ def auto_sac_choices(config: LlamaConfig, inputs, budget_bytes: int) -> dict[str
         for name, keep in zip(stats.func_names, saved):
             names.append((f"aten.{name}#{seen[name]}", keep))
             seen[name] += 1
-        choices[fqn.removeprefix("Llama.")] = Choice("selective", "fp32", saves=tuple(n for n, keep in names if keep))
+        choices[ModuleUnit(fqn.removeprefix("Llama."))] = Choice("selective", "fp32", saves=tuple(n for n, keep in names if keep))
     return choices
 
 
@@ -283,13 +284,13 @@ def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: b
             print(f"  planned {label} at static + {fraction:.0%} in {time.perf_counter() - started:.0f} s: "
                   f"{', '.join(f'{n}× {c}' for c, n in Counter(str(d.choice) for d in plan.decisions.units).items())}"
                   + (f"; fused loss ({plan.decisions.fused_logits})" if plan.decisions.fused_loss else ""))
-            configs.append(Config(f"{label} at static + {fraction:.0%}", plan.decisions.choices() if plan.outcome.feasible else None, budget,
+            configs.append(Config(f"{label} at static + {fraction:.0%}", plan.decisions.choices_by_unit() if plan.outcome.feasible else None, budget,
                                   fused_loss=plan.decisions.fused_loss))
         if with_compile:
             plan = _plan(original, budget, inputs, compile=True)
             print(f"  planned autoplan compile=True at static + {fraction:.0%}: "
                   f"{', '.join(f'{n}× {c}' for c, n in Counter(str(d.choice) for d in plan.decisions.units).items())}")
-            plans[fraction] = plan.decisions.choices() if plan.outcome.feasible else None
+            plans[fraction] = plan.decisions.choices_by_unit() if plan.outcome.feasible else None
         started = time.perf_counter()
         sac = auto_sac_choices(config, inputs, budget)
         print(f"  planned torch auto-SAC at static + {fraction:.0%} in {time.perf_counter() - started:.0f} s: "

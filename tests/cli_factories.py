@@ -107,6 +107,34 @@ class _Argmax(nn.Module):
         return x.argmax(dim=-1)
 
 
+class _FailsInBackward(torch.autograd.Function):
+    """Traces and runs forward; its backward raises an error of several kilobytes on one line, as torch's
+    metadata mismatches do."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("shapes differ: " + ", ".join(f"tensor {i}: (8, 8)" for i in range(400)) + " END-OF-MESSAGE")
+
+
+class _LongError(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return _FailsInBackward.apply(x)
+
+
+def long_error():
+    return _LongError(), (torch.randn(2, 8),)
+
+
 def integer_output():
     """A model whose output has no floating-point tensor: a training step has no loss to backpropagate."""
     return _Argmax(), (torch.randn(2, 8),)

@@ -1,9 +1,36 @@
 """Test session settings: under pytest-xdist each worker runs torch on one thread, so the workers
-(one per core) do not oversubscribe the machine."""
+(one per core) do not oversubscribe the machine; and `--dist loadfile` runs the files that share a
+per-process cache on one worker, so the cache is filled once per run instead of once per worker."""
 
 import os
 
+import pytest
 import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+# Files that read one per-process cache: each group runs on one worker. tests/families.py's
+# `planned` (a dozen Hugging Face plans, minutes of CPU) serves both of these.
+SHARED_CACHE_FILES = {
+    "tests/hf/test_models.py": "families.planned",
+    "tests/inputs/test_loop.py": "families.planned",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist (-p no:xdist) there is nothing to schedule
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the files of SHARED_CACHE_FILES scheduled as one unit.
+
+    (`--dist loadgroup` with xdist_group marks would say the same, but xdist 3.8 cannot rename the
+    tests of a group under pytest 9, so there every test went to a worker of its own.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedCacheFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_CACHE_FILES.get(path, path)
+
+    return SharedCacheFileScheduling(config, log)

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autoplan"
 
 # The pipeline in order; a module may import its own layer and earlier ones.
 LAYERS = (
-    ("plan", "errors"),  # the vocabulary: imports nothing of autoplan (but each other)
+    ("plan", "errors", "units"),  # the vocabulary: imports nothing of autoplan (but each other)
     # shared by every stage, none imports a stage: each imports only those above it
     ("vocabulary",),  # unit names, formatting, signatures, tensors and bytes
     ("instruments",),  # fake twins, the live-bytes tracker, quantized bases' state, the MoE routing bound
@@ -109,9 +109,10 @@ def test_imports_only_go_towards_earlier_stages():
 
 @pytest.mark.slow  # the whole pipeline
 def test_the_vocabulary_imports_nothing_else_of_autoplan():
-    for module in ("autoplan.plan", "autoplan.errors"):
+    vocabulary = {"autoplan.plan", "autoplan.errors", "autoplan.units"}
+    for module in vocabulary:
         imported = _imports(module, _modules()[module])
-        assert imported <= {"autoplan.plan", "autoplan.errors"}, (module, imported)
+        assert imported <= vocabulary, (module, imported)
 
 
 def test_no_private_name_crosses_modules():

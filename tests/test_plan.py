@@ -27,6 +27,7 @@ from autoplan.plan import (
     UnitDecision,
     WorldSizePoint,
 )
+from autoplan.units import Unit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +57,7 @@ PARTS = ("request", "model", "target", "decisions", "prediction", "outcome")
 
 def by_hand(fused: bool = True) -> Plan:
     """A plan built field by field, every field away from its default, so none can hide behind one."""
-    unit = UnitDecision("blocks.0", Choice("full", "bf16"), saved_bytes=64, recompute_flops=1000, step_time_s=0.5)
+    unit = UnitDecision(Unit.from_name("blocks.0"), Choice("full", "bf16"), saved_bytes=64, recompute_flops=1000, step_time_s=0.5)
     return Plan(
         request=Request(budget_bytes=2000, usable_bytes=1500, optimizer="sgd", world_size=2, loop=TrainingLoop(keep_outputs=False),
                         offload=True, host_budget_bytes=4096, arguments=(("budget", "2000B"), ("device", "cpu"))),
@@ -99,6 +100,7 @@ def test_the_shortcuts_read_the_parts():
     assert plan.feasible is plan.outcome.feasible is True
     assert plan.units == plan.decisions.units and plan.predicted_peak_bytes == plan.prediction.peak_bytes == 1000
     assert plan.decisions.choices() == {"blocks.0": Choice("full", "bf16")} == plan.decisions.unit_choices()
+    assert plan.decisions.choices_by_unit() == {Unit.from_name("blocks.0"): Choice("full", "bf16")}
 
 
 def test_the_fused_loss_head_is_a_flag_with_its_logits_beside_it():
@@ -122,6 +124,6 @@ def test_report_needs_nothing_imported_first():
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("FITS  Net on 2 × cpu (per GPU, FSDP): predicted peak 1.00 KB of 1.50 KB usable")
+    assert done.stdout.startswith("FITS  Net on 2 × cpu (per rank, FSDP): predicted peak 1.00 KB of 1.50 KB usable")
     assert "loss: the output head's cross-entropy (8×32 logits) is fused" in done.stdout
     assert "training loop: outputs dropped before backward" in done.stdout

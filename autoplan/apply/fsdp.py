@@ -21,7 +21,8 @@ import torch
 from autoplan.errors import DistributedSetupError, OptionError
 from autoplan.plan import OutsideUnits, Plan
 from autoplan.memory.sharded import fsdp_group
-from autoplan.vocabulary.names import is_graph_unit, sequential_run
+from autoplan.units import GraphRun, SequentialRun, Unit
+from autoplan.vocabulary.names import run_layers
 from autoplan.planned.forwards import apply_choices
 
 
@@ -50,17 +51,16 @@ def require_process_group(world_size: int) -> None:
         )
 
 
-def _unit_modules(model: torch.nn.Module, name: str) -> torch.nn.Module | list[torch.nn.Module]:
+def _unit_modules(model: torch.nn.Module, unit: Unit) -> torch.nn.Module | list[torch.nn.Module]:
     """What fully_shard groups for one unit: its submodule, or the layers of a Sequential range."""
-    if is_graph_unit(name):
+    if isinstance(unit, GraphRun):
         raise OptionError(
-            f"unit {name!r} is a run of graph nodes, not a submodule; FSDP shards submodules. "
+            f"unit {unit.name!r} is a run of graph nodes, not a submodule; FSDP shards submodules. "
             "Pass units=['pattern'] naming the model's blocks"
         )
-    run = sequential_run(name)
-    if run is None:
-        return model.get_submodule(name)
-    layers = run.layers(model)
+    if not isinstance(unit, SequentialRun):
+        return model.get_submodule(unit.name)
+    layers = run_layers(model, unit)
     return [layer for layer in layers if any(True for _ in layer.parameters())] or layers
 
 
@@ -80,10 +80,10 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
         ) from error
 
     require_process_group(plan.request.world_size)
-    apply_choices(model, plan.decisions.choices(), OutsideUnits(plan.decisions.rest_precision))  # FSDP runs the loss as written
+    apply_choices(model, plan.decisions.choices_by_unit(), OutsideUnits(plan.decisions.rest_precision))  # FSDP runs the loss as written
     options = {"mesh": mesh} if mesh is not None else {}
     # the call sites of one module (block@0, block@1, ...) are one group: FSDP2 gathers it again for every call
-    for group in dict.fromkeys(fsdp_group(unit.name) for unit in plan.decisions.units):
+    for group in dict.fromkeys(fsdp_group(unit.unit) for unit in plan.decisions.units):
         fully_shard(_unit_modules(model, group), **options)
     fully_shard(model, **options)
     return model

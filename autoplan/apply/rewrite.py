@@ -15,7 +15,8 @@ from autoplan.errors import OptionError, OptionTypeError, PlanMismatchError
 from autoplan.apply.fsdp import apply_fsdp
 from autoplan.plan import Plan
 from autoplan.vocabulary.fingerprint import check_model
-from autoplan.vocabulary.names import is_graph_unit, unit_endpoints
+from autoplan.units import GraphRun
+from autoplan.vocabulary.names import unit_endpoints
 from autoplan.planned.forwards import apply_choices
 from autoplan.instruments.quantized import settle_first_forward
 
@@ -36,7 +37,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
     """
     if not isinstance(plan, Plan):
         raise OptionTypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
-    choices = plan.decisions.choices()
+    choices = plan.decisions.choices_by_unit()
     refuse_meta(model)
     settle_first_forward(model)  # a 4-bit layer's first forward must run the ops its recompute runs
     if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
@@ -47,13 +48,13 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
             UserWarning,
             stacklevel=2,
         )
-    for name in choices:
-        if is_graph_unit(name):
+    for unit in choices:
+        if isinstance(unit, GraphRun):
             continue  # checked when the graph is split: split_by_units names the graph's units
         try:
-            unit_endpoints(model, name)
+            unit_endpoints(model, unit)
         except (AttributeError, IndexError, KeyError, TypeError) as error:
-            raise PlanMismatchError(f"the plan names unit {name!r}, which {type(model).__name__} does not have: {error}") from None
+            raise PlanMismatchError(f"the plan names unit {unit.name!r}, which {type(model).__name__} does not have: {error}") from None
     if check:  # after the unit names: a model of another structure is told by the unit it lacks
         check_model(plan.model.fingerprint, model)
     if plan.request.world_size > 1:

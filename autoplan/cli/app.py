@@ -19,12 +19,12 @@ from rich.table import Table
 import autoplan
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, prints_to_stderr, quiet, reported, write_stdout
 from autoplan.cli.options import (ACCUMULATION_STEPS, COMPILE, DROP_OUTPUTS, FUSE_LOSS, HOST_BUDGET, LADDER, MOE_CAPACITY, OFFLOAD,
-                                  OPTIMIZER_IMPL, TARGET, UNITS, VERBOSE, Optimizer, OptimizerImpl, Precision)
+                                  OPTIMIZER_IMPL, TARGET, UNITS, VERBOSE, Optimizer, OptimizerImpl, OptionsGivenOnce, Precision)
 from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import check_size_syntax, make_budget
 from autoplan.inputs.devices import get_device, list_devices
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.inputs.options import check_time_limit
+from autoplan.inputs.options import MAX_WORLD_SIZE, check_time_limit
 from autoplan.report.plot import FORMATS, require_pyplot
 
 # Everything that imports torch (seconds) is imported inside the commands, after the options are
@@ -32,6 +32,7 @@ from autoplan.report.plot import FORMATS, require_pyplot
 # torch stays unimported).
 if TYPE_CHECKING:
     from autoplan.inputs.targets import Target
+    from autoplan.profile.units import Profile
 
 JSON_SCHEMA = "autoplan.plan/3"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; 3: fused_loss a bool, its logits in fused_loss_logits; bump when a key of the --json document changes meaning or goes away
 
@@ -51,14 +52,18 @@ def _world_size(text: Optional[str]) -> int | str | None:
         return text
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise CliError(ExitCode.USAGE, f"--world-size must be a whole number of GPUs, at least 1, or auto; got {text!r}")
+    if int(text) > MAX_WORLD_SIZE:  # as inputs.options.check_world_size, before torch is imported
+        raise CliError(ExitCode.USAGE, f"--world-size {int(text):,} is more GPUs than FSDP shards over (at most {MAX_WORLD_SIZE:,}): "
+                       "give the number of GPUs you will train on, or auto for the fewest that fit")
     return int(text)
 
 
 def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path],
                    time_limit: float = 10.0, allow_over_device: bool = False, moe_capacity: Optional[float] = None,
-                   ladder: bool = False):
+                   ladder: bool = False, json_path: Optional[Path] = None):
     """Every option's value, before minutes of planning; those that need no torch before seconds of its imports."""
     check_size_syntax(budget, reserve)  # BudgetError: exit 2
+    _check_outputs(json=json_path, plot=plot)
     _world_size(world_size)
     check_time_limit(time_limit)  # OptionError: exit 2
     if plot is not None and plot.suffix.lower() not in FORMATS:
@@ -72,6 +77,20 @@ def _check_options(budget: str, device: Optional[str], reserve: Optional[str], w
         check_qlora_installed("--ladder")  # MissingExtraError, exit 7
     if plot is not None:
         require_pyplot()  # PlotUnavailable is exit 7
+
+
+def _check_outputs(**paths: Optional[Path]) -> None:
+    """--json and --plot name files in folders that exist: a typo in a folder is said now, not after minutes of
+    planning, and no folder is made that the person did not ask for."""
+    for option, path in paths.items():
+        if path is None or _is_stdout(path):
+            continue
+        folder = path.parent
+        if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            raise CliError(ExitCode.USAGE, f"--{option} {path}: the folder {folder} {what}; create it first or write elsewhere")
+        if path.is_dir():
+            raise CliError(ExitCode.USAGE, f"--{option} {path} is a folder; give a file name in it")
 
 
 def _loop(drop_outputs: bool, accumulation_steps: int, optimizer_impl: OptimizerImpl) -> TrainingLoop:
@@ -98,7 +117,7 @@ def _units(values: Optional[list[str]]) -> Optional[list[str]]:
 def _plan(target: Target, budget: str, options: dict, progress, inputs=None, model=None):
     from autoplan.api import plan as plan_model
 
-    profiles = []
+    profiles: list[Profile] = []
     try:
         plan = plan_model(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
                              progress=progress, on_profile=profiles.append, **options)
@@ -121,7 +140,6 @@ def _write(path: Path, text: str, err: Console) -> None:
         write_stdout(text)
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as error:
         raise CliError(ExitCode.OUTPUT_FAILED, f"cannot write {path}: {error.strerror or error}") from error
@@ -141,7 +159,7 @@ def json_document(target: Target, plan, advice, budget: str) -> dict:
     }
 
 
-@app.command("plan")
+@app.command("plan", cls=OptionsGivenOnce)
 def plan_command(
     target: str = TARGET,
     budget: str = typer.Option(..., "--budget", "-b", help='Memory for the training step: "24GB", "24 GiB", "80%" of the device.'),
@@ -182,7 +200,7 @@ def plan_command(
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
     out, err = Console(highlight=False), Console(file=sys.stderr)  # bound now: planning may swap sys.stderr
     with reported(debug):
-        _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device, moe_capacity, ladder)
+        _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device, moe_capacity, ladder, json_path)
         options = _plan_options(device, optimizer, precision, units, reserve, _loop(drop_outputs, accumulation_steps, optimizer_impl),
                                 world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity,
                                                       fuse_loss=fuse_loss, compile=compiled, offload=offload, host_budget=host_budget)
@@ -205,13 +223,16 @@ def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress,
     micro-batch is planned again where the factory can rebuild the batch."""
     from autoplan.report.advice import advise
 
+    rebuild = loaded.rebuild
+
     def replan(micro: int, loop: TrainingLoop):
+        assert rebuild is not None  # passed only when the target has one
         progress(f"checking micro-batch {micro}: planning again")
-        model, inputs = loaded.rebuild(micro)
+        model, inputs = rebuild(micro)
         return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
 
     return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.request.world_size if world_size else None,
-                  parameter_count=loaded.parameter_count, replan=replan if loaded.rebuild else None, ladder=ladder)
+                  parameter_count=loaded.parameter_count, replan=replan if rebuild else None, ladder=ladder)
 
 
 def _ladder(loaded: Target, budget: str, options: dict, device: Optional[str], progress):
@@ -245,7 +266,7 @@ def _write_files(json_path: Optional[Path], plot: Optional[Path], document: dict
         err.print(f"wrote {plot}", markup=False)
 
 
-@app.command("verify")
+@app.command("verify", cls=OptionsGivenOnce)
 def verify_command(
     target: str = typer.Argument(..., help="As for `autoplan plan`; hf: models are built with random weights."),
     budget: str = typer.Option(..., "--budget", "-b", help='Memory for the training step: "24GB", "80%" of the device.'),
@@ -285,7 +306,7 @@ def verify_command(
         from autoplan.verify.real import verify
 
         device = None if where == "cuda" else "cpu"  # plan for the device the steps run on
-        _check_options(budget, device, reserve, None, None)
+        _check_options(budget, device, reserve, None, None, json_path=json_path)
         to_stdout = _is_stdout(json_path)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=to_stdout))
         with progress, quiet(debug), prints_to_stderr(err.file, when=to_stdout):
@@ -338,9 +359,9 @@ def devices_command() -> None:
     """List the device profiles a plan can target (--device NAME)."""
     table = Table(title="device profiles: dense datasheet rates", caption="GiB = 2³⁰ bytes (what vendors call GB), "
                   "GB = 10⁹ bytes; a card of your own: --device custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,...")
-    for column, justify in (("name", "left"), ("memory", "right"), ("sm", "right"), ("fp32", "right"),
-                            ("low precision", "right"), ("bandwidth", "right")):
-        table.add_column(column, justify=justify)
+    table.add_column("name", justify="left")
+    for column in ("memory", "sm", "fp32", "low precision", "bandwidth"):
+        table.add_column(column, justify="right")
     for device in list_devices():
         low = device.peak_flops.get(device.low_precision_name, device.peak_flops["fp32"])
         memory = f"{device.memory_bytes / 2**30:.0f} GiB ({device.memory_bytes / 1e9:.1f} GB)"

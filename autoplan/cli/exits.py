@@ -124,10 +124,16 @@ def missing_extra(error: BaseException) -> CliError | None:
     return None
 
 
+LONGEST_ERROR_LINE = 1000  # characters: autoplan's own messages stay under it; torch's can run to kilobytes (tensor metadata)
+
+
 def fail_with(error: CliError, debug: bool) -> None:
     if debug:
         traceback.print_exception(error.__cause__ or error, file=sys.stderr)
     message = str(error).replace("\n", " ")
+    if len(message) > LONGEST_ERROR_LINE and not debug:
+        cut = message[:LONGEST_ERROR_LINE].rstrip()
+        message = f"{cut} … ({len(message) - len(cut):,} more characters; --debug prints the whole error)"
     typer.echo(f"autoplan: error: {message}" + ("" if debug else "  (--debug for the traceback)" if error.code == ExitCode.ERROR else ""), err=True)
     raise typer.Exit(int(error.code))
 
@@ -175,7 +181,7 @@ def print_report(console: Console, parts) -> None:
     """The report on stdout; a reader that went away (`| head -1`) is not an error: the exit code stands."""
     from autoplan.report.text import render
 
-    console.on_broken_pipe = _reader_gone  # rich's own handler exits with 1
+    setattr(console, "on_broken_pipe", _reader_gone)  # this console's only: rich's own handler exits with 1
     try:
         render(console, parts)
         console.file.flush()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from enum import Enum
 
+from typing import Any
+
 import typer
+from typer.core import TyperCommand
 
 
 class Precision(str, Enum):
@@ -68,3 +71,52 @@ VERBOSE = typer.Option(False, "--verbose", "-v", help="Name what the selective u
 LADDER = typer.Option(False, "--ladder", help="Also plan the toolbox ladder of a Hugging Face model: baseline, + bf16, "
                       "+ checkpointing, + SDPA, + 4-bit QLoRA, + 8-bit optimizer, each with its predicted peak and step "
                       "time, and the first that fits (three more plans; needs the qlora extra).")
+
+
+class OptionsGivenOnce(TyperCommand):
+    """A command whose options may each be given once, save those meant to repeat (--units).
+
+    click keeps the last of a repeated option and says nothing, so `--budget 1GB --budget 2GB` would
+    plan for 2GB while the person may have read the first; a usage error (exit 2) says which.
+    """
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]  # typer's own click
+        repeated = repeated_option(self.params, args)
+        if repeated is not None:
+            names, given = repeated
+            raise typer.BadParameter(f"given more than once ({', '.join(given)}); give it once", ctx=ctx, param_hint=names)
+        return super().parse_args(ctx, args)
+
+
+def repeated_option(params: list[Any], args: list[str]) -> tuple[str, list[str]] | None:
+    """The first of a command's options (click parameters) that `args` give twice, as (its names, what each time
+    gave), or None. Duck-typed: typer carries its own copy of click, so isinstance against `click.Option` fails."""
+    options = {name: param for param in params if getattr(param, "param_type_name", "") == "option"
+               for name in (*param.opts, *param.secondary_opts)}
+    seen: dict[str, list[str]] = {}
+    tokens = iter(args)
+    for token in tokens:
+        if token == "--":
+            break
+        name, attached = _option_name(token, options)
+        if name is None:
+            continue
+        param = options[name]
+        value = token if param.is_flag else attached if attached is not None else next(tokens, "")
+        if param.multiple or param.count:
+            continue
+        given = seen.setdefault(param.name or name, [])
+        given.append(value)
+        if len(given) > 1:
+            return " / ".join((*param.opts, *param.secondary_opts)), given
+    return None
+
+
+def _option_name(token: str, options: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Which option a command-line word names, and the value attached to it (--budget=1GB, -b1GB), if any."""
+    if token.startswith("--"):
+        name, equals, value = token.partition("=")
+        return (name, value if equals else None) if name in options else (None, None)
+    if token.startswith("-") and token[:2] in options:
+        return token[:2], token[2:] or None
+    return None, None

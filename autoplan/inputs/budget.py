@@ -112,16 +112,17 @@ def _as_the_card(value: object, total: int, device: Device) -> tuple[int, str]:
     binary twin (GiB/TiB/MiB), to the digits typed, is read as the whole card; GiB and bytes are
     taken as written.
     """
-    match = SIZE.fullmatch(value.strip()) if isinstance(value, str) and device.kind == "cuda" else None
+    text = value.strip() if isinstance(value, str) else ""
+    match = SIZE.fullmatch(text) if device.kind == "cuda" else None
     unit = match["unit"].lower() if match else ""
-    if unit not in ("mb", "gb", "tb") or total == device.memory_bytes:
+    if match is None or unit not in ("mb", "gb", "tb") or total == device.memory_bytes:
         return total, ""
     typed = match["number"]
     digits = len(typed.partition(".")[2])
     as_written = (device.memory_bytes / UNITS[unit], device.memory_bytes / UNITS[unit[0] + "ib"])
     if not any(round(amount, digits) == float(typed) for amount in as_written):
         return total, ""
-    note = (f"the budget {value.strip()!r} is read as {device.name}'s whole memory, {both_units(device.memory_bytes)} "
+    note = (f"the budget {text!r} is read as {device.name}'s whole memory, {both_units(device.memory_bytes)} "
             f"(vendors sell GiB as GB); give it in bytes or GiB to mean less")
     return device.memory_bytes, note
 

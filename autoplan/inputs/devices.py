@@ -16,7 +16,7 @@ import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, TypeGuard
 
 from autoplan.errors import DeviceError
 from autoplan.vocabulary.sizes import parse_size
@@ -69,7 +69,7 @@ class Device:
         return torch.bfloat16 if self.supports_bf16 else torch.float16
 
     @property
-    def low_precision_name(self) -> str:
+    def low_precision_name(self) -> Literal["bf16", "fp16"]:  # a plan.Precision (plan.py imports torch)
         return "bf16" if self.supports_bf16 else "fp16"
 
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
@@ -317,6 +317,8 @@ def _json_object(path: str) -> dict[str, object]:
 
 def _positive(value: object, key: str, fail) -> float:
     try:
+        if not isinstance(value, (int, float, str)):
+            raise TypeError(value)
         number = float(value)
     except (TypeError, ValueError):
         raise fail(f"{key} must be a number, got {value!r}") from None
@@ -336,7 +338,7 @@ def _capability(text: str, fail) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
-def _is_torch_device(spec: object) -> bool:
+def _is_torch_device(spec: object) -> TypeGuard[torch.device]:
     torch = sys.modules.get("torch")  # not imported: spec cannot be one of its devices
     return torch is not None and isinstance(spec, torch.device)
 

@@ -147,3 +147,15 @@ def check_offload(offload: bool | None, device: Device, world_size: Any) -> bool
                if device.host_bandwidth <= 0 else "offload plans one GPU; with FSDP (world_size > 1) leave it off")
         raise OptionError(f"offload=True (--offload): {why}")
     return offload
+
+
+MAX_WORLD_SIZE = 65_536  # above any FSDP job run so far; a larger number is a typo, and the search would plan for it
+
+
+def check_world_size(world_size: object) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise OptionError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
+    if world_size > MAX_WORLD_SIZE:
+        raise OptionError(f"world_size {world_size:,} is more GPUs than FSDP shards over (at most {MAX_WORLD_SIZE:,}): give the "
+                          "number of GPUs you will train on, or \"auto\" for the fewest that fit")
+    return world_size

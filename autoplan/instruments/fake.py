@@ -10,12 +10,13 @@ from typing import Any
 import torch
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from autoplan.instruments.quantized import fake_quantized_entries
 from autoplan.instruments.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
 from autoplan.instruments.values import VALUE_LIMIT, KnownValues, ValuesAsData, for_real
 from autoplan.vocabulary.fingerprint import input_names
+from autoplan.vocabulary.tensors import tensors_of
 
 
 def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
@@ -147,7 +148,7 @@ class PlanningFakeMode(FakeTensorMode):
             out = dispatch(func, types, (*low, *args[2:]), kwargs)
             return dispatch(cast, types, (out,), {"dtype": args[0].dtype})
 
-        device = next((leaf.device for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)), "cpu")
+        device = next((tensor.device for tensor in tensors_of((args, kwargs))), "cpu")
 
         def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return dispatch(torch.ops.aten.empty.memory_format, types, (list(shape),), {"dtype": dtype, "device": device})
@@ -241,5 +242,7 @@ class FakeGradScaler:
         opt.step()
 
     def update(self) -> None:
+        if self.found_inf is None:  # as torch.amp.GradScaler.update: the step found no inf to say about
+            raise RuntimeError("the simulated GradScaler was updated before a step")
         torch._amp_update_scale_(self.scale_tensor, self.growth_tracker, self.found_inf, 2.0, 0.5, 2000)
         self.found_inf = None

@@ -58,7 +58,7 @@ def quantization_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
             tensors.extend(_quant_state_tensors(getattr(param, "quant_state", None)))
             tensors.extend(t for t in (getattr(param, "CB", None), getattr(param, "SCB", None)) if isinstance(t, torch.Tensor))
         matmul_state = getattr(module, "state", None)
-        if type(matmul_state).__name__ == "MatmulLtState":
+        if matmul_state is not None and type(matmul_state).__name__ == "MatmulLtState":
             tensors.extend(t for t in (matmul_state.CB, matmul_state.SCB) if isinstance(t, torch.Tensor))
     return tensors
 
@@ -127,7 +127,7 @@ def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tens
             if not is_quantized_parameter(param) or id(param) in memo:
                 continue
             fake = _named_like(torch.nn.Parameter(fake_of(param), requires_grad=param.requires_grad), param)
-            fake._autoplan_quantized = True
+            setattr(fake, "_autoplan_quantized", True)  # a mark of ours on a torch Parameter, which declares no such field
             for name in _PARAMS_4BIT_FIELDS + ("has_fp16_weights",):
                 if hasattr(param, name):
                     setattr(fake, name, getattr(param, name))
@@ -136,7 +136,7 @@ def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tens
                     setattr(fake, name, twin(getattr(param, name)))
             memo[id(param)] = fake
         matmul_state = getattr(module, "state", None)
-        if type(matmul_state).__name__ == "MatmulLtState":
+        if matmul_state is not None and type(matmul_state).__name__ == "MatmulLtState":
             for value in (matmul_state.CB, matmul_state.SCB):
                 twin(value)
     return memo

@@ -34,6 +34,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autoplan.errors import MissingExtraError
 
+# bitsandbytes' Optimizer8bit: a torch Optimizer with `args`, `is_paged`, `get_state_buffer`, ...; the package ships
+# no types, so its own attributes are read as Any
+BnbOptimizer = Any
+
 # the names autoplan takes (API `optimizer=`, CLI `--optimizer`) and bitsandbytes' class for each
 BNB_OPTIMIZERS: dict[str, str] = {
     "adamw8bit": "AdamW8bit",
@@ -73,7 +77,7 @@ def bnb_optimizer_by_name(name: str, params: list, *, device_kind: str = "cpu") 
 
 
 def rebuilt_bnb_optimizer(
-    optimizer: torch.optim.Optimizer, params: list, defaults: dict, *, device_kind: str = "cpu"
+    optimizer: BnbOptimizer, params: list, defaults: dict, *, device_kind: str = "cpu"
 ) -> torch.optim.Optimizer:
     """A fresh optimizer of `optimizer`'s class and settings over `params`.
 
@@ -90,7 +94,7 @@ def rebuilt_bnb_optimizer(
     return _as_on_target(built, device_kind)
 
 
-def _as_on_target(optimizer: torch.optim.Optimizer, device_kind: str) -> torch.optim.Optimizer:
+def _as_on_target(optimizer: BnbOptimizer, device_kind: str) -> torch.optim.Optimizer:
     """Under fake tensors (which live on the CPU), an optimizer that allocates as bitsandbytes does on the target."""
     if detect_fake_mode() is None:
         return optimizer
@@ -99,7 +103,7 @@ def _as_on_target(optimizer: torch.optim.Optimizer, device_kind: str) -> torch.o
     return _without_unused_map(optimizer)
 
 
-def _pages_off_device(optimizer: torch.optim.Optimizer) -> None:
+def _pages_off_device(optimizer: BnbOptimizer) -> None:
     """Large parameters' moments made as bitsandbytes' `get_paged` makes them on a GPU: outside the device's memory."""
     ordinary = optimizer.get_state_buffer
 
@@ -110,7 +114,7 @@ def _pages_off_device(optimizer: torch.optim.Optimizer) -> None:
         with _disable_current_modes():  # no op dispatched: the tracker does not see it
             elem = torch.empty(p.shape, dtype=dtype, device="meta")
         buffer = FakeTensor(fake_mode, elem, p.device)
-        buffer.is_paged = True
+        setattr(buffer, "is_paged", True)  # bitsandbytes' mark of a paged buffer, on a FakeTensor that declares none
         return buffer
 
     optimizer.get_state_buffer = get_state_buffer

@@ -37,6 +37,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autoplan.vocabulary.tensors import tensors_of
+
 VALUE_LIMIT = 1 << 20  # elements: a tensor larger than this keeps no value (T×T masks, images)
 RANDOM = "a random draw"  # the source of values the draws policy chose
 DRAWS = ("high", "low")
@@ -106,7 +108,7 @@ class KnownValues:
             return out
         if not len(self._values):  # the common case without a batch's values: nothing to answer from
             return fake_dispatch(args, kwargs)
-        fakes = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, FakeTensor)]
+        fakes = [tensor for tensor in tensors_of((args, kwargs)) if isinstance(tensor, FakeTensor)]
         known = [self._values.get(fake) for fake in fakes]
         if fakes and all(entry is not None for entry in known):
             sources = frozenset().union(*(entry[1] for entry in known))
@@ -268,7 +270,7 @@ def _uniform_range(args, kwargs) -> tuple[float, float]:
 
 def _small(out: Any) -> bool:
     """Whether `out` holds tensors, none of them too large to keep a value of."""
-    tensors = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+    tensors = tensors_of(out)
     return bool(tensors) and all(tensor.numel() <= VALUE_LIMIT for tensor in tensors)
 
 

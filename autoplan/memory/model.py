@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
-from autoplan.errors import OptionError
+from autoplan.inputs.options import check_world_size
 from autoplan.memory.segments import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
 from autoplan.memory.sharded import RankTerms, rank_terms
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
@@ -332,12 +332,6 @@ def phase_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[PhaseBy
         PhaseBytes(phase.phase, live, static.parameters + static.optimizer + phase.grad_bytes)
         for phase, live in zip(profile.timeline.phases, live_bytes(profile, choices))
     ]
-
-
-def check_world_size(world_size: object) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise OptionError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
-    return world_size
 
 
 def rank_offsets(profile: Profile, world_size: int, terms: list[RankTerms] | None = None) -> list[int]:

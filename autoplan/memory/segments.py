@@ -23,12 +23,13 @@ and every whole run), aligned, so that the program stays small at a hundred unit
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
 from autoplan.plan import OPTIMIZER_STEP, Choice, Phase
 from autoplan.profile.units import Profile
-from autoplan.vocabulary.names import is_graph_unit, segment_ends, segment_name, sequential_run, call_site
+from autoplan.units import ModuleUnit, Segment, Unit
 
 SEGMENT_LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -37,8 +38,12 @@ SEGMENT_LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 class SegmentCandidate:
     """A run of consecutive units (indices into profile.units, forward order) the plan may checkpoint as one."""
 
-    name: str
+    unit: Segment
     members: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
 
 
 @dataclass(frozen=True)
@@ -65,29 +70,25 @@ def unit_windows(profile: Profile) -> list[tuple[int, int]]:
     return [(index[Phase("fwd", unit.name)], index.get(Phase("bwd", unit.name), end)) for unit in profile.units]
 
 
-def _plain_module_unit(name: str) -> bool:
-    return sequential_run(name) is None and call_site(name) is None and not is_graph_unit(name) and segment_ends(name) is None
-
-
 def _chained(profile: Profile, a: int, b: int, first: int, windows, phase_index) -> bool:
     """Whether unit b runs right after unit a, fed only a's outputs and the run's first unit's inputs."""
     names = [unit.name for unit in profile.units]
-    before, after = names[a], names[b]
-    if not (_plain_module_unit(before) and _plain_module_unit(after)):
+    before, after = profile.units[a].unit, profile.units[b].unit
+    if not (isinstance(before, ModuleUnit) and isinstance(after, ModuleUnit)):
         return False
-    (parent, _, child), (next_parent, _, next_child) = before.rpartition("."), after.rpartition(".")
-    if parent != next_parent or not (child.isdigit() and next_child.isdigit() and int(next_child) == int(child) + 1):
-        return False  # neighbours in one ModuleList or Sequential: what a segment name denotes
-    between = phase_index.get(Phase("fwd", before, "after"))
+    if before.parent != after.parent or not (before.child.isdigit() and after.child.isdigit() and int(after.child) == int(before.child) + 1):
+        return False  # neighbours in one ModuleList or Sequential: what a segment denotes
+    between = phase_index.get(Phase("fwd", before.name, "after"))
     if between is None or windows[b][0] != between + 1 or not windows[b][1] < windows[a][1]:
         return False
     gap = profile.timeline.phases[between]
     if gap.flops or gap.peak_bytes != gap.start_bytes:
         return False  # the model's code does work between them: the region could not replay it
     calls = {call.name: call for call in profile.timeline.unit_calls}
-    allowed = set(calls[before].output_keys) | set(calls[names[first]].input_keys)
-    return bool(calls[after].input_keys) and set(calls[after].input_keys) <= allowed and any(
-        key in calls[before].output_keys for key in calls[after].input_keys
+    before_call, after_call = calls[before.name], calls[after.name]
+    allowed = set(before_call.output_keys) | set(calls[names[first]].input_keys)
+    return bool(after_call.input_keys) and set(after_call.input_keys) <= allowed and any(
+        key in before_call.output_keys for key in after_call.input_keys
     )
 
 
@@ -112,7 +113,7 @@ def chains(profile: Profile) -> list[list[int]]:
 
 def segment_candidates(profile: Profile) -> list[SegmentCandidate]:
     """Segments the plan may choose: aligned runs of SEGMENT_LENGTHS units, and every whole chain."""
-    names = [unit.name for unit in profile.units]
+    names = [unit.name for unit in profile.units]  # each a module: chains hold nothing else
     found: dict[tuple[int, ...], SegmentCandidate] = {}
     for chain in chains(profile):
         lengths = [n for n in SEGMENT_LENGTHS if n < len(chain)] + [len(chain)]
@@ -120,7 +121,7 @@ def segment_candidates(profile: Profile) -> list[SegmentCandidate]:
             for start in range(0, len(chain), length):
                 members = tuple(chain[start : start + length])
                 if len(members) >= 2:
-                    found.setdefault(members, SegmentCandidate(segment_name(names[members[0]], names[members[-1]]), members))
+                    found.setdefault(members, SegmentCandidate(Segment(names[members[0]], names[members[-1]]), members))
     return list(found.values())
 
 
@@ -139,17 +140,37 @@ def segment_choices(profile: Profile, candidate: SegmentCandidate, pins=None) ->
 
 
 def chosen_segments(profile: Profile, choices: Mapping[str, Choice]) -> list[tuple[SegmentCandidate, Choice]]:
-    """The segments named in `choices`, with their members' indices."""
-    index = {unit.name: i for i, unit in enumerate(profile.units)}
-    result = []
-    for name, choice in choices.items():
-        ends = segment_ends(name)
-        if ends is None:
-            continue
-        if ends[0] not in index or ends[1] not in index:
-            raise ValueError(f"segment {name!r} names units this profile does not have")
-        result.append((SegmentCandidate(name, tuple(range(index[ends[0]], index[ends[1]] + 1))), choice))
-    return result
+    """The segments named in `choices` (a name no unit of the profile has), with their members' indices."""
+    units = {unit.name for unit in profile.units}
+    named = [(name, choice) for name, choice in choices.items() if name not in units]
+    if not named:
+        return []
+    candidates = _candidates_by_name(profile)
+    unknown = [name for name, _ in named if name not in candidates]
+    if unknown:
+        raise ValueError(f"{unknown} name no unit of this profile and no segment of its units")
+    return [(candidates[name], choice) for name, choice in named]
+
+
+_CANDIDATES: dict[int, tuple[weakref.ref, dict[str, SegmentCandidate]]] = {}
+
+
+def _candidates_by_name(profile: Profile) -> dict[str, SegmentCandidate]:
+    """`segment_candidates` by name, found once per profile (the memory model asks at every prediction)."""
+    entry = _CANDIDATES.get(id(profile))
+    if entry is None or entry[0]() is not profile:
+        for key in [key for key, (ref, _) in _CANDIDATES.items() if ref() is None]:
+            del _CANDIDATES[key]
+        entry = (weakref.ref(profile), {candidate.name: candidate for candidate in segment_candidates(profile)})
+        _CANDIDATES[id(profile)] = entry
+    return entry[1]
+
+
+def choices_by_unit(profile: Profile, choices: Mapping[str, Choice]) -> dict[Unit, Choice]:
+    """`choices` (by name, a segment's included) keyed by their units: what the planned forwards apply."""
+    units: dict[str, Unit] = {unit.name: unit.unit for unit in profile.units}
+    segments = {candidate.name: candidate.unit for candidate, _ in chosen_segments(profile, choices)}
+    return {(units.get(name) or segments[name]): choice for name, choice in choices.items()}
 
 
 def covered_units(profile: Profile, choices: Mapping[str, Choice]) -> dict[int, Covered]:

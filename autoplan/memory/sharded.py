@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from autoplan.plan import Phase
 from autoplan.profile.layout import ParamShape
-from autoplan.vocabulary.names import call_site
+from autoplan.units import CallSite, ModuleUnit, Unit
 from autoplan.vocabulary.tensors import rounded_bytes
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
     per-rank constraints are its single-GPU ones with a different constant.
     """
     units = [GroupBytes.of(unit.param_layout, world_size) for unit in profile.units]
-    group = [fsdp_group(unit.name) for unit in profile.units]  # the module each unit runs: call sites share one
+    group = [fsdp_group(unit.unit) for unit in profile.units]  # the module each unit runs: call sites share one
     root = GroupBytes.of(profile.rest_param_layout, world_size)
     groups = list({key: units[i] for i, key in enumerate(group)}.values()) + [root]  # each module once
     phase_count = len(profile.timeline.phases)
@@ -99,7 +99,7 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
     result = []
     last_forward_group = root  # whose flat all-gather output is still alive in forward
     done: list[int] = []  # units whose backward has finished, in the order they finished
-    reduced: set[str] = set()  # groups with a gradient shard: one of their calls finished backward
+    reduced: set[Unit] = set()  # groups with a gradient shard: one of their calls finished backward
     done_full = done_shards = 0
     for index, phase in enumerate(profile.timeline.phases):
         running = position.get(phase.unit) if phase.unit is not None else None
@@ -139,7 +139,7 @@ def _optimizer_shard(optimizer: int, full: int, sharded: int) -> int:
     return per_parameter * sharded + optimizer - min(optimizer, per_parameter * full)
 
 
-def _gathered_in_backward(units: list[GroupBytes], group: list[str], running: int | None, remaining: int) -> int:
+def _gathered_in_backward(units: list[GroupBytes], group: list[Unit], running: int | None, remaining: int) -> int:
     """Unsharded unit parameters in a backward phase: the running unit and the one before it (prefetched);
     between units, the next to run backward. Units at positions < remaining have not finished backward."""
     if running is None:
@@ -148,7 +148,6 @@ def _gathered_in_backward(units: list[GroupBytes], group: list[str], running: in
     return units[running].unsharded + (units[running - 1].unsharded if prefetched else 0)
 
 
-def fsdp_group(unit: str) -> str:
+def fsdp_group(unit: Unit) -> Unit:
     """The FSDP group a unit runs in: its module (`block` for the call site `block@2`), else itself."""
-    site = call_site(unit)
-    return unit if site is None else site.module
+    return ModuleUnit(unit.module) if isinstance(unit, CallSite) else unit

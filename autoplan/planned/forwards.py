@@ -20,7 +20,8 @@ import torch
 from autoplan.plan import Choice, OutsideUnits
 from autoplan.planned.graph import split_by_units
 from autoplan.planned.loss_head import FusedLossForward
-from autoplan.vocabulary.names import call_site, call_site_name, is_graph_unit, segment_ends, segment_members, sequential_run
+from autoplan.units import CallSite, GraphRun, ModuleUnit, Segment, SequentialRun, Unit
+from autoplan.vocabulary.names import run_layers, segment_members
 from autoplan.planned.segments import PlannedSegment, SegmentMember
 from autoplan.planned.wrappers import PlannedForward
 
@@ -58,7 +59,7 @@ class PlannedGraph:
 
     module: torch.nn.Module
     split: torch.fx.GraphModule
-    choices: Mapping[str, Choice]
+    choices: Mapping[Unit, Choice]  # the split's units: a submodule each
     original: Any = None
 
     def __call__(self, *args, **kwargs):
@@ -127,10 +128,10 @@ def remove_plan(model: torch.nn.Module) -> torch.nn.Module:
 
 def apply_choices(
     model: torch.nn.Module,
-    choices: Mapping[str, Choice],
+    choices: Mapping[Unit, Choice],
     outside: OutsideUnits = OutsideUnits(),
 ) -> torch.nn.Module:
-    """Wrap each named unit of `model` (in place) to run with its choice; returns `model`.
+    """Wrap each unit of `model` (in place) to run with its choice; returns `model`.
 
     `outside.precision` is the precision of everything outside the units: when it is low, the whole
     forward runs under autocast, and units chosen fp32 switch it off for themselves.
@@ -138,33 +139,30 @@ def apply_choices(
     """
     remove_plan(model)
     # graph units of the user's model; on the planner's split GraphModule they are submodules
-    graph_choices = {name: c for name, c in choices.items() if is_graph_unit(name) and not _has_submodule(model, name)}
-    if graph_choices:
-        split = split_by_units(model, list(graph_choices))
-        apply_choices(split, graph_choices)
-        model.forward = PlannedGraph(model, split, graph_choices, original=model.__dict__.get("forward"))
+    graph_runs: dict[Unit, Choice] = {u: c for u, c in choices.items() if isinstance(u, GraphRun) and not _has_submodule(model, u.name)}
+    if graph_runs:
+        split = split_by_units(model, [unit for unit in graph_runs if isinstance(unit, GraphRun)])
+        apply_choices(split, graph_runs)  # there each is its submodule of the same name
+        model.forward = PlannedGraph(model, split, graph_runs, original=model.__dict__.get("forward"))
     runs: dict[str, list[tuple[int, int, PlannedForward]]] = {}
     calls: dict[str, dict[int, Choice]] = {}
-    for name, choice in choices.items():
-        if name in graph_choices:
+    for unit, choice in choices.items():
+        if unit in graph_runs:
             continue
-        if segment_ends(name) is not None:
-            _apply_segment(model, name, choice)
-            continue
-        site = call_site(name)
-        if site is not None:
-            calls.setdefault(site.module, {})[site.index] = choice
-            continue
-        run = sequential_run(name)
-        if run is None:
-            module = model.get_submodule(name)
+        if isinstance(unit, Segment):
+            _apply_segment(model, unit, choice)
+        elif isinstance(unit, CallSite):
+            calls.setdefault(unit.module, {})[unit.index] = choice
+        elif isinstance(unit, SequentialRun):
+            layers = torch.nn.Sequential(*run_layers(model, unit))
+            runs.setdefault(unit.parent, []).append((unit.start, unit.stop, PlannedForward(layers, choice)))
+        else:  # a module, or a graph run on the split GraphModule (its submodule of that name)
+            module = model.get_submodule(unit.name)
             module.forward = PlannedForward(module, choice, original=module.__dict__.get("forward"))
-            continue
-        layers = torch.nn.Sequential(*run.layers(model))
-        runs.setdefault(run.parent, []).append((run.start, run.stop, PlannedForward(layers, choice)))
     for parent_name, parent_runs in runs.items():
-        parent = cast(torch.nn.Sequential, model.get_submodule(parent_name))  # a run's parent: a Sequential or ModuleList
-        parent.forward = PlannedSequential(parent, sorted(parent_runs, key=lambda run: run[0]), parent.__dict__.get("forward"))
+        parent = model.get_submodule(parent_name)  # a run's parent: a Sequential or ModuleList, indexed alike
+        parent.forward = PlannedSequential(cast(torch.nn.Sequential, parent), sorted(parent_runs, key=lambda run: run[0]),
+                                           parent.__dict__.get("forward"))
     for module_name, by_call in calls.items():
         module = model.get_submodule(module_name)
         original = module.__dict__.get("forward")
@@ -180,31 +178,37 @@ def apply_choices(
     return model
 
 
-def _apply_segment(model: torch.nn.Module, name: str, choice: Choice) -> None:
-    modules = [model.get_submodule(member) for member in segment_members(model, name)]
+def _apply_segment(model: torch.nn.Module, unit: Segment, choice: Choice) -> None:
+    modules = [model.get_submodule(member) for member in segment_members(model, unit)]
     originals = [module.__dict__.get("forward") for module in modules]
-    segment = PlannedSegment(name, modules, choice, originals)
+    segment = PlannedSegment(unit, modules, choice, originals)
     for index, (module, original) in enumerate(zip(modules, originals)):
         module.forward = SegmentMember(segment, index, original)
 
 
 def planned_choices(model: torch.nn.Module) -> dict[str, Choice]:
+    """The choice each unit of a rewritten model runs with, by unit name (as `Plan.choices()`, the report and the
+    JSON name them; `planned_units` keys the same by Unit)."""
+    return {unit.name: choice for unit, choice in planned_units(model).items()}
+
+
+def planned_units(model: torch.nn.Module) -> dict[Unit, Choice]:
     """The choice each unit of a rewritten model runs with (the root's own autocast excluded)."""
-    choices: dict[str, Choice] = {}
+    choices: dict[Unit, Choice] = {}
     for name, module in model.named_modules():
         forward = module.__dict__.get("forward")
         while isinstance(forward, (PlannedForward, FusedLossForward)) and not name and forward.original is not None:
             forward = forward.original  # the root's autocast or fused loss around a graph plan
         if isinstance(forward, PlannedGraph):
-            choices.update(planned_choices(forward.split))
+            choices.update(forward.choices)
         elif isinstance(forward, PlannedCalls):
-            choices.update({call_site_name(name, i): p.choice for i, p in enumerate(forward.calls) if p is not None})
+            choices.update({CallSite(name, i): p.choice for i, p in enumerate(forward.calls) if p is not None})
         elif isinstance(forward, PlannedSequential):
-            choices.update({f"{name}[{start}:{stop}]": run.choice for start, stop, run in forward.runs})
+            choices.update({SequentialRun(name, start, stop): run.choice for start, stop, run in forward.runs})
         elif isinstance(forward, SegmentMember) and forward.index == 0:
-            choices[forward.segment.name] = forward.choice
+            choices[forward.segment.unit] = forward.choice
         elif isinstance(forward, PlannedForward) and name:
-            choices[name] = forward.choice
+            choices[ModuleUnit(name)] = forward.choice
     return choices
 
 

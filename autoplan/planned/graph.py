@@ -15,16 +15,18 @@ sets its forward on the model's instance.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import networkx as nx
 import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from autoplan.errors import PlanMismatchError
-from autoplan.vocabulary.names import GRAPH_UNIT
+from autoplan.units import GraphRun
 
 
-class GraphRun(torch.nn.Module):
+class GraphRunModule(torch.nn.Module):
     """One graph unit: a plain module around its GraphModule, so its forward can be replaced on the
     instance like any unit's (torch.compile inlines GraphModules by their class's code)."""
 
@@ -36,23 +38,23 @@ class GraphRun(torch.nn.Module):
         return self.run(*args, **kwargs)
 
 
-def split_by_units(model: torch.nn.Module, names: list[str]) -> torch.fx.GraphModule:
-    """A GraphModule that computes `model`'s forward through one submodule per graph unit."""
+def split_by_units(model: torch.nn.Module, units: Sequence[GraphRun]) -> torch.fx.GraphModule:
+    """A GraphModule that computes `model`'s forward through one submodule per graph unit, named as the unit."""
     traced = torch.fx.symbolic_trace(model)
     nodes = _compute_nodes(traced.graph)
     position = {node.name: i for i, node in enumerate(nodes)}
+    names = [unit.name for unit in units]
     bounds = []
-    for name in names:
-        match = GRAPH_UNIT.match(name)
-        if match is None or match["first"] not in position or match["last"] not in position:
+    for unit in units:
+        if unit.first not in position or unit.last not in position:
             raise PlanMismatchError(
-                f"{name!r} is not a run of {type(model).__name__}'s graph; its graph units are: {graph_units(model)}"
+                f"{unit.name!r} is not a run of {type(model).__name__}'s graph; its graph units are: {[u.name for u in graph_units(model)]}"
             )
-        bounds.append((position[match["first"]], position[match["last"]]))
+        bounds.append((position[unit.first], position[unit.last]))
     unit_of: dict[str, int] = {}
     order = sorted(range(len(names)), key=lambda i: bounds[i])
-    for index, unit in enumerate(order):
-        first, last = bounds[unit]
+    for index, at in enumerate(order):
+        first, last = bounds[at]
         for node in nodes[first : last + 1]:
             unit_of[node.name] = index
     missing = [node.name for node in nodes if node.name not in unit_of]
@@ -64,7 +66,7 @@ def split_by_units(model: torch.nn.Module, names: list[str]) -> torch.fx.GraphMo
             module = getattr(split, node.target)
             delattr(split, node.target)
             name = names[order[int(str(node.target)[len("submod_") :])]]
-            split.add_submodule(name, GraphRun(module))
+            split.add_submodule(name, GraphRunModule(module))
             node.target = name
     split.recompile()
     return torch.fx.GraphModule(split, split.graph, class_name=type(model).__name__)
@@ -115,8 +117,8 @@ def _attr(root: torch.nn.Module, target: str):
     return value
 
 
-def graph_units(model: torch.nn.Module) -> list[str]:
-    """Unit names for `model` from its fx graph, or [] when it cannot be traced or cut in two."""
+def graph_units(model: torch.nn.Module) -> list[GraphRun]:
+    """The graph units of `model` from its fx graph, or [] when it cannot be traced or cut in two."""
     try:
         graph = torch.fx.symbolic_trace(model).graph
     except Exception:  # noqa: BLE001 - untraceable: the caller explains what to do instead
@@ -140,4 +142,4 @@ def graph_units(model: torch.nn.Module) -> list[str]:
         units.pop(0)
     if len(units) < 2:
         return []
-    return [f"graph[{unit[0].name}:{unit[-1].name}]" for unit in units]
+    return [GraphRun(unit[0].name, unit[-1].name) for unit in units]

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import noop_context_fn
 
 from autoplan.errors import SegmentError
 from autoplan.plan import Choice
+from autoplan.units import Segment
 from autoplan.planned.wrappers import PlannedForward, restoring_running_stats, without_cache_writes
 
 # torch.utils.checkpoint builds `checkpoint(use_reentrant=False)` on this generator: entered, it
@@ -63,7 +64,7 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 class PlannedSegment:
     """Consecutive blocks checkpointed as one region; each block's forward is a `SegmentMember` of it."""
 
-    name: str
+    unit: Segment
     modules: list[torch.nn.Module]
     choice: Choice
     originals: list[Any]  # each block's instance forward before the plan (None: its class's)
@@ -100,7 +101,7 @@ class PlannedSegment:
     def _continue(self, region: _Region, index: int, args: tuple, kwargs: dict):
         if index != len(region.later) + 1:
             self.abandon()
-            raise SegmentError(f"segment {self.name}: block {index} ran out of order; remove the plan (autoplan.remove_plan) and plan again")
+            raise SegmentError(f"segment {self.unit.name}: block {index} ran out of order; remove the plan (autoplan.remove_plan) and plan again")
         args, kwargs = without_cache_writes(self.modules[index], args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         region.later.append((spec, [self._source(region, index, leaf) for leaf in leaves]))
@@ -117,7 +118,7 @@ class PlannedSegment:
                 return ("first", position)
         self.abandon()
         raise SegmentError(
-            f"segment {self.name}: block {index} was called with a tensor that is neither the previous block's output "
+            f"segment {self.unit.name}: block {index} was called with a tensor that is neither the previous block's output "
             "nor an argument of the first block, so the segment cannot be recomputed; plan again without segments "
             "(autoplan.plan(..., segments=False))"
         )

@@ -23,7 +23,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from autoplan.plan import Choice
+from autoplan.plan import Choice, Precision
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.tracker import RooflineRates, op_roofline
 from autoplan.planned.wrappers import PlannedForward, can_save, op_name
@@ -59,7 +59,7 @@ class MenuPoint:
     estimated_recompute_s: float
 
 
-def record_ops(module: torch.nn.Module, args: tuple, kwargs: dict, precision: str, device: RooflineRates) -> tuple[OpRecord, ...]:
+def record_ops(module: torch.nn.Module, args: tuple, kwargs: dict, precision: Precision, device: RooflineRates) -> tuple[OpRecord, ...]:
     """Run the unit's forward once as a selective unit that saves nothing, recording every op the policy sees."""
     records: list[OpRecord] = []
     names = {id(sub): name for name, sub in module.named_modules()}
@@ -139,7 +139,7 @@ def _recomputed_prefix(output, occurrences: list[str]) -> int:
     return longest
 
 
-def menu_points(ops: tuple[OpRecord, ...], precision: str, size: int = DEFAULT_MENU_SIZE) -> list[MenuPoint]:
+def menu_points(ops: tuple[OpRecord, ...], precision: Precision, size: int = DEFAULT_MENU_SIZE) -> list[MenuPoint]:
     """Up to `size` policies along the front of saved bytes vs recompute time (greedy by time per byte).
 
     Saving ever longer prefixes of the ops sorted by recompute time per byte saved walks the
@@ -164,8 +164,9 @@ def menu_points(ops: tuple[OpRecord, ...], precision: str, size: int = DEFAULT_M
     points = []
     for end in ends:
         saved = sorted((op.occurrence for op in candidates[: end + 1]), key=order.__getitem__)
-        choice = Choice("selective", precision, saves=tuple(saved))
-        words = PolicyWords(summarize(ops, choice.saves), describe(ops, choice.saves))
+        saves = tuple(saved)
+        choice = Choice("selective", precision, saves=saves)
+        words = PolicyWords(summarize(ops, saves), describe(ops, saves))
         points.append(MenuPoint(choice, words, held[end], total_s - spared[end]))
     return points
 

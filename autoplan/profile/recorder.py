@@ -7,14 +7,15 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.utils._pytree import tree_map_only
 
 from autoplan.errors import RepeatedUnitError
 from autoplan.plan import Phase
-from autoplan.vocabulary.names import call_site, unit_endpoints
+from autoplan.units import CallSite, Unit
+from autoplan.vocabulary.names import unit_endpoints
 from autoplan.vocabulary.tensors import storage_bytes, tensors_of, unique_storage_bytes
 from autoplan.instruments.tracker import LiveBytesTracker
 from autoplan.instruments.values import copy_with_digest, give_value, known_value
@@ -23,7 +24,7 @@ from autoplan.instruments.values import copy_with_digest, give_value, known_valu
 class UnitRecorder:
     """Forward hooks on the units that open a phase at each unit boundary, forward and backward."""
 
-    def __init__(self, tracker: LiveBytesTracker, model: torch.nn.Module, units: list[str]) -> None:
+    def __init__(self, tracker: LiveBytesTracker, model: torch.nn.Module, units: list[Unit]) -> None:
         self.tracker = tracker
         self.params = list(model.parameters())
         self.recording = False
@@ -38,11 +39,11 @@ class UnitRecorder:
         self._started: Counter[int] = Counter()  # per module: calls begun in the recorded forward
         self._finished: Counter[int] = Counter()
         called = {}
-        for name in units:
-            first, last = unit_endpoints(model, name)
-            pre, post = self._pre_hook(name), self._post_hook(name)
-            site = call_site(name)
-            if site is not None:  # one call of a module that runs several times: its hooks act on that call only
+        for unit in units:
+            first, last = unit_endpoints(model, unit)
+            pre, post = self._pre_hook(unit.name), self._post_hook(unit.name)
+            site = unit
+            if isinstance(site, CallSite):  # one call of a module that runs several times: its hooks act on that call only
                 pre = self._on_call(first, site.index + 1, pre, self._started)  # its own call already counted
                 post = self._on_call(first, site.index, post, self._finished)  # not yet counted as finished
                 called[id(first)] = first
@@ -79,7 +80,7 @@ class UnitRecorder:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.recording and self.in_forward and self.in_rest:
-            self.rest_saved[self.key(tensor)] = self.tracker.current_phase
+            self.rest_saved[self.key(tensor)] = cast(Phase, self.tracker.current_phase)  # begin() labels every phase with one
         # An alias without autograd history: a node saving its own output through a hook that returns the
         # tensor itself holds itself (a reference cycle), so a part of the graph backward never runs (a
         # layer whose output no loss uses) would outlive the outputs, as it does not in the real step.
@@ -94,7 +95,7 @@ class UnitRecorder:
         self.tracker.begin_phase(phase)
 
     def _once(self, phase: Phase) -> Callable:
-        fired = []
+        fired: list[bool] = []
 
         def hook(grad):
             if not fired:
@@ -164,7 +165,7 @@ class UnitRecorder:
             for leaf, (key, nbytes) in enumerate(zip(call.input_keys, call.input_bytes)):
                 consumers[key] = consumers.get(key, ()) + ((call.name, leaf),)
                 sizes[key] = nbytes
-        labels = [phase.label for phase in self.tracker.phases()]
+        labels = [cast(Phase, phase.label) for phase in self.tracker.phases()]  # begin() labels each with a Phase
         return tuple(
             Boundary(
                 key,

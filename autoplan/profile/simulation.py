@@ -24,14 +24,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import Choice, OutsideUnits
+from autoplan.plan import Choice, OutsideUnits, Precision
+from autoplan.units import Unit
 from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.instruments.fake import fake_copy, new_fake_mode
 from autoplan.planned.forwards import apply_choices, fused_losses, remove_plan
 from autoplan.trace.tracer import Traced
 
 
-def simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping[str, Choice], rest: str, fused_loss: bool = False):
+def simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping[Unit, Choice], rest: Precision, fused_loss: bool = False):
     """A fake twin of the traced model in training mode, rewritten with `choices`."""
     model = remove_plan(fake_copy(traced.model, fake_mode))
     model.train()  # plans are for training: dropout on, BatchNorm updating its statistics
@@ -40,11 +41,11 @@ def simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping
 
 def run_timeline(
     traced: Traced,
-    choices: Mapping[str, Choice],
+    choices: Mapping[Unit, Choice],
     *,
     device: Device,
     optimizer: str | torch.optim.Optimizer,
-    rest_precision: str = "fp32",
+    rest_precision: Precision = "fp32",
     loss_fn: Callable | None = None,
     fake_mode: FakeTensorMode | None = None,
     loop: TrainingLoop | None = None,
@@ -77,11 +78,11 @@ class BaseTimelines:
 
 
 def base_timelines(
-    traced: Traced, base: Mapping[str, Choice], *, device: Device, optimizer, rest_precision: str, loss_fn, fake_mode: FakeTensorMode,
+    traced: Traced, base: Mapping[Unit, Choice], *, device: Device, optimizer, rest_precision: Precision, loss_fn, fake_mode: FakeTensorMode,
     loop: TrainingLoop, fuse_loss: bool,
 ) -> BaseTimelines:
     """The profile's timeline and reference; with `fuse_loss`, the head fused where that holds less (`holds_less`)."""
-    def simulate(choices, rest: str, fused: bool, mode: FakeTensorMode | None = None) -> Timeline:
+    def simulate(choices, rest: Precision, fused: bool, mode: FakeTensorMode | None = None) -> Timeline:
         return run_timeline(traced, choices, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
                             fake_mode=mode, loop=loop, fused_loss=fused)
 
@@ -92,4 +93,4 @@ def base_timelines(
         timeline, alternative = (timeline, written) if holds_less(timeline, written) else (written, timeline)
     if rest_precision == "fp32":
         return BaseTimelines(timeline, written, alternative)
-    return BaseTimelines(timeline, simulate({name: Choice("keep", "fp32") for name in base}, "fp32", False), alternative)
+    return BaseTimelines(timeline, simulate({unit: Choice("keep", "fp32") for unit in base}, "fp32", False), alternative)

@@ -20,6 +20,7 @@ from autoplan.inputs.devices import Device
 from autoplan.inputs.hf_paths import real_mask_decisions
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase
+from autoplan.units import Unit
 from autoplan.profile.recorder import Boundary, UnitCall, UnitRecorder
 from autoplan.instruments.target import as_the_target_runs
 from autoplan.instruments.fake import FakeGradScaler, fake_tree
@@ -99,7 +100,7 @@ def simulate_training(
     example_inputs: tuple[tuple, dict],
     *,
     fake_mode: FakeTensorMode,
-    units: list[str],
+    units: list[Unit],
     device: Device,
     optimizer: str | torch.optim.Optimizer,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -167,7 +168,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
     phases = tuple(
         _phase_sample(phase, grad, carried) for phase, grad in zip(tracker.phases(first_phase), recorder.grad_bytes, strict=True)
     )
-    missing = [name for name in units if name not in {call.name for call in hooks.calls}]
+    missing = [unit.name for unit in units if unit.name not in {call.name for call in hooks.calls}]
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
     timeline = Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried,

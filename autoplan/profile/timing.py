@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from autoplan.errors import OptionError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import DTYPES, Choice, OutsideUnits
+from autoplan.plan import DTYPES, Choice, OutsideUnits, Precision
 from autoplan.profile.recorder import TensorSpec
 from autoplan.profile.units import Profile, UnitCost
 from autoplan.vocabulary.names import unit_module
@@ -44,13 +44,13 @@ def _real_inputs(inputs: Any, device: torch.device) -> Any:
     return tree_map_only(TensorSpec, make, inputs)
 
 
-def _rest_autocast(rest: str, device: torch.device):
+def _rest_autocast(rest: Precision, device: torch.device):
     if rest == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[rest], cache_enabled=False)
 
 
-def _time_unit(module, inputs, choice: Choice, rest: str, device, warmup: int, runs: int) -> tuple[float, float]:
+def _time_unit(module, inputs, choice: Choice, rest: Precision, device, warmup: int, runs: int) -> tuple[float, float]:
     planned = PlannedForward(module, choice)
     timer = Timer(device)
     fwd_times, bwd_times = [], []
@@ -113,7 +113,7 @@ def measure_times(
             key = id(unit.options)  # identical units share one options mapping
             if key not in measured:
                 say(f"timing unit {index + 1}/{len(profile.units)}: {unit.name}")
-                module = unit_module(model, unit.name)
+                module = unit_module(model, unit.unit)
                 costs = {}
                 for choice, cost in unit.options.items():
                     fwd_s, bwd_s = _time_unit(module, calls[unit.name].inputs, choice, rest, device, warmup, runs)
@@ -121,7 +121,7 @@ def measure_times(
                 measured[key] = MappingProxyType(costs)
             units.append(dataclasses.replace(unit, options=measured[key]))
         say("timing whole training steps")
-        base = {u.name: u.base for u in profile.units}
+        base = {u.unit: u.base for u in profile.units}
         steps = {}
         fused = profile.timeline.fused_loss
         for name, choices, outside in (("base", base, OutsideUnits(rest, fused)), ("reference", {}, OutsideUnits())):

@@ -17,7 +17,7 @@ import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from autoplan.errors import OptionError, OptionTypeError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop, check_loop
-from autoplan.plan import DTYPES, MODES, Choice
+from autoplan.plan import DTYPES, MODES, Choice, Precision
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, menu_points, record_ops
 from autoplan.profile.offload import measure_host_twins
@@ -35,9 +35,10 @@ from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
 from autoplan.instruments.target import as_the_target_runs
 from autoplan.instruments.fake import new_fake_mode
+from autoplan.units import Unit
 from autoplan.vocabulary.names import unit_module
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
-from autoplan.instruments.tracker import FusedElementwiseRates, LiveBytesTracker
+from autoplan.instruments.tracker import FusedElementwiseRates, LiveBytesTracker, RooflineRates
 from autoplan.training.step_parts import optimizer_name
 from autoplan.planned.wrappers import PlannedForward
 from autoplan.trace.tracer import Traced
@@ -70,12 +71,16 @@ class UnitCost:
 
 @dataclass(frozen=True)
 class UnitProfile:
-    name: str
+    unit: Unit
     options: Mapping[Choice, UnitCost]  # every choice this unit may take
     base: Choice  # the choice it had in the timeline
     param_bytes: int = 0  # its parameters (what FSDP gathers to run it), tied weights once
     param_layout: tuple[ParamShape, ...] = ()  # its parameters' shapes, as FSDP shards them
     policies: Mapping[Choice, PolicyWords] = field(default_factory=lambda: MappingProxyType({}))  # its menu points' policies in words (profile.menu)
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
 
     def delta_held(self, choice: Choice) -> int:
         return self.options[choice].held_bytes - self.options[self.base].held_bytes
@@ -90,7 +95,7 @@ class Profile:
     model_name: str
     device: Device
     optimizer: str
-    rest_precision: str  # precision of everything outside the units
+    rest_precision: Precision  # precision of everything outside the units
     timeline: Timeline  # every unit at its base choice
     reference: Timeline  # no plan at all: every unit keep/fp32, nothing under autocast
     units: tuple[UnitProfile, ...]  # forward order
@@ -114,7 +119,7 @@ class Profile:
         return next(u for u in self.units if u.name == name)
 
 
-def precision_options(precision: str, device: Device) -> tuple[str, ...]:
+def precision_options(precision: str, device: Device) -> tuple[Precision, ...]:
     """The precisions the solver may choose from: "auto" means fp32 or the device's autocast dtype."""
     if precision == "auto":
         return ("fp32", device.low_precision_name)
@@ -122,7 +127,7 @@ def precision_options(precision: str, device: Device) -> tuple[str, ...]:
         raise OptionError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got {precision!r}")
     if precision == "bf16" and not device.supports_bf16:
         raise OptionError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
-    return (precision,)
+    return (cast(Precision, precision),)  # one of DTYPES, checked above
 
 
 def _signature(module: torch.nn.Module, call: UnitCall) -> tuple:
@@ -187,7 +192,7 @@ class _AttentionSaved(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _measure_unit(
-    module: torch.nn.Module, call: UnitCall, choice: Choice, rest: str, device: Device, fake_mode: FakeTensorMode
+    module: torch.nn.Module, call: UnitCall, choice: Choice, rest: Precision, device: RooflineRates, fake_mode: FakeTensorMode
 ) -> UnitCost:
     tracker = LiveBytesTracker(device)
     planned = PlannedForward(module, choice)
@@ -244,7 +249,7 @@ def _measure_unit(
     )
 
 
-def _measure_options(module, call: UnitCall, precisions, rest: str, device: Device, fake_mode: FakeTensorMode, menu_size: int,
+def _measure_options(module, call: UnitCall, precisions, rest: Precision, device: Device, fake_mode: FakeTensorMode, menu_size: int,
                      host_bandwidth: float = 0.0):
     """Every choice of one unit measured: the three modes × precisions, their host twins when a host link is
     given (`profile.offload`), then its menu points (with their policies in words)."""
@@ -268,7 +273,7 @@ def _measure_options(module, call: UnitCall, precisions, rest: str, device: Devi
     return MappingProxyType(costs), MappingProxyType(policies)
 
 
-def _menu(module, call: UnitCall, precision: str, device: Device, fake_mode: FakeTensorMode, size: int):
+def _menu(module, call: UnitCall, precision: Precision, device: Device, fake_mode: FakeTensorMode, size: int):
     """The unit's menu points in `precision`, from one recorded forward with inputs like the timeline's."""
     with fake_mode, as_the_target_runs(device):
         args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
@@ -278,23 +283,25 @@ def _menu(module, call: UnitCall, precision: str, device: Device, fake_mode: Fak
     return menu_points(ops, precision, size)
 
 
-def unit_choices(precisions: tuple[str, ...]) -> list[Choice]:
+def unit_choices(precisions: tuple[Precision, ...]) -> list[Choice]:
     return [Choice(mode, precision) for precision in precisions for mode in MODES]
 
 
 def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth=0.0) -> list[UnitProfile]:
     """Every unit alone under every choice; identical units (class, parameter and input shapes) measured once."""
-    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, str]]] = {}
+    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, PolicyWords]]] = {}
+    units_by_name = {unit.name: unit for unit in base}
     units = []
     for index, call in enumerate(timeline.unit_calls):
-        module = unit_module(model, call.name)
+        unit = units_by_name[call.name]
+        module = unit_module(model, unit)
         key = _signature(module, call)
         if key not in measured:
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
             measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size, host_bandwidth)
         params = list(module.parameters())
         costs, policies = measured[key]
-        units.append(UnitProfile(call.name, costs, base[call.name], unique_storage_bytes(params), layout_of(params), policies=policies))
+        units.append(UnitProfile(unit, costs, base[unit], unique_storage_bytes(params), layout_of(params), policies=policies))
     return units
 
 
@@ -303,8 +310,8 @@ def profile(
     device: Device,
     *,
     optimizer: str | torch.optim.Optimizer = "adamw",
-    precisions: tuple[str, ...] = ("fp32",),
-    rest_precision: str = "fp32",
+    precisions: tuple[Precision, ...] = ("fp32",),
+    rest_precision: Precision = "fp32",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     progress: Callable[[str], None] | None = None,
     menu_size: int = DEFAULT_MENU_SIZE,
@@ -330,7 +337,7 @@ def profile(
     if not isinstance(traced, Traced):
         raise OptionTypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
     rest = rest_precision
-    base = {name: Choice("keep", rest) for name in traced.units}
+    base = {unit: Choice("keep", rest) for unit in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
     timeline_mode = new_fake_mode(traced.routing, traced.draws)
@@ -343,7 +350,7 @@ def profile(
     rates = FusedElementwiseRates(device) if compile else device
     host_bandwidth = device.host_bandwidth if offload else 0.0
     units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth)
-    in_units = {id(p) for unit in units for p in unit_module(model, unit.name).parameters()}
+    in_units = {id(p) for unit in units for p in unit_module(model, unit.unit).parameters()}
     return Profile(
         model_name=type(traced.model).__name__,
         device=device,
@@ -380,7 +387,7 @@ def with_choices(traced: Traced, measured: Profile, extra: Iterable[Choice], *, 
     by_signature: dict[tuple, dict[Choice, UnitCost]] = {}
     units = []
     for call, unit in zip(measured.timeline.unit_calls, measured.units):
-        module = unit_module(model, call.name)
+        module = unit_module(model, unit.unit)
         key = _signature(module, call)
         if key not in by_signature:
             by_signature[key] = {c: _measure_unit(module, call, c, measured.rest_precision, rates, fake_mode) for c in extra}

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoplan.report.advice import state_bound
-from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds
+from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds, rank_noun
 from autoplan.vocabulary.code_lines import wrap_code
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def _continues(previous: "UnitDecision", unit: "UnitDecision") -> bool:
 def _verdict(plan: "Plan") -> Text:
     usable = format_bytes(plan.request.usable_bytes)
     over = f"over the {usable} usable ({format_bytes(plan.request.budget_bytes)} budget)"
-    on = plan.target.device if plan.request.world_size == 1 else f"{plan.request.world_size} × {plan.target.device} (per GPU, FSDP)"
+    on = plan.target.device if plan.request.world_size == 1 else f"{plan.request.world_size} × {plan.target.device} (per {rank_noun(plan.target.device)}, FSDP)"
     bound = state_bound(plan)
     if plan.outcome.feasible:
         text = Text("FITS", style="bold green")
@@ -235,11 +235,11 @@ def _code(code: str) -> Text:
     return Text(wrap_code(code), style="cyan", no_wrap=True, overflow="ignore")
 
 
-def _sharded(peak: "ShardedPeak", usable: int) -> Text:
+def _sharded(peak: "ShardedPeak", usable: int, device: str) -> Text:
     verdict = "fits" if peak.total <= usable else "does not fit"
     return Text(
-        f"FSDP estimate on {peak.world_size} GPUs (sharding parameters, gradients and optimizer state; an estimate, "
-        f"not a plan): {format_bytes(peak.total)} per GPU, {verdict} in {format_bytes(usable)} — shards: parameters "
+        f"FSDP estimate on {peak.world_size} {rank_noun(device, peak.world_size)} (sharding parameters, gradients and optimizer state; an estimate, "
+        f"not a plan): {format_bytes(peak.total)} per {rank_noun(device)}, {verdict} in {format_bytes(usable)} — shards: parameters "
         f"{format_bytes(peak.parameters)}, gradients {format_bytes(peak.gradients)}, optimizer {format_bytes(peak.optimizer)}; "
         f"gathered parameters {format_bytes(peak.gathered_parameters)}, all-gather/reduce-scatter buffers "
         f"{format_bytes(peak.communication_buffers)}, activations {format_bytes(peak.activations)} (at {peak.phase})"
@@ -256,19 +256,19 @@ def _world_sizes(plan: "Plan") -> list[RenderableType]:
         parts.append(Text(
             f"before sharding: {format_count(plan.model.parameter_count)} parameters × {per_param:.1f} bytes each (weights, gradients, "
             f"{plan.request.optimizer} state; the rule of thumb for AdamW is 16) = {format_bytes(plan.model.state_bytes)}; over "
-            f"{format_bytes(usable)} usable that is at least {floor} GPU(s) for the state alone, before activations"
+            f"{format_bytes(usable)} usable that is at least {floor} {rank_noun(plan.target.device, floor)} for the state alone, before activations"
         ))
     peak = plan.prediction.fsdp
     if peak is not None:
         parts.append(Text(
-            f"per rank on {peak.world_size} GPUs (FSDP2, at {peak.phase}): shards of parameters {format_bytes(peak.parameters)} "
+            f"per rank on {peak.world_size} {rank_noun(plan.target.device, peak.world_size)} (FSDP2, at {peak.phase}): shards of parameters {format_bytes(peak.parameters)} "
             f"+ gradients {format_bytes(peak.gradients)} + optimizer {format_bytes(peak.optimizer)} + gathered parameters "
             f"(root, running and prefetched unit) {format_bytes(peak.gathered_parameters)} + all-gather/reduce-scatter buffers "
             f"{format_bytes(peak.communication_buffers)} + activations {format_bytes(peak.activations)} = {format_bytes(peak.total)}"
         ))
     if plan.prediction.world_size_curve:
-        table = Table(title="per-rank peak against the number of GPUs (world_size=\"auto\")", title_justify="left", show_edge=False)
-        for column in ("GPUs", "lowest peak per rank", "no checkpointing", "fits"):
+        table = Table(title=f"per-rank peak against the number of {rank_noun(plan.target.device, 2)} (world_size=\"auto\")", title_justify="left", show_edge=False)
+        for column in (rank_noun(plan.target.device, 2), "lowest peak per rank", "no checkpointing", "fits"):
             table.add_column(column, justify="left" if column == "fits" else "right")
         for point in plan.prediction.world_size_curve:
             mark = "yes" if point.fits else "no"
@@ -345,7 +345,7 @@ def report_renderables(
         parts.append(Text("apply it:", style="bold"))
         parts.append(_code(apply_code(plan, budget_text)))
     if advice is not None and advice.requested is not None and plan.request.world_size == 1:
-        parts.append(_sharded(advice.requested, plan.request.usable_bytes))
+        parts.append(_sharded(advice.requested, plan.request.usable_bytes, plan.target.device))
     if advice is not None:
         parts.append(_advice(advice))
         fix = next((s for s in advice.steps if s.key == advice.first_fix), None)

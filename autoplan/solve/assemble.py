@@ -165,7 +165,7 @@ def _decisions(measured: Profile, chosen) -> tuple[UnitDecision, ...]:
             terms = segment_terms(measured, candidate, choice)
             first = measured.units[candidate.members[0]]
             decisions.append(UnitDecision(
-                name=candidate.name, choice=choice, saved_bytes=first.options[choice].held_bytes,
+                unit=candidate.unit, choice=choice, saved_bytes=first.options[choice].held_bytes,
                 recompute_flops=terms.recompute_flops, step_time_s=terms.time_s,
                 members=tuple(measured.units[m].name for m in candidate.members),
             ))
@@ -173,7 +173,7 @@ def _decisions(measured: Profile, chosen) -> tuple[UnitDecision, ...]:
             choice = chosen[unit.name]
             cost = unit.options[choice]
             decisions.append(UnitDecision(
-                name=unit.name, choice=choice, saved_bytes=cost.held_bytes,
+                unit=unit.unit, choice=choice, saved_bytes=cost.held_bytes,
                 recompute_flops=unit.recompute_flops(choice), step_time_s=cost.time_s,
                 host_bytes=cost.host_bytes, transfer_s=cost.transfer_s, exposed_transfer_s=cost.exposed_transfer_s,
                 **_policy_fields(unit.policies.get(choice)),

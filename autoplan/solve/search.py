@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, cast
 
 from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.memory.model import predict_peak
-from autoplan.plan import MODES, Choice
+from autoplan.plan import MODES, Choice, Mode, Precision
 from autoplan.profile.offload import on_device_only
 from autoplan.profile.units import Profile
 from autoplan.vocabulary.names import match_units
@@ -37,21 +37,21 @@ class SearchResult:
 
 
 def pinned_choices(
-    units: list[str], precisions: tuple[str, ...], keep_fp32, checkpoint
+    units: list[str], precisions: tuple[Precision, ...], keep_fp32, checkpoint
 ) -> dict[str, tuple[Choice, ...]]:
     """Per unit, the choices the person allows (absent: any profiled choice)."""
-    modes: dict[str, tuple[str, ...]] = {}
+    modes: dict[str, tuple[Mode, ...]] = {}
     if checkpoint:
         requested = checkpoint if isinstance(checkpoint, Mapping) else {p: "full" for p in ([checkpoint] if isinstance(checkpoint, str) else checkpoint)}
         for pattern, mode in requested.items():
             if mode not in MODES:
                 raise OptionError(f"checkpoint mode for {pattern!r} must be one of {MODES}; got {mode!r}")
             for unit in match_units(units, [pattern], "checkpoint"):
-                modes[unit] = (mode,)
+                modes[unit] = (cast(Mode, mode),)  # one of MODES, checked above
     fp32_units = match_units(units, keep_fp32, "keep_fp32") if keep_fp32 else set()
     pins = {}
     for unit in units:
-        unit_precisions = ("fp32",) if unit in fp32_units else precisions
+        unit_precisions: tuple[Precision, ...] = ("fp32",) if unit in fp32_units else precisions
         pins[unit] = tuple(Choice(m, p) for p in unit_precisions for m in modes.get(unit, MODES))
     return pins
 

@@ -12,19 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from autoplan.inputs.options import MAX_WORLD_SIZE  # beyond it the floor (activations, gathered units) is what does not fit
 from autoplan.memory.model import predict_peak
 from autoplan.memory.sharded import fsdp_group
 from autoplan.plan import Choice, WorldSizePoint
 from autoplan.profile.units import Profile
 from autoplan.solve.ilp import minimum_peak
 
-MAX_WORLD_SIZE = 65536  # beyond this the floor (activations, gathered units) is what does not fit
 
 
 def profiled_parameter_count(profile: Profile) -> int:
     """Parameters of the model (units and the rest), tied weights once."""
     # a module called several times (call sites block@0, block@1, ...) has one set of parameters
-    layouts = list({fsdp_group(unit.name): unit.param_layout for unit in profile.units}.values()) + [profile.rest_param_layout]
+    layouts = list({fsdp_group(unit.unit): unit.param_layout for unit in profile.units}.values()) + [profile.rest_param_layout]
     return sum(p.rows * p.row_numel for layout in layouts for p in layout)
 
 

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autoplan.instruments.fake import fake_copy, fake_tree, new_fake_mode
 from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
-from autoplan.vocabulary.names import call_site, call_site_name
+from autoplan.units import CallSite, Unit
 from autoplan.vocabulary.tensors import tensors_of
 
 
@@ -62,7 +62,7 @@ class _Provenance(TorchDispatchMode):
 
 
 def runtime_unit_graph(
-    model: torch.nn.Module, inputs: tuple[tuple, dict], units: list[str], routing: MoeRoutingBound = WORST_CASE, draws: str = "high",
+    model: torch.nn.Module, inputs: tuple[tuple, dict], units: list[Unit], routing: MoeRoutingBound = WORST_CASE, draws: str = "high",
 ) -> tuple[list[str], nx.DiGraph, int]:
     """Run `model` once on fake tensors; return its units in call order, the unit dataflow graph and
     how many values computed from random draws the forward read (random control flow: `instruments.values`).
@@ -81,28 +81,31 @@ def runtime_unit_graph(
     handles = []
 
     calls: Counter[str] = Counter()
+    running_modules: list[str] = []  # the unit each entry of provenance.running is a call of
 
     def enter(name: str):
         def hook(module, args):
             # every call its own unit for now; a module called once is renamed back below
             calls[name] += 1
-            site = call_site_name(name, calls[name] - 1)
-            order.append(site)
-            provenance.running.append(site)
+            site = CallSite(name, calls[name] - 1)
+            order.append(site.name)
+            provenance.running.append(site.name)
+            running_modules.append(name)
 
         return hook
 
     def leave(name: str):
         def hook(module, args, output):
-            if provenance.running and call_site(provenance.running[-1]).module == name:
+            if running_modules and running_modules[-1] == name:
+                running_modules.pop()
                 provenance.running.pop()
 
         return hook
 
-    for name in units:
-        first, last = unit_endpoints(twin, name)
-        handles.append(first.register_forward_pre_hook(enter(name)))
-        handles.append(last.register_forward_hook(leave(name)))
+    for unit in units:
+        first, last = unit_endpoints(twin, unit)
+        handles.append(first.register_forward_pre_hook(enter(unit.name)))
+        handles.append(last.register_forward_hook(leave(unit.name)))
     try:
         with fake_mode, provenance, torch.no_grad():
             args, kwargs = fake_tree(inputs, fake_mode)
@@ -119,5 +122,5 @@ def runtime_unit_graph(
     graph.add_nodes_from(["input", *order, "output"])
     graph.add_edges_from(provenance.edges)
     graph.add_edges_from((source, "output") for source in finished)
-    once = {call_site_name(name, 0): name for name, count in calls.items() if count == 1}
+    once = {CallSite(name, 0).name: name for name, count in calls.items() if count == 1}
     return [once.get(site, site) for site in order], nx.relabel_nodes(graph, once), fake_mode.values.random_reads

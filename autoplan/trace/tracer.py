@@ -41,7 +41,7 @@ from autoplan.vocabulary.formatting import first_line
 from autoplan.vocabulary.tensors import tensors_of
 from autoplan.planned.graph import split_by_units
 from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound
-from autoplan.vocabulary.names import call_site, call_site_name, is_graph_unit, is_range_unit, sequential_run
+from autoplan.units import CallSite, GraphRun, SequentialRun, Unit
 from autoplan.trace.units import find_units
 
 
@@ -51,7 +51,7 @@ class Traced:
 
     model: torch.nn.Module  # the model; for graph units, a GraphModule of its layers, one submodule per unit
     example_inputs: tuple[tuple, dict]  # (args, kwargs)
-    units: tuple[str, ...]  # qualified names, in execution order when the graph is known
+    units: tuple[Unit, ...]  # in execution order when the graph is known
     graph: torch.fx.Graph | None  # None when the units were found by running the model ("hooks")
     method: str  # "symbolic_trace", "export" or "hooks"
     unit_graph: nx.DiGraph  # unit -> unit dataflow ("input" and "output" included)
@@ -61,6 +61,10 @@ class Traced:
     routing: MoeRoutingBound = WORST_CASE  # how every fake-tensor run of this model answers data-dependent expert routing
     draws: str = "high"  # the value small random draws take in every fake-tensor run ("high" or "low": `instruments.values`)
     random_reads: int = 0  # values computed from random draws the forward read (LayerDrop): random control flow
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        return tuple(unit.name for unit in self.units)
 
 
 # What a failure under fake tensors most often is, and its fix (trace and profile both run there).
@@ -144,35 +148,35 @@ def _node_unit(node: torch.fx.Node, module_units: dict[str, str]) -> str | None:
     return None
 
 
-def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.DiGraph]:
-    """Which unit's output reaches which unit's input, through the ops between them."""
+def _unit_graph(graph: torch.fx.Graph, units: list[Unit]) -> tuple[list[str], nx.DiGraph]:
+    """Which unit's output reaches which unit's input (by name), through the ops between them."""
     module_units: dict[str, str] = {}
     for unit in units:
-        run = sequential_run(unit)
-        for layer in run.layer_names() if run is not None else [unit]:
-            module_units[layer] = unit
+        for layer in unit.layer_names() if isinstance(unit, SequentialRun) else [unit.name]:
+            module_units[layer] = unit.name
     # a unit module called several times (shared weights) is one unit per call: "block@0", "block@1", ...
-    calls = Counter(str(node.target) for node in graph.nodes if node.op == "call_module" and str(node.target) in units)
+    names = {unit.name for unit in units}
+    calls = Counter(str(node.target) for node in graph.nodes if node.op == "call_module" and str(node.target) in names)
     seen: Counter[str] = Counter()
     sources: dict[torch.fx.Node, set[str]] = {}
     order: list[str] = []
     dataflow = nx.DiGraph()
     dataflow.add_nodes_from(["input", "output"])
     for node in graph.nodes:
-        unit = _node_unit(node, module_units)
-        if unit is not None and node.op == "call_module" and calls[unit] > 1:
-            seen[unit] += 1
-            unit = call_site_name(unit, seen[unit] - 1)
+        owner = _node_unit(node, module_units)
+        if owner is not None and node.op == "call_module" and calls[owner] > 1:
+            seen[owner] += 1
+            owner = CallSite(owner, seen[owner] - 1).name
         incoming = set().union(*(sources.get(arg, set()) for arg in node.all_input_nodes)) if node.all_input_nodes else set()
         if node.op == "placeholder":
             sources[node] = {"input"}
-        elif unit is not None:
-            if unit not in order:
-                order.append(unit)
-                dataflow.add_node(unit)
-            for source in incoming - {unit}:
-                dataflow.add_edge(source, unit)
-            sources[node] = {unit}
+        elif owner is not None:
+            if owner not in order:
+                order.append(owner)
+                dataflow.add_node(owner)
+            for source in incoming - {owner}:
+                dataflow.add_edge(source, owner)
+            sources[node] = {owner}
         else:
             sources[node] = incoming
             if node.op == "output":
@@ -182,7 +186,7 @@ def _unit_graph(graph: torch.fx.Graph, units: list[str]) -> tuple[list[str], nx.
 
 
 def trace(
-    model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None, *, unit_names: tuple[str, ...] | None = None,
+    model: torch.nn.Module, example_inputs: Any, units: list[str] | None = None, *, unit_names: tuple[Unit, ...] | None = None,
     routing: MoeRoutingBound = WORST_CASE,
 ) -> Traced:
     """Find the units of `model` and trace how data flows between them.
@@ -196,31 +200,29 @@ def trace(
     from autoplan.inputs.hf_models import is_hf_model
 
     inputs = normalize_inputs(example_inputs)
-    unit_names = list(unit_names) if unit_names else find_units(model, units)  # unit_names: one level of `unit_levels`
-    if all(is_graph_unit(name) for name in unit_names):
-        model = split_by_units(model, unit_names)  # the same layers, one submodule per unit
-    leaves = {u for u in unit_names if not is_range_unit(u)}
-    tracers = {
-        "symbolic_trace": ("torch.fx.symbolic_trace", lambda: _symbolic_trace(model, leaves)),
-        "export": ("torch.export(strict=False)", lambda: _export(model, inputs)),
-        "hooks": ("a forward on fake tensors", lambda: _worst_case_draws(model, inputs, unit_names, routing)),
-    }
+    found = list(unit_names) if unit_names else find_units(model, units)  # unit_names: one level of `unit_levels`
+    graph_runs = [unit for unit in found if isinstance(unit, GraphRun)]
+    if graph_runs and len(graph_runs) == len(found):
+        model = split_by_units(model, graph_runs)  # the same layers, one submodule per unit
+    leaves = {u.name for u in found if not isinstance(u, SequentialRun)}
+    labels = {"symbolic_trace": "torch.fx.symbolic_trace", "export": "torch.export(strict=False)", "hooks": "a forward on fake tensors"}
     order = ("hooks", "export") if is_hf_model(model) else ("symbolic_trace", "export", "hooks")
     errors: list[str] = []
     for method in order:
-        label, run = tracers[method]
+        graph: torch.fx.Graph | None = None
         try:
-            result = run()
+            if method == "hooks":
+                executed, dataflow, random_reads, draws = _worst_case_draws(model, inputs, found, routing)
+            else:
+                graph = _symbolic_trace(model, leaves) if method == "symbolic_trace" else _export(model, inputs)
         except Exception as error:  # noqa: BLE001 - any failure means: try the next tracer
+            label = labels[method]
             errors.append(f"{label}: {first_line(error)}" if method == "hooks" else f"{label}: {type(error).__name__}: {first_line(error)}")
             continue
-        draws, random_reads = "high", 0
-        if method == "hooks":
-            graph, (executed, dataflow, random_reads, draws) = None, result
-        else:
-            graph = result
-            executed, dataflow = _unit_graph(graph, unit_names)
-        traced = _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors)
+        if graph is not None:
+            draws, random_reads = "high", 0
+            executed, dataflow = _unit_graph(graph, found)
+        traced = _traced(model, inputs, found, graph, method, executed, dataflow, errors)
         return dataclasses.replace(traced, routing=routing, draws=draws, random_reads=random_reads)
     raise TraceError(
         f"could not trace {type(model).__name__}:\n  " + "\n  ".join(errors) + "\n" + _value_hint(inputs) + " If the "
@@ -249,17 +251,20 @@ def _worst_case_draws(model, inputs, unit_names, routing) -> tuple[list[str], nx
     return executed, dataflow, random_reads, "high"
 
 
-def _never_ran(unit_names, executed) -> tuple[str, ...]:
+def _never_ran(units: list[Unit], executed: list[str]) -> tuple[str, ...]:
     """The units the forward never called (a module called several times counts once it ran at all)."""
-    called = {site.module for site in map(call_site, executed) if site is not None}  # units planned per call site
-    return tuple(u for u in unit_names if u not in executed and u not in called)
+    sites = [Unit.from_name(name) for name in executed]  # the names this stage gave the calls it saw
+    called = {site.module for site in sites if isinstance(site, CallSite)}  # units planned per call site
+    return tuple(u.name for u in units if u.name not in executed and u.name not in called)
 
 
 def _traced(model, inputs, unit_names, graph, method, executed, dataflow, errors) -> Traced:
     # A unit the forward never calls (a layer built but unused, a branch not taken) has nothing to plan:
     # it is left out, and the plan names it. When a tracer placed no unit at all, none is left out.
     never_ran = _never_ran(unit_names, executed) if executed else ()
-    ordered = list(executed) if executed else list(unit_names)
+    ordered = list(executed) if executed else [unit.name for unit in unit_names]
     neighbours = {(a, b) for a, b in zip(["input", *ordered], [*ordered, "output"])}
     skips = tuple(sorted((a, b) for a, b in dataflow.edges if (a, b) not in neighbours and a != "input" and b != "output"))
-    return Traced(model, inputs, tuple(ordered), graph, method, dataflow, skips, tuple(errors), never_ran)
+    found = {unit.name: unit for unit in unit_names}
+    units = tuple(found.get(name) or Unit.from_name(name) for name in ordered)  # a call site is named here, by this stage
+    return Traced(model, inputs, units, graph, method, dataflow, skips, tuple(errors), never_ran)

@@ -35,12 +35,14 @@ import fnmatch
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 
 from autoplan.errors import TraceError, UnitPatternError
 from autoplan.planned.graph import graph_units
-from autoplan.vocabulary.names import sequential_run, unit_module
+from autoplan.units import SequentialRun, Unit
+from autoplan.vocabulary.names import unit_module
 from autoplan.training.step_parts import parameter_count
 
 _LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # hold blocks, but are never called themselves
@@ -51,7 +53,7 @@ MAX_LEVELS = 2  # nested levels of repeated blocks (plus the finest); each level
 class UnitLevel:
     """One complete set of units the plan may decide about, and where it came from."""
 
-    units: tuple[str, ...]
+    units: tuple[Unit, ...]
     source: str  # "units= patterns", "transformers layers", "repeated blocks", "Sequential runs", ...
 
 
@@ -70,6 +72,12 @@ def outermost(names: list[str]) -> list[str]:
         if not any(name.startswith(outer + ".") for outer in kept):
             kept.append(name)
     return kept
+
+
+def sequential_run(name: str) -> SequentialRun | None:
+    """The Sequential run a unit name found here denotes, or None for a module."""
+    unit = Unit.from_name(name)
+    return unit if isinstance(unit, SequentialRun) else None
 
 
 def _module_name(unit: str) -> str:
@@ -98,6 +106,11 @@ def _is_layer(module: torch.nn.Module) -> bool:
 
 
 def sequential_runs(name: str, seq: torch.nn.Sequential, starts_at=None) -> list[str]:
+    """`seq`'s layers cut into runs (`_runs`), by name."""
+    return [run.name for run in _runs(name, seq, starts_at)]
+
+
+def _runs(name: str, seq: torch.nn.Sequential, starts_at=None) -> list[SequentialRun]:
     """`seq`'s layers cut into runs, each starting at a layer `starts_at` accepts (default: one with
     parameters), so parameter-free layers (ReLU, pooling) ride with the layer before them."""
     accept = starts_at or (lambda layer: parameter_count(layer) > 0)
@@ -106,14 +119,14 @@ def sequential_runs(name: str, seq: torch.nn.Sequential, starts_at=None) -> list
         return []
     starts[0] = 0
     bounds = starts + [len(seq)]
-    return [f"{name}[{a}:{b}]" for a, b in zip(bounds, bounds[1:])]
+    return [SequentialRun(name, a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def _cut_into_runs(holder: torch.nn.Module) -> bool:
+def _cut_into_runs(holder: torch.nn.Module) -> TypeGuard[torch.nn.Sequential]:
     """A Sequential with parameter-free layers: its units are runs of layers, not its children."""
     return isinstance(holder, torch.nn.Sequential) and any(parameter_count(child) == 0 for child in holder)
 
@@ -134,10 +147,10 @@ def _runs_between_blocks(parent: str, seq: torch.nn.Sequential, blocks: set[str]
     added to a block (pooling, a flatten after the last one) belong to no unit: they run as written."""
     prefix = f"{parent}." if parent else ""
     units: list[str] = []
-    for run in map(sequential_run, sequential_runs(parent, seq)):
+    for run in _runs(parent, seq):
         at = [i for i in range(run.start, run.stop) if f"{prefix}{i}" in blocks]
         if not at:
-            units.append(f"{parent}[{run.start}:{run.stop}]")
+            units.append(run.name)
         # blocks have parameters, so they start runs; only the first run may hold parameter-free layers before one
         units.extend(f"{prefix}{i}" for i in at)
     return units
@@ -189,7 +202,7 @@ def _unit_order(model: torch.nn.Module):
 
 
 def _coverage(model: torch.nn.Module, units) -> int:
-    return sum(parameter_count(unit_module(model, unit)) for unit in units)
+    return sum(parameter_count(unit_module(model, Unit.from_name(unit))) for unit in units)
 
 
 def _level(model: torch.nn.Module, groups: list[tuple[str, ...]], first: tuple[str, ...]) -> tuple[str, ...]:
@@ -212,7 +225,7 @@ def _repeats_inside(model: torch.nn.Module, level: tuple[str, ...], names: tuple
         return False
     repeated = 0
     for outer in level:
-        inner = [unit_module(model, n) for n in names if _inside(n, outer)]
+        inner = [unit_module(model, Unit.from_name(n)) for n in names if _inside(n, outer)]
         inner = [m for m in inner if not _is_layer(m)]
         kinds = Counter(type(m) for m in inner) + Counter(structural_signature(m) for m in inner)
         repeated += any(count >= 2 for count in kinds.values())
@@ -315,35 +328,50 @@ def _matching(model: torch.nn.Module, patterns) -> tuple[str, ...]:
             f"units {unmatched} matched no submodule of {type(model).__name__}; "
             f"its top-level submodules are: {tops}. Patterns match qualified names like 'layers.*'."
         )
-    return tuple(outermost([n for n in modules if any(fnmatch.fnmatchcase(n, p) for p in patterns)]))
+    matched = outermost([n for n in modules if any(fnmatch.fnmatchcase(n, p) for p in patterns)])
+    return tuple(unit for name in matched for unit in _called(model, name))
+
+
+def _called(model: torch.nn.Module, name: str) -> list[str]:
+    """A matched module as units: itself, or for a ModuleList/ModuleDict (never called, so never a unit that
+    runs: `--units 'b*'` matching `blocks`) the children it holds."""
+    module = model.get_submodule(name)
+    if not isinstance(module, _LISTS):
+        return [name]
+    return [f"{name}.{child}" for child, _ in module.named_children()]
 
 
 def unit_levels(model: torch.nn.Module, patterns: list[str] | None = None) -> list[UnitLevel]:
     """Every level of units the plan may decide about, the preferred first (see the module docstring)."""
+    return [UnitLevel(tuple(map(Unit.from_name, names)), source) for names, source in _named_levels(model, patterns)]
+
+
+def _named_levels(model: torch.nn.Module, patterns: list[str] | None) -> list[tuple[tuple[str, ...], str]]:
+    """`unit_levels` by name: each level's unit names and where they came from."""
     if patterns:
-        return [UnitLevel(_matching(model, patterns), "units= patterns")]
+        return [(_matching(model, patterns), "units= patterns")]
     transformers_layers = _checkpointing_layer_units(model)
     if transformers_layers:
         # what gradient_checkpointing_enable() checkpoints: where its layers nest (Swin's stages
         # and their blocks), transformers checkpoints both, so both levels are offered
         inner = _checkpointing_layer_units(model, innermost=True)
-        levels = [UnitLevel(transformers_layers, "transformers layers")]
-        return levels + ([UnitLevel(inner, "transformers layers inside them")] if inner != transformers_layers else [])
+        levels = [(transformers_layers, "transformers layers")]
+        return levels + ([(inner, "transformers layers inside them")] if inner != transformers_layers else [])
     blocks = nested_levels(model)
     finest = _finest_blocks(model)
     if finest and finest not in blocks:
         blocks = [*blocks[-1:], finest]  # at most two levels: each costs a whole profile
     if blocks:
-        return [UnitLevel(level, "repeated blocks") for level in blocks]
+        return [(level, "repeated blocks") for level in blocks]
     sequential = _sequential_levels(model)
     if isinstance(model, torch.nn.Sequential):
-        levels = [UnitLevel(level, "Sequential runs") for level in sequential]
+        levels = [(level, "Sequential runs") for level in sequential]
     else:
         # a Sequential inside (its runs, as before), else the fx graph's runs; and the model's children
-        graph = () if sequential else tuple(graph_units(model))
-        first = [UnitLevel(sequential[-1], "Sequential runs")] if sequential else [UnitLevel(graph, "graph runs")] if graph else []
+        graph = () if sequential else tuple(unit.name for unit in graph_units(model))
+        first = [(sequential[-1], "Sequential runs")] if sequential else [(graph, "graph runs")] if graph else []
         children = _children_level(model)
-        levels = first + ([UnitLevel(children, "the model's children")] if children else [])
+        levels = first + ([(children, "the model's children")] if children else [])
     if not levels:
         raise TraceError(
             f"{type(model).__name__} has no repeated submodule, no nn.Sequential, no two children with parameters and "
@@ -353,6 +381,6 @@ def unit_levels(model: torch.nn.Module, patterns: list[str] | None = None) -> li
     return levels
 
 
-def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> list[str]:
-    """Names of the modules (or Sequential runs) of the preferred level (`unit_levels`' first)."""
+def find_units(model: torch.nn.Module, patterns: list[str] | None = None) -> list[Unit]:
+    """The units (modules, Sequential runs, graph runs) of the preferred level (`unit_levels`' first)."""
     return list(unit_levels(model, patterns)[0].units)

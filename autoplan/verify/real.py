@@ -24,7 +24,7 @@ from autoplan.inputs.devices import get_device
 from autoplan.inputs.hf_models import training_inputs
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
-from autoplan.planned.forwards import apply_choices, has_fused_loss, planned_choices
+from autoplan.planned.forwards import apply_choices, has_fused_loss, planned_units
 from autoplan.instruments.quantized import resident_tensors, settle_first_forward
 from autoplan.vocabulary.fingerprint import check_batch, check_model
 from autoplan.vocabulary.tensors import tensors_of
@@ -130,8 +130,8 @@ def verify(
     if check:  # before the model changes
         check_model(plan.model.fingerprint, model)
         check_batch(plan.model.fingerprint, normalize_inputs(example_inputs))
-    if planned_choices(model) != plan.decisions.choices() or has_fused_loss(model) != plan.decisions.fused_loss:
-        apply_choices(model, plan.decisions.choices(), plan.decisions.outside_units)
+    if planned_units(model) != plan.decisions.choices_by_unit() or has_fused_loss(model) != plan.decisions.fused_loss:
+        apply_choices(model, plan.decisions.choices_by_unit(), plan.decisions.outside_units)
     loop = check_loop(loop if loop is not None else plan.request.loop)
     args, kwargs = training_inputs(model, normalize_inputs(example_inputs))  # as planned: no KV cache
     cuda = device.type == "cuda"

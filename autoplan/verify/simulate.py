@@ -15,8 +15,9 @@ import torch
 
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import Choice, Phase
+from autoplan.plan import Choice, Phase, Precision
 from autoplan.profile.simulation import run_timeline
+from autoplan.units import Unit
 from autoplan.trace.tracer import Traced
 
 
@@ -30,11 +31,11 @@ class Simulation:
 
 def simulate_plan(
     traced: Traced,
-    choices: Mapping[str, Choice],
+    choices: Mapping[Unit, Choice],
     *,
     device: Device,
     optimizer: str | torch.optim.Optimizer,
-    rest_precision: str,
+    rest_precision: Precision,
     loss_fn: Callable | None = None,
     rank_offsets: Mapping[Phase, int] | None = None,
     loop: TrainingLoop | None = None,

@@ -83,6 +83,13 @@ def format_flops(flops: float) -> str:
     return _in_units(flops, _FLOPS)
 
 
+def rank_noun(device_name: str, count: int = 1) -> str:
+    """What an FSDP rank is called on this device profile, plural unless `count` is 1: "GPU"/"GPUs", or on
+    the CPU profile "rank"/"ranks" (its FSDP runs gloo processes, not GPUs, so a report must not say "per GPU")."""
+    noun = "rank" if device_name == "cpu" else "GPU"
+    return noun if count == 1 else noun + "s"
+
+
 def first_line(error: BaseException) -> str:
     """An error's first line, at most 300 characters (its type's name if it has no text): what a
     one-line message quotes of it."""

@@ -22,6 +22,7 @@ from autoplan.plan import Choice
 from autoplan.errors import DistributedSetupError
 from examples.llama import build
 from autoplan.planned.forwards import apply_choices
+from autoplan.units import Unit
 from tests.fsdp_model import STEPS, rank_batch, shared_batch, shared_block, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,8 +86,8 @@ def test_auto_finds_the_fewest_gpus_and_shows_the_curve() -> None:
     assert plan.model.state_bytes / plan.model.parameter_count == pytest.approx(16, rel=0.02)
     assert plan.request.world_size >= -(-plan.model.state_bytes // plan.request.usable_bytes)
     report = plan.report()
-    assert "per-rank peak against the number of GPUs" in report and "← chosen" in report
-    assert f"per rank on {plan.request.world_size} GPUs" in report
+    assert "per-rank peak against the number of ranks" in report and "← chosen" in report  # the cpu profile: ranks, not GPUs
+    assert f"per rank on {plan.request.world_size} ranks" in report
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -196,7 +197,7 @@ def test_fsdp_with_call_sites_trains_like_one_process_and_fits_its_prediction(sh
     assert "keep" in modes.values() and set(modes.values()) - {"keep"}  # FSDP composed with per-call checkpointing
     for rank in ranks:
         assert rank["plan"]["feasible"] and rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"], rank["peak_bytes"]
-    model = apply_choices(shared_block(), {name: Choice(mode, "fp32") for name, mode in modes.items()})
+    model = apply_choices(shared_block(), {Unit.from_name(name): Choice(mode, "fp32") for name, mode in modes.items()})
     batch = torch.cat([shared_batch(rank)[0] for rank in (0, 1)])
     reference = one_process_losses(model, lambda: model(batch).sum() / 2)  # FSDP averages the ranks' gradients of their sums
     sharded = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]

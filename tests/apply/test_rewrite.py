@@ -33,8 +33,9 @@ import autoplan  # noqa: E402
 import autoplan.planned.wrappers as wrappers  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.planned.wrappers import PlannedForward
-from autoplan.planned.forwards import PlannedSequential, apply_choices, planned_choices, remove_plan
+from autoplan.planned.forwards import PlannedSequential, apply_choices, planned_units, remove_plan
 from autoplan.trace.units import find_units
+from autoplan.units import ModuleUnit, SequentialRun, Unit
 from tests.models import ALL_MODELS, make_mlp, make_small_resnet, make_tiny_gpt, make_tiny_gpt_dropout  # noqa: E402
 
 NAMES = sorted(ALL_MODELS)
@@ -148,7 +149,7 @@ def test_training_matches_original_step_for_step(name, mode):
     planned = copy.deepcopy(original)
     choices = all_units(planned, Choice(mode, "fp32"))
     assert apply_choices(planned, choices) is planned
-    assert planned_choices(planned) == choices
+    assert planned_units(planned) == choices
 
     opt_a = torch.optim.AdamW([p for p in original.parameters() if p.requires_grad], lr=1e-2)
     opt_b = torch.optim.AdamW([p for p in planned.parameters() if p.requires_grad], lr=1e-2)
@@ -216,12 +217,12 @@ def test_rewrite_keeps_identity_and_state_dict(name):
     assert list(model.state_dict().keys()) == keys
     assert [id(m) for m in model.modules()] == module_ids  # no wrapper modules registered
     assert callable(model.forward)
-    assert planned_choices(model) == choices
+    assert planned_units(model) == choices
     model.load_state_dict(copy.deepcopy(model.state_dict()))  # round-trips
     model(*inputs)
 
     assert remove_plan(model) is model
-    assert planned_choices(model) == {}
+    assert planned_units(model) == {}
     for module_name, module in model.named_modules():
         assert "forward" not in module.__dict__, module_name
     assert [id(m) for m in model.modules()] == module_ids
@@ -229,7 +230,7 @@ def test_rewrite_keeps_identity_and_state_dict(name):
 
 def test_unit_forward_is_planned_forward_on_the_instance():
     model, _ = make_tiny_gpt()
-    apply_choices(model, {"transformer.h.0": Choice("full", "fp32")})
+    apply_choices(model, {ModuleUnit("transformer.h.0"): Choice("full", "fp32")})
     block = model.get_submodule("transformer.h.0")
     forward = block.__dict__["forward"]
     assert isinstance(forward, PlannedForward)
@@ -245,13 +246,13 @@ def test_reapplying_replaces_rather_than_nests():
     apply_choices(model, all_units(model, Choice("full", "fp32")))
     second = all_units(model, Choice("selective", "fp32"))
     apply_choices(model, second)
-    assert planned_choices(model) == second
+    assert planned_units(model) == second
     for unit in second:
-        forward = model.get_submodule(unit).forward
+        forward = model.get_submodule(unit.name).forward
         assert isinstance(forward, PlannedForward) and forward.original is None
     # a plan naming fewer units removes the others
-    apply_choices(model, {"transformer.h.1": Choice("keep", "fp32")})
-    assert planned_choices(model) == {"transformer.h.1": Choice("keep", "fp32")}
+    apply_choices(model, {ModuleUnit("transformer.h.1"): Choice("keep", "fp32")})
+    assert planned_units(model) == {ModuleUnit("transformer.h.1"): Choice("keep", "fp32")}
     assert "forward" not in model.get_submodule("transformer.h.0").__dict__
 
 
@@ -266,7 +267,7 @@ def test_existing_instance_forward_is_wrapped_and_restored():
         return type(block).forward(block, x)
 
     block.forward = patched
-    apply_choices(model, {"transformer.h.0": Choice("full", "fp32")})
+    apply_choices(model, {ModuleUnit("transformer.h.0"): Choice("full", "fp32")})
     assert block.forward.original is patched
     loss = loss_of(model(*inputs))
     loss.backward()
@@ -279,14 +280,14 @@ def test_existing_instance_forward_is_wrapped_and_restored():
 def test_range_units_round_trip_and_use_planned_sequential():
     model, inputs = make_mlp()
     units = find_units(model)
-    assert all(u.startswith("[") for u in units)
+    assert all(isinstance(u, SequentialRun) and u.name.startswith("[") for u in units)
     choices = {unit: Choice(MODES[i % 3], "fp32") for i, unit in enumerate(units)}
     apply_choices(model, choices)
-    assert planned_choices(model) == choices
+    assert planned_units(model) == choices
     forward = model.__dict__["forward"]
     assert isinstance(forward, PlannedSequential)
     assert [(start, stop) for start, stop, _ in forward.runs] == [
-        tuple(int(v) for v in u.strip("[]").split(":")) for u in units
+        (u.start, u.stop) for u in units
     ]
     for start, stop, run in forward.runs:
         assert [id(m) for m in run.module] == [id(m) for m in list(model)[start:stop]]
@@ -297,18 +298,18 @@ def test_range_units_round_trip_and_use_planned_sequential():
 def test_range_units_partial_cover_keeps_other_layers():
     model, inputs = make_mlp()
     reference = model(*inputs)
-    choices = {"[2:4]": Choice("full", "fp32"), "[6:8]": Choice("selective", "fp32")}
+    choices: dict[Unit, Choice] = {SequentialRun("", 2, 4): Choice("full", "fp32"), SequentialRun("", 6, 8): Choice("selective", "fp32")}
     apply_choices(model, choices)
-    assert planned_choices(model) == choices
+    assert planned_units(model) == choices
     torch.testing.assert_close(model(*inputs), reference, **TIGHT)
 
 
 def test_nested_range_unit_name_round_trips():
     model, inputs = make_small_resnet()
     reference_model = copy.deepcopy(model)
-    choices = {"stem[0:2]": Choice("full", "fp32"), "layer2[1:2]": Choice("selective", "fp32")}
+    choices: dict[Unit, Choice] = {SequentialRun("stem", 0, 2): Choice("full", "fp32"), SequentialRun("layer2", 1, 2): Choice("selective", "fp32")}
     apply_choices(model, choices)
-    assert planned_choices(model) == choices
+    assert planned_units(model) == choices
     opt_a = torch.optim.AdamW(reference_model.parameters(), lr=1e-2)
     opt_b = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss_a, grads_a = train_step(reference_model, inputs, opt_a)
@@ -449,7 +450,7 @@ def test_deepcopy_of_rewritten_model_is_independent(name):
     snapshot = {n: t.detach().clone() for n, t in model.state_dict().items()}
     twin = copy.deepcopy(model)
 
-    assert planned_choices(twin) == planned_choices(model) == choices
+    assert planned_units(twin) == planned_units(model) == choices
     for module_name, module in twin.named_modules():
         forward = module.__dict__.get("forward")
         if isinstance(forward, PlannedForward):
@@ -459,9 +460,9 @@ def test_deepcopy_of_rewritten_model_is_independent(name):
             for start, stop, run in forward.runs:
                 assert [id(m) for m in run.module] == [id(m) for m in list(module)[start:stop]]
     for unit in choices:
-        if not unit.startswith("["):
-            assert twin.get_submodule(unit).forward.module is twin.get_submodule(unit)
-            assert twin.get_submodule(unit).forward.module is not model.get_submodule(unit)
+        if not unit.name.startswith("["):
+            assert twin.get_submodule(unit.name).forward.module is twin.get_submodule(unit.name)
+            assert twin.get_submodule(unit.name).forward.module is not model.get_submodule(unit.name)
 
     # training the copy changes only the copy
     reference = copy.deepcopy(twin)
@@ -485,7 +486,7 @@ def test_pickled_rewritten_model_keeps_its_plan(name):
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    assert planned_choices(loaded) == planned_choices(model)
+    assert planned_units(loaded) == planned_units(model)
     for module in loaded.modules():
         forward = module.__dict__.get("forward")
         if forward is not None:
@@ -515,7 +516,7 @@ def test_bf16_units_cast_back_and_keep_fp32_master_weights(mode):
     fp32_loss = model(*inputs).loss.detach()
     fp32_grads = torch.autograd.grad(model(*inputs).loss, list(model.parameters()))
     apply_choices(model, all_units(model, Choice(mode, "bf16")))
-    assert planned_choices(model) == all_units(model, Choice(mode, "bf16"))
+    assert planned_units(model) == all_units(model, Choice(mode, "bf16"))
 
     dtypes: dict[str, torch.dtype] = {}
     hooks = record_output_dtypes(model, ["transformer.h.0", "transformer.h.1", "transformer.h.0.mlp.c_fc", "lm_head"], dtypes)
@@ -579,7 +580,7 @@ def test_low_rest_precision_autocasts_the_root_and_fp32_units_opt_out():
     choices = all_units(model, Choice("keep", "fp32"))
     apply_choices(model, choices, OutsideUnits("bf16"))
     assert isinstance(model.__dict__["forward"], PlannedForward)
-    assert planned_choices(model) == choices  # the root's autocast is not a unit
+    assert planned_units(model) == choices  # the root's autocast is not a unit
     dtypes: dict[str, torch.dtype] = {}
     hooks = record_output_dtypes(model, ["transformer.h.0.mlp.c_fc", "lm_head"], dtypes)
     out = model(*inputs)
@@ -610,7 +611,7 @@ def mlp_plan():
 def test_apply_rewrites_in_place_as_planned(gpt_plan):
     model, inputs = make_tiny_gpt()
     assert autoplan.apply(model, gpt_plan) is model
-    assert planned_choices(model) == gpt_plan.decisions.choices()
+    assert planned_units(model) == gpt_plan.decisions.choices_by_unit()
     assert torch.isfinite(loss_of(model(*inputs)))
 
 
@@ -641,7 +642,7 @@ def test_apply_requires_a_plan(not_a_plan):
 
 
 def _plan_naming(plan, unit: str):
-    decision = autoplan.UnitDecision(unit, Choice("full", "fp32"), saved_bytes=0, recompute_flops=0, step_time_s=0.0)
+    decision = autoplan.UnitDecision(Unit.from_name(unit), Choice("full", "fp32"), saved_bytes=0, recompute_flops=0, step_time_s=0.0)
     return dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, units=(decision,)))
 
 
@@ -650,7 +651,7 @@ def test_apply_rejects_units_the_model_lacks(gpt_plan, unit):
     model, _ = make_tiny_gpt()
     with pytest.raises(ValueError, match=re.escape(repr(unit))):
         autoplan.apply(model, _plan_naming(gpt_plan, unit))
-    assert planned_choices(model) == {}
+    assert planned_units(model) == {}
 
 
 def test_apply_rejects_range_unit_on_module_dict(gpt_plan):

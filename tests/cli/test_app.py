@@ -6,6 +6,7 @@ import json
 import re
 import math
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -354,11 +355,12 @@ def test_debug_shows_the_traceback() -> None:
 
 
 @pytest.mark.slow  # the whole pipeline
-def test_unwritable_json(tmp_path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    result = run("plan", FACTORY, "--budget", "1GB", "--json", str(blocker / "plan.json"))
-    assert result.exit_code == ExitCode.OUTPUT_FAILED and "cannot write" in result.stderr
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file every write to fails (ENOSPC)")
+def test_unwritable_json() -> None:
+    """A write that fails after planning (a full disk): exit 8. A folder that does not exist is exit 2 before
+    planning (tests/cli/test_options.py)."""
+    result = run("plan", FACTORY, "--budget", "1GB", "--json", "/dev/full")
+    assert result.exit_code == ExitCode.OUTPUT_FAILED and "cannot write /dev/full: No space left on device" in result.stderr
 
 
 @pytest.mark.slow  # the whole pipeline

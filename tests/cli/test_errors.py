@@ -17,6 +17,7 @@ import autoplan
 import autoplan.errors as errors
 from autoplan.cli.exits import ExitCode, exit_code_for
 from autoplan.errors import LossError, OptionError, OptionTypeError, PlanMismatchError
+from autoplan.units import GraphRun, Segment
 from tests.cli.test_bad_input import CASES, HF_CASES
 
 NEVER_RAISED = {errors.TargetError}  # the base of the target errors: each failure raises a subclass
@@ -77,19 +78,19 @@ MISTAKES = {
     "precision: unknown": (lambda: _precision("int8", "h100"), OptionError, ValueError, "'int8'"),
     "precision: bf16 on a t4": (lambda: _precision("bf16", "t4"), OptionError, ValueError, "no bf16"),
     "profile: not a trace": (_call("autoplan.profile.units", "profile", object(), None), OptionTypeError, TypeError, "Traced"),
-    "world size 0": (_call("autoplan.memory.model", "check_world_size", 0), OptionError, ValueError, "world_size"),
+    "world size 0": (_call("autoplan.inputs.options", "check_world_size", 0), OptionError, ValueError, "world_size"),
     "apply: not a plan": (_call("autoplan", "apply", _mlp(), "plan.json"), OptionTypeError, TypeError, "got str"),
     "apply: a meta model": (_call("autoplan.apply.rewrite", "refuse_meta", _meta_mlp()), OptionError, ValueError, "meta device"),
     "verify: not a plan": (_call("autoplan", "verify", _mlp(), None, example_inputs=(torch.randn(2, 4),)),
                            OptionTypeError, TypeError, "verify() takes a Plan"),
     "advise: not a plan": (_call("autoplan.report.advice", "advise", None, None), OptionTypeError, TypeError, "advise()"),
-    "fsdp of a graph unit": (_call("autoplan.apply.fsdp", "_unit_modules", _mlp(), "graph[a:b]"), OptionError, ValueError,
+    "fsdp of a graph unit": (_call("autoplan.apply.fsdp", "_unit_modules", _mlp(), GraphRun("a", "b")), OptionError, ValueError,
                              "units=["),
-    "graph unit of another model": (_call("autoplan.planned.graph", "split_by_units", _mlp(), ["graph[x:y]"]),
+    "graph unit of another model": (_call("autoplan.planned.graph", "split_by_units", _mlp(), [GraphRun("x", "y")]),
                                     PlanMismatchError, ValueError, "'graph[x:y]'"),
     "segment of another model": (_call("autoplan.vocabulary.names", "segment_members",
                                        torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2)),
-                                       "0.0–1"), PlanMismatchError, ValueError, "not two children of one module"),
+                                       Segment("0.0", "1")), PlanMismatchError, ValueError, "not two children of one module"),
     "measure a meta model": (_call("autoplan.api", "_should_measure", "measure", _meta_mlp(), None), OptionError, ValueError,
                              "profile='roofline'"),
     "checkpoint mode unknown": (_call("autoplan.solve.search", "pinned_choices", ["a"], ("fp32",), None, {"a": "half"}),

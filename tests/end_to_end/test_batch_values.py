@@ -82,7 +82,7 @@ def test_a_forward_that_reads_a_meta_batch_says_which_value_and_how_to_give_one(
 def test_random_control_flow_is_traced_with_every_layer_running(skip_above):
     model, inputs = build_layerdrop(skip_above)
     traced = trace(model, inputs)
-    assert traced.units == tuple(f"blocks.{i}" for i in range(6)) and not traced.never_ran
+    assert traced.unit_names == tuple(f"blocks.{i}" for i in range(6)) and not traced.never_ran
     assert traced.draws == ("low" if skip_above else "high") and traced.random_reads == 6
     # torch.fx would have run torch.rand once, for real, and kept one random branch: refused
     assert any("random" in error for error in traced.trace_errors)

@@ -25,6 +25,7 @@ from autoplan.trace.tracer import trace
 from autoplan.trace.units import unit_levels
 from tests.generated import module_trees, structure_of
 from autoplan.instruments.fake import ROUTING_NOTE
+from autoplan.units import CallSite, ModuleUnit, Unit
 from tests.handmade import Comparison, assert_same_step, checkpoint_by_hand, compare_with_plan, measured_step
 from tests.structures import STRUCTURES, Structure, by_name
 
@@ -75,14 +76,14 @@ def test_generated_trees_never_worse_than_by_hand_and_train_the_same(spec):
 
 def test_every_sibling_is_a_unit_whatever_holds_it():
     model, _ = by_name("ModuleList of residual Sequential blocks").build()
-    assert unit_levels(model)[0].units == tuple(f"blocks.{i}" for i in range(8))
+    assert tuple(u.name for u in unit_levels(model)[0].units) == tuple(f"blocks.{i}" for i in range(8))
     model, _ = by_name("blocks in a ModuleDict, called by key").build()
-    assert unit_levels(model)[0].units == tuple(f"layers.l{i}" for i in range(6))
+    assert tuple(u.name for u in unit_levels(model)[0].units) == tuple(f"layers.l{i}" for i in range(6))
 
 
 def test_stages_of_blocks_offer_both_levels():
     model, _ = by_name("stages of blocks (stages[i].blocks[j])").build()
-    levels = [level.units for level in unit_levels(model)]
+    levels = [tuple(u.name for u in level.units) for level in unit_levels(model)]
     assert levels[0] == ("stages.0", "stages.1", "stages.2")
     assert levels[1] == tuple(f"stages.{i}.blocks.{j}" for i, depth in enumerate((2, 3, 2)) for j in range(depth))
 
@@ -90,11 +91,11 @@ def test_stages_of_blocks_offer_both_levels():
 def test_a_shared_block_is_one_unit_per_call_with_one_set_of_parameters():
     structure = by_name("one block applied N times (shared weights)")
     model, inputs = structure.build()
-    traced = trace(model, inputs, unit_names=("embed", "block", "head"))
-    assert traced.units == ("embed", *(f"block@{k}" for k in range(6)), "head")
-    choices = {f"block@{k}": autoplan.Choice("full" if k % 2 else "keep", "fp32") for k in range(6)}
+    traced = trace(model, inputs, unit_names=(ModuleUnit("embed"), ModuleUnit("block"), ModuleUnit("head")))
+    assert traced.unit_names == ("embed", *(f"block@{k}" for k in range(6)), "head")
+    choices: dict[Unit, autoplan.Choice] = {CallSite("block", k): autoplan.Choice("full" if k % 2 else "keep", "fp32") for k in range(6)}
     planned = apply_choices(copy.deepcopy(model), choices)
-    assert planned_choices(planned) == choices
+    assert planned_choices(planned) == {unit.name: choice for unit, choice in choices.items()}
     assert sum(p.numel() for p in planned.parameters()) == sum(p.numel() for p in model.parameters())
     for net in (model, planned):
         net(*inputs).sum().backward()

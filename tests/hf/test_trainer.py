@@ -18,6 +18,7 @@ pytest.importorskip("accelerate")  # transformers' Trainer needs it
 import autoplan  # noqa: E402
 from autoplan.errors import InfeasibleBudgetError  # noqa: E402
 from autoplan.hf import AutoplanCallback, optimize_for_trainer, trainer_optimizer  # noqa: E402
+from autoplan.units import ModuleUnit, Unit
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
 
 SEQ = 32
@@ -90,8 +91,8 @@ def test_the_checkpointing_change_counts_layers_not_segments(tmp_path) -> None:
                              activation_checkpointing=True)
     plan = optimize_for_trainer(tiny_llama(6), args, "100%", device="cpu", reserve=0, seq_len=SEQ, apply=False).plan
     full, keep = Choice("full", "fp32"), Choice("keep", "fp32")
-    units = (UnitDecision("model.layers.[0:2]", full, 0, 0, 0.0, members=("model.layers.0", "model.layers.1")),
-             *(UnitDecision(f"model.layers.{i}", full if i < 5 else keep, 0, 0, 0.0) for i in range(2, 6)))
+    units = (UnitDecision(Unit.from_name("model.layers.[0:2]"), full, 0, 0, 0.0, members=("model.layers.0", "model.layers.1")),
+             *(UnitDecision(ModuleUnit(f"model.layers.{i}"), full if i < 5 else keep, 0, 0, 0.0) for i in range(2, 6)))
     [change] = _changes(args, dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, units=units)), plan, 4)
     assert change.name == "activation_checkpointing" and change.reason.startswith("the plan checkpoints 5 of 6 layers itself")
 

@@ -55,17 +55,25 @@ def batch(tokens: int = 48):
     return {"input_ids": ids, "labels": ids}
 
 
-def halfway_plan(model, inputs):
-    """A plan at a budget halfway between the lowest peak and no plan: some units checkpointed, some not."""
-    wide = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
+@pytest.fixture(scope="module")
+def wide_nf4_plan(saved_llama):
+    """The double-quantized 4-bit LoRA Llama's plan at 1GB (nothing checkpointed), made once for the
+    tests that read it (a Plan is frozen; each test loads its own model)."""
+    return autoplan.plan(quantized(saved_llama, "nf4-double"), "1GB", example_inputs=batch(), device="cpu")
+
+
+def halfway_plan(model, inputs, wide=None):
+    """A plan at a budget halfway between the lowest peak and no plan: some units checkpointed, some not.
+    `wide`: the model's plan at 1GB where a test already has it."""
+    wide = wide or autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
     budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
     return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", reserve=0)
 
 
 @pytest.mark.parametrize("quantization", ["nf4-double", "fp4"])
-def test_4bit_lora_prediction_equals_real_steps_in_the_common_loop(saved_llama, quantization):
+def test_4bit_lora_prediction_equals_real_steps_in_the_common_loop(saved_llama, quantization, request):
     model, inputs = quantized(saved_llama, quantization), batch()
-    plan = halfway_plan(model, inputs)
+    plan = halfway_plan(model, inputs, request.getfixturevalue("wide_nf4_plan") if quantization == "nf4-double" else None)
     assert plan.outcome.feasible
     assert len({u.choice.mode for u in plan.decisions.units}) > 1, "a halfway budget should mix checkpointed and kept units"
     result = autoplan.verify(model, plan, example_inputs=inputs)
@@ -85,11 +93,11 @@ def test_8bit_base_prediction_equals_real_steps_in_the_common_loop(saved_llama):
 
 
 @pytest.mark.slow  # the whole pipeline
-def test_packed_weights_and_quant_state_count_as_parameters(saved_llama):
+def test_packed_weights_and_quant_state_count_as_parameters(saved_llama, wide_nf4_plan):
     model = quantized(saved_llama, "nf4-double")
     state = quantization_state_tensors(model)
     assert state, "a double-quantized 4-bit base holds absmax, codes and offsets beside its packed weights"
-    plan = autoplan.plan(model, "1GB", example_inputs=batch(), device="cpu")
+    plan = wide_nf4_plan  # this model's plan at 1GB
     assert plan.prediction.breakdown.parameters == unique_storage_bytes(resident_tensors(model))
     assert plan.prediction.breakdown.parameters > unique_storage_bytes(list(model.parameters()) + list(model.buffers()))
     # AdamW's state is the adapters' alone: two fp32 tensors and a step count per trainable (LoRA) weight

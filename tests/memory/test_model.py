@@ -9,10 +9,11 @@ import torch
 
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import predict_peak
-from autoplan.plan import MODES, Choice
+from autoplan.plan import Choice
 from autoplan.profile.units import profile
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
+from autoplan.memory.segments import choices_by_unit
 from tests.models import ALL_MODELS
 
 DEVICE = get_device("h100-80gb")
@@ -36,7 +37,7 @@ def errors(name: str, trials: int = 4) -> list[float]:
         else:
             choices = {u.name: Choice("keep", rng.choice(["fp32", "bf16"])) for u in measured.units}
         predicted = predict_peak(measured, choices).bytes
-        simulated = simulate_plan(traced, choices, device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
+        simulated = simulate_plan(traced, choices_by_unit(measured, choices), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
         result.append((predicted - simulated) / simulated)
     return result
 
@@ -103,5 +104,5 @@ def test_what_a_graph_keeps_after_backward_is_counted_per_choice():
     for _ in range(4):
         choices = {u.name: Choice("keep", rng.choice(["fp32", "bf16"])) for u in measured.units}
         predicted = predict_peak(measured, choices).bytes
-        simulated = simulate_plan(traced, choices, device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
+        simulated = simulate_plan(traced, choices_by_unit(measured, choices), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
         assert predicted == simulated, choices

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoplan.errors import OptionError
 from autoplan.memory.model import (
-    check_world_size,
     held_changes,
     live_bytes,
     phase_bytes,
@@ -67,10 +65,3 @@ def test_step_time_adds_each_units_chosen_time() -> None:
     profile = synthetic_chain(4, keep_time=[1.0, 2.0, 3.0, 4.0], full_time=[1.5, 2.5, 3.5, 4.5])
     assert predict_step_time(profile, _choices(KEEP, KEEP, KEEP, KEEP)) == pytest.approx(10.0)
     assert predict_step_time(profile, _choices(FULL, KEEP, FULL, KEEP)) == pytest.approx(11.0)
-
-
-@pytest.mark.parametrize("world_size", [0, -1, 1.5, True, "2"])
-def test_world_size_must_be_a_whole_number_of_gpus(world_size) -> None:
-    with pytest.raises(OptionError, match="whole number of GPUs"):
-        check_world_size(world_size)
-    assert check_world_size(4) == 4

@@ -21,11 +21,12 @@ from autoplan.errors import SegmentError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import predict_peak
-from autoplan.memory.segments import chains, segment_candidates
+from autoplan.memory.segments import chains, choices_by_unit, segment_candidates
 from autoplan.plan import Choice
 from autoplan.planned.forwards import apply_choices, planned_choices, remove_plan
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
+from autoplan.units import Segment
 
 DEVICE = get_device("cpu")
 
@@ -83,8 +84,8 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
     # the other single level, one segment over the whole run, recomputes everything at once: worse
     whole = {f"layers.0–layers.{len(model.layers) - 1}": Choice("full", "fp32")}
     traced = trace(model, inputs)
-    assert simulate_plan(traced, whole, device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes > mixed.prediction.minimum_peak_bytes
-    assert predict_peak(profile, whole).bytes > mixed.prediction.minimum_peak_bytes
+    assert simulate_plan(traced, choices_by_unit(profile, whole), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes > mixed.minimum_peak_bytes
+    assert predict_peak(profile, whole).bytes > mixed.minimum_peak_bytes
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -157,7 +158,7 @@ def test_a_mixed_plan_trains_like_the_original_and_reads_back():
 
 def test_no_grad_and_eval_open_no_region_and_out_of_order_calls_are_refused():
     model, inputs = _chain(depth=4)
-    planned = apply_choices(copy.deepcopy(model), {"layers.0–layers.2": Choice("full", "fp32")})
+    planned = apply_choices(copy.deepcopy(model), {Segment("layers.0", "layers.2"): Choice("full", "fp32")})
     segment = planned.layers[0].forward.segment
     with torch.no_grad():
         torch.testing.assert_close(planned.eval()(*inputs), model.eval()(*inputs))
@@ -174,7 +175,7 @@ def test_segments_train_the_same_under_torch_compile():
     torch._dynamo.reset()
     model, inputs = _chain(depth=4)
     model.eval()  # dropout masks are not replayable across eager and compiled code
-    planned = apply_choices(copy.deepcopy(model), {"layers.0–layers.2": Choice("full", "fp32")})
+    planned = apply_choices(copy.deepcopy(model), {Segment("layers.0", "layers.2"): Choice("full", "fp32")})
     compiled = torch.compile(planned, backend="aot_eager")  # the segment's blocks run eagerly, between graphs
     try:
         torch.testing.assert_close(_train_step(compiled, inputs), _train_step(model, inputs))
@@ -197,9 +198,9 @@ def test_llama_layers_form_segments_priced_and_trained_exactly():
     assert chains(profile) == [[0, 1, 2, 3]]  # decoder layers fed one another's hidden states
     choices = {"model.layers.0–model.layers.2": Choice("full", "fp32"), "model.layers.3": Choice("full", "fp32")}
     traced = trace(model, training_batch(model, batch, None, None))  # as plan() traces it
-    simulated = simulate_plan(traced, choices, device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
+    simulated = simulate_plan(traced, choices_by_unit(profile, choices), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
     assert abs(predict_peak(profile, choices).bytes - simulated) <= 0.05 * simulated
-    planned = apply_choices(copy.deepcopy(model), choices)
+    planned = apply_choices(copy.deepcopy(model), choices_by_unit(profile, choices))
     losses = []
     for net in (model, planned):
         torch.manual_seed(1)
@@ -218,8 +219,8 @@ def test_the_plan_is_never_worse_than_any_single_level_of_stages_of_blocks():
 
     model, inputs = by_name("stages of blocks (stages[i].blocks[j])").build()
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=0)
-    levels = [autoplan.plan(model, "10GB", units=list(level.units), segments=False, **options) for level in unit_levels(model)]
-    budget = max(level.prediction.minimum_peak_bytes for level in levels) + 1
+    levels = [autoplan.plan(model, "10GB", units=[unit.name for unit in level.units], segments=False, **options) for level in unit_levels(model)]
+    budget = max(level.minimum_peak_bytes for level in levels) + 1
     mixed = autoplan.plan(model, budget, **options)
     assert mixed.prediction.minimum_peak_bytes <= min(level.prediction.minimum_peak_bytes for level in levels)
     for level in levels:

@@ -32,6 +32,8 @@ from autoplan.profile.units import profile
 from autoplan.solve.search import offloaded_by_hand
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
+from autoplan.units import ModuleUnit
+from autoplan.memory.segments import choices_by_unit
 
 CARD = "custom:memory=24GiB,fp32_tflops=82.6,bf16_tflops=165.2,bandwidth=1008GB/s,capability=8.9,host_bandwidth="
 
@@ -119,7 +121,7 @@ def test_offloaded_units_train_as_the_original(mode):
     original, x = _net(dropout=0.1, norm=True)
     x = x[:, :64]
     planned = copy.deepcopy(original)
-    apply_choices(planned, {f"blocks.{i}": Choice(mode, "fp32", placement="host") for i in range(4)})
+    apply_choices(planned, {ModuleUnit(f"blocks.{i}"): Choice(mode, "fp32", placement="host") for i in range(4)})
     assert isinstance(planned.blocks[0].forward, PlannedForward)
     expected, got = _train(original, x), _train(planned, x)
     tight = dict(atol=1e-6, rtol=1e-5)  # as checkpointing's own equivalence tests (test_apply_rewrite)
@@ -136,7 +138,7 @@ def test_offloaded_units_train_as_the_original(mode):
 def test_offloaded_units_hold_nothing_on_the_device_until_backward():
     model, x = _net()
     x = x[:, :64]
-    apply_choices(model, {f"blocks.{i}": Choice("keep", "fp32", placement="host") for i in range(4)})
+    apply_choices(model, {ModuleUnit(f"blocks.{i}"): Choice("keep", "fp32", placement="host") for i in range(4)})
     with LiveBytesTracker(autoplan.get_device("cpu")) as tracker:
         tracker.adopt(list(model.parameters()))
         before = tracker.live_bytes
@@ -154,7 +156,7 @@ def test_compiled_offloaded_units_run_eagerly_and_match(mode):
     original, x = _net()
     x = x[:, :32]
     planned = copy.deepcopy(original)
-    apply_choices(planned, {f"blocks.{i}": Choice(mode, "fp32", placement="host") for i in range(4)})
+    apply_choices(planned, {ModuleUnit(f"blocks.{i}"): Choice(mode, "fp32", placement="host") for i in range(4)})
     compiled = torch.compile(planned, backend="aot_eager")
     try:
         original(x).backward()
@@ -202,7 +204,7 @@ def test_prediction_equals_simulation_on_the_device_and_the_host(measured, combo
         choices = {name: Choice(("keep", "full")[i % 2], "fp32", placement=("host", "device")[i // 2 % 2]) for i, name in enumerate(names)}
     else:
         choices = {name: Choice(*combo, placement="host") for name in names}
-    simulated = simulate_plan(traced, choices, device=measured.device, optimizer="adamw", rest_precision="fp32")
+    simulated = simulate_plan(traced, choices_by_unit(measured, choices), device=measured.device, optimizer="adamw", rest_precision="fp32")
     assert predict_peak(measured, choices).bytes == simulated.peak_bytes
     assert host_peak(measured, choices) == simulated.host_peak_bytes > 0
     on_device = {name: dataclasses.replace(c, placement="device") for name, c in choices.items()}
@@ -300,9 +302,9 @@ def test_floor_is_never_above_transformers_offload_by_hand():
     plan = autoplan.plan(model, "100MB", batch_size=1, seq_len=2048, device="rtx-4090", precision="bf16", reserve=0,
                          on_profile=profiles.append)
     measured = profiles[0]
-    traced = trace(model, autoplan.inputs.batch.training_batch(model, None, 1, 2048), unit_names=[u.name for u in measured.units])
+    traced = trace(model, autoplan.inputs.batch.training_batch(model, None, 1, 2048), unit_names=tuple(u.unit for u in measured.units))
     hand = {unit.name: Choice("full", "bf16", placement="host") for unit in measured.units}
-    by_hand = simulate_plan(traced, hand, device=measured.device, optimizer="adamw", rest_precision="bf16",
+    by_hand = simulate_plan(traced, choices_by_unit(measured, hand), device=measured.device, optimizer="adamw", rest_precision="bf16",
                             fused_loss=measured.timeline.fused_loss)
     on_device = autoplan.plan(model, "100MB", batch_size=1, seq_len=2048, device="rtx-4090", precision="bf16", reserve=0, offload=False)
     assert plan.prediction.minimum_peak_bytes <= by_hand.peak_bytes < on_device.prediction.minimum_peak_bytes

@@ -39,7 +39,7 @@ CPU = get_device("cpu")
 def _menu_of(model, inputs, size: int = 4):
     """The menu of the model's first unit, recorded on the real model (real inputs captured by a hook)."""
     name = find_units(model)[0]
-    unit = model.get_submodule(name)
+    unit = model.get_submodule(name.name)
     captured = {}
 
     def grab(module, args, kwargs):

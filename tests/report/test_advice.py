@@ -18,6 +18,7 @@ from autoplan.report.plot import memory_curves, plot_memory
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.report.text import fold_units, format_report
 from autoplan.vocabulary.tensors import unique_storage_bytes
+from autoplan.units import ModuleUnit
 from autoplan.vocabulary.names import unit_module
 from tests.cli_factories import tiny_gpt, tiny_gpt_sdpa
 
@@ -62,7 +63,7 @@ def test_attention_bytes_are_the_saved_softmax_probabilities(loose) -> None:
 def test_unit_parameter_bytes(loose) -> None:
     model, _, profile = loose
     for unit in profile.units:
-        assert unit.param_bytes == unique_storage_bytes(list(unit_module(model, unit.name).parameters())) > 0
+        assert unit.param_bytes == unique_storage_bytes(list(unit_module(model, unit.unit).parameters())) > 0
 
 
 def test_sharded_peak_on_one_gpu_is_the_single_gpu_prediction(loose, tight) -> None:
@@ -261,7 +262,7 @@ def test_plain_report_has_no_terminal_codes(loose) -> None:
 
 def test_fold_units_folds_only_identical_numbered_runs() -> None:
     def unit(name, mode="keep"):
-        return UnitDecision(name, Choice(mode, "bf16"), 10, 0, 1e-3)
+        return UnitDecision(ModuleUnit(name), Choice(mode, "bf16"), 10, 0, 1e-3)
 
     rows = fold_units((unit("layers.0"), unit("layers.1"), unit("layers.2"), unit("layers.3", "full"), unit("head")))
     assert [(r.label, r.count) for r in rows] == [("layers.0–2 ×3", 3), ("layers.3", 1), ("head", 1)]
@@ -331,7 +332,7 @@ def test_least_activation_choices_put_kept_bytes_first():
                         fwd_flops=0, bwd_flops=0)
 
     keep, full = Choice("keep", "fp32"), Choice("full", "fp32")
-    unit = UnitProfile("layers.0", {keep: cost(776, 2810, 1.0), full: cost(0, 3586, 2.0)}, keep)
+    unit = UnitProfile(ModuleUnit("layers.0"), {keep: cost(776, 2810, 1.0), full: cost(0, 3586, 2.0)}, keep)
     assert least_activation_choices(SimpleNamespace(units=(unit,))) == {"layers.0": full}
 
 

@@ -23,6 +23,7 @@ from autoplan.profile.units import Profile, UnitCost, UnitProfile
 from autoplan.solve.ilp import Solution, allowed_choices, check, fastest, minimum_peak, solve
 from autoplan.profile.recorder import Boundary
 from autoplan.profile.timeline import PhaseSample, StaticBytes, Timeline
+from autoplan.units import ModuleUnit
 
 MIB = 2**20
 HALF = MIB // 2
@@ -104,7 +105,7 @@ def synthetic_chain(
                     c.fwd_time_s * 0.6, c.bwd_time_s * 0.6, c.fwd_flops, c.bwd_flops,
                     c.holds_inputs, c.holds_outputs,
                 )
-        units.append(UnitProfile(name, options, KEEP))
+        units.append(UnitProfile(ModuleUnit(name), options, KEEP))
 
     def phase(label: Phase, start: float, peak: float, seconds: float = 0.0) -> PhaseSample:
         return PhaseSample(label, mib(start), mib(peak), 0, seconds, 0)

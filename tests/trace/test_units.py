@@ -15,7 +15,8 @@ from autoplan.inputs.batch import normalize_inputs
 from autoplan.trace.tracer import Traced, trace
 import autoplan
 from autoplan.trace.units import find_units, unit_levels
-from autoplan.vocabulary.names import sequential_run, unit_endpoints, unit_module
+from autoplan.units import GraphRun, SequentialRun, Unit
+from autoplan.vocabulary.names import unit_endpoints, unit_module
 from tests.cli_factories import convmixer
 from tests.models import (
     ALL_MODELS,
@@ -84,24 +85,28 @@ def test_normalize_result_is_a_fresh_dict() -> None:
     assert "other" not in given
 
 
+def _names(units: list[Unit]) -> list[str]:
+    return [unit.name for unit in units]
+
+
 # -- find_units -------------------------------------------------------------------------------
 
 
 def test_find_units_tiny_gpt_blocks() -> None:
     model, _ = make_tiny_gpt()
-    assert find_units(model) == ["transformer.h.0", "transformer.h.1"]
+    assert _names(find_units(model)) == ["transformer.h.0", "transformer.h.1"]
 
 
 def test_find_units_small_resnet_basic_blocks() -> None:
     model, _ = make_small_resnet()
-    units = find_units(model)
+    units = _names(find_units(model))
     assert units == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
     assert all(isinstance(model.get_submodule(u), BasicBlock) for u in units)
 
 
 def test_find_units_skipnet_conv_blocks() -> None:
     model, _ = make_skipnet()
-    units = find_units(model)
+    units = _names(find_units(model))
     # the conv blocks, and their sibling the head: every child with parameters of what holds them
     assert sorted(units) == sorted(["e1", "e2", "e3", "d3", "d2", "d1", "head"])
     assert all(isinstance(model.get_submodule(u), ConvBlock) for u in units if u != "head")
@@ -109,7 +114,7 @@ def test_find_units_skipnet_conv_blocks() -> None:
 
 def test_find_units_lora_blocks() -> None:
     model, _ = make_lora()
-    units = find_units(model)
+    units = _names(find_units(model))
     assert units == ["blocks.0", "blocks.1", "blocks.2"]
     assert all(isinstance(model.get_submodule(u), LoRABlock) for u in units)
 
@@ -118,7 +123,7 @@ def test_find_units_plain_sequential_is_cut_into_runs() -> None:
     model, _ = make_mlp()
     units = find_units(model)
     # 6 Linear layers with a GELU after each but the last: one run per Linear
-    assert units == ["[0:2]", "[2:4]", "[4:6]", "[6:8]", "[8:10]", "[10:11]"]
+    assert _names(units) == ["[0:2]", "[2:4]", "[4:6]", "[6:8]", "[8:10]", "[10:11]"]
     for unit in units:
         first, last = unit_endpoints(model, unit)
         assert isinstance(first, nn.Linear)
@@ -141,14 +146,13 @@ def test_find_units_nested_sequential_run_names_its_parent() -> None:
 
     model = Wrapper()
     units = find_units(model)
-    assert units == ["net[0:2]", "net[2:4]", "net[4:5]"]
-    first, last = unit_endpoints(model, "net[2:4]")
+    assert _names(units) == ["net[0:2]", "net[2:4]", "net[4:5]"]
+    first, last = unit_endpoints(model, SequentialRun("net", 2, 4))
     assert first is model.net[2] and last is model.net[3]
 
 
-def _modules_run(unit: str) -> list[str]:
-    run = sequential_run(unit)
-    return [unit] if run is None else run.layer_names()
+def _modules_run(unit: Unit) -> list[str]:
+    return unit.layer_names() if isinstance(unit, SequentialRun) else [unit.name]
 
 
 def test_convmixer_sequential_units_never_overlap() -> None:
@@ -157,7 +161,7 @@ def test_convmixer_sequential_units_never_overlap() -> None:
     (it was: "0" and "[0:2]", "3" and "[3:4]", "4.1" and "4[1:3]", ...)."""
     model, _ = convmixer()
     levels = unit_levels(model)
-    assert levels[0].units == ("[0:2]", "[2:3]", "3", "4", "5", "6", "7", "8", "9", "10", "[13:14]")
+    assert tuple(_names(levels[0].units)) == ("[0:2]", "[2:3]", "3", "4", "5", "6", "7", "8", "9", "10", "[13:14]")
     for level in levels:
         modules = [m for unit in level.units for m in _modules_run(unit)]
         for i, a in enumerate(modules):
@@ -189,9 +193,9 @@ def test_convmixer_plan_says_nothing_never_ran_and_trains_like_the_original() ->
 
 def test_find_units_pattern() -> None:
     model, _ = make_tiny_gpt()
-    assert find_units(model, ["transformer.h.*"]) == ["transformer.h.0", "transformer.h.1"]
+    assert _names(find_units(model, ["transformer.h.*"])) == ["transformer.h.0", "transformer.h.1"]
     # a bare string is accepted as one pattern
-    assert find_units(model, "transformer.h.*") == ["transformer.h.0", "transformer.h.1"]
+    assert _names(find_units(model, "transformer.h.*")) == ["transformer.h.0", "transformer.h.1"]
 
 
 def test_find_units_pattern_outermost_wins() -> None:
@@ -199,7 +203,7 @@ def test_find_units_pattern_outermost_wins() -> None:
     # "*" also matches everything inside the blocks; only the outermost matches are units
     assert find_units(model, ["transformer.h.*"]) == find_units(model, ["transformer.h.[01]"])
     units = find_units(model, ["transformer.h.0", "transformer.h.0.attn", "transformer.h.1.mlp"])
-    assert units == ["transformer.h.0", "transformer.h.1.mlp"]
+    assert _names(units) == ["transformer.h.0", "transformer.h.1.mlp"]
 
 
 def test_find_units_pattern_matching_nothing_names_top_level_submodules() -> None:
@@ -247,13 +251,13 @@ class _TwoDifferentChildren(nn.Module):
 
 
 def test_find_units_cuts_a_model_without_repeats_at_articulation_points() -> None:
-    assert find_units(_TwoDifferentChildren()) == ["graph[encoder_fc:relu]", "graph[decoder_fc:decoder_fc]"]
+    assert _names(find_units(_TwoDifferentChildren())) == ["graph[encoder_fc:relu]", "graph[decoder_fc:decoder_fc]"]
 
 
 def test_graph_units_start_at_parametric_layers_and_never_cut_a_residual() -> None:
     model, _ = make_flat()
     # fc_mid's residual (h + relu(fc_mid(h))) stays whole: nothing inside it separates input from output
-    assert find_units(model) == [
+    assert _names(find_units(model)) == [
         "graph[fc_in:gelu]",
         "graph[norm:norm]",
         "graph[mul:mul]",  # multiplies by the parameter `gain`
@@ -271,7 +275,7 @@ def test_split_by_units_computes_the_model_with_its_own_layers() -> None:
     assert split.get_submodule("graph[fc_mid:add]").run.fc_mid is model.fc_mid
     torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="graph units are"):
-        split_by_units(model, ["graph[fc_in:nowhere]"])
+        split_by_units(model, [GraphRun("fc_in", "nowhere")])
 
 
 class _OneLayer(nn.Module):
@@ -293,9 +297,9 @@ def test_find_units_with_nothing_to_cut_suggests_units() -> None:
 
 def test_find_units_named_units_work_where_automatic_fails() -> None:
     model = _TwoDifferentChildren()
-    assert find_units(model, ["encoder", "decoder"]) == ["encoder", "decoder"]
+    assert _names(find_units(model, ["encoder", "decoder"])) == ["encoder", "decoder"]
     traced = trace(model, (torch.randn(2, 8),), units=["encoder", "decoder"])
-    assert traced.units == ("encoder", "decoder")
+    assert traced.unit_names == ("encoder", "decoder")
     assert traced.method == "symbolic_trace"
 
 
@@ -314,17 +318,17 @@ def test_trace_zoo_models_use_symbolic_trace(name: str) -> None:
         assert {id(p) for p in traced.model.parameters()} == {id(p) for p in model.parameters()}
     else:
         assert traced.model is model
-    assert sorted(traced.units) == sorted(find_units(model))
+    assert sorted(traced.unit_names) == sorted(_names(find_units(model)))
     args, kwargs = traced.example_inputs
     assert isinstance(args, tuple) and isinstance(kwargs, dict)
     graph = traced.unit_graph
     assert isinstance(graph, nx.DiGraph)
     assert "input" in graph and "output" in graph
-    for unit in traced.units:
+    for unit in traced.unit_names:
         assert unit in graph
     # data flows from the input to the output through the units
     assert nx.has_path(graph, "input", "output")
-    for unit in traced.units:
+    for unit in traced.unit_names:
         assert nx.has_path(graph, "input", unit) and nx.has_path(graph, unit, "output")
 
 
@@ -341,7 +345,7 @@ def test_trace_units_in_execution_order() -> None:
     model, inputs = make_skipnet()
     traced = trace(model, inputs)
     # defined e1 e2 e3 d3 d2 d1 head, and run in that order
-    assert traced.units == ("e1", "e2", "e3", "d3", "d2", "d1", "head")
+    assert traced.unit_names == ("e1", "e2", "e3", "d3", "d2", "d1", "head")
 
 
 class _Reversed(nn.Module):
@@ -359,7 +363,7 @@ class _Reversed(nn.Module):
 
 def test_trace_orders_units_by_execution_not_definition() -> None:
     traced = trace(_Reversed(), (torch.randn(2, 8),))
-    assert traced.units == ("blocks.2", "blocks.1", "blocks.0")
+    assert traced.unit_names == ("blocks.2", "blocks.1", "blocks.0")
     chain = [("input", "blocks.2"), ("blocks.2", "blocks.1"), ("blocks.1", "blocks.0"), ("blocks.0", "output")]
     assert all(traced.unit_graph.has_edge(*edge) for edge in chain)
     assert traced.skip_edges == ()
@@ -391,8 +395,8 @@ def test_trace_mlp_sequential_runs() -> None:
     model, inputs = make_mlp()
     traced = trace(model, inputs)
     assert traced.method == "symbolic_trace"
-    assert traced.units == ("[0:2]", "[2:4]", "[4:6]", "[6:8]", "[8:10]", "[10:11]")
-    for a, b in zip(traced.units, traced.units[1:]):
+    assert traced.unit_names == ("[0:2]", "[2:4]", "[4:6]", "[6:8]", "[8:10]", "[10:11]")
+    for a, b in zip(traced.unit_names, traced.unit_names[1:]):
         assert traced.unit_graph.has_edge(a, b)
     assert traced.skip_edges == ()
 
@@ -402,7 +406,7 @@ def test_trace_accepts_every_input_form() -> None:
     targets = torch.randint(0, 64, idx.shape)
     for inputs in ((idx,), idx, {"idx": idx}, ((idx,), {"targets": targets})):
         traced = trace(model, inputs)
-        assert traced.units == ("transformer.h.0", "transformer.h.1")
+        assert traced.unit_names == ("transformer.h.0", "transformer.h.1")
     assert trace(model, ((idx,), {"targets": targets})).example_inputs[1]["targets"] is targets
 
 
@@ -500,7 +504,7 @@ def test_a_model_no_tracer_follows_is_traced_by_running_it() -> None:
     assert traced.method == "hooks"
     assert traced.graph is None
     assert len(traced.trace_errors) == 2
-    assert traced.units == ("blocks.0", "blocks.1", "blocks.2")
+    assert traced.unit_names == ("blocks.0", "blocks.1", "blocks.2")
     assert traced.skip_edges == (("blocks.0", "blocks.2"),)
     assert traced.unit_graph.has_edge("input", "blocks.0")
     assert traced.unit_graph.has_edge("blocks.2", "output")
@@ -517,7 +521,7 @@ def test_shape_dependent_model_falls_back_to_export() -> None:
     assert isinstance(traced.graph, torch.fx.Graph)
     assert len(traced.trace_errors) == 1 and "symbolic_trace" in traced.trace_errors[0]
     # units come back in execution order (reversed), recovered from export's module stacks
-    assert traced.units == ("blocks.2", "blocks.1", "blocks.0")
+    assert traced.unit_names == ("blocks.2", "blocks.1", "blocks.0")
     graph = traced.unit_graph
     assert "input" in graph and "output" in graph
     for edge in [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0"), ("blocks.0", "output")]:
@@ -540,5 +544,14 @@ def test_export_fallback_finds_skip_edges() -> None:
 
     traced = trace(ShapeSkip(), (torch.randn(3, 8),))
     assert traced.method == "export"
-    assert traced.units == ("blocks.0", "blocks.1", "blocks.2")
+    assert traced.unit_names == ("blocks.0", "blocks.1", "blocks.2")
     assert traced.skip_edges == (("blocks.0", "blocks.2"),)
+
+
+def test_a_pattern_that_matches_a_module_list_plans_the_blocks_it_holds() -> None:
+    """A ModuleList is never called: `--units 'b*'` matching `blocks` means its blocks (it was exit 6, "never ran")."""
+    from tests.cli_factories import tiny_mlp
+
+    model, _ = tiny_mlp()
+    assert [unit.name for unit in unit_levels(model, ["b*"])[0].units] == ["blocks.0", "blocks.1"]
+    assert [unit.name for unit in unit_levels(model, ["blocks", "blocks.1"])[0].units] == ["blocks.0", "blocks.1"]

@@ -52,7 +52,7 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
 def test_verify_runs_the_plan_and_judges_it_against_the_usable_budget():
     model, inputs = batch_of("tiny_gpt")
     plan = tight_plan(model, inputs)
-    apply_choices(model, {u.name: Choice("keep", "fp32") for u in plan.decisions.units})  # not the plan
+    apply_choices(model, {u.unit: Choice("keep", "fp32") for u in plan.decisions.units})  # not the plan
     result = autoplan.verify(model, plan, example_inputs=inputs)
     assert autoplan.planned_choices(model) == plan.decisions.choices()
     assert result.held and abs(result.peak_error) <= 0.01
