@@ -57,8 +57,6 @@ _EXPORTS = {
     "Verification": "autoplan.verify.real",
     "verify": "autoplan.verify.real",
 }
-# modules that import no torch; the others come with the report stage, as Plan.report() needs it
-_LIGHT = {"autoplan.errors", "autoplan.units", "autoplan.inputs.budget", "autoplan.inputs.devices", "autoplan.inputs.loop"}
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
@@ -79,10 +77,7 @@ class _Export:
         if package is None:
             return self
         if self.name not in vars(package):
-            module = _EXPORTS[self.name]
-            if module not in _LIGHT:
-                importlib.import_module("autoplan.report.text")  # registers Plan.report()'s formatter
-            vars(package)[self.name] = getattr(importlib.import_module(module), self.name)
+            vars(package)[self.name] = getattr(importlib.import_module(_EXPORTS[self.name]), self.name)
         return vars(package)[self.name]
 
     def __set__(self, package, value) -> None:

@@ -46,7 +46,6 @@ from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
 from autoplan.profile.units import Profile, precision_options
 from autoplan.profile.units import profile as profile_units
-from autoplan.report import text as _report_text  # noqa: F401  registers Plan.report()'s formatter (the vocabulary cannot import it)
 from autoplan.vocabulary.fingerprint import batch_values, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
@@ -97,9 +96,9 @@ def plan(
     (positional args, kwargs, or both); optional for a Hugging Face model (`batch_size` ×
     `seq_len` from its config). device: a profile name (`autoplan.list_devices()`); None, this
     machine's GPU. optimizer: "adamw" (default), "adam", "sgd", "sgd-momentum" or an instance.
-    loop: the training loop the peak is for (default: outputs kept through backward); `plan.loop`
+    loop: the training loop the peak is for (default: outputs kept through backward); `plan.request.loop`
     states it and `autoplan.verify` runs it. Every other argument (units, pins, reserve, profile,
-    world_size, compile, segments, fuse_loss, offload, host_budget, moe_capacity, ...): docs/api.md. plan.request holds
+    world_size, compile, segments, fuse_loss, offload, host_budget, moe_capacity, ...): docs/api.md. plan.request.arguments holds
     the arguments that shaped the plan; plan.report() shows the call that reproduces it.
     """
     # every option checked before minutes of tracing and profiling
@@ -127,8 +126,9 @@ def plan(
     if on_profile is not None:
         on_profile(measured)
     fingerprint = dataclasses.replace(fingerprint, values=batch_values(batch, measured.batch_reads))
-    return dataclasses.replace(chosen, request=request, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
-                               batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
+    traced_as = dataclasses.replace(chosen.model, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
+                                    batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
+    return dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=request), model=traced_as)
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -230,7 +230,7 @@ def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions
     def simulate(choices: Mapping[str, Choice]) -> int:
         simulated = simulate_plan(
             traced, choices_by_unit(measured, choices), device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
-            loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=bool(measured.timeline.fused_loss),
+            loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
         )
         host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
         return simulated.peak_bytes
@@ -239,7 +239,9 @@ def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions
                    host_budget=target.host_budget_bytes if measured.offload else None)
     decided = assemble_plan(measured, traced, found, budget=target.budget, reserve=target.reserve, target=target.device, pins=pins,
                             world=world, time_limit_s=time_limit_s, host_budget=target.host_budget_bytes)
-    return dataclasses.replace(decided, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(frozenset(found.choices.items()), 0))
+    simulated = dataclasses.replace(decided.prediction, world_size_curve=curve,
+                                    simulated_host_peak_bytes=host_peaks.get(frozenset(found.choices.items()), 0))
+    return dataclasses.replace(decided, prediction=simulated)
 
 
 def _decide_loss_head(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> tuple[Plan, Profile]:
@@ -332,6 +334,6 @@ def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch
     if world_size != "auto" and check_world_size(world_size) > 1:
         require_process_group(world_size)  # before minutes of planning, not after
     decided = plan(model, budget, **options)
-    if not decided.feasible:
+    if not decided.outcome.feasible:
         raise InfeasibleBudgetError(decided, infeasible_message(decided))
     return apply(model, decided)

@@ -207,9 +207,9 @@ def optimize_for_trainer(
     with _as_the_trainer_runs_it(model, args, keep=apply, notes=model_notes):
         whole, loop = plan_micro_batch(batch_size)
         micro, decided = batch_size, whole
-        if not whole.feasible and batch_size > 1:
+        if not whole.outcome.feasible and batch_size > 1:
             micro, decided, loop = _largest_fitting_micro_batch(batch_size, plan_micro_batch)
-        if not decided.feasible:
+        if not decided.outcome.feasible:
             raise InfeasibleBudgetError(decided, f"not even a micro-batch of 1 fits: {_over(decided)}")
     notes = [note for note in (counted.note, batches.note) if note] + model_notes
     if apply:
@@ -321,7 +321,7 @@ def _largest_fitting_micro_batch(batch_size: int, plan_micro_batch) -> tuple[int
     while low <= high:
         middle = (low + high) // 2
         decided, loop = plan_micro_batch(divisors[middle])
-        if decided.feasible:
+        if decided.outcome.feasible:
             fitting, low = (divisors[middle], decided, loop), middle + 1
         else:
             smallest, high = (divisors[middle], decided, loop), middle - 1
@@ -331,8 +331,8 @@ def _largest_fitting_micro_batch(batch_size: int, plan_micro_batch) -> tuple[int
 
 
 def _over(decided: Plan) -> str:
-    return (f"the lowest peak is {format_bytes(decided.minimum_peak_bytes)}, over the {format_bytes(decided.usable_bytes)} "
-            f"usable; it needs a {format_bytes(decided.minimum_budget_bytes)} budget")
+    return (f"the lowest peak is {format_bytes(decided.prediction.minimum_peak_bytes)}, over the {format_bytes(decided.request.usable_bytes)} "
+            f"usable; it needs a {format_bytes(decided.prediction.minimum_budget_bytes)} budget")
 
 
 def _prepare_model(model: torch.nn.Module) -> list[str]:
@@ -349,7 +349,7 @@ def _changes(args: Any, decided: Plan, whole: Plan, micro: int) -> tuple[Argumen
     changes = []
     name = next((n for n in CHECKPOINTING_ARGUMENTS if hasattr(args, n)), None)
     if name is not None and getattr(args, name):
-        layers = decided.unit_choices()  # a segment's layers one by one: a segment of 2 is 2 layers, not 1
+        layers = decided.decisions.unit_choices()  # a segment's layers one by one: a segment of 2 is 2 layers, not 1
         checkpointed = sum(choice.checkpointed for choice in layers.values())
         changes.append(ArgumentChange(name, True, False, f"the plan checkpoints {checkpointed} of {len(layers)} "
                                       "layers itself; transformers would checkpoint every one"))

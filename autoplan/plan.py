@@ -1,17 +1,19 @@
 """The plan's vocabulary: what can be chosen for a unit, and the Plan a planning run returns.
 
 A `Choice` is one checkpoint mode × one precision. A `Plan` is everything a person (or the
-rewrite stage) needs: one decision per unit, the predicted and simulated peaks, the memory
-breakdown at the peak, predicted step times, and how the solver got there. `Plan.to_dict()`
+rewrite stage) needs, in parts by concern: what was asked, the model and device, one decision per
+unit, the predicted peaks, breakdown and step times, and how the search ended. `Plan.to_dict()`
 is the JSON schema; it holds only plain numbers, strings, lists and dicts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -72,6 +74,7 @@ OPTIMIZER_STEP = Phase("step", None, "optimizer")
 ZERO_GRAD = Phase("step", None, "zero_grad")
 
 
+@functools.total_ordering  # by _order: <=, >, >= from < and the dataclass's ==
 @dataclass(frozen=True)
 class Choice:
     """How one unit runs: which activations it keeps for backward, and in which precision.
@@ -115,15 +118,6 @@ class Choice:
 
     def __lt__(self, other: Choice) -> bool:
         return self._order() < other._order()
-
-    def __le__(self, other: Choice) -> bool:
-        return self._order() <= other._order()
-
-    def __gt__(self, other: Choice) -> bool:
-        return self._order() > other._order()
-
-    def __ge__(self, other: Choice) -> bool:
-        return self._order() >= other._order()
 
     def __str__(self) -> str:
         mode = self.mode if self.saves is None else f"selective[{len(self.saves)} saved]"
@@ -226,65 +220,70 @@ class Fingerprint:
         return {"parameters": dict(self.parameters), "batch": dict(self.batch), "values": dict(self.values)}
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What autoplan decided for one model, budget and device, and why it believes it fits."""
+class TrainingLoopLike(Protocol):
+    """The training loop a plan's peak is for: an `autoplan.TrainingLoop` (`autoplan.inputs.loop`, a frozen
+    dataclass). The vocabulary imports no stage, so the plan names it by what is read of it here."""
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # to_dict writes its fields; verify and the simulation read them
+    def describe(self) -> str: ...  # the report's line, "outputs kept through backward, ..."
 
-    model_name: str  # the model's class name
-    device: str  # the device profile planned for, e.g. "h100-80gb"
-    low_precision: Precision  # the autocast dtype a low-precision unit uses on this device
-    rest_precision: Precision  # precision of everything outside the units (autocast around the forward if low)
-    fused_loss: str  # the logits ("4096×32000 logits") whose cross-entropy is fused with the output head; "": none
-    needs_grad_scaler: bool  # fp16 units need torch.amp.GradScaler in the training loop
-    optimizer: str  # the optimizer whose state was counted
-    feasible: bool  # the simulated peak of one training step fits the usable budget
+
+@dataclass(frozen=True)
+class Request:
+    """What was asked: the budget and what it leaves, the optimizer, the GPUs, the training loop."""
     budget_bytes: int  # the budget as given
     usable_bytes: int  # budget minus the reserve (CUDA context, fragmentation)
-    predicted_peak_bytes: int  # the higher of the linear memory model's peak and the simulated step's, for these choices
-    simulated_peak_bytes: int  # peak of one real training step of the rewritten model, under fake tensors
-    baseline_peak_bytes: int  # simulated peak with no plan (every unit keep/fp32)
-    minimum_peak_bytes: int  # the lowest peak any choice reaches (everything turned on)
-    minimum_budget_bytes: int  # the budget that peak needs after the reserve
-    predicted_step_time_s: float  # forward + backward + recompute + optimizer, roofline estimate
-    baseline_step_time_s: float  # the same with no plan
-    fastest_step_time_s: float  # the fastest choice that ignores memory
-    time_source: str  # "roofline" (FLOPs and bytes over device peak rates) or "measured"
-    breakdown: MemoryBreakdown  # at the predicted peak
-    peak_phase: Phase  # the moment of the step where the predicted peak happens
-    units: tuple[UnitDecision, ...]  # in execution order
-    solver_status: str  # pulp's status of the final solve, e.g. "Optimal"
-    solve_time_s: float  # wall time spent in the ILP solver, all re-solves included
-    resolves: int  # how often verification tightened the budget and solved again
-    trace_method: str  # "symbolic_trace", "export", or "none" when units were named and tracing failed
-    notes: tuple[str, ...] = field(default=())  # anything the person should know about this plan
-    world_size: int = 1  # GPUs the plan is for; above 1 every byte above is per rank under FSDP2
-    fsdp: ShardedPeak | None = None  # with world_size > 1: the predicted per-rank peak in FSDP's terms
-    world_size_curve: tuple[WorldSizePoint, ...] = ()  # per-rank peak against N (world_size="auto" searched it)
-    parameter_count: int = 0  # trainable and frozen parameters, tied weights once
-    state_bytes: int = 0  # parameters + gradients + optimizer state on one GPU, before sharding
-    loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the peak was predicted for
-    moe_routing: str = ""  # mixture-of-experts routing assumed: "worst case", "capacity 1.25", "any" (shapes do not depend on it), "" (none)
-    request: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
+    optimizer: str  # the optimizer whose state was counted
+    world_size: int = 1  # GPUs the plan is for; above 1 every byte of the plan is per rank under FSDP2
+    loop: TrainingLoopLike | None = None  # the training loop the peak was predicted for
     offload: bool = False  # units were allowed to hold their saved tensors in pinned host memory
     host_budget_bytes: int = 0  # with offload: the pinned host memory the plan may use
-    host_peak_bytes: int = 0  # what the offloaded units hold in host memory at once (before the first backward)
-    simulated_host_peak_bytes: int = 0  # the same, from the whole-step simulation
+    arguments: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """The model the plan is for, as it was traced."""
+    name: str  # the model's class name
+    trace_method: str  # "symbolic_trace", "export", "hooks", or "none" when units were named and tracing failed
+    parameter_count: int = 0  # trainable and frozen parameters, tied weights once
+    state_bytes: int = 0  # parameters + gradients + optimizer state on one GPU, before sharding
     fingerprint: Fingerprint | None = None  # the model and batch it was made for; None (built by hand): apply checks nothing
     batch_values: tuple[str, ...] = ()  # batch inputs whose values the forward read (image grids, labels): planned for those values
     random_control_flow: bool = False  # the forward decides on random draws (LayerDrop): planned at the worst case
+    moe_routing: str = ""  # mixture-of-experts routing assumed: "worst case", "capacity 1.25", "any" (shapes do not depend on it), "" (none)
+
+
+@dataclass(frozen=True)
+class DeviceTarget:
+    """The device planned for and what its precision asks of the training loop."""
+    device: str  # the device profile planned for, e.g. "h100-80gb"
+    low_precision: Precision  # the autocast dtype a low-precision unit uses on this device
+    needs_grad_scaler: bool = False  # fp16 units need torch.amp.GradScaler in the training loop
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What the plan decided: one decision per unit, and for the model outside them."""
+
+    units: tuple[UnitDecision, ...]  # in execution order
+    rest_precision: Precision = "fp32"  # everything outside the units (autocast around the forward if low)
+    fused_loss: bool = False  # the output head's cross-entropy is fused with it (autoplan.planned.loss_head)
+    fused_logits: str = ""  # with fused_loss: the logits it fuses, "4096×32000 logits"
+
+    def __post_init__(self) -> None:
+        if self.fused_logits and not self.fused_loss:
+            raise ValueError(f"fused_logits {self.fused_logits!r} names the logits of a fused loss head, but fused_loss is False")
 
     @property
     def outside_units(self) -> OutsideUnits:
-        return OutsideUnits(self.rest_precision, bool(self.fused_loss))
+        return OutsideUnits(self.rest_precision, self.fused_loss)
 
     @property
-    def transfer_s(self) -> float:
-        """The offloaded units' copies over the host link, both ways (0 without offload)."""
+    def transfer_s(self) -> float:  # the offloaded units' copies over the host link, both ways (0 without offload)
         return sum(unit.transfer_s for unit in self.units)
 
     @property
-    def exposed_transfer_s(self) -> float:
-        """The part of `transfer_s` their own compute does not hide (in the predicted step time)."""
+    def exposed_transfer_s(self) -> float:  # the part of `transfer_s` their own compute does not hide (in the step time)
         return sum(unit.exposed_transfer_s for unit in self.units)
 
     def choices(self) -> dict[str, Choice]:
@@ -298,44 +297,104 @@ class Plan:
         """Per unit, its choice; a segment's units each with the segment's (full: what each does in forward)."""
         return {name: unit.choice for unit in self.units for name in unit.members or (unit.name,)}
 
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one training step under the decisions is predicted to hold and take."""
+    peak_bytes: int  # the higher of the linear memory model's peak and the simulated step's
+    simulated_peak_bytes: int  # peak of one real training step of the rewritten model, under fake tensors
+    baseline_peak_bytes: int  # simulated peak with no plan (every unit keep/fp32)
+    minimum_peak_bytes: int  # the lowest peak any choice reaches (everything turned on)
+    minimum_budget_bytes: int  # the budget that peak needs after the reserve
+    breakdown: MemoryBreakdown  # at the predicted peak
+    peak_phase: Phase  # the moment of the step where the predicted peak happens
+    step_time_s: float  # forward + backward + recompute + optimizer, roofline estimate or measured
+    baseline_step_time_s: float  # the same with no plan
+    fastest_step_time_s: float  # the fastest choice that ignores memory
+    time_source: str  # "roofline" (FLOPs and bytes over device peak rates) or "measured"
+    fsdp: ShardedPeak | None = None  # with world_size > 1: the predicted per-rank peak in FSDP's terms
+    world_size_curve: tuple[WorldSizePoint, ...] = ()  # per-rank peak against N (world_size="auto" searched it)
+    host_peak_bytes: int = 0  # what the offloaded units hold in host memory at once (before the first backward)
+    simulated_host_peak_bytes: int = 0  # the same, from the whole-step simulation
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the search ended."""
+    feasible: bool  # the simulated peak of one training step fits the usable budget
+    solver_status: str  # pulp's status of the final solve, e.g. "Optimal"
+    solve_time_s: float  # wall time spent in the ILP solver, all re-solves included
+    resolves: int = 0  # how often verification tightened the budget and solved again
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What autoplan decided for one model, budget and device, and why it believes it fits: `request` (what
+    was asked), `model` (what was traced), `target` (the device), `decisions` (per unit, and outside the
+    units), `prediction` (peaks, breakdown, times) and `outcome` (feasible, the solver). `feasible`,
+    `units` and `predicted_peak_bytes` read what most callers want directly."""
+
+    request: Request
+    model: PlannedModel
+    target: DeviceTarget
+    decisions: Decisions
+    prediction: Prediction
+    outcome: Outcome
+    notes: tuple[str, ...] = field(default=())  # anything the person should know about this plan
+
+    @property
+    def feasible(self) -> bool:
+        return self.outcome.feasible
+
+    @property
+    def units(self) -> tuple[UnitDecision, ...]:
+        return self.decisions.units
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.prediction.peak_bytes
+
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["units"] = [
-            {"name": unit.name, "mode": unit.choice.mode, "precision": unit.choice.precision,
-             "saves": None if unit.choice.saves is None else list(unit.choice.saves), "placement": unit.choice.placement}
-            | {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("unit", "choice", "members")}
-            | {"members": list(unit.members)}  # a segment's units; empty for a unit on its own
-            for unit in self.units
-        ]
-        data["notes"] = list(self.notes)
-        data["batch_values"] = list(self.batch_values)
-        data["peak_phase"] = str(self.peak_phase)
-        data["breakdown"]["total"] = self.breakdown.total
-        data["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
-        data["world_size_curve"] = [dataclasses.asdict(point) for point in self.world_size_curve]
-        data["request"] = {name: value for name, value in self.request}
-        data["fingerprint"] = None if self.fingerprint is None else self.fingerprint.to_dict()
-        return data
+        """The JSON schema (docs/api.md): one flat object, the parts' fields under their documented keys."""
+        asked, model, target, decisions, predicted, outcome = (self.request, self.model, self.target, self.decisions, self.prediction, self.outcome)
+        return {
+            "model_name": model.name, "device": target.device, "low_precision": target.low_precision, "rest_precision": decisions.rest_precision,
+            "fused_loss": decisions.fused_loss, "fused_loss_logits": decisions.fused_logits, "needs_grad_scaler": target.needs_grad_scaler,
+            "optimizer": asked.optimizer, "feasible": outcome.feasible, "budget_bytes": asked.budget_bytes, "usable_bytes": asked.usable_bytes,
+            "predicted_peak_bytes": predicted.peak_bytes, "simulated_peak_bytes": predicted.simulated_peak_bytes,
+            "baseline_peak_bytes": predicted.baseline_peak_bytes, "minimum_peak_bytes": predicted.minimum_peak_bytes,
+            "minimum_budget_bytes": predicted.minimum_budget_bytes, "predicted_step_time_s": predicted.step_time_s,
+            "baseline_step_time_s": predicted.baseline_step_time_s, "fastest_step_time_s": predicted.fastest_step_time_s,
+            "time_source": predicted.time_source, "breakdown": dataclasses.asdict(predicted.breakdown) | {"total": predicted.breakdown.total},
+            "peak_phase": str(predicted.peak_phase), "units": [_unit_dict(unit) for unit in decisions.units],
+            "solver_status": outcome.solver_status, "solve_time_s": outcome.solve_time_s, "resolves": outcome.resolves,
+            "trace_method": model.trace_method, "notes": list(self.notes), "world_size": asked.world_size,
+            "fsdp": None if predicted.fsdp is None else predicted.fsdp.to_dict(),
+            "world_size_curve": [dataclasses.asdict(point) for point in predicted.world_size_curve],
+            "parameter_count": model.parameter_count, "state_bytes": model.state_bytes,
+            "loop": None if asked.loop is None else dataclasses.asdict(asked.loop), "moe_routing": model.moe_routing,
+            "request": dict(asked.arguments), "offload": asked.offload, "host_budget_bytes": asked.host_budget_bytes,
+            "host_peak_bytes": predicted.host_peak_bytes, "simulated_host_peak_bytes": predicted.simulated_host_peak_bytes,
+            "fingerprint": None if model.fingerprint is None else model.fingerprint.to_dict(),
+            "batch_values": list(model.batch_values), "random_control_flow": model.random_control_flow,
+        }
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     def report(self, verbose: bool = False) -> str:
-        """The text report (`autoplan.report.text.format_report`); the report stage installs it on import.
-        verbose=True names, op by op, what the selective units save."""
-        if _REPORT_FORMATTER is None:
-            raise RuntimeError("no report formatter: import autoplan.api or autoplan.report.text rather than autoplan.plan alone")
-        return _REPORT_FORMATTER(self, verbose=verbose)
+        """`autoplan.format_report(plan, verbose=verbose)` (verbose: selective units' saves op by op), found among the
+        package's public names when called, as the vocabulary imports no stage: works whatever was imported before."""
+        package = sys.modules[__name__.rpartition(".")[0]]  # `autoplan`, imported before any of its modules
+        return package.format_report(self, verbose=verbose)
 
 
-# The vocabulary cannot import the report stage (it comes last); the report stage registers its
-# formatter here when it is imported, which `autoplan.api` (and so `autoplan.plan(...)`) always does.
-_REPORT_FORMATTER: Callable[..., str] | None = None
-
-
-def register_report_formatter(formatter: Callable[..., str]) -> None:
-    global _REPORT_FORMATTER
-    _REPORT_FORMATTER = formatter
+def _unit_dict(unit: UnitDecision) -> dict[str, Any]:
+    """A unit's decision in the JSON schema: its choice's fields flat, then its costs, then a segment's members."""
+    choice = unit.choice
+    costs = {key: value for key, value in dataclasses.asdict(unit).items() if key not in ("unit", "choice", "members")}
+    return {"name": unit.name, "mode": choice.mode, "precision": choice.precision, "saves": None if choice.saves is None else list(choice.saves),
+            "placement": choice.placement} | costs | {"members": list(unit.members)}  # members: a segment's units, empty for one on its own
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

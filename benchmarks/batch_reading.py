@@ -6,7 +6,7 @@ Wav2Vec2-CTC and HuBERT-CTC), measures on the CPU, with the live-bytes tracker `
 uses, a real training step (AdamW, fp32, outputs alive through backward) checkpointed by hand
 (`torch.utils.checkpoint` around each block, or transformers' `gradient_checkpointing_enable()`);
 then plans at a budget of exactly that peak (no reserve), and measures the planned step. Prints the
-floor (`plan.minimum_peak_bytes`) over the by-hand peak, the planned step's predicted and measured
+floor (`plan.prediction.minimum_peak_bytes`) over the by-hand peak, the planned step's predicted and measured
 peaks, the FLOPs each recomputes, and what the plan read from the batch.
 
 LayerDrop skips layers at random in a real step, so its by-hand peak and the planned step are
@@ -53,13 +53,13 @@ def row(structure) -> str:
     plain = measured_step(every_layer_running(model), inputs)
     by_hand = measured_step(checkpoint_by_hand(every_layer_running(model), structure), inputs)
     plan = autoplan.plan(model, budget=by_hand.peak_bytes, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    read = " + ".join(filter(None, (", ".join(plan.batch_values), "random draws" if plan.random_control_flow else "")))
-    if not plan.feasible:
-        return f"| {structure.name} | {by_hand.peak_bytes:,} | {plan.minimum_peak_bytes:,} | does not fit | | | | | {read} |"
+    read = " + ".join(filter(None, (", ".join(plan.model.batch_values), "random draws" if plan.model.random_control_flow else "")))
+    if not plan.outcome.feasible:
+        return f"| {structure.name} | {by_hand.peak_bytes:,} | {plan.prediction.minimum_peak_bytes:,} | does not fit | | | | | {read} |"
     planned = measured_step(autoplan.apply(every_layer_running(model), plan), inputs)
-    error = (plan.predicted_peak_bytes - planned.peak_bytes) / planned.peak_bytes
-    return (f"| {structure.name} | {by_hand.peak_bytes:,} | {plan.minimum_peak_bytes:,} "
-            f"| {plan.minimum_peak_bytes / by_hand.peak_bytes:.4f}× | {plan.predicted_peak_bytes:,} | {planned.peak_bytes:,} "
+    error = (plan.prediction.peak_bytes - planned.peak_bytes) / planned.peak_bytes
+    return (f"| {structure.name} | {by_hand.peak_bytes:,} | {plan.prediction.minimum_peak_bytes:,} "
+            f"| {plan.prediction.minimum_peak_bytes / by_hand.peak_bytes:.4f}× | {plan.prediction.peak_bytes:,} | {planned.peak_bytes:,} "
             f"| {error:+.3%} | {(by_hand.flops - plain.flops) / 1e6:,.1f} | {(planned.flops - plain.flops) / 1e6:,.1f} | {read or '–'} |")
 
 

@@ -201,13 +201,13 @@ def rows_for(workload: Workload, device: torch.device, steps: int, with_compile:
         # measure() drops the output once the loss is computed: plan for that loop
         plan = autoplan.plan(model, budget, example_inputs=workload.batch(device), device=plan_device, precision="bf16",
                              reserve=0, loop=autoplan.TrainingLoop(keep_outputs=False))
-        if not plan.feasible:
-            add(f"autoplan @ {fraction:.0%}", budget, None, f"no plan fits (lowest {format_bytes(plan.minimum_peak_bytes)})")
+        if not plan.outcome.feasible:
+            add(f"autoplan @ {fraction:.0%}", budget, None, f"no plan fits (lowest {format_bytes(plan.prediction.minimum_peak_bytes)})")
             continue
         autoplan.apply(model, plan)
         result = measure(model, workload.batch(device), steps, autocast=False)  # the plan applies autocast
-        add(f"autoplan @ {fraction:.0%}", budget, result, f"predicted {format_bytes(plan.predicted_peak_bytes)}",
-            plan.predicted_peak_bytes)
+        add(f"autoplan @ {fraction:.0%}", budget, result, f"predicted {format_bytes(plan.prediction.peak_bytes)}",
+            plan.prediction.peak_bytes)
         if with_compile:
             add(f"autoplan + compile @ {fraction:.0%}", budget,
                 measure(compiled_with_budget(model, 1.0), workload.batch(device), steps, autocast=False))

@@ -6,7 +6,7 @@ ResNet / ConvNext / Swin / Mixtral / Qwen2-MoE from tiny configs), measures on t
 live-bytes tracker `autoplan.verify` uses, a real training step (AdamW, fp32) checkpointed by hand
 (`torch.utils.checkpoint`, non-reentrant, around each block; `gradient_checkpointing_enable()`
 where transformers has it); then plans at a budget of exactly that peak (no reserve) and
-measures the planned step. Prints, per structure: autoplan's floor (`plan.minimum_peak_bytes`)
+measures the planned step. Prints, per structure: autoplan's floor (`plan.prediction.minimum_peak_bytes`)
 over the by-hand peak, the planned step's measured peak, and the FLOPs each recomputes
 (FlopCounterMode, against the same step without checkpointing). The column "floor, no segments"
 is the floor of `plan(..., segments=False)`: blocks only, no runs of them checkpointed as one.
@@ -41,7 +41,7 @@ def floor_without_segments(structure, budget: int) -> int:
     model, inputs = structure.build()
     model.train()
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, segments=False)
-    return plan.minimum_peak_bytes
+    return plan.prediction.minimum_peak_bytes
 
 
 def main() -> None:

@@ -86,7 +86,7 @@ def main(size: str, fuse_loss: bool) -> None:
     plain_flops = flops_of(copy.deepcopy(original), inputs)
     print(f"machine: {machine()}\nLlama-style {config.n_layers} layers, d={config.dim}, batch {batch}×{seq}, fp32; static "
           f"{format_bytes(floor)}, activations {format_bytes(activations)}; loss head "
-          f"{'fused (' + measured.timeline.fused_loss + ')' if measured.timeline.fused_loss else 'as written'}; plain step {plain_flops / 1e9:.1f} GFLOP (FlopCounterMode)\n")
+          f"{'fused (' + measured.timeline.fused_logits + ')' if measured.timeline.fused_loss else 'as written'}; plain step {plain_flops / 1e9:.1f} GFLOP (FlopCounterMode)\n")
 
     ops = block_ops(original, inputs)
     matmuls = [op for op in ops if op.savable and op.flops > 0]
@@ -122,7 +122,7 @@ def main(size: str, fuse_loss: bool) -> None:
             continue
         predicted = recomputed_flops(studied, solution.choices)
         model = copy.deepcopy(original)
-        apply_choices(model, choices_by_unit(studied, solution.choices), OutsideUnits(fused_loss=bool(studied.timeline.fused_loss)))
+        apply_choices(model, choices_by_unit(studied, solution.choices), OutsideUnits(fused_loss=studied.timeline.fused_loss))
         real_flops = flops_of(copy.deepcopy(model), inputs) / plain_flops - 1
         peak = peak_of(copy.deepcopy(model), inputs)
         per_block = ", ".join(c.mode if c.saves is None else f"{len(c.saves)} mm" for c in solution.choices.values())

@@ -64,16 +64,16 @@ def zoo_case(name: str, loop: TrainingLoop):
     inputs = tuple(t.repeat(repeat, *[1] * (t.dim() - 1)) for t in inputs)
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)
     free = autoplan.plan(model, "4GB", **options)
-    plan = autoplan.plan(model, (free.baseline_peak_bytes + free.minimum_peak_bytes) // 2, **options)
+    plan = autoplan.plan(model, (free.prediction.baseline_peak_bytes + free.prediction.minimum_peak_bytes) // 2, **options)
     return model, inputs, plan
 
 
 def row(model_name: str, loop_name: str, case) -> tuple[str, float]:
     model, inputs, plan = case
     result = autoplan.verify(model, plan, example_inputs=inputs, steps=2)
-    modes = " ".join(u.choice.mode for u in plan.units)
+    modes = " ".join(u.choice.mode for u in plan.decisions.units)
     error = result.peak_error
-    line = (f"| {model_name} | {loop_name} | {plan.predicted_peak_bytes:,} | {plan.simulated_peak_bytes:,} | "
+    line = (f"| {model_name} | {loop_name} | {plan.prediction.peak_bytes:,} | {plan.prediction.simulated_peak_bytes:,} | "
             f"{result.measured_peak_bytes:,} | {100 * error:+.2f}% | {'yes' if result.held else 'NO'} | {modes} |")
     return line, error
 

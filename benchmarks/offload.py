@@ -5,7 +5,7 @@ OpenLLaMA-3B, whose 32k-token vocabularies keep the logits from deciding the pea
 bf16 autocast, AdamW, the common loop) on a 24 GB and an 80 GB card, plans twice, with offload (the default on a GPU
 target) and with `offload=False`, and prints for each:
 
-- autoplan's floor (`plan.minimum_peak_bytes`: the lowest device peak any of its choices reaches)
+- autoplan's floor (`plan.prediction.minimum_peak_bytes`: the lowest device peak any of its choices reaches)
   and, at the whole card as the budget, whether a plan fits and its predicted step time;
 - what `model.activation_checkpointing_enable(every_n_layers=k, offload=...)` does by hand, run
   through the same whole-step simulation (`autoplan.verify.simulate`): decoder layer i checkpointed
@@ -72,7 +72,7 @@ def by_hand(traced, profile, every_n_layers: int, offload: bool) -> tuple[int, f
     choices = {unit.name: Choice("full", "bf16", placement=placement) if i % every_n_layers == 0 else Choice("keep", "bf16")
                for i, unit in enumerate(profile.units)}
     simulated = simulate_plan(traced, choices_by_unit(profile, choices), device=profile.device, optimizer="adamw", rest_precision="bf16",
-                              fused_loss=bool(profile.timeline.fused_loss))
+                              fused_loss=profile.timeline.fused_loss)
     step = predict_step_time(profile, choices)
     if offload:  # transformers' save_on_cpu copies on the compute stream: nothing hides
         step += sum(unit.options[c].transfer_s - unit.options[c].exposed_transfer_s
@@ -102,18 +102,18 @@ def row(name: str, card: str, batch_size: int, seq_len: int) -> list[str]:
     seconds = time.perf_counter() - started
 
     def planned(plan) -> str:
-        return (f"{format_bytes(plan.minimum_peak_bytes)} · " +
-                (f"fits, {format_seconds(plan.predicted_step_time_s)}" if plan.feasible else "no plan fits"))
+        return (f"{format_bytes(plan.prediction.minimum_peak_bytes)} · " +
+                (f"fits, {format_seconds(plan.prediction.step_time_s)}" if plan.outcome.feasible else "no plan fits"))
 
     def handmade(flags) -> str:
         peak, step, host = hand[flags]
-        fits = peak <= with_offload.usable_bytes
-        over_host = " (over the host budget)" if host > with_offload.host_budget_bytes else ""
+        fits = peak <= with_offload.request.usable_bytes
+        over_host = " (over the host budget)" if host > with_offload.request.host_budget_bytes else ""
         return f"{format_bytes(peak)} · {format_seconds(step)}" + ("" if fits else " (over)") + (f" · host {format_bytes(host)}{over_host}" if host else "")
 
-    offloaded = sum(unit.choice.offloaded for unit in with_offload.units)
-    return [f"{name}-style {batch_size}×{seq_len}", f"{card} ({format_bytes(with_offload.usable_bytes)} usable)",
-            planned(without), planned(with_offload) + (f" · {offloaded} units offloaded, host {format_bytes(with_offload.host_peak_bytes)}"
+    offloaded = sum(unit.choice.offloaded for unit in with_offload.decisions.units)
+    return [f"{name}-style {batch_size}×{seq_len}", f"{card} ({format_bytes(with_offload.request.usable_bytes)} usable)",
+            planned(without), planned(with_offload) + (f" · {offloaded} units offloaded, host {format_bytes(with_offload.prediction.host_peak_bytes)}"
                                                        if offloaded else ""),
             *(handmade(flags) for flags in BY_HAND), f"{seconds:.0f} s"]
 

@@ -76,17 +76,17 @@ def main() -> None:
             inputs = (args, kwargs) if kwargs else args
             without = autoplan.plan(model, 1, example_inputs=inputs, offload=False, **OPTIONS)
             with_offload = autoplan.plan(model, 1, example_inputs=inputs, **OPTIONS)
-            low, high = with_offload.minimum_peak_bytes, without.minimum_peak_bytes
+            low, high = with_offload.prediction.minimum_peak_bytes, without.prediction.minimum_peak_bytes
             if low >= high:
                 print(f"| {name} | {high:,} | {low:,} | offload lowers nothing here | | | |", flush=True)
                 continue
             plan = autoplan.plan(model, (low + high) // 2, example_inputs=inputs, **OPTIONS)
-            same = plan.predicted_peak_bytes == plan.simulated_peak_bytes
-            host = plan.host_peak_bytes == plan.simulated_host_peak_bytes
-            offloaded = sum(unit.choice.offloaded for unit in plan.units)
-            print(f"| {name} | {high:,} | {low:,} | {'FITS' if plan.feasible else 'no plan'}: {plan.predicted_peak_bytes:,} "
-                  f"{'=' if same else '≠'} {plan.simulated_peak_bytes:,} | {plan.host_peak_bytes:,} {'=' if host else '≠'} "
-                  f"{plan.simulated_host_peak_bytes:,} | {offloaded} of {len(plan.units)} | "
+            same = plan.prediction.peak_bytes == plan.prediction.simulated_peak_bytes
+            host = plan.prediction.host_peak_bytes == plan.prediction.simulated_host_peak_bytes
+            offloaded = sum(unit.choice.offloaded for unit in plan.decisions.units)
+            print(f"| {name} | {high:,} | {low:,} | {'FITS' if plan.outcome.feasible else 'no plan'}: {plan.prediction.peak_bytes:,} "
+                  f"{'=' if same else '≠'} {plan.prediction.simulated_peak_bytes:,} | {plan.prediction.host_peak_bytes:,} {'=' if host else '≠'} "
+                  f"{plan.prediction.simulated_host_peak_bytes:,} | {offloaded} of {len(plan.decisions.units)} | "
                   f"{'yes' if trains_as_original(model, plan, batch) else 'NO'} |", flush=True)
         except Exception as error:  # noqa: BLE001 - a case that fails is a row that says so
             print(f"| {name} | failed: {type(error).__name__}: {str(error).splitlines()[0][:150]} | | | | | |", flush=True)

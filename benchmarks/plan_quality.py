@@ -236,7 +236,7 @@ class Config:
     choices: dict | None  # autoplan's Choice per unit (None: no plan fitted)
     budget_bytes: int | None = None
     compile_budget: float | None = None  # torch.compile with this activation_memory_budget; None: eager
-    fused_loss: bool = False  # the loss head fused (autoplan's plan.fused_loss)
+    fused_loss: bool = False  # the loss head fused (autoplan's plan.decisions.fused_loss)
 
 
 @dataclass(frozen=True)
@@ -282,15 +282,15 @@ def quality_table(size: str, pairs: int, with_compile: bool, with_fixed_modes: b
             started = time.perf_counter()
             plan = _plan(original, budget, inputs, **options)
             print(f"  planned {label} at static + {fraction:.0%} in {time.perf_counter() - started:.0f} s: "
-                  f"{', '.join(f'{n}× {c}' for c, n in Counter(str(d.choice) for d in plan.units).items())}"
-                  + (f"; fused loss ({plan.fused_loss})" if plan.fused_loss else ""))
-            configs.append(Config(f"{label} at static + {fraction:.0%}", plan.choices_by_unit() if plan.feasible else None, budget,
-                                  fused_loss=bool(plan.fused_loss)))
+                  f"{', '.join(f'{n}× {c}' for c, n in Counter(str(d.choice) for d in plan.decisions.units).items())}"
+                  + (f"; fused loss ({plan.decisions.fused_logits})" if plan.decisions.fused_loss else ""))
+            configs.append(Config(f"{label} at static + {fraction:.0%}", plan.decisions.choices_by_unit() if plan.outcome.feasible else None, budget,
+                                  fused_loss=plan.decisions.fused_loss))
         if with_compile:
             plan = _plan(original, budget, inputs, compile=True)
             print(f"  planned autoplan compile=True at static + {fraction:.0%}: "
-                  f"{', '.join(f'{n}× {c}' for c, n in Counter(str(d.choice) for d in plan.units).items())}")
-            plans[fraction] = plan.choices_by_unit() if plan.feasible else None
+                  f"{', '.join(f'{n}× {c}' for c, n in Counter(str(d.choice) for d in plan.decisions.units).items())}")
+            plans[fraction] = plan.decisions.choices_by_unit() if plan.outcome.feasible else None
         started = time.perf_counter()
         sac = auto_sac_choices(config, inputs, budget)
         print(f"  planned torch auto-SAC at static + {fraction:.0%} in {time.perf_counter() - started:.0f} s: "

@@ -30,8 +30,8 @@ model, batch = build_on_meta(LlamaConfig.preset({preset!r}), {batch}, {seq})
 world = {world!r}
 started = time.perf_counter()
 plan = autoplan.plan(model, {budget!r}, example_inputs=batch, device={device!r}, world_size=world)
-print(json.dumps({{"seconds": time.perf_counter() - started, "parameters": plan.parameter_count,
-    "world_size": plan.world_size, "feasible": plan.feasible, "peak": plan.predicted_peak_bytes,
+print(json.dumps({{"seconds": time.perf_counter() - started, "parameters": plan.model.parameter_count,
+    "world_size": plan.request.world_size, "feasible": plan.outcome.feasible, "peak": plan.prediction.peak_bytes,
     "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
 """
 

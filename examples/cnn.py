@@ -62,7 +62,7 @@ def main() -> None:
     loss_fn = lambda logits: F.cross_entropy(logits, labels)  # noqa: E731 - the step's own loss
     start = time.perf_counter()
     no_plan = autoplan.plan(model, "100%", example_inputs=(images,), device="rtx-4090", loss_fn=loss_fn, reserve=0)
-    budget = (no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) // 2
+    budget = (no_plan.prediction.minimum_peak_bytes + no_plan.prediction.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, example_inputs=(images,), device="rtx-4090", loss_fn=loss_fn, reserve=0)
     print(plan.report())
     print(f"planned twice in {time.perf_counter() - start:.1f} s\n")

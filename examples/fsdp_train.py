@@ -49,13 +49,13 @@ def main() -> None:
         model, budget, example_inputs=batch, world_size=world, device=None if cuda else "cpu",
         reserve=None if cuda else 0, profile="roofline",
     )
-    if not plan.feasible:
+    if not plan.outcome.feasible:
         raise SystemExit(f"rank {rank}: no plan fits {budget} per GPU on {world} ranks:\n{plan.report()}")
     model = autoplan.apply(model, plan)  # checkpoint/precision per unit, then fully_shard each unit and the root
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if rank == 0:
         print(plan.report())
-        print(f"{world} ranks, backend {dist.get_backend()}; the plan's per-rank peak: {format_bytes(plan.predicted_peak_bytes)} "
+        print(f"{world} ranks, backend {dist.get_backend()}; the plan's per-rank peak: {format_bytes(plan.prediction.peak_bytes)} "
               "(step 0 also creates the optimizer state; steps from 1 on are the steady state planned for)")
     for step in range(args.steps):
         if cuda:
@@ -66,7 +66,7 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             peak, value = torch.cuda.max_memory_allocated(), loss.detach()
         else:
-            measured = measure_rank_peak(model, (batch, {}), optimizer, steps=1, loop=plan.loop)
+            measured = measure_rank_peak(model, (batch, {}), optimizer, steps=1, loop=plan.request.loop)
             peak, value = measured.peak_bytes, torch.tensor(measured.losses[-1])
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         if rank == 0:

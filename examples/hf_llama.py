@@ -34,10 +34,10 @@ def main() -> None:
     model = LlamaForCausalLM(config)
     start = time.perf_counter()
     no_plan = autoplan.plan(model, "100%", batch_size=BATCH, seq_len=SEQ, device="h100-80gb", reserve=0)
-    budget = (no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) // 2
+    budget = (no_plan.prediction.minimum_peak_bytes + no_plan.prediction.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, batch_size=BATCH, seq_len=SEQ, device="h100-80gb", reserve=0)
     print(plan.report())
-    print(f"planned twice in {time.perf_counter() - start:.1f} s (traced by {plan.trace_method})\n")
+    print(f"planned twice in {time.perf_counter() - start:.1f} s (traced by {plan.model.trace_method})\n")
 
     autoplan.apply(model, plan)  # the same LlamaForCausalLM: save_pretrained/generate still work
     batch = example_inputs_for(model, BATCH, SEQ)  # the batch the plan was made for

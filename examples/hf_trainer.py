@@ -57,7 +57,7 @@ def small_llama(layers: int = 4, width: int = 128) -> LlamaForCausalLM:
 def halfway_budget(model: LlamaForCausalLM, batch_size: int, seq_len: int) -> int:
     """A budget between "everything checkpointed" and "no plan" for this model and batch, in bytes."""
     probe = autoplan.plan(model, "100%", batch_size=batch_size, seq_len=seq_len, device="cpu", reserve=0)
-    return (probe.minimum_peak_bytes + probe.baseline_peak_bytes) // 2
+    return (probe.prediction.minimum_peak_bytes + probe.prediction.baseline_peak_bytes) // 2
 
 
 @dataclass(frozen=True)

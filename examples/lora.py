@@ -55,12 +55,12 @@ def main() -> None:
     print(f"trainable parameters: {trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
     start = time.perf_counter()
     no_plan = autoplan.plan(model, "100%", example_inputs=inputs, device="a100-40gb", reserve=0)
-    budget = (no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) // 2
+    budget = (no_plan.prediction.minimum_peak_bytes + no_plan.prediction.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="a100-40gb", reserve=0)
     print(plan.report())
     print(f"planned twice in {time.perf_counter() - start:.1f} s")
-    print(f"optimizer state: {format_bytes(plan.breakdown.optimizer)} with LoRA, "
-          f"{format_bytes(full.breakdown.optimizer)} for full fine-tuning")
+    print(f"optimizer state: {format_bytes(plan.prediction.breakdown.optimizer)} with LoRA, "
+          f"{format_bytes(full.prediction.breakdown.optimizer)} for full fine-tuning")
     print()
 
     autoplan.apply(model, plan)

@@ -27,7 +27,7 @@ def main() -> None:
     inputs = ((idx,), {"targets": idx})  # the model computes its own cross-entropy loss
     no_plan = autoplan.plan(model, "1GB", example_inputs=inputs, reserve=0)
     # ask for the midpoint between "no plan" and "everything checkpointed", in MB: a real trade-off
-    budget = f"{math.ceil((no_plan.minimum_peak_bytes + no_plan.baseline_peak_bytes) / 2 / 1e6)}MB"
+    budget = f"{math.ceil((no_plan.prediction.minimum_peak_bytes + no_plan.prediction.baseline_peak_bytes) / 2 / 1e6)}MB"
     plan = autoplan.plan(model, budget, example_inputs=inputs, reserve=0)
     print(plan.report())
 

@@ -49,12 +49,12 @@ def main() -> None:
     print(f"trainable (LoRA) parameters: {trainable:,}")
     wide = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0)
     # the midpoint between no plan and everything checkpointed: a real trade-off
-    budget = (wide.minimum_peak_bytes + wide.baseline_peak_bytes) // 2
+    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0)
     print(plan.report())
     result = autoplan.verify(model, plan, example_inputs=batch)  # real steps of the common loop, outputs kept
-    print(f"predicted peak {format_bytes(plan.predicted_peak_bytes)}, measured on real steps "
-          f"{format_bytes(result.measured_peak_bytes)} ({result.measured_peak_bytes:,} vs {plan.predicted_peak_bytes:,} bytes)")
+    print(f"predicted peak {format_bytes(plan.prediction.peak_bytes)}, measured on real steps "
+          f"{format_bytes(result.measured_peak_bytes)} ({result.measured_peak_bytes:,} vs {plan.prediction.peak_bytes:,} bytes)")
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for step in range(3):

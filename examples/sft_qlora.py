@@ -107,7 +107,7 @@ def main(steps: int = STEPS, output_dir: str | None = None, write=print) -> Exam
         args = sft_config(output_dir or scratch, steps)
         probe = optimize_for_trainer(model, args, "1GB", device="cpu", reserve=0, apply=False)
         # halfway between every layer checkpointed and none (in bf16, as planned): a real trade-off
-        budget = (probe.plan.minimum_peak_bytes + probe.plan.predicted_peak_bytes) // 2
+        budget = (probe.plan.prediction.minimum_peak_bytes + probe.plan.prediction.peak_bytes) // 2
         setup = optimize_for_trainer(model, args, budget, device="cpu", reserve=0)
         write(f"autoplan changed {len(setup.changes)} training argument(s):")
         for change in setup.changes:

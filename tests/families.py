@@ -193,11 +193,11 @@ def family_row(family: Family) -> str:
         before, after = generate_after_rewrite(family, plan)
         generated = "yes" if torch.equal(before, after) else "NO"
     saved, reloaded = save_and_reload(family, plan)
-    error = abs(plan.predicted_peak_bytes - plan.simulated_peak_bytes) / plan.simulated_peak_bytes
-    modes = ", ".join(f"{u.choice.mode}" for u in plan.units)
+    error = abs(plan.prediction.peak_bytes - plan.prediction.simulated_peak_bytes) / plan.prediction.simulated_peak_bytes
+    modes = ", ".join(f"{u.choice.mode}" for u in plan.decisions.units)
     return (
-        f"| {family.name} | `{family.model_class}` | {len(plan.units)} | {plan.trace_method} | "
-        f"{'yes' if plan.feasible else 'NO'} | {modes} | {100 * error:.1f}% | {'yes' if trains else 'NO'} | "
+        f"| {family.name} | `{family.model_class}` | {len(plan.decisions.units)} | {plan.model.trace_method} | "
+        f"{'yes' if plan.outcome.feasible else 'NO'} | {modes} | {100 * error:.1f}% | {'yes' if trains else 'NO'} | "
         f"{generated} | {'yes' if _same(saved, reloaded) else 'NO'} |"
     )
 

@@ -35,7 +35,7 @@ def main(out: str, budget: str, kind: str = "llama") -> None:
                          precision=precision)
     autoplan.apply(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    measured = measure_rank_peak(model, (batch, {}), optimizer, steps=STEPS, loop=plan.loop)
+    measured = measure_rank_peak(model, (batch, {}), optimizer, steps=STEPS, loop=plan.request.loop)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump({"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "losses": measured.losses,
                    "batch": [BATCH, SEQ]}, file)

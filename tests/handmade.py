@@ -137,7 +137,7 @@ class Comparison:
 
     structure: str
     by_hand: StepMeasurement
-    floor_bytes: int  # plan.minimum_peak_bytes: the lowest peak autoplan can reach
+    floor_bytes: int  # plan.prediction.minimum_peak_bytes: the lowest peak autoplan can reach
     units: tuple[str, ...]  # the units of the plan at the by-hand peak
     feasible: bool  # autoplan's plan at a budget of the by-hand peak (no reserve) fits, it says
     planned: StepMeasurement | None  # that plan, measured (None when it said it does not fit)
@@ -158,9 +158,9 @@ def compare_with_plan(structure: Structure, *, with_plain: bool = False) -> Comp
     plain = measured_step(model, inputs) if with_plain else None
     by_hand = measured_step(checkpoint_by_hand(copy.deepcopy(model), structure), inputs)
     plan = autoplan.plan(model, budget=by_hand.peak_bytes, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    planned = measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs) if plan.feasible else None
-    units = tuple(unit.name for unit in plan.units)
-    return Comparison(structure.name, by_hand, plan.minimum_peak_bytes, units, plan.feasible, planned, plain, plan)
+    planned = measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs) if plan.outcome.feasible else None
+    units = tuple(unit.name for unit in plan.decisions.units)
+    return Comparison(structure.name, by_hand, plan.prediction.minimum_peak_bytes, units, plan.outcome.feasible, planned, plain, plan)
 
 
 def assert_same_step(model: torch.nn.Module, plan: Any, inputs: Any) -> None:

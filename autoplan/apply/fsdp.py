@@ -79,11 +79,11 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
             f"{torch.__version__}. Upgrade torch, or plan with world_size=1."
         ) from error
 
-    require_process_group(plan.world_size)
-    apply_choices(model, plan.choices_by_unit(), OutsideUnits(plan.rest_precision))  # FSDP runs the loss as written
+    require_process_group(plan.request.world_size)
+    apply_choices(model, plan.decisions.choices_by_unit(), OutsideUnits(plan.decisions.rest_precision))  # FSDP runs the loss as written
     options = {"mesh": mesh} if mesh is not None else {}
     # the call sites of one module (block@0, block@1, ...) are one group: FSDP2 gathers it again for every call
-    for group in dict.fromkeys(fsdp_group(unit.unit) for unit in plan.units):
+    for group in dict.fromkeys(fsdp_group(unit.unit) for unit in plan.decisions.units):
         fully_shard(_unit_modules(model, group), **options)
     fully_shard(model, **options)
     return model

@@ -37,7 +37,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
     """
     if not isinstance(plan, Plan):
         raise OptionTypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
-    choices = plan.choices_by_unit()
+    choices = plan.decisions.choices_by_unit()
     refuse_meta(model)
     settle_first_forward(model)  # a 4-bit layer's first forward must run the ops its recompute runs
     if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
@@ -56,7 +56,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
         except (AttributeError, IndexError, KeyError, TypeError) as error:
             raise PlanMismatchError(f"the plan names unit {unit.name!r}, which {type(model).__name__} does not have: {error}") from None
     if check:  # after the unit names: a model of another structure is told by the unit it lacks
-        check_model(plan.fingerprint, model)
-    if plan.world_size > 1:
+        check_model(plan.model.fingerprint, model)
+    if plan.request.world_size > 1:
         return apply_fsdp(model, plan)
-    return apply_choices(model, choices, plan.outside_units)
+    return apply_choices(model, choices, plan.decisions.outside_units)

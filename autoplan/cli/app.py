@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from autoplan.inputs.targets import Target
     from autoplan.profile.units import Profile
 
-JSON_SCHEMA = "autoplan.plan/2"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; bump when a key of the --json document changes meaning or goes away
+JSON_SCHEMA = "autoplan.plan/3"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; 3: fused_loss a bool, its logits in fused_loss_logits; bump when a key of the --json document changes meaning or goes away
 
 app = typer.Typer(
     help="Make a PyTorch training step fit a memory budget: plan checkpointing and precision per block, "
@@ -215,7 +215,7 @@ def plan_command(
                              ladder=_ladder(loaded, budget, options, device, progress) if ladder else None)
         _write_files(json_path, plot, json_document(loaded, plan, advice, budget), plan, profile, err)
         print_report(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget, verbose=verbose))
-    raise typer.Exit(int(ExitCode.FITS if plan.feasible else ExitCode.DOES_NOT_FIT))
+    raise typer.Exit(int(ExitCode.FITS if plan.outcome.feasible else ExitCode.DOES_NOT_FIT))
 
 
 def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress, *, world_size: Optional[str], ladder):
@@ -231,7 +231,7 @@ def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress,
         model, inputs = rebuild(micro)
         return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
 
-    return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.world_size if world_size else None,
+    return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.request.world_size if world_size else None,
                   parameter_count=loaded.parameter_count, replan=replan if rebuild else None, ladder=ladder)
 
 
@@ -320,10 +320,10 @@ def verify_command(
             options = _plan_options(device, optimizer, precision, units, reserve, loop) | dict(
                 fuse_loss=fuse_loss, compile=compiled, offload=offload, host_budget=host_budget)
             plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
-            if plan.feasible:
+            if plan.outcome.feasible:
                 progress(f"training {steps} real steps on {where}")
                 result = verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
-        if not plan.feasible:
+        if not plan.outcome.feasible:
             print_report(err if to_stdout else out, report_renderables(plan, budget_text=budget, verbose=verbose))
             raise typer.Exit(int(ExitCode.DOES_NOT_FIT))
         if json_path is not None:

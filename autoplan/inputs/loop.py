@@ -93,7 +93,7 @@ def check_loop(loop: object) -> TrainingLoop:
     """`loop` as a TrainingLoop (None: the common loop; a mapping: those fields changed), or a TypeError saying what to pass."""
     if loop is None:
         return TrainingLoop()
-    if isinstance(loop, Mapping):  # the fields that differ from the common loop, as plan.request records them
+    if isinstance(loop, Mapping):  # the fields that differ from the common loop, as plan.request.arguments records them
         unknown = sorted(set(loop) - {field.name for field in dataclasses.fields(TrainingLoop)})
         if unknown:
             raise OptionTypeError(f"loop has no field {unknown[0]!r}; its fields are {[f.name for f in dataclasses.fields(TrainingLoop)]}")

@@ -59,7 +59,7 @@ def run_timeline(
         model, traced.example_inputs, fake_mode=fake_mode, units=list(traced.units), device=device, optimizer=optimizer,
         loss_fn=loss_fn, loop=loop,
     )
-    return dataclasses.replace(timeline, fused_loss=", ".join(f"{shape} logits" for shape in fused_losses(model)))
+    return dataclasses.replace(timeline, fused_logits=", ".join(f"{shape} logits" for shape in fused_losses(model)))
 
 
 def holds_less(fused: Timeline, written: Timeline) -> bool:

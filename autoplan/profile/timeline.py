@@ -74,13 +74,18 @@ class Timeline:
     static: StaticBytes
     boundaries: tuple[Boundary, ...] = ()
     carried_bytes: int = 0  # what the loop's variables hold from the previous step through this forward (outputs, loss)
-    fused_loss: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
+    fused_logits: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
     target_kernels: str = ""  # what was stood in for the GPU target's kernels (instruments.target), "" for a CPU target
     host_peak_bytes: int = 0  # pinned host memory of offloaded units' saved tensors, at its most (planned.offload)
 
     @property
     def step_time_s(self) -> float:
         return sum(phase.time_s for phase in self.phases)
+
+    @property
+    def fused_loss(self) -> bool:
+        """Whether the step ran its loss head fused (`fused_logits` names the logits)."""
+        return bool(self.fused_logits)
 
 
 def _phase_sample(tracked: TrackedPhase, grad_bytes: int, carried_bytes: int) -> PhaseSample:

@@ -123,7 +123,7 @@ def measure_times(
         say("timing whole training steps")
         base = {u.unit: u.base for u in profile.units}
         steps = {}
-        fused = bool(profile.timeline.fused_loss)
+        fused = profile.timeline.fused_loss
         for name, choices, outside in (("base", base, OutsideUnits(rest, fused)), ("reference", {}, OutsideUnits())):
             apply_choices(model, choices, outside)
             try:

@@ -111,13 +111,13 @@ def state_bound(plan: "Plan") -> StateBound | None:
     where no activation is alive: checkpointing and precision change neither. One GPU only; an
     FSDP plan prints its per-rank arithmetic instead.
     """
-    if plan.feasible or plan.world_size > 1:
+    if plan.outcome.feasible or plan.request.world_size > 1:
         return None
-    b = plan.breakdown
-    state = plan.state_bytes or b.parameters + b.gradients + b.optimizer
-    if state > plan.usable_bytes:
+    b = plan.prediction.breakdown
+    state = plan.model.state_bytes or b.parameters + b.gradients + b.optimizer
+    if state > plan.request.usable_bytes:
         return StateBound(state, 0)
-    if plan.peak_phase.kind == "step":
+    if plan.prediction.peak_phase.kind == "step":
         state = b.parameters + b.gradients + b.optimizer
         return StateBound(state, b.total - state)
     return None
@@ -131,7 +131,7 @@ def _all(profile: Profile, mode: str, precision: str) -> dict[str, Choice] | Non
 
 
 def _low_precision(plan: Plan, profile: Profile) -> Step:
-    low = plan.low_precision
+    low = plan.target.low_precision
     key, scaler = low, " with torch.amp.GradScaler" if low == "fp16" else ""
     title = f"{low} autocast{scaler}"
     code = f'autoplan.optimize(model, budget, example_inputs=batch, precision="{low}")  # every unit and the rest'
@@ -148,7 +148,7 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
         return Step(key, title, "n/a", f"not measured: precision was forced to fp32; plan with --precision auto to measure {low}")
     saves = predict_peak(profile, fp32).bytes - predict_peak(profile, lowered).bytes
     change = predict_step_time(profile, lowered) - predict_step_time(profile, fp32)
-    chosen = plan.unit_choices()
+    chosen = plan.decisions.unit_choices()
     used = sum(1 for choice in chosen.values() if choice.precision == low)
     pace = f"{format_seconds(abs(change))} {'faster' if change <= 0 else 'slower'}"
     detail = (f"every unit in {low} (no checkpointing) peaks {format_bytes(saves)} lower than in fp32 and the step "
@@ -164,7 +164,7 @@ def _tf32(plan: Plan, profile: Profile) -> Step:
         return Step("tf32", "TF32 matmuls", "n/a", f"{device.name} has no TF32 tensor cores")
     units = {unit.name: unit for unit in profile.units}
     fp32_flops = sum(units[name].options[choice].fwd_flops + units[name].options[choice].bwd_flops
-                     for name, choice in plan.unit_choices().items() if choice.precision == "fp32")
+                     for name, choice in plan.decisions.unit_choices().items() if choice.precision == "fp32")
     if profile.rest_precision == "fp32":
         fp32_flops += sum(phase.flops for phase in profile.timeline.phases if phase.unit is None)
     if fp32_flops == 0:
@@ -179,12 +179,12 @@ def _tf32(plan: Plan, profile: Profile) -> Step:
 
 def _sdpa(plan: Plan, profile: Profile, peak_index: int) -> Step:
     title = "fused attention (SDPA / FlashAttention)"
-    chosen = plan.unit_choices()
+    chosen = plan.decisions.unit_choices()
     per_unit = [unit.options.get(Choice("keep", chosen[unit.name].precision)) for unit in profile.units]
     materialised = sum(cost.attention_bytes for cost in per_unit if cost is not None)
     if materialised == 0:
         return Step("sdpa", title, "n/a", "the profile shows no saved T×T attention matrices (fused attention already, or none)")
-    at_peak = held_attention(profile, plan.unit_choices(), peak_index)
+    at_peak = held_attention(profile, plan.decisions.unit_choices(), peak_index)
     worst = max(cost.attention_bytes for cost in per_unit if cost is not None)
     held = (f"at the peak the plan keeps {format_bytes(at_peak)} of them, which SDPA would not save" if at_peak
             else "the plan keeps none of them at the peak (those units are checkpointed), but recomputing one rebuilds "
@@ -200,23 +200,23 @@ def _compile(plan: Plan, profile: Profile) -> Step:
     device = profile.device
     units = {unit.name: unit for unit in profile.units}
     compute_s = sum(phase.flops for phase in profile.timeline.phases if phase.unit is None) / device.flops_for(DTYPES[profile.rest_precision])
-    for name, choice in plan.unit_choices().items():
+    for name, choice in plan.decisions.unit_choices().items():
         cost = units[name].options[choice]
         compute_s += (cost.fwd_flops + cost.bwd_flops) / device.flops_for(DTYPES[choice.precision])
-    bound = max(0.0, plan.predicted_step_time_s - compute_s)
-    if not plan.time_source.startswith("roofline"):  # measured times have no roofline split into FLOPs and traffic
-        return Step("compile", "torch.compile", "try", f"the step times were {plan.time_source}, so how much of "
+    bound = max(0.0, plan.prediction.step_time_s - compute_s)
+    if not plan.prediction.time_source.startswith("roofline"):  # measured times have no roofline split into FLOPs and traffic
+        return Step("compile", "torch.compile", "try", f"the step times were {plan.prediction.time_source}, so how much of "
                     "them is memory traffic Inductor's fusion could win is not known here; autoplan does not predict "
                     "compile's effect; the planned model compiles as is", None, None,
                     "model = torch.compile(autoplan.optimize(model, ..., compile=True))")
-    if bound < 0.01 * plan.predicted_step_time_s:  # (the CPU profile: its bandwidth never binds)
-        return Step("compile", "torch.compile", "n/a", f"by the roofline the whole {format_seconds(plan.predicted_step_time_s)} step "
+    if bound < 0.01 * plan.prediction.step_time_s:  # (the CPU profile: its bandwidth never binds)
+        return Step("compile", "torch.compile", "n/a", f"by the roofline the whole {format_seconds(plan.prediction.step_time_s)} step "
                     "is the ops' FLOPs, with no memory traffic left for Inductor's fusion to win; compile still runs the "
                     "planned model as is")
-    detail = (f"{format_seconds(bound)} of the {format_seconds(plan.predicted_step_time_s)} roofline step is memory traffic of ops that are not "
+    detail = (f"{format_seconds(bound)} of the {format_seconds(plan.prediction.step_time_s)} roofline step is memory traffic of ops that are not "
               "compute-bound (elementwise, norms, casts): what Inductor's fusion attacks. autoplan does not predict how "
               "much it recovers, nor compile's memory effect; the planned model compiles as is")
-    if plan.time_source.startswith("roofline, compiled"):
+    if plan.prediction.time_source.startswith("roofline, compiled"):
         detail += "; this plan was made for it (compile=True, --compile): recomputation priced as compiled code runs it"
     else:
         detail += ("; plan with compile=True (autoplan plan --compile) to price recomputation as compiled code runs it "
@@ -227,18 +227,18 @@ def _compile(plan: Plan, profile: Profile) -> Step:
 
 def _checkpointing(plan: Plan, profile: Profile) -> Step:
     title = "activation checkpointing (autoplan's choice per unit)"
-    modes = {mode: sum(1 for d in plan.units if d.choice.mode == mode) for mode in ("keep", "selective", "full")}
-    kept = {name: Choice("keep", choice.precision) for name, choice in plan.unit_choices().items()}
-    saves = predict_peak(profile, kept).bytes - plan.predicted_peak_bytes
-    cost = plan.predicted_step_time_s - predict_step_time(profile, kept)
-    flops = sum(d.recompute_flops for d in plan.units)
+    modes = {mode: sum(1 for d in plan.decisions.units if d.choice.mode == mode) for mode in ("keep", "selective", "full")}
+    kept = {name: Choice("keep", choice.precision) for name, choice in plan.decisions.unit_choices().items()}
+    saves = predict_peak(profile, kept).bytes - plan.prediction.peak_bytes
+    cost = plan.prediction.step_time_s - predict_step_time(profile, kept)
+    flops = sum(d.recompute_flops for d in plan.decisions.units)
     counts = ", ".join(f"{n} {mode}" for mode, n in modes.items() if n)
     rerun = f"recomputing {format_flops(flops)}" if flops else "recomputing norms, casts and activations only (no FLOPs, bytes moved)"
     detail = (f"units: {counts}; the same precisions without checkpointing peak {format_bytes(saves)} higher; "
               f"{rerun} costs {format_seconds(cost)} per step")
     status = "chosen" if modes["selective"] + modes["full"] else "n/a"
     if status == "n/a":
-        detail = "not needed: every unit keeps its activations" + ("" if plan.feasible else " (nothing to gain)")
+        detail = "not needed: every unit keeps its activations" + ("" if plan.outcome.feasible else " (nothing to gain)")
     return Step("checkpointing", title, status, detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")
 
 
@@ -266,7 +266,7 @@ def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) 
                  f"{format_bytes(static.parameters)} with {format_bytes(static.gradients + state)} of gradients and optimizer "
                  f"state: saves about {format_bytes(saves)} before the LoRA adapters (usually under 1% of the parameters). "
                  "It trains adapters, not the model: for fine-tuning, not pre-training (--ladder plans it)",
-                 saves, None, _qlora_code(plan.model_name))
+                 saves, None, _qlora_code(plan.model.name))
     return [eight_bit, qlora]
 
 
@@ -291,8 +291,8 @@ def _from_ladder(step: Step, plan: Plan, ladder: Any) -> Step:
         where = "this plan"
     else:
         return step
-    peak = before.peak_bytes if before else plan.predicted_peak_bytes
-    time = before.step_time_s if before else plan.predicted_step_time_s
+    peak = before.peak_bytes if before else plan.prediction.peak_bytes
+    time = before.step_time_s if before else plan.prediction.step_time_s
     detail = (f"planned (--ladder, {after.title.lstrip('+ ')}): peak {format_bytes(after.peak_bytes)} and step "
               f"{format_seconds(after.step_time_s)}, against {format_bytes(peak)} and {format_seconds(time)} for {where}. "
               + step.detail)
@@ -344,11 +344,11 @@ def advise(
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise OptionTypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
     phases = [sample.phase for sample in profile.timeline.phases]
-    peak_index = phases.index(plan.peak_phase) if plan.peak_phase in phases else 0
+    peak_index = phases.index(plan.prediction.peak_phase) if plan.prediction.peak_phase in phases else 0
     # A plan that fits is the starting point; one that does not, the choices that keep least.
-    least = plan.choices() if plan.feasible else least_activation_choices(profile)
+    least = plan.decisions.choices() if plan.outcome.feasible else least_activation_choices(profile)
     phases = phase_bytes(profile, least)
-    found = smallest_world_size(profile, least, plan.usable_bytes)
+    found = smallest_world_size(profile, least, plan.request.usable_bytes)
     steps = [
         _low_precision(plan, profile),
         _tf32(plan, profile),
@@ -365,8 +365,8 @@ def advise(
     if state_bound(plan) is not None:  # the units' choices do not matter: say so rather than advise on them
         steps = [_no_help(step) if step.key in ACTIVATION_SIDE else step for step in steps]
     first_fix = None
-    if not plan.feasible:
+    if not plan.outcome.feasible:
         first_fix = next((s.key for s in steps if s.status == "try" and s.saves_bytes is not None
-                          and plan.predicted_peak_bytes - s.saves_bytes <= plan.usable_bytes), None)
+                          and plan.prediction.peak_bytes - s.saves_bytes <= plan.request.usable_bytes), None)
     requested = sharded_peak(profile, least, world_size) if world_size else None
-    return Advice(plan.feasible, plan.predicted_peak_bytes, plan.usable_bytes, tuple(steps), first_fix, found, requested, ladder)
+    return Advice(plan.outcome.feasible, plan.prediction.peak_bytes, plan.request.usable_bytes, tuple(steps), first_fix, found, requested, ladder)

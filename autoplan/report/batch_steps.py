@@ -79,14 +79,14 @@ def accumulation_code(loop: TrainingLoop, micro: int, steps: int, inputs: tuple[
 
 def grad_accumulation_step(plan: Plan, profile: Profile, phases, batch_size, replan) -> Step:
     title, key = "gradient accumulation", "grad_accumulation"
-    if plan.feasible:
+    if plan.outcome.feasible:
         return Step(key, title, "n/a", f"not needed: batch {batch_size or '(as given)'} fits")
     if not batch_size or batch_size < 2:
         return Step(key, title, "n/a", "batch size unknown or 1: pass --batch-size to a factory that takes batch_size")
     divisors = [b for b in range(batch_size - 1, 0, -1) if batch_size % b == 0]
     loops = {b: profile.loop.accumulating(batch_size // b) for b in divisors}
     estimate = {b: accumulation_peak(profile, phases, b / batch_size, loops[b]) for b in divisors}
-    fitting = [b for b in divisors if estimate[b] <= plan.usable_bytes]
+    fitting = [b for b in divisors if estimate[b] <= plan.request.usable_bytes]
     if not fitting:
         return Step(key, title, "n/a", f"even a micro-batch of 1 would peak at about {format_bytes(estimate[1])} "
                     f"(activations scaled linearly, gradients alive between micro-batches): parameters, gradients and "
@@ -102,12 +102,12 @@ def grad_accumulation_step(plan: Plan, profile: Profile, phases, batch_size, rep
     steps = batch_size // micro
     optimizer_s = optimizer_time(profile)
     if micro_time is None:
-        micro_time = (plan.predicted_step_time_s - optimizer_s) * micro / batch_size + optimizer_s
+        micro_time = (plan.prediction.step_time_s - optimizer_s) * micro / batch_size + optimizer_s
     global_time = steps * (micro_time - optimizer_s) + optimizer_s
     detail = (f"micro-batch {micro} × {steps} accumulation steps keeps the global batch of {batch_size}; peak about "
-              f"{format_bytes(peak)} ({how}); {format_seconds(global_time)} per global batch vs {format_seconds(plan.predicted_step_time_s)}")
-    return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, global_time - plan.predicted_step_time_s,
-                accumulation_code(profile.loop, micro, steps, plan.fingerprint.batch if plan.fingerprint else ()))
+              f"{format_bytes(peak)} ({how}); {format_seconds(global_time)} per global batch vs {format_seconds(plan.prediction.step_time_s)}")
+    return Step(key, title, "try", detail, plan.prediction.peak_bytes - peak, global_time - plan.prediction.step_time_s,
+                accumulation_code(profile.loop, micro, steps, plan.model.fingerprint.batch if plan.model.fingerprint else ()))
 
 
 
@@ -115,7 +115,7 @@ def shorter_sequences_step(plan: Plan, profile: Profile, phases, seq_len, choice
     title, key = "shorter sequences", "shorter_sequences"
     if not seq_len:
         return Step(key, title, "n/a", "sequence length unknown: pass --seq-len (to hf: targets or a factory taking seq_len)")
-    if plan.feasible:
+    if plan.outcome.feasible:
         return Step(key, title, "n/a", f"not needed: sequences of {seq_len} fit")
     optimizer_s = optimizer_time(profile)
     for shorter in (seq_len // 2, seq_len // 4, seq_len // 8):
@@ -124,11 +124,11 @@ def shorter_sequences_step(plan: Plan, profile: Profile, phases, seq_len, choice
         r = shorter / seq_len
         # Activations scale with T, the T×T attention matrices with T².
         peak = scaled_peak(phases, lambda i, p: (p.activation_bytes - (a := held_attention(profile, choices, i))) * r + a * r * r)
-        if peak <= plan.usable_bytes:
-            step_time = (plan.predicted_step_time_s - optimizer_s) * r + optimizer_s
+        if peak <= plan.request.usable_bytes:
+            step_time = (plan.prediction.step_time_s - optimizer_s) * r + optimizer_s
             detail = (f"sequences of {shorter} instead of {seq_len}: peak about {format_bytes(peak)} (activations ∝ T, "
                       f"attention matrices ∝ T²); {format_seconds(step_time)} per step for {r:.0%} of the tokens; the model sees less context")
-            return Step(key, title, "try", detail, plan.predicted_peak_bytes - peak, step_time - plan.predicted_step_time_s)
+            return Step(key, title, "try", detail, plan.prediction.peak_bytes - peak, step_time - plan.prediction.step_time_s)
     return Step(key, title, "n/a", f"even sequences of {max(1, seq_len // 8)} would not fit: the peak is not in the activations")
 
 

@@ -17,35 +17,35 @@ def smallest_world_size(profile: Profile, choices, usable_bytes: int) -> Sharded
 
 
 def _least(plan: Plan, choices: dict[str, Choice]) -> str:
-    if choices == plan.choices():
+    if choices == plan.decisions.choices():
         return "with the plan's choices"
     modes = sorted({str(c) for c in choices.values()})
-    return f"with every unit at the choice that keeps least ({', '.join(modes)}); more {rank_noun(plan.device, 2)} leave room to recompute less"
+    return f"with every unit at the choice that keeps least ({', '.join(modes)}); more {rank_noun(plan.target.device, 2)} leave room to recompute less"
 
 
 def fsdp_step(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: dict[str, Choice]) -> Step:
     title = "FSDP (shard parameters, gradients, optimizer state)"
-    if plan.world_size > 1:  # asked for: the plan is FSDP's already, whatever one GPU would do
-        fits = "fits" if plan.feasible else "does not fit"
-        one = f"; one {rank_noun(plan.device)} would fit too" if found is not None and found.world_size == 1 else ""
-        return Step("fsdp", title, "chosen", f"planned for {plan.world_size} × {plan.device} under FSDP2: per {rank_noun(plan.device)} "
-                    f"{format_bytes(plan.predicted_peak_bytes)}, {fits} {format_bytes(plan.usable_bytes)} usable{one}")
+    if plan.request.world_size > 1:  # asked for: the plan is FSDP's already, whatever one GPU would do
+        fits = "fits" if plan.outcome.feasible else "does not fit"
+        one = f"; one {rank_noun(plan.target.device)} would fit too" if found is not None and found.world_size == 1 else ""
+        return Step("fsdp", title, "chosen", f"planned for {plan.request.world_size} × {plan.target.device} under FSDP2: per {rank_noun(plan.target.device)} "
+                    f"{format_bytes(plan.prediction.peak_bytes)}, {fits} {format_bytes(plan.request.usable_bytes)} usable{one}")
     if found is None:
         limit = min((sharded_peak(profile, choices, 2**k) for k in range(13)), key=lambda peak: peak.total)
         return Step("fsdp", title, "n/a", f"sharding alone cannot fit: the unsharded part (gathered parameters "
                     f"{format_bytes(limit.gathered_parameters)}, activations {format_bytes(limit.activations)}) stays over "
-                    f"{format_bytes(plan.usable_bytes)}; lower the batch or sequence first")
+                    f"{format_bytes(plan.request.usable_bytes)}; lower the batch or sequence first")
     if found.world_size == 1:
-        return Step("fsdp", title, "n/a", f"not needed: the plan fits one {rank_noun(plan.device)}")
+        return Step("fsdp", title, "n/a", f"not needed: the plan fits one {rank_noun(plan.target.device)}")
     n = found.world_size
-    detail = (f"{n} × {plan.device}: per {rank_noun(plan.device)} {format_bytes(found.total)} ≤ {format_bytes(plan.usable_bytes)} usable = "
+    detail = (f"{n} × {plan.target.device}: per {rank_noun(plan.target.device)} {format_bytes(found.total)} ≤ {format_bytes(plan.request.usable_bytes)} usable = "
               f"1/{n} of parameters {format_bytes(found.parameters)} + gradients {format_bytes(found.gradients)} + optimizer "
               f"{format_bytes(found.optimizer)} + gathered parameters of the root, the running and the prefetched unit "
               f"{format_bytes(found.gathered_parameters)} + all-gather/reduce-scatter buffers {format_bytes(found.communication_buffers)} "
               f"+ activations {format_bytes(found.activations)} (at {found.phase}); on {n - 1} the estimate is "
               f"{format_bytes(sharded_peak(profile, choices, n - 1).total)}; {_least(plan, choices)}. Estimate: the all-gathers and "
-              f"reduce-scatter move about {format_bytes(3 * profile.timeline.static.parameters * (n - 1) // n)} per {rank_noun(plan.device)} per "
+              f"reduce-scatter move about {format_bytes(3 * profile.timeline.static.parameters * (n - 1) // n)} per {rank_noun(plan.target.device)} per "
               "step, not in the step time")
     code = (f"# in every rank of torchrun --nproc_per_node={n}, after torch.distributed.init_process_group()\n"
             f"model = autoplan.optimize(model, budget, example_inputs=batch, world_size={n})  # or world_size=\"auto\"")
-    return Step("fsdp", title, "try", detail, plan.predicted_peak_bytes - found.total, None, code)
+    return Step("fsdp", title, "try", detail, plan.prediction.peak_bytes - found.total, None, code)

@@ -81,7 +81,7 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
     eager, sdpa = _attention_variants(model)
     say("ladder: planning with eager attention")
     eager_plan, eager_profile = plan_model(eager)
-    low = eager_plan.low_precision
+    low = eager_plan.target.low_precision
     settings = dataclasses.replace(settings, compute_dtype=low)  # the 4-bit matmuls run in the device's autocast dtype
     say("ladder: planning with fused attention (SDPA)")
     sdpa_plan, _ = plan_model(sdpa)
@@ -102,7 +102,7 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
     ]
     first = next((r.key for r in rungs if r.fits), None)
     plans = {"checkpointing": eager_plan, "sdpa": sdpa_plan, "qlora": qlora_plan, "optimizer_8bit": qlora_plan}
-    return Ladder(tuple(rungs), eager_plan.budget_bytes, eager_plan.usable_bytes, eager_plan.device, first,
+    return Ladder(tuple(rungs), eager_plan.request.budget_bytes, eager_plan.request.usable_bytes, eager_plan.target.device, first,
                   _apply(rungs, first, plans, budget_text, loader) if first else "")
 
 
@@ -121,7 +121,7 @@ def _keep_all(profile: Profile, precision: str) -> dict[str, Choice] | None:
 
 
 def _precision_rungs(plan: Plan, profile: Profile, low: str, loader: str) -> list[Rung]:
-    usable = plan.usable_bytes
+    usable = plan.request.usable_bytes
     reference = profile.reference
     base_time = profile.reference_step_time_s or reference.step_time_s
     baseline = Rung("baseline", "baseline (fp32, eager attention)", reference.peak_bytes, base_time,
@@ -139,7 +139,7 @@ def _precision_rungs(plan: Plan, profile: Profile, low: str, loader: str) -> lis
 
 
 def _planned(key: str, title: str, plan: Plan, how: str, code: str) -> Rung:
-    return Rung(key, title, plan.predicted_peak_bytes, plan.predicted_step_time_s, plan.feasible, how, code)
+    return Rung(key, title, plan.prediction.peak_bytes, plan.prediction.step_time_s, plan.outcome.feasible, how, code)
 
 
 def _qlora_code(settings: QLoraSettings, loader: str) -> str:
@@ -159,13 +159,13 @@ def _eight_bit_rung(plan: Plan, profile: Profile, trainable: list[int]) -> Rung:
     with the optimizer's traffic changed from AdamW's to AdamW8bit's (`eight_bit_step_change_s`).
     """
     saved = profile.timeline.static.optimizer - adamw8bit_state_bytes(trainable)
-    phases = phase_bytes(profile, plan.choices())
+    phases = phase_bytes(profile, plan.decisions.choices())
     peak = max((p.static_bytes if p.kind == "step" else p.live_bytes) - saved for p in phases)
-    time = plan.predicted_step_time_s + eight_bit_step_change_s(trainable, profile.device.memory_bandwidth)
+    time = plan.prediction.step_time_s + eight_bit_step_change_s(trainable, profile.device.memory_bandwidth)
     how = ("the QLoRA plan's choices with bitsandbytes AdamW8bit's state (2 bytes a parameter + an fp32 absmax per 256; "
            "fp32 under 4096 elements) in place of AdamW's fp32 state: a formula, not a plan")
     code = "optimizer = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad])"
-    return Rung("optimizer_8bit", "+ 8-bit optimizer (AdamW8bit)", peak, time, peak <= plan.usable_bytes, how, code)
+    return Rung("optimizer_8bit", "+ 8-bit optimizer (AdamW8bit)", peak, time, peak <= plan.request.usable_bytes, how, code)
 
 
 def _apply(rungs: list[Rung], first: str, plans: dict[str, Plan], budget_text: str, loader: str) -> str:

@@ -15,22 +15,22 @@ TITLE = "activation offload to host memory (autoplan's choice per unit)"
 
 def offload_step(plan: Plan, profile: Profile) -> Step:
     """Chosen: how much higher the same choices peak on the device, and the copies' cost; else why not."""
-    if not plan.offload:
+    if not plan.request.offload:
         why = ("the target is the CPU: activations are in host memory already" if profile.device.host_bandwidth <= 0
-               else "turned off (offload=False, --no-offload)" if plan.world_size == 1 else "off with FSDP (world_size > 1)")
+               else "turned off (offload=False, --no-offload)" if plan.request.world_size == 1 else "off with FSDP (world_size > 1)")
         return Step("offload", TITLE, "n/a", why)
-    chosen = plan.unit_choices()
-    offloaded = [d for d in plan.units if d.choice.offloaded]
+    chosen = plan.decisions.unit_choices()
+    offloaded = [d for d in plan.decisions.units if d.choice.offloaded]
     if not offloaded:
-        detail = ("allowed, not chosen: the fastest plan that fits keeps every saved tensor on the device" if plan.feasible
+        detail = ("allowed, not chosen: the fastest plan that fits keeps every saved tensor on the device" if plan.outcome.feasible
                   else "allowed, not chosen: the lowest peak keeps every saved tensor on the device")
         return Step("offload", TITLE, "n/a", detail)
     on_device = {name: dataclasses.replace(c, placement="device") for name, c in chosen.items()}
-    saves = predict_peak(profile, on_device).bytes - plan.predicted_peak_bytes
-    cost = plan.predicted_step_time_s - predict_step_time(profile, on_device)
-    transfer, exposed = plan.transfer_s, plan.exposed_transfer_s
-    detail = (f"{len(offloaded)} of {len(plan.units)} units hold {format_bytes(plan.host_peak_bytes)} in pinned host memory "
-              f"(host budget {format_bytes(plan.host_budget_bytes)}); with them on the device the same choices peak "
+    saves = predict_peak(profile, on_device).bytes - plan.prediction.peak_bytes
+    cost = plan.prediction.step_time_s - predict_step_time(profile, on_device)
+    transfer, exposed = plan.decisions.transfer_s, plan.decisions.exposed_transfer_s
+    detail = (f"{len(offloaded)} of {len(plan.decisions.units)} units hold {format_bytes(plan.prediction.host_peak_bytes)} in pinned host memory "
+              f"(host budget {format_bytes(plan.request.host_budget_bytes)}); with them on the device the same choices peak "
               f"{format_bytes(saves)} higher. Their copies take {format_seconds(transfer)} over the "
               f"{profile.device.host_bandwidth / 1e9:g} GB/s host link, {format_seconds(exposed)} of it not hidden by compute")
     return Step("offload", TITLE, "chosen", detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")

@@ -37,14 +37,14 @@ def memory_curves(plan: Plan, profile: Profile) -> MemoryCurves:
     from autoplan.memory.model import phase_bytes
     from autoplan.plan import Choice
 
-    after = [p.live_bytes for p in phase_bytes(profile, plan.choices())]
+    after = [p.live_bytes for p in phase_bytes(profile, plan.decisions.choices())]
     no_plan = {unit.name: Choice("keep", "fp32") for unit in profile.units}
     if profile.rest_precision == "fp32" and all(Choice("keep", "fp32") in unit.options for unit in profile.units):
         before = [p.live_bytes for p in phase_bytes(profile, no_plan)]
     else:
         before = [phase.peak_bytes for phase in profile.reference.phases]
     phases = tuple(sample.phase for sample in profile.timeline.phases)
-    return MemoryCurves(phases, tuple(before), tuple(after), plan.usable_bytes, plan.budget_bytes)
+    return MemoryCurves(phases, tuple(before), tuple(after), plan.request.usable_bytes, plan.request.budget_bytes)
 
 
 def require_pyplot():
@@ -77,7 +77,7 @@ def plot_memory(plan: Plan, profile: Profile, path: str | Path) -> Path:
     axes.axhline(curves.budget_bytes / scale, color="tab:red", linestyle=":", label="budget")
     _phase_axis(axes, curves.phases)
     axes.set_ylabel(f"live memory ({unit})")
-    axes.set_title(f"{plan.model_name} on {plan.device}: memory over one training step")
+    axes.set_title(f"{plan.model.name} on {plan.target.device}: memory over one training step")
     axes.set_ylim(bottom=0)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)  # beside the plot, off the lines
     figure.tight_layout()

@@ -22,7 +22,6 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from autoplan.plan import register_report_formatter
 from autoplan.report.advice import state_bound
 from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds, rank_noun
 from autoplan.vocabulary.code_lines import wrap_code
@@ -68,36 +67,36 @@ def _continues(previous: "UnitDecision", unit: "UnitDecision") -> bool:
 
 
 def _verdict(plan: "Plan") -> Text:
-    usable = format_bytes(plan.usable_bytes)
-    over = f"over the {usable} usable ({format_bytes(plan.budget_bytes)} budget)"
-    on = plan.device if plan.world_size == 1 else f"{plan.world_size} × {plan.device} (per {rank_noun(plan.device)}, FSDP)"
+    usable = format_bytes(plan.request.usable_bytes)
+    over = f"over the {usable} usable ({format_bytes(plan.request.budget_bytes)} budget)"
+    on = plan.target.device if plan.request.world_size == 1 else f"{plan.request.world_size} × {plan.target.device} (per {rank_noun(plan.target.device)}, FSDP)"
     bound = state_bound(plan)
-    if plan.feasible:
+    if plan.outcome.feasible:
         text = Text("FITS", style="bold green")
-        text.append(f"  {plan.model_name} on {on}: predicted peak {format_bytes(plan.predicted_peak_bytes)} "
-                    f"of {usable} usable ({format_bytes(plan.budget_bytes)} budget)", style="bold")
+        text.append(f"  {plan.model.name} on {on}: predicted peak {format_bytes(plan.prediction.peak_bytes)} "
+                    f"of {usable} usable ({format_bytes(plan.request.budget_bytes)} budget)", style="bold")
     elif bound is not None:
-        state = f"parameters, gradients and {plan.optimizer} state"
+        state = f"parameters, gradients and {plan.request.optimizer} state"
         why = (f"{state} alone are {format_bytes(bound.state_bytes)}, {over}" if not bound.step_bytes else
                f"{state} ({format_bytes(bound.state_bytes)}) with optimizer.step()'s temporaries "
-               f"({format_bytes(bound.step_bytes)}) peak at {format_bytes(plan.minimum_peak_bytes)}, {over}")
+               f"({format_bytes(bound.step_bytes)}) peak at {format_bytes(plan.prediction.minimum_peak_bytes)}, {over}")
         text = Text("DOES NOT FIT", style="bold red")
-        text.append(f"  {plan.model_name} on {on}: {why}: no checkpointing or precision choice changes that", style="bold")
-        text.append(f"\nit needs a {format_bytes(plan.minimum_budget_bytes)} budget; simulated training step: "
-                    f"{format_bytes(plan.simulated_peak_bytes)}")
+        text.append(f"  {plan.model.name} on {on}: {why}: no checkpointing or precision choice changes that", style="bold")
+        text.append(f"\nit needs a {format_bytes(plan.prediction.minimum_budget_bytes)} budget; simulated training step: "
+                    f"{format_bytes(plan.prediction.simulated_peak_bytes)}")
         return text
     else:
         text = Text("DOES NOT FIT", style="bold red")
-        text.append(f"  {plan.model_name} on {on}: the lowest peak autoplan reaches is "
-                    f"{format_bytes(plan.minimum_peak_bytes)}, {over} by "
-                    f"{format_bytes(plan.minimum_peak_bytes - plan.usable_bytes)}; it needs a "
-                    f"{format_bytes(plan.minimum_budget_bytes)} budget", style="bold")
-    text.append(f"\nsimulated training step: {format_bytes(plan.simulated_peak_bytes)}; no plan (all keep/fp32): "
-                f"{format_bytes(plan.baseline_peak_bytes)}")
-    if plan.loop is not None:  # every peak above is for this loop (docs/loops.md)
-        text.append(f"\ntraining loop: {plan.loop.describe()}")
-    if plan.fused_loss:  # the one change outside the units: say it, and how to turn it off
-        text.append(f"\nloss: the output head's cross-entropy ({plan.fused_loss}) is fused, its gradients computed "
+        text.append(f"  {plan.model.name} on {on}: the lowest peak autoplan reaches is "
+                    f"{format_bytes(plan.prediction.minimum_peak_bytes)}, {over} by "
+                    f"{format_bytes(plan.prediction.minimum_peak_bytes - plan.request.usable_bytes)}; it needs a "
+                    f"{format_bytes(plan.prediction.minimum_budget_bytes)} budget", style="bold")
+    text.append(f"\nsimulated training step: {format_bytes(plan.prediction.simulated_peak_bytes)}; no plan (all keep/fp32): "
+                f"{format_bytes(plan.prediction.baseline_peak_bytes)}")
+    if plan.request.loop is not None:  # every peak above is for this loop (docs/loops.md)
+        text.append(f"\ntraining loop: {plan.request.loop.describe()}")
+    if plan.decisions.fused_loss:  # the one change outside the units: say it, and how to turn it off
+        text.append(f"\nloss: the output head's cross-entropy ({plan.decisions.fused_logits}) is fused, its gradients computed "
                     "chunk by chunk in the forward (fuse_loss=False, --loss-as-written, keeps it as written)")
     return text
 
@@ -105,40 +104,40 @@ def _verdict(plan: "Plan") -> Text:
 def _breakdown(plan: "Plan") -> Table:
     """The memory model's parts at its peak, adding up to the headline's predicted peak: where the
     simulated step peaks higher than the model (`Plan.predicted_peak_bytes` is the higher), a row says by how much."""
-    b = plan.breakdown
+    b = plan.prediction.breakdown
     # names from the model (units, phases) are text, never rich markup: "graph[fc_in:gelu]" would vanish
-    table = Table(title=Text(f"memory at the peak ({plan.peak_phase})"), title_justify="left", show_edge=False)
+    table = Table(title=Text(f"memory at the peak ({plan.prediction.peak_phase})"), title_justify="left", show_edge=False)
     table.add_column("part")
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
     rows = [
         ("parameters (and buffers)", b.parameters),
         ("gradients", b.gradients),
-        (f"optimizer state ({plan.optimizer})", b.optimizer),
+        (f"optimizer state ({plan.request.optimizer})", b.optimizer),
         ("activations", b.activations),
         ("transient", b.transient),
     ]
-    above = plan.predicted_peak_bytes - b.total
+    above = plan.prediction.peak_bytes - b.total
     if above > 0:
         rows.append(("simulated step above the memory model", above))
     total = b.total + max(0, above)
     for name, nbytes in rows:
         table.add_row(name, format_bytes(nbytes), f"{nbytes / max(1, total):.0%}")
     table.add_row("= predicted peak", format_bytes(total), "", style="bold")
-    table.add_row("reserve (CUDA context, fragmentation)", format_bytes(plan.budget_bytes - plan.usable_bytes), "")
-    table.add_row("budget", format_bytes(plan.budget_bytes), "")
+    table.add_row("reserve (CUDA context, fragmentation)", format_bytes(plan.request.budget_bytes - plan.request.usable_bytes), "")
+    table.add_row("budget", format_bytes(plan.request.budget_bytes), "")
     return table
 
 
 def _units(plan: "Plan") -> Table:
-    title = "units" + ("" if plan.feasible else " (the lowest-peak choices)")
+    title = "units" + ("" if plan.outcome.feasible else " (the lowest-peak choices)")
     table = Table(title=title, title_justify="left", show_edge=False)
-    offloading = any(unit.choice.offloaded for unit in plan.units)
+    offloading = any(unit.choice.offloaded for unit in plan.decisions.units)
     for name, justify in (("unit", "left"), ("mode", "left"), ("precision", "left"), ("saved each", "right"),
                           *((("in host memory", "right"),) if offloading else ()),
                           ("recompute each", "right"), ("time each", "right")):
         table.add_column(name, justify=justify, no_wrap=name == "unit")
-    for row in fold_units(plan.units):
+    for row in fold_units(plan.decisions.units):
         unit = row.first
         host = (format_bytes(unit.host_bytes) if unit.choice.offloaded else "-",) if offloading else ()
         table.add_row(Text(row.label), unit.choice.mode, unit.choice.precision, format_bytes(unit.saved_bytes), *host,
@@ -148,13 +147,13 @@ def _units(plan: "Plan") -> Table:
 
 def _host(plan: "Plan") -> list[Text]:
     """Where offloaded units' saved tensors wait, and what their copies cost."""
-    offloaded = [unit for unit in plan.units if unit.choice.offloaded]
+    offloaded = [unit for unit in plan.decisions.units if unit.choice.offloaded]
     if not offloaded:
         return []
-    transfer, exposed = plan.transfer_s, plan.exposed_transfer_s
+    transfer, exposed = plan.decisions.transfer_s, plan.decisions.exposed_transfer_s
     hidden = 1 - exposed / transfer if transfer else 1.0
     return [Text(f"offload: {len(offloaded)} unit(s) keep what they save in pinned host memory, "
-                 f"{format_bytes(plan.host_peak_bytes)} at once (host budget {format_bytes(plan.host_budget_bytes)}); "
+                 f"{format_bytes(plan.prediction.host_peak_bytes)} at once (host budget {format_bytes(plan.request.host_budget_bytes)}); "
                  f"their copies take {format_seconds(transfer)} over the host link, {hidden:.0%} hidden behind compute, "
                  f"{format_seconds(exposed)} in the step time")]
 
@@ -171,7 +170,7 @@ def _policies(plan: "Plan", verbose: bool = False) -> list[Text]:
     """Each menu point the plan chose (selective units that save ops of their own choosing): in a person's
     words, by kind of op; op by op, by submodule, when `verbose`."""
     lines = []
-    for row in fold_units(plan.units):
+    for row in fold_units(plan.decisions.units):
         if not row.first.policy:
             continue
         unit = row.first
@@ -186,42 +185,42 @@ def _policies(plan: "Plan", verbose: bool = False) -> list[Text]:
 
 
 def _times(plan: "Plan") -> Text:
-    slower = plan.predicted_step_time_s / plan.fastest_step_time_s - 1 if plan.fastest_step_time_s else 0.0
-    return Text(f"step time ({plan.time_source}): {format_seconds(plan.predicted_step_time_s)} planned, "
-                f"{format_seconds(plan.fastest_step_time_s)} for the fastest plan ignoring memory ({slower:+.1%}), "
-                f"{format_seconds(plan.baseline_step_time_s)} with no plan")
+    slower = plan.prediction.step_time_s / plan.prediction.fastest_step_time_s - 1 if plan.prediction.fastest_step_time_s else 0.0
+    return Text(f"step time ({plan.prediction.time_source}): {format_seconds(plan.prediction.step_time_s)} planned, "
+                f"{format_seconds(plan.prediction.fastest_step_time_s)} for the fastest plan ignoring memory ({slower:+.1%}), "
+                f"{format_seconds(plan.prediction.baseline_step_time_s)} with no plan")
 
 
 def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
-    """The call that makes this plan again and applies it: plan()'s arguments as given (`plan.request`).
+    """The call that makes this plan again and applies it: plan()'s arguments as given (`plan.request.arguments`).
 
     An argument that was an object only the caller has (a loss function, an optimizer) is passed by its
     own name; `batch` is the caller's batch, unless the plan built its batch from batch_size/seq_len.
     """
-    request = dict(plan.request) or _request_of(plan)
-    budget = request.pop("budget", None) or budget_text or format_bytes(plan.budget_bytes).replace(" ", "")
+    request = dict(plan.request.arguments) or _request_of(plan)
+    budget = request.pop("budget", None) or budget_text or format_bytes(plan.request.budget_bytes).replace(" ", "")
     arguments = [_python(budget)]
     if "batch_size" not in request and "seq_len" not in request:
         arguments.append("example_inputs=batch")
     arguments += [f"{name}={name if value is None else _python(value)}" for name, value in request.items()]
     code = f"model = autoplan.optimize(model, {', '.join(arguments)})"
-    if plan.needs_grad_scaler:
+    if plan.target.needs_grad_scaler:
         code += "\nscaler = torch.amp.GradScaler()  # fp16 units: scale the loss"
     return wrap_code(code)
 
 
 def _request_of(plan: "Plan") -> dict:
     """For a Plan made without a record of its arguments: what its own fields say."""
-    request = {"device": plan.device}
-    if plan.rest_precision != "fp32":
-        request["precision"] = plan.rest_precision
-    if plan.world_size > 1:
-        request["world_size"] = plan.world_size
+    request = {"device": plan.target.device}
+    if plan.decisions.rest_precision != "fp32":
+        request["precision"] = plan.decisions.rest_precision
+    if plan.request.world_size > 1:
+        request["world_size"] = plan.request.world_size
     return request
 
 
 def _python(value) -> str:
-    """A literal of plan.request as Python source (strings in double quotes, as the README writes them)."""
+    """A literal of plan.request.arguments as Python source (strings in double quotes, as the README writes them)."""
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, list):
@@ -250,30 +249,30 @@ def _sharded(peak: "ShardedPeak", usable: int, device: str) -> Text:
 def _world_sizes(plan: "Plan") -> list[RenderableType]:
     """The per-rank arithmetic of an FSDP plan, and the curve of per-rank peak against N."""
     parts: list[RenderableType] = []
-    usable = plan.usable_bytes
-    if plan.parameter_count:
-        per_param = plan.state_bytes / plan.parameter_count
-        floor = -(-plan.state_bytes // max(usable, 1))
+    usable = plan.request.usable_bytes
+    if plan.model.parameter_count:
+        per_param = plan.model.state_bytes / plan.model.parameter_count
+        floor = -(-plan.model.state_bytes // max(usable, 1))
         parts.append(Text(
-            f"before sharding: {format_count(plan.parameter_count)} parameters × {per_param:.1f} bytes each (weights, gradients, "
-            f"{plan.optimizer} state; the rule of thumb for AdamW is 16) = {format_bytes(plan.state_bytes)}; over "
-            f"{format_bytes(usable)} usable that is at least {floor} {rank_noun(plan.device, floor)} for the state alone, before activations"
+            f"before sharding: {format_count(plan.model.parameter_count)} parameters × {per_param:.1f} bytes each (weights, gradients, "
+            f"{plan.request.optimizer} state; the rule of thumb for AdamW is 16) = {format_bytes(plan.model.state_bytes)}; over "
+            f"{format_bytes(usable)} usable that is at least {floor} {rank_noun(plan.target.device, floor)} for the state alone, before activations"
         ))
-    peak = plan.fsdp
+    peak = plan.prediction.fsdp
     if peak is not None:
         parts.append(Text(
-            f"per rank on {peak.world_size} {rank_noun(plan.device, peak.world_size)} (FSDP2, at {peak.phase}): shards of parameters {format_bytes(peak.parameters)} "
+            f"per rank on {peak.world_size} {rank_noun(plan.target.device, peak.world_size)} (FSDP2, at {peak.phase}): shards of parameters {format_bytes(peak.parameters)} "
             f"+ gradients {format_bytes(peak.gradients)} + optimizer {format_bytes(peak.optimizer)} + gathered parameters "
             f"(root, running and prefetched unit) {format_bytes(peak.gathered_parameters)} + all-gather/reduce-scatter buffers "
             f"{format_bytes(peak.communication_buffers)} + activations {format_bytes(peak.activations)} = {format_bytes(peak.total)}"
         ))
-    if plan.world_size_curve:
-        table = Table(title=f"per-rank peak against the number of {rank_noun(plan.device, 2)} (world_size=\"auto\")", title_justify="left", show_edge=False)
-        for column in (rank_noun(plan.device, 2), "lowest peak per rank", "no checkpointing", "fits"):
+    if plan.prediction.world_size_curve:
+        table = Table(title=f"per-rank peak against the number of {rank_noun(plan.target.device, 2)} (world_size=\"auto\")", title_justify="left", show_edge=False)
+        for column in (rank_noun(plan.target.device, 2), "lowest peak per rank", "no checkpointing", "fits"):
             table.add_column(column, justify="left" if column == "fits" else "right")
-        for point in plan.world_size_curve:
+        for point in plan.prediction.world_size_curve:
             mark = "yes" if point.fits else "no"
-            if point.world_size == plan.world_size:
+            if point.world_size == plan.request.world_size:
                 mark += "  ← chosen: the fewest that fit" if point.fits else "  ← the most tried: none fits"
             table.add_row(str(point.world_size), format_bytes(point.lowest_peak_bytes), format_bytes(point.no_plan_peak_bytes), mark)
         parts.append(table)
@@ -338,15 +337,15 @@ def report_renderables(
     """The report's parts in order. with_code=False leaves out the line that applies the plan (it is applied);
     verbose=True names, op by op, what the selective units save."""
     parts: list[RenderableType] = [_verdict(plan), _breakdown(plan)]
-    if plan.world_size > 1 or plan.world_size_curve:
+    if plan.request.world_size > 1 or plan.prediction.world_size_curve:
         parts.extend(_world_sizes(plan))
     if state_bound(plan) is None:  # otherwise any choice of the units would do: they are not the problem
         parts.extend([_units(plan), *_policies(plan, verbose), *_host(plan), _times(plan)])
-    if plan.feasible and with_code:  # for a plan that does not fit, optimize() would raise: the advice says what to change
+    if plan.outcome.feasible and with_code:  # for a plan that does not fit, optimize() would raise: the advice says what to change
         parts.append(Text("apply it:", style="bold"))
         parts.append(_code(apply_code(plan, budget_text)))
-    if advice is not None and advice.requested is not None and plan.world_size == 1:
-        parts.append(_sharded(advice.requested, plan.usable_bytes, plan.device))
+    if advice is not None and advice.requested is not None and plan.request.world_size == 1:
+        parts.append(_sharded(advice.requested, plan.request.usable_bytes, plan.target.device))
     if advice is not None:
         parts.append(_advice(advice))
         fix = next((s for s in advice.steps if s.key == advice.first_fix), None)
@@ -384,4 +383,3 @@ def format_report(
     return buffer.getvalue().rstrip() + "\n"
 
 
-register_report_formatter(format_report)  # Plan.report() renders with it

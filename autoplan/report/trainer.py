@@ -28,11 +28,11 @@ MEASURE_STEP = 2  # the first optimizer step whose peak is the steady state's
 
 def measured_peak_line(plan: Plan, measured_bytes: int, step: int) -> str:
     """One line: the measured peak of a real step against the plan's prediction and usable budget."""
-    error = measured_bytes / plan.predicted_peak_bytes - 1 if plan.predicted_peak_bytes else 0.0
-    verdict = "within the usable budget" if measured_bytes <= plan.usable_bytes else "OVER the usable budget"
+    error = measured_bytes / plan.prediction.peak_bytes - 1 if plan.prediction.peak_bytes else 0.0
+    verdict = "within the usable budget" if measured_bytes <= plan.request.usable_bytes else "OVER the usable budget"
     return (f"autoplan: step {step} peaked at {format_bytes(measured_bytes)} (torch.cuda.max_memory_allocated); "
-            f"predicted {format_bytes(plan.predicted_peak_bytes)} ({error:+.1%}), {verdict} of "
-            f"{format_bytes(plan.usable_bytes)}")
+            f"predicted {format_bytes(plan.prediction.peak_bytes)} ({error:+.1%}), {verdict} of "
+            f"{format_bytes(plan.request.usable_bytes)}")
 
 
 def _on_cuda(args: Any) -> bool:

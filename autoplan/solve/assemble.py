@@ -10,7 +10,7 @@ from autoplan.inputs.budget import Budget, both_units, budget_needed_for
 from autoplan.inputs.devices import Device
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
 from autoplan.memory.segments import chosen_segments, segment_terms
-from autoplan.plan import Plan, UnitDecision
+from autoplan.plan import Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
 from autoplan.profile.units import Profile
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.solve.ilp import fastest
@@ -26,26 +26,22 @@ def best_level(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel], tri
     Its minimum peak is the lowest any level reaches: the plan space is all the levels'. `levels`
     are those planned, of `tried` (a level whose Sequential run is called twice cannot be).
     """
-    fitting = [item for item in planned if item[0].feasible]
+    fitting = [item for item in planned if item[0].outcome.feasible]
     if fitting:
-        best = min(fitting, key=lambda item: item[0].predicted_step_time_s)
+        best = min(fitting, key=lambda item: item[0].prediction.step_time_s)
     else:
-        best = min(planned, key=lambda item: item[0].minimum_peak_bytes)
+        best = min(planned, key=lambda item: item[0].prediction.minimum_peak_bytes)
     if tried == 1:
         return best
-    lowest = min((plan for plan, _ in planned), key=lambda plan: plan.minimum_peak_bytes)
+    lowest = min((plan for plan, _ in planned), key=lambda plan: plan.prediction.minimum_peak_bytes)
     index = planned.index(best)
     others = ", ".join(f"{level.source} ({len(level.units)} units)" for i, level in enumerate(levels) if i != index)
     note = f"units: {levels[index].source} ({len(levels[index].units)} units), the best of {tried} levels"
     note += f"; also planned: {others}" if others else ""
     note += f"; {tried - len(levels)} could not be planned (a Sequential run called more than once)" if tried > len(levels) else ""
-    plan = dataclasses.replace(
-        best[0],
-        minimum_peak_bytes=lowest.minimum_peak_bytes,
-        minimum_budget_bytes=lowest.minimum_budget_bytes,
-        notes=(*best[0].notes, note),
-    )
-    return plan, best[1]
+    lowest_figures = dataclasses.replace(best[0].prediction, minimum_peak_bytes=lowest.prediction.minimum_peak_bytes,
+                                         minimum_budget_bytes=lowest.prediction.minimum_budget_bytes)
+    return dataclasses.replace(best[0], prediction=lowest_figures, notes=(*best[0].notes, note)), best[1]
 
 
 
@@ -54,16 +50,16 @@ def faster_loss_head(first: tuple[Plan, Profile], second: tuple[Plan, Profile]) 
     the one reaching the lower peak); its fastest and lowest figures are both plans' best, as the
     plan space is both. On a tie the first stays."""
     (a, _), (b, _) = first, second
-    if a.feasible != b.feasible:
-        best = first if a.feasible else second
-    elif a.feasible:
-        best = second if b.predicted_step_time_s < a.predicted_step_time_s else first
+    if a.outcome.feasible != b.outcome.feasible:
+        best = first if a.outcome.feasible else second
+    elif a.outcome.feasible:
+        best = second if b.prediction.step_time_s < a.prediction.step_time_s else first
     else:
-        best = second if b.minimum_peak_bytes < a.minimum_peak_bytes else first
-    lowest = min((a, b), key=lambda plan: plan.minimum_peak_bytes)
-    plan = dataclasses.replace(best[0], fastest_step_time_s=min(a.fastest_step_time_s, b.fastest_step_time_s),
+        best = second if b.prediction.minimum_peak_bytes < a.prediction.minimum_peak_bytes else first
+    lowest = min((a, b), key=lambda plan: plan.prediction.minimum_peak_bytes).prediction
+    both = dataclasses.replace(best[0].prediction, fastest_step_time_s=min(a.prediction.fastest_step_time_s, b.prediction.fastest_step_time_s),
                                minimum_peak_bytes=lowest.minimum_peak_bytes, minimum_budget_bytes=lowest.minimum_budget_bytes)
-    return plan, best[1]
+    return dataclasses.replace(best[0], prediction=both), best[1]
 
 
 def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget: Budget, target: Device,
@@ -122,43 +118,38 @@ def assemble_plan(
     notes = plan_notes(traced, measured, found, budget=budget, target=target, time_limit_s=time_limit_s)
     decisions = _decisions(measured, chosen)
     return Plan(
-        model_name=measured.model_name,
-        device=target.name,
-        low_precision=target.low_precision_name,
-        rest_precision=rest,
-        fused_loss=measured.timeline.fused_loss,
-        needs_grad_scaler=any(c.precision == "fp16" for c in chosen.values()) or rest == "fp16",
-        optimizer=measured.optimizer,
-        feasible=feasible,
-        budget_bytes=budget.total_bytes,
-        usable_bytes=budget.usable_bytes,
-        # the higher of the two estimates: the linear model can miss a few hundred bytes the whole step holds
-        # (a view of a batch tensor), and the plan's number must not be below what the step measures
-        predicted_peak_bytes=max(prediction.bytes, found.simulated_peak_bytes),
-        simulated_peak_bytes=found.simulated_peak_bytes,
-        baseline_peak_bytes=_per_rank_peak(measured.reference, measured, world),
-        minimum_peak_bytes=found.lowest_peak_bytes,
-        minimum_budget_bytes=budget_needed_for(found.lowest_peak_bytes, target, reserve),
-        predicted_step_time_s=predict_step_time(measured, chosen),
-        baseline_step_time_s=measured.reference_step_time_s or measured.reference.step_time_s,
-        fastest_step_time_s=predict_step_time(measured, fastest(measured, pins)),
-        time_source=measured.time_source,
-        breakdown=prediction.breakdown,
-        peak_phase=prediction.phase,
-        units=decisions,
-        solver_status=found.solver_status,
-        solve_time_s=found.solve_time_s,
-        resolves=found.resolves,
-        trace_method=traced.method,
+        request=Request(
+            budget_bytes=budget.total_bytes, usable_bytes=budget.usable_bytes, optimizer=measured.optimizer, world_size=world,
+            loop=measured.loop, offload=measured.offload, host_budget_bytes=host_budget if measured.offload else 0,
+        ),
+        model=PlannedModel(
+            name=measured.model_name, trace_method=traced.method, parameter_count=profiled_parameter_count(measured),
+            state_bytes=sum(getattr(measured.timeline.static, part) for part in ("parameters", "gradients", "optimizer")),
+        ),
+        target=DeviceTarget(
+            target.name, target.low_precision_name,
+            needs_grad_scaler=any(c.precision == "fp16" for c in chosen.values()) or rest == "fp16",
+        ),
+        decisions=Decisions(decisions, rest, measured.timeline.fused_loss, measured.timeline.fused_logits),
+        prediction=Prediction(
+            # the higher of the two estimates: the linear model can miss a few hundred bytes the whole step holds
+            # (a view of a batch tensor), and the plan's number must not be below what the step measures
+            peak_bytes=max(prediction.bytes, found.simulated_peak_bytes),
+            simulated_peak_bytes=found.simulated_peak_bytes,
+            baseline_peak_bytes=_per_rank_peak(measured.reference, measured, world),
+            minimum_peak_bytes=found.lowest_peak_bytes,
+            minimum_budget_bytes=budget_needed_for(found.lowest_peak_bytes, target, reserve),
+            breakdown=prediction.breakdown,
+            peak_phase=prediction.phase,
+            step_time_s=predict_step_time(measured, chosen),
+            baseline_step_time_s=measured.reference_step_time_s or measured.reference.step_time_s,
+            fastest_step_time_s=predict_step_time(measured, fastest(measured, pins)),
+            time_source=measured.time_source,
+            fsdp=prediction.rank,
+            host_peak_bytes=host_peak(measured, chosen),
+        ),
+        outcome=Outcome(feasible, found.solver_status, found.solve_time_s, found.resolves),
         notes=tuple(notes),
-        world_size=world,
-        fsdp=prediction.rank,
-        parameter_count=profiled_parameter_count(measured),
-        state_bytes=sum(getattr(measured.timeline.static, part) for part in ("parameters", "gradients", "optimizer")),
-        loop=measured.loop,
-        offload=measured.offload,
-        host_budget_bytes=host_budget if measured.offload else 0,
-        host_peak_bytes=host_peak(measured, chosen),
     )
 
 
@@ -197,10 +188,10 @@ def _policy_fields(words) -> dict[str, str]:
 
 def infeasible_message(plan: Plan) -> str:
     return (
-        f"no plan fits {plan.device} in {format_bytes(plan.budget_bytes)} "
-        f"(usable {format_bytes(plan.usable_bytes)}): the lowest peak autoplan can reach is "
-        f"{format_bytes(plan.minimum_peak_bytes)}, which needs a budget of "
-        f"{format_bytes(plan.minimum_budget_bytes)}. Call autoplan.plan(...) to see the breakdown."
+        f"no plan fits {plan.target.device} in {format_bytes(plan.request.budget_bytes)} "
+        f"(usable {format_bytes(plan.request.usable_bytes)}): the lowest peak autoplan can reach is "
+        f"{format_bytes(plan.prediction.minimum_peak_bytes)}, which needs a budget of "
+        f"{format_bytes(plan.prediction.minimum_budget_bytes)}. Call autoplan.plan(...) to see the breakdown."
     )
 
 

@@ -111,7 +111,7 @@ def measure_rank_peak(
 ) -> RankMeasurement:
     """Train `steps` real optimizer steps of `loop` on this rank; the live-tensor peak of the last one.
 
-    `loop` is the loop the plan was made for (`plan.loop`; default: the common loop, outputs kept
+    `loop` is the loop the plan was made for (`plan.request.loop`; default: the common loop, outputs kept
     through backward), run by the same `LoopRunner` as `autoplan.verify`. Everything alive before
     the last step (shards, optimizer state, the batch, the outputs the loop still holds) is counted
     from its start.

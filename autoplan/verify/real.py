@@ -57,7 +57,7 @@ class Verification:
     predicted_step_time_s: float
     out_of_memory: bool
     held: bool  # no OOM and the measured peak within the usable budget
-    loop: Any = None  # the TrainingLoop (autoplan.inputs.loop) the steps ran
+    loop: TrainingLoop | None = None  # the loop the steps ran
     measured_time_source: str = ""  # how the steps were timed: "CUDA events", or the CPU clock with every tensor counted
     predicted_time_source: str = ""  # the plan's time_source: "roofline", "measured (CUDA events)", ...
     planned_device: str = ""  # the device profile the plan's times are for, e.g. "h100-80gb"
@@ -108,7 +108,7 @@ def verify(
 
     The model is rewritten with the plan if it is not already, and runs on the device its
     parameters are on. Each step is one optimizer step of the training loop the plan was made for
-    (`plan.loop`; `loop=` overrides it): its micro-batches, the outputs kept or dropped as it says,
+    (`plan.request.loop`; `loop=` overrides it): its micro-batches, the outputs kept or dropped as it says,
     its optimizer implementation, zero_grad and GradScaler. On CUDA the budget is enforced (the
     allocator may not go beyond it), so a plan that does not hold ends in an out-of-memory error,
     reported here rather than raised. Parameters, buffers and the RNG state are put back
@@ -123,40 +123,40 @@ def verify(
     device = model_device(model)
     if device.type == "meta":
         raise OptionError("the model's parameters are on the meta device; load real weights (or build it on a device) to verify")
-    optimizer = optimizer if optimizer is not None else plan.optimizer
+    optimizer = optimizer if optimizer is not None else plan.request.optimizer
     if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
         raise OptionError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
     settle_first_forward(model)  # as plan() and apply() do: a 4-bit layer's bias in its compute dtype
     if check:  # before the model changes
-        check_model(plan.fingerprint, model)
-        check_batch(plan.fingerprint, normalize_inputs(example_inputs))
-    if planned_units(model) != plan.choices_by_unit() or has_fused_loss(model) != bool(plan.fused_loss):
-        apply_choices(model, plan.choices_by_unit(), plan.outside_units)
-    loop = check_loop(loop if loop is not None else plan.loop)
+        check_model(plan.model.fingerprint, model)
+        check_batch(plan.model.fingerprint, normalize_inputs(example_inputs))
+    if planned_units(model) != plan.decisions.choices_by_unit() or has_fused_loss(model) != plan.decisions.fused_loss:
+        apply_choices(model, plan.decisions.choices_by_unit(), plan.decisions.outside_units)
+    loop = check_loop(loop if loop is not None else plan.request.loop)
     args, kwargs = training_inputs(model, normalize_inputs(example_inputs))  # as planned: no KV cache
     cuda = device.type == "cuda"
-    with preserved(model), _budget_enforced(plan.budget_bytes if enforce_budget and cuda else None, device):
-        run = _run_steps(model, (args, kwargs), get_device(plan.device), optimizer, loss_fn, steps, loop)
+    with preserved(model), _budget_enforced(plan.request.budget_bytes if enforce_budget and cuda else None, device):
+        run = _run_steps(model, (args, kwargs), get_device(plan.target.device), optimizer, loss_fn, steps, loop)
     peak, reserved, times, out_of_memory = run.peak_bytes, run.reserved_bytes, run.step_times_s, run.out_of_memory
-    held = not out_of_memory and peak is not None and peak <= plan.usable_bytes
+    held = not out_of_memory and peak is not None and peak <= plan.request.usable_bytes
     return Verification(
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
         steps=steps,
         peak_source="torch.cuda.max_memory_allocated" if cuda else "live tensor bytes (CPU)",
         measured_peak_bytes=peak,
         measured_reserved_bytes=reserved,
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        simulated_peak_bytes=plan.simulated_peak_bytes,
-        usable_bytes=plan.usable_bytes,
-        budget_bytes=plan.budget_bytes,
+        predicted_peak_bytes=plan.prediction.peak_bytes,
+        simulated_peak_bytes=plan.prediction.simulated_peak_bytes,
+        usable_bytes=plan.request.usable_bytes,
+        budget_bytes=plan.request.budget_bytes,
         measured_step_time_s=statistics.median(times) if times else None,
-        predicted_step_time_s=plan.predicted_step_time_s,
+        predicted_step_time_s=plan.prediction.step_time_s,
         out_of_memory=out_of_memory,
         held=held,
         loop=loop,
         measured_time_source=CUDA_EVENTS_SOURCE if cuda else CPU_TRACKED_SOURCE,
-        predicted_time_source=plan.time_source,
-        planned_device=plan.device,
+        predicted_time_source=plan.prediction.time_source,
+        planned_device=plan.target.device,
     )
 
 

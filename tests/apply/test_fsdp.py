@@ -45,20 +45,20 @@ def per_rank_plans():
 def test_world_size_one_is_the_single_gpu_plan(per_rank_plans) -> None:
     model, batch, plans = per_rank_plans
     default = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, profile="roofline")
-    assert plans[1].predicted_peak_bytes == default.predicted_peak_bytes and plans[1].fsdp is None
+    assert plans[1].prediction.peak_bytes == default.prediction.peak_bytes and plans[1].prediction.fsdp is None
 
 
 def test_per_rank_breakdown_adds_up_and_shrinks_with_more_gpus(per_rank_plans) -> None:
     _, _, plans = per_rank_plans
     for n in (2, 4):
         plan = plans[n]
-        assert plan.world_size == n and plan.fsdp.world_size == n
-        assert plan.fsdp.total == plan.predicted_peak_bytes == plan.breakdown.total
-        assert plan.fsdp.optimizer < plans[1].breakdown.optimizer / n + 512 * 64  # sharded, not replicated
+        assert plan.request.world_size == n and plan.prediction.fsdp.world_size == n
+        assert plan.prediction.fsdp.total == plan.prediction.peak_bytes == plan.prediction.breakdown.total
+        assert plan.prediction.fsdp.optimizer < plans[1].prediction.breakdown.optimizer / n + 512 * 64  # sharded, not replicated
         data = json.loads(plan.to_json())
-        assert data["world_size"] == n and data["fsdp"]["total"] == plan.predicted_peak_bytes
-    assert plans[4].predicted_peak_bytes < plans[2].predicted_peak_bytes < plans[1].predicted_peak_bytes
-    assert plans[4].fsdp.parameters < plans[2].fsdp.parameters
+        assert data["world_size"] == n and data["fsdp"]["total"] == plan.prediction.peak_bytes
+    assert plans[4].prediction.peak_bytes < plans[2].prediction.peak_bytes < plans[1].prediction.peak_bytes
+    assert plans[4].prediction.fsdp.parameters < plans[2].prediction.fsdp.parameters
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -67,27 +67,27 @@ def test_per_rank_budget_constrains_the_solver() -> None:
     model, config = tiny_llama()
     batch = rank_batch(config, 0)
     four = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=4, profile="roofline")
-    budget = four.predicted_peak_bytes + 4096  # fits 4 ranks keeping everything
+    budget = four.prediction.peak_bytes + 4096  # fits 4 ranks keeping everything
     one = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, profile="roofline")
     sharded = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, world_size=4, profile="roofline")
-    assert sharded.feasible and all(u.choice.mode == "keep" for u in sharded.units)
-    assert one.predicted_peak_bytes > budget or not one.feasible or any(u.choice.mode != "keep" for u in one.units)
+    assert sharded.outcome.feasible and all(u.choice.mode == "keep" for u in sharded.decisions.units)
+    assert one.prediction.peak_bytes > budget or not one.outcome.feasible or any(u.choice.mode != "keep" for u in one.decisions.units)
 
 
 @pytest.mark.slow  # the whole pipeline
 def test_auto_finds_the_fewest_gpus_and_shows_the_curve() -> None:
     model, batch = build("tiny", 2, 32)
     plan = autoplan.plan(model, "12MB", example_inputs=batch, device="cpu", reserve=0, world_size="auto", profile="roofline")
-    curve = {point.world_size: point for point in plan.world_size_curve}
-    assert plan.feasible and plan.world_size >= 2 and curve[plan.world_size].fits
-    assert all(not point.fits for n, point in curve.items() if n < plan.world_size)
-    assert plan.world_size - 1 in curve  # the one below the answer was tried and did not fit
+    curve = {point.world_size: point for point in plan.prediction.world_size_curve}
+    assert plan.outcome.feasible and plan.request.world_size >= 2 and curve[plan.request.world_size].fits
+    assert all(not point.fits for n, point in curve.items() if n < plan.request.world_size)
+    assert plan.request.world_size - 1 in curve  # the one below the answer was tried and did not fit
     # the state alone (16 bytes per parameter for AdamW with fp32 master weights) sets a floor
-    assert plan.state_bytes / plan.parameter_count == pytest.approx(16, rel=0.02)
-    assert plan.world_size >= -(-plan.state_bytes // plan.usable_bytes)
+    assert plan.model.state_bytes / plan.model.parameter_count == pytest.approx(16, rel=0.02)
+    assert plan.request.world_size >= -(-plan.model.state_bytes // plan.request.usable_bytes)
     report = plan.report()
     assert "per-rank peak against the number of ranks" in report and "← chosen" in report  # the cpu profile: ranks, not GPUs
-    assert f"per rank on {plan.world_size} ranks" in report
+    assert f"per rank on {plan.request.world_size} ranks" in report
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -125,7 +125,7 @@ def two_ranks(tmp_path_factory):
     model, config = tiny_llama()
     single = autoplan.plan(model, "1GB", example_inputs=rank_batch(config, 0), device="cpu", reserve=0, world_size=2,
                            profile="roofline")
-    budget = f"{single.predicted_peak_bytes - 2**20}B"  # below the all-keep peak: some unit must checkpoint
+    budget = f"{single.prediction.peak_bytes - 2**20}B"  # below the all-keep peak: some unit must checkpoint
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "tests" / "fsdp_worker.py"), str(out), budget]
@@ -176,17 +176,17 @@ def _run_workers(out: Path, budget: str, kind: str) -> list[dict]:
 def shared_two_ranks(tmp_path_factory):
     model, batch = shared_block(), shared_batch(0)
     free = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=2, profile="roofline", precision="fp32")
-    budget = (free.minimum_peak_bytes + free.predicted_peak_bytes) // 2  # per rank: some calls keep, some recompute
+    budget = (free.prediction.minimum_peak_bytes + free.prediction.peak_bytes) // 2  # per rank: some calls keep, some recompute
     return free, _run_workers(tmp_path_factory.mktemp("fsdp_shared"), f"{budget}B", "shared")
 
 
 def test_call_sites_of_one_module_are_one_fsdp_group_in_the_plan(shared_two_ranks) -> None:
     free, _ = shared_two_ranks
     model = shared_block()
-    assert [unit.name for unit in free.units] == ["embed", *(f"block@{k}" for k in range(6)), "head"]
+    assert [unit.name for unit in free.decisions.units] == ["embed", *(f"block@{k}" for k in range(6)), "head"]
     # the block's parameters count once per rank (about half of them on 2 ranks), not once per call
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert free.fsdp.parameters < parameter_bytes and free.parameter_count == sum(p.numel() for p in model.parameters())
+    assert free.prediction.fsdp.parameters < parameter_bytes and free.model.parameter_count == sum(p.numel() for p in model.parameters())
 
 
 @distributed

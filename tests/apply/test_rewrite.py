@@ -611,7 +611,7 @@ def mlp_plan():
 def test_apply_rewrites_in_place_as_planned(gpt_plan):
     model, inputs = make_tiny_gpt()
     assert autoplan.apply(model, gpt_plan) is model
-    assert planned_units(model) == gpt_plan.choices_by_unit()
+    assert planned_units(model) == gpt_plan.decisions.choices_by_unit()
     assert torch.isfinite(loss_of(model(*inputs)))
 
 
@@ -643,7 +643,7 @@ def test_apply_requires_a_plan(not_a_plan):
 
 def _plan_naming(plan, unit: str):
     decision = autoplan.UnitDecision(Unit.from_name(unit), Choice("full", "fp32"), saved_bytes=0, recompute_flops=0, step_time_s=0.0)
-    return dataclasses.replace(plan, units=(decision,))
+    return dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, units=(decision,)))
 
 
 @pytest.mark.parametrize("unit", ["transformer.h.7", "transformer.h.0.mlp.nope", "lm_head[0:1]", "transformer.h[1:3]"])

@@ -55,7 +55,7 @@ def assert_one_line_error(result, code: ExitCode, *fragments: str) -> None:
 def lowest_peak() -> int:
     """The lowest peak any plan reaches for the tiny GPT at batch 4, from the API."""
     model, inputs = tiny_gpt()
-    return autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
+    return autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).prediction.minimum_peak_bytes
 
 
 # -- help and devices --------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def test_options_reach_the_plan(tmp_path) -> None:
     model, inputs = tiny_gpt(batch_size=2, seq_len=16)
     same = autoplan.plan(model, "2GB", example_inputs=inputs, device="a100-80gb", optimizer="sgd", precision="fp32",
                          units=["transformer.h.0"], reserve=0, world_size=4)
-    assert plan["predicted_peak_bytes"] == same.predicted_peak_bytes  # the sizes and the world size reached the plan
+    assert plan["predicted_peak_bytes"] == same.prediction.peak_bytes  # the sizes and the world size reached the plan
     assert plan["world_size"] == 4 and plan["fsdp"]["total"] == plan["predicted_peak_bytes"]
     requested = doc["advice"]["requested_world_size"]
     assert requested["world_size"] == 4 and requested["parameters"] == math.ceil(requested["parameters"] * 4 / 4)
@@ -450,8 +450,8 @@ def test_verify_runs_the_loss_as_planned_fused_or_as_written(tmp_path):
         assert result.exit_code == ExitCode.FITS, result.output
         document = json.loads(path.read_text())
         assert document["verification"]["measured_peak_bytes"] == document["plan"]["predicted_peak_bytes"]
-        measured[flag] = (document["plan"]["fused_loss"], document["verification"]["measured_peak_bytes"])
-    assert measured["--fuse-loss"][0] == "2048×512 logits" and measured["--loss-as-written"][0] == ""
+        measured[flag] = ((document["plan"]["fused_loss"], document["plan"]["fused_loss_logits"]), document["verification"]["measured_peak_bytes"])
+    assert measured["--fuse-loss"][0] == (True, "2048×512 logits") and measured["--loss-as-written"][0] == (False, "")
     assert measured["--fuse-loss"][1] < measured["--loss-as-written"][1]
 
 

@@ -181,7 +181,7 @@ def test_api_budget_over_the_device() -> None:
     with pytest.raises(ValueError, match="allow_over_device=True"):
         autoplan.plan(model, "240GB", example_inputs=inputs, device="rtx-4090")
     plan = autoplan.plan(model, "240GB", example_inputs=inputs, device="rtx-4090", allow_over_device=True)
-    assert plan.feasible and any("more than rtx-4090" in note for note in plan.notes)
+    assert plan.outcome.feasible and any("more than rtx-4090" in note for note in plan.notes)
     assert "more than rtx-4090" in plan.report()
 
 
@@ -263,7 +263,7 @@ def test_time_out_of_the_fastest_plan_falls_back_to_a_plan_that_fits(monkeypatch
     monkeypatch.setattr(search, "solve", out_of_time)
     model, inputs = tiny_gpt()
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0, time_limit_s=3)
-    assert plan.feasible and plan.predicted_peak_bytes == plan.minimum_peak_bytes <= plan.usable_bytes
+    assert plan.outcome.feasible and plan.prediction.peak_bytes == plan.prediction.minimum_peak_bytes <= plan.request.usable_bytes
     assert any("ran out of time" in note and "time_limit_s" in note for note in plan.notes)
 
 
@@ -390,8 +390,8 @@ def test_api_accepts_numpy_integers_and_torch_devices() -> None:
     model, inputs = tiny_mlp()
     by_int = autoplan.plan(model, 10**9, example_inputs=inputs, device="cpu")
     by_numpy = autoplan.plan(model, numpy.int64(10**9), example_inputs=inputs, device=torch.device("cpu"))
-    assert by_numpy.budget_bytes == 10**9 and by_numpy.device == "cpu"
-    assert by_numpy.predicted_peak_bytes == by_int.predicted_peak_bytes
+    assert by_numpy.request.budget_bytes == 10**9 and by_numpy.target.device == "cpu"
+    assert by_numpy.prediction.peak_bytes == by_int.prediction.peak_bytes
     with pytest.raises(ValueError, match="bool"):
         autoplan.plan(model, numpy.bool_(True), example_inputs=inputs, device="cpu")
 
@@ -489,7 +489,7 @@ def test_plan_and_verify_train_with_grad_whatever_the_callers_grad_mode() -> Non
         planned = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
         result = autoplan.verify(model, planned, example_inputs=inputs, steps=2)
         assert not torch.is_grad_enabled()
-    assert planned.choices() == expected.choices() and planned.predicted_peak_bytes == expected.predicted_peak_bytes
+    assert planned.decisions.choices() == expected.decisions.choices() and planned.prediction.peak_bytes == expected.prediction.peak_bytes
     assert result.held
 
 

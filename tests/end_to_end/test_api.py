@@ -56,11 +56,11 @@ def cached_plan(model_name: str = "tiny_gpt", budget="1GB", precision: str = "au
 
 
 def modes(plan: Plan) -> dict[str, str]:
-    return {unit.name: unit.choice.mode for unit in plan.units}
+    return {unit.name: unit.choice.mode for unit in plan.decisions.units}
 
 
 def precisions(plan: Plan) -> dict[str, str]:
-    return {unit.name: unit.choice.precision for unit in plan.units}
+    return {unit.name: unit.choice.precision for unit in plan.decisions.units}
 
 
 # -- a generous budget ------------------------------------------------------------------------
@@ -69,27 +69,27 @@ def precisions(plan: Plan) -> dict[str, str]:
 def test_generous_budget_plan_is_feasible_and_complete() -> None:
     plan = cached_plan()
     assert isinstance(plan, Plan)
-    assert plan.feasible
-    assert plan.model_name == "GPT"
-    assert plan.device == DEVICE
-    assert plan.budget_bytes == 10**9
-    assert plan.usable_bytes == 10**9  # reserve=0
-    assert 0 < plan.predicted_peak_bytes <= plan.usable_bytes
-    assert 0 < plan.simulated_peak_bytes <= plan.usable_bytes
-    assert plan.baseline_peak_bytes > 0
-    assert plan.baseline_step_time_s > 0
-    assert plan.predicted_step_time_s > 0
-    assert 0 < plan.minimum_peak_bytes <= plan.baseline_peak_bytes
-    assert plan.minimum_budget_bytes >= plan.minimum_peak_bytes
-    assert plan.solver_status == "Optimal"
-    assert plan.solve_time_s >= 0
-    assert plan.trace_method == "symbolic_trace"
-    assert plan.optimizer == "adamw"
-    assert isinstance(plan.breakdown, MemoryBreakdown)
-    assert plan.breakdown.total == plan.predicted_peak_bytes
-    assert [unit.name for unit in plan.units] == GPT_UNITS
-    assert all(isinstance(unit, UnitDecision) and isinstance(unit.choice, Choice) for unit in plan.units)
-    assert plan.choices() == {unit.name: unit.choice for unit in plan.units}
+    assert plan.outcome.feasible
+    assert plan.model.name == "GPT"
+    assert plan.target.device == DEVICE
+    assert plan.request.budget_bytes == 10**9
+    assert plan.request.usable_bytes == 10**9  # reserve=0
+    assert 0 < plan.prediction.peak_bytes <= plan.request.usable_bytes
+    assert 0 < plan.prediction.simulated_peak_bytes <= plan.request.usable_bytes
+    assert plan.prediction.baseline_peak_bytes > 0
+    assert plan.prediction.baseline_step_time_s > 0
+    assert plan.prediction.step_time_s > 0
+    assert 0 < plan.prediction.minimum_peak_bytes <= plan.prediction.baseline_peak_bytes
+    assert plan.prediction.minimum_budget_bytes >= plan.prediction.minimum_peak_bytes
+    assert plan.outcome.solver_status == "Optimal"
+    assert plan.outcome.solve_time_s >= 0
+    assert plan.model.trace_method == "symbolic_trace"
+    assert plan.request.optimizer == "adamw"
+    assert isinstance(plan.prediction.breakdown, MemoryBreakdown)
+    assert plan.prediction.breakdown.total == plan.prediction.peak_bytes
+    assert [unit.name for unit in plan.decisions.units] == GPT_UNITS
+    assert all(isinstance(unit, UnitDecision) and isinstance(unit.choice, Choice) for unit in plan.decisions.units)
+    assert plan.decisions.choices() == {unit.name: unit.choice for unit in plan.decisions.units}
     assert plan.notes == () or all(isinstance(note, str) for note in plan.notes)
 
 
@@ -115,10 +115,10 @@ def test_plan_to_dict_is_json_and_round_trips() -> None:
     assert json.loads(plan.to_json()) == data
     assert json.loads(plan.to_json(indent=None)) == data
     assert data["feasible"] is True
-    assert data["breakdown"]["total"] == plan.predicted_peak_bytes
+    assert data["breakdown"]["total"] == plan.prediction.peak_bytes
     assert set(data["breakdown"]) >= {"parameters", "gradients", "optimizer", "activations", "transient"}
     assert [unit["name"] for unit in data["units"]] == GPT_UNITS
-    for unit, decision in zip(data["units"], plan.units):
+    for unit, decision in zip(data["units"], plan.decisions.units):
         assert unit["mode"] == decision.choice.mode
         assert unit["precision"] == decision.choice.precision
         assert "choice" not in unit
@@ -137,25 +137,25 @@ def test_plan_does_not_change_the_model() -> None:
 
 def test_generous_budget_plan_is_the_fastest_plan() -> None:
     plan = cached_plan()
-    assert plan.predicted_step_time_s == pytest.approx(plan.fastest_step_time_s, rel=1e-9)
-    assert plan.predicted_step_time_s <= plan.baseline_step_time_s
+    assert plan.prediction.step_time_s == pytest.approx(plan.prediction.fastest_step_time_s, rel=1e-9)
+    assert plan.prediction.step_time_s <= plan.prediction.baseline_step_time_s
 
 
 def test_generous_budget_small_resnet_plan_is_the_fastest_plan() -> None:
     """Regression: CBC's preprocessing once gave layer1.1 selective/bf16 here, slower than keep/bf16."""
     plan = cached_plan("small_resnet")
-    assert plan.feasible
+    assert plan.outcome.feasible
     assert all(mode == "keep" for mode in modes(plan).values())
-    assert plan.predicted_step_time_s == pytest.approx(plan.fastest_step_time_s, rel=1e-9)
+    assert plan.prediction.step_time_s == pytest.approx(plan.prediction.fastest_step_time_s, rel=1e-9)
 
 
 def test_peak_counts_parameters_gradients_and_optimizer_state() -> None:
     """Regression: parameters made by fake_copy() before the tracker began were never counted."""
     plan = cached_plan(optimizer="sgd")
-    static = plan.breakdown
+    static = plan.prediction.breakdown
     # at any moment the parameters are alive; at the optimizer step all gradients are too
-    assert plan.predicted_peak_bytes >= static.parameters + static.optimizer + static.gradients
-    assert plan.baseline_peak_bytes >= 2 * static.parameters  # parameters + their gradients
+    assert plan.prediction.peak_bytes >= static.parameters + static.optimizer + static.gradients
+    assert plan.prediction.baseline_peak_bytes >= 2 * static.parameters  # parameters + their gradients
     assert static.activations >= 0
 
 
@@ -165,39 +165,39 @@ def test_peak_counts_parameters_gradients_and_optimizer_state() -> None:
 @pytest.mark.parametrize(("model_name", "precision"), [("gpt_long", "fp32"), ("small_resnet", "fp32"), ("gpt_long", "auto")])
 def test_budget_between_minimum_and_baseline_is_feasible(model_name: str, precision: str) -> None:
     first = cached_plan(model_name, precision=precision)
-    assert first.minimum_peak_bytes < first.baseline_peak_bytes
-    budget = (first.minimum_peak_bytes + first.baseline_peak_bytes) // 2
+    assert first.prediction.minimum_peak_bytes < first.prediction.baseline_peak_bytes
+    budget = (first.prediction.minimum_peak_bytes + first.prediction.baseline_peak_bytes) // 2
     plan = make_plan(model_name, budget, precision=precision)
-    assert plan.feasible
-    assert plan.budget_bytes == plan.usable_bytes == budget
-    assert plan.simulated_peak_bytes <= plan.usable_bytes
-    assert plan.predicted_peak_bytes <= plan.usable_bytes
-    changed = [u for u in plan.units if u.choice.checkpointed or u.choice.precision != "fp32"]
+    assert plan.outcome.feasible
+    assert plan.request.budget_bytes == plan.request.usable_bytes == budget
+    assert plan.prediction.simulated_peak_bytes <= plan.request.usable_bytes
+    assert plan.prediction.peak_bytes <= plan.request.usable_bytes
+    changed = [u for u in plan.decisions.units if u.choice.checkpointed or u.choice.precision != "fp32"]
     assert changed, "a budget below the baseline peak needs some unit checkpointed or in low precision"
     if precision == "fp32":
-        assert any(u.choice.checkpointed for u in plan.units)
-        checkpointed = [u for u in plan.units if u.choice.checkpointed]
+        assert any(u.choice.checkpointed for u in plan.decisions.units)
+        checkpointed = [u for u in plan.decisions.units if u.choice.checkpointed]
         assert all(u.recompute_flops >= 0 for u in checkpointed)
-    assert plan.predicted_step_time_s >= first.predicted_step_time_s
+    assert plan.prediction.step_time_s >= first.prediction.step_time_s
 
 
 def test_budget_at_the_minimum_peak_is_feasible() -> None:
     first = cached_plan("gpt_long", precision="fp32")
-    plan = make_plan("gpt_long", first.minimum_peak_bytes, precision="fp32")
-    assert plan.feasible
-    assert plan.simulated_peak_bytes <= first.minimum_peak_bytes
+    plan = make_plan("gpt_long", first.prediction.minimum_peak_bytes, precision="fp32")
+    assert plan.outcome.feasible
+    assert plan.prediction.simulated_peak_bytes <= first.prediction.minimum_peak_bytes
 
 
 def test_infeasible_budget_gives_an_infeasible_plan() -> None:
     first = cached_plan("gpt_long", precision="fp32")
-    budget = first.minimum_peak_bytes // 2
+    budget = first.prediction.minimum_peak_bytes // 2
     plan = make_plan("gpt_long", budget, precision="fp32")
     assert isinstance(plan, Plan)
-    assert plan.feasible is False
-    assert plan.minimum_peak_bytes > plan.usable_bytes
-    assert plan.minimum_budget_bytes >= plan.minimum_peak_bytes
-    assert plan.minimum_peak_bytes == first.minimum_peak_bytes
-    assert len(plan.units) == 2  # the lowest-peak choices, for the report
+    assert plan.outcome.feasible is False
+    assert plan.prediction.minimum_peak_bytes > plan.request.usable_bytes
+    assert plan.prediction.minimum_budget_bytes >= plan.prediction.minimum_peak_bytes
+    assert plan.prediction.minimum_peak_bytes == first.prediction.minimum_peak_bytes
+    assert len(plan.decisions.units) == 2  # the lowest-peak choices, for the report
     assert plan.notes
     json.loads(plan.to_json())
 
@@ -208,12 +208,12 @@ def test_optimize_with_an_infeasible_budget_raises_with_the_plan() -> None:
     model, inputs = make_gpt_long()
     with pytest.raises(InfeasibleBudgetError) as info:
         autoplan.optimize(
-            model, first.minimum_peak_bytes // 2, example_inputs=inputs, device=DEVICE, reserve=0, precision="fp32"
+            model, first.prediction.minimum_peak_bytes // 2, example_inputs=inputs, device=DEVICE, reserve=0, precision="fp32"
         )
     error = info.value
     assert isinstance(error, ValueError)
     assert isinstance(error.plan, Plan)
-    assert error.plan.feasible is False
+    assert error.plan.outcome.feasible is False
     assert "needs a budget" in str(error)
     assert planned_choices(model) == {}  # nothing was rewritten
 
@@ -223,25 +223,25 @@ def test_optimize_with_an_infeasible_budget_raises_with_the_plan() -> None:
 
 def test_precision_fp32_keeps_every_unit_fp32() -> None:
     plan = cached_plan(precision="fp32")
-    assert plan.feasible
+    assert plan.outcome.feasible
     assert set(precisions(plan).values()) == {"fp32"}
-    assert plan.rest_precision == "fp32"
-    assert plan.needs_grad_scaler is False
+    assert plan.decisions.rest_precision == "fp32"
+    assert plan.target.needs_grad_scaler is False
 
 
 def test_precision_bf16_makes_every_unit_bf16() -> None:
     plan = cached_plan(precision="bf16")
-    assert plan.feasible
+    assert plan.outcome.feasible
     assert set(precisions(plan).values()) == {"bf16"}
-    assert plan.rest_precision == "bf16"
-    assert plan.needs_grad_scaler is False
+    assert plan.decisions.rest_precision == "bf16"
+    assert plan.target.needs_grad_scaler is False
 
 
 def test_precision_fp16_needs_a_grad_scaler() -> None:
     plan = cached_plan(precision="fp16")
-    assert plan.feasible
+    assert plan.outcome.feasible
     assert set(precisions(plan).values()) == {"fp16"}
-    assert plan.needs_grad_scaler is True
+    assert plan.target.needs_grad_scaler is True
 
 
 def test_precision_bf16_on_a_device_without_bf16_raises() -> None:
@@ -251,17 +251,17 @@ def test_precision_bf16_on_a_device_without_bf16_raises() -> None:
 
 def test_precision_auto_on_t4_uses_fp16() -> None:
     plan = make_plan(precision="auto", device="t4")
-    assert plan.device == "t4"
-    assert plan.low_precision == "fp16"
+    assert plan.target.device == "t4"
+    assert plan.target.low_precision == "fp16"
     assert set(precisions(plan).values()) <= {"fp32", "fp16"}
-    assert plan.needs_grad_scaler == any(p == "fp16" for p in precisions(plan).values())
+    assert plan.target.needs_grad_scaler == any(p == "fp16" for p in precisions(plan).values())
 
 
 def test_precision_auto_on_h100_uses_bf16() -> None:
     plan = cached_plan()
-    assert plan.low_precision == "bf16"
+    assert plan.target.low_precision == "bf16"
     assert set(precisions(plan).values()) <= {"fp32", "bf16"}
-    assert plan.needs_grad_scaler is False
+    assert plan.target.needs_grad_scaler is False
 
 
 def test_unknown_precision_raises() -> None:
@@ -276,19 +276,19 @@ def test_keep_fp32_pins_a_unit_at_any_budget() -> None:
     free = cached_plan("gpt_long")
     assert precisions(free)["transformer.h.0"] != "fp32"  # without the pin it would go low precision
     generous = make_plan("gpt_long", keep_fp32=["transformer.h.0"])
-    assert generous.feasible
+    assert generous.outcome.feasible
     assert precisions(generous)["transformer.h.0"] == "fp32"
     assert precisions(generous)["transformer.h.1"] == precisions(free)["transformer.h.1"]
     # the tightest budget this pin allows: the other unit does what it can, this one stays fp32
-    tight = make_plan("gpt_long", generous.minimum_peak_bytes, keep_fp32=["transformer.h.0"])
-    assert tight.feasible
+    tight = make_plan("gpt_long", generous.prediction.minimum_peak_bytes, keep_fp32=["transformer.h.0"])
+    assert tight.outcome.feasible
     assert precisions(tight)["transformer.h.0"] == "fp32"
-    assert tight.minimum_peak_bytes >= free.minimum_peak_bytes
+    assert tight.prediction.minimum_peak_bytes >= free.prediction.minimum_peak_bytes
 
 
 def test_checkpoint_pins_a_unit_to_full() -> None:
     plan = make_plan(checkpoint=["transformer.h.1"], precision="fp32")
-    assert plan.feasible
+    assert plan.outcome.feasible
     assert modes(plan)["transformer.h.1"] == "full"
     assert modes(plan)["transformer.h.0"] == "keep"  # the generous budget needs nothing else
 
@@ -321,10 +321,10 @@ def test_example_inputs_as_a_tuple_and_as_kwargs() -> None:
     by_tuple = cached_plan()
     by_kwargs = autoplan.plan(model, "1GB", example_inputs={"idx": idx}, device=DEVICE, reserve=0)
     for plan in (by_kwargs,):
-        assert plan.feasible
-        assert [u.name for u in plan.units] == GPT_UNITS
-        assert plan.predicted_peak_bytes == by_tuple.predicted_peak_bytes
-        assert plan.baseline_peak_bytes == by_tuple.baseline_peak_bytes
+        assert plan.outcome.feasible
+        assert [u.name for u in plan.decisions.units] == GPT_UNITS
+        assert plan.prediction.peak_bytes == by_tuple.prediction.peak_bytes
+        assert plan.prediction.baseline_peak_bytes == by_tuple.prediction.baseline_peak_bytes
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -340,8 +340,8 @@ def test_example_inputs_as_args_and_kwargs_use_the_models_own_loss(monkeypatch: 
 
     monkeypatch.setattr(autoplan.profile.timeline, "default_loss", spy)
     plan = autoplan.plan(model, "1GB", example_inputs=((idx,), {"targets": targets}), device=DEVICE, reserve=0)
-    assert plan.feasible
-    assert [u.name for u in plan.units] == GPT_UNITS
+    assert plan.outcome.feasible
+    assert [u.name for u in plan.decisions.units] == GPT_UNITS
     assert used_own_loss and all(used_own_loss)
     # without targets the model has no loss, and the sum of its outputs is used instead
     output = model(idx)
@@ -359,7 +359,7 @@ def test_a_custom_loss_fn_is_used() -> None:
         return output.logits.float().pow(2).mean()
 
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device=DEVICE, reserve=0, loss_fn=loss_fn, precision="fp32")
-    assert plan.feasible
+    assert plan.outcome.feasible
     assert calls and set(calls) == {"GPTOutput"}
 
 
@@ -376,13 +376,13 @@ def test_bad_example_inputs_raise_type_error() -> None:
 def test_sgd_has_less_static_memory_than_adamw() -> None:
     adamw, sgd = cached_plan(), cached_plan(optimizer="sgd")
     momentum = cached_plan(optimizer="sgd-momentum")
-    assert sgd.optimizer == "sgd"
-    assert sgd.breakdown.optimizer == 0
-    assert 0 < momentum.breakdown.optimizer < adamw.breakdown.optimizer
+    assert sgd.request.optimizer == "sgd"
+    assert sgd.prediction.breakdown.optimizer == 0
+    assert 0 < momentum.prediction.breakdown.optimizer < adamw.prediction.breakdown.optimizer
     # AdamW: two fp32 tensors per trainable parameter, SGD with momentum: one
-    assert adamw.breakdown.optimizer >= 2 * momentum.breakdown.optimizer
-    assert sgd.baseline_peak_bytes < adamw.baseline_peak_bytes
-    assert sgd.predicted_peak_bytes < adamw.predicted_peak_bytes
+    assert adamw.prediction.breakdown.optimizer >= 2 * momentum.prediction.breakdown.optimizer
+    assert sgd.prediction.baseline_peak_bytes < adamw.prediction.baseline_peak_bytes
+    assert sgd.prediction.peak_bytes < adamw.prediction.peak_bytes
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -390,9 +390,9 @@ def test_an_optimizer_instance_works() -> None:
     model, inputs = make_tiny_gpt()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device=DEVICE, reserve=0, optimizer=optimizer)
-    assert plan.feasible
-    assert plan.optimizer == "SGD"
-    assert plan.breakdown.optimizer == cached_plan(optimizer="sgd-momentum").breakdown.optimizer
+    assert plan.outcome.feasible
+    assert plan.request.optimizer == "SGD"
+    assert plan.prediction.breakdown.optimizer == cached_plan(optimizer="sgd-momentum").prediction.breakdown.optimizer
     assert not optimizer.state  # planning did not step the person's optimizer
 
 
@@ -406,7 +406,7 @@ def test_frozen_parameters_need_no_optimizer_state() -> None:
     model, _ = make_lora()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # AdamW state for the adapters only (exp_avg + exp_avg_sq in fp32, and a step counter each)
-    assert 2 * 4 * trainable <= plan.breakdown.optimizer < 4 * 4 * trainable + 64 * 512
+    assert 2 * 4 * trainable <= plan.prediction.breakdown.optimizer < 4 * 4 * trainable + 64 * 512
 
 
 # -- bad arguments ----------------------------------------------------------------------------
@@ -456,7 +456,7 @@ def test_apply_rewrites_the_model_as_planned() -> None:
     model, (idx,) = make_tiny_gpt()
     reference, _ = make_tiny_gpt()
     assert autoplan.apply(model, plan) is model
-    assert planned_choices(model) == plan.choices()
+    assert planned_choices(model) == plan.decisions.choices()
     # all fp32: the same loss as the untouched model
     torch.manual_seed(0)
     targets = torch.randint(0, 64, idx.shape)
@@ -482,11 +482,11 @@ def test_plan_and_apply_graph_units_of_a_flat_model():
     x = x.repeat(64, 1)
     reference = copy.deepcopy(model)
     free = autoplan.plan(model, "1GB", example_inputs=(x,), device="h100-80gb", precision="fp32", reserve=0)
-    assert all(u.name.startswith("graph[") for u in free.units)
-    budget = (free.baseline_peak_bytes + free.minimum_peak_bytes) // 2
+    assert all(u.name.startswith("graph[") for u in free.decisions.units)
+    budget = (free.prediction.baseline_peak_bytes + free.prediction.minimum_peak_bytes) // 2
     tight = autoplan.plan(model, budget, example_inputs=(x,), device="h100-80gb", precision="fp32", reserve=0)
-    assert tight.feasible and tight.simulated_peak_bytes <= budget
-    assert any(u.choice.mode != "keep" for u in tight.units)
+    assert tight.outcome.feasible and tight.prediction.simulated_peak_bytes <= budget
+    assert any(u.choice.mode != "keep" for u in tight.decisions.units)
     assert autoplan.apply(model, tight) is model
     assert type(model) is type(reference) and list(model.state_dict()) == list(reference.state_dict())
     for m in (model, reference):

@@ -64,7 +64,7 @@ def test_the_simulation_never_writes_into_the_users_batch():
     labels = torch.tensor([3, 1, 3, 2, 0, 3])
     plan = autoplan.plan(WritesIntoItsBatch(), "1GB", example_inputs=(torch.randn(6, 8), labels), device="cpu")
     assert labels.tolist() == [3, 1, 3, 2, 0, 3]
-    assert plan.batch_values == ("argument 1",)
+    assert plan.model.batch_values == ("argument 1",)
 
 
 def test_a_forward_that_reads_a_meta_batch_says_which_value_and_how_to_give_one():
@@ -102,10 +102,10 @@ def test_layerdrop_plans_for_the_worst_case_and_is_never_above_checkpointing_by_
         block.forward = _checkpointed(block.forward)
     worst_by_hand = measured_step(by_hand, inputs).peak_bytes  # every layer running, each checkpointed
     plan = autoplan.plan(model, worst_by_hand, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    assert plan.random_control_flow and any("worst case" in note for note in plan.notes)
-    assert plan.feasible and plan.minimum_peak_bytes <= worst_by_hand
+    assert plan.model.random_control_flow and any("worst case" in note for note in plan.notes)
+    assert plan.outcome.feasible and plan.prediction.minimum_peak_bytes <= worst_by_hand
     planned = autoplan.apply(_all_layers_running(model), plan)
-    assert measured_step(planned, inputs).peak_bytes == plan.predicted_peak_bytes  # the worst case, to the byte
+    assert measured_step(planned, inputs).peak_bytes == plan.prediction.peak_bytes  # the worst case, to the byte
     assert_same_step(model, plan, inputs)
 
 
@@ -128,9 +128,9 @@ def test_plans_fit_predict_the_measured_peak_and_are_never_above_checkpointing_b
     row = compare_with_plan(structure)  # planned at exactly the by-hand peak, no reserve, and measured
     assert row.floor_bytes <= row.by_hand.peak_bytes
     assert row.feasible and row.planned.peak_bytes <= row.by_hand.peak_bytes
-    predicted = row.plan.predicted_peak_bytes
+    predicted = row.plan.prediction.peak_bytes
     assert row.planned.peak_bytes <= predicted <= row.planned.peak_bytes * 1.01, (predicted, row.planned.peak_bytes)
-    assert row.plan.batch_values  # the plan says which inputs it read
+    assert row.plan.model.batch_values  # the plan says which inputs it read
     model, inputs = structure.build()
     assert_same_step(model, row.plan, inputs)
 
@@ -139,11 +139,11 @@ def test_vision_language_plans_both_towers_and_names_the_grid_it_was_made_for():
     pytest.importorskip("transformers")
     model, batch = build_qwen2_vl()
     plan = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu")
-    towers = {unit.name.split(".")[1] for unit in plan.units}
+    towers = {unit.name.split(".")[1] for unit in plan.decisions.units}
     assert towers == {"visual", "language_model"}
-    assert dict(plan.fingerprint.values)["image_grid_thw"] == "[[1, 16, 16], [1, 8, 12]]"
+    assert dict(plan.model.fingerprint.values)["image_grid_thw"] == "[[1, 16, 16], [1, 8, 12]]"
     assert plan.to_dict()["fingerprint"]["values"]["image_grid_thw"] == "[[1, 16, 16], [1, 8, 12]]"
-    assert "image_grid_thw" in plan.batch_values and any("image grids" in note for note in plan.notes)
+    assert "image_grid_thw" in plan.model.batch_values and any("image grids" in note for note in plan.notes)
     other_images = qwen2_vl_batch(grids=((1, 8, 12), (1, 16, 16)))  # the same shapes, the images in the other order
     with pytest.raises(PlanMismatchError, match="image_grid_thw"):
         autoplan.verify(model, plan, example_inputs=other_images)
@@ -185,8 +185,8 @@ def test_the_trainer_plans_and_trains_a_vision_language_model_from_its_collator(
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[], use_cpu=True,
                              save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
     setup = optimize_for_trainer(model, args, "1GB", device="cpu", train_dataset=examples, data_collator=_collate)
-    assert setup.plan.feasible and "image_grid_thw" in setup.plan.batch_values
-    assert {unit.name.split(".")[1] for unit in setup.plan.units} == {"visual", "language_model"}
+    assert setup.plan.outcome.feasible and "image_grid_thw" in setup.plan.model.batch_values
+    assert {unit.name.split(".")[1] for unit in setup.plan.decisions.units} == {"visual", "language_model"}
     trainer = Trainer(model=model, args=setup.training_args, train_dataset=examples, data_collator=_collate)
     result = trainer.train()
     assert result.global_step == 2 and np.isfinite(result.training_loss)

@@ -2,7 +2,7 @@
 
 For every structure of the zoo (`tests/structures.py`, and random module trees from
 `tests/generated.py`), measured on the CPU with the live-bytes tracker `autoplan.verify` uses:
-- autoplan's floor (`plan.minimum_peak_bytes`) is at most the peak of checkpointing every block
+- autoplan's floor (`plan.prediction.minimum_peak_bytes`) is at most the peak of checkpointing every block
   by hand (`tests/handmade.py`);
 - planned at a budget of exactly that peak (no reserve), the plan fits when measured and
   recomputes no more FLOPs than the by-hand plan (FlopCounterMode);
@@ -112,6 +112,6 @@ def test_mixture_of_experts_plans_rewrites_and_trains(structure):
     model, inputs = structure.build()
     by_hand = measured_step(checkpoint_by_hand(copy.deepcopy(model), structure), inputs)
     plan = autoplan.plan(model, budget=by_hand.peak_bytes, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    assert plan.feasible and ROUTING_NOTE in plan.notes
+    assert plan.outcome.feasible and ROUTING_NOTE in plan.notes
     assert measured_step(autoplan.apply(copy.deepcopy(model), plan), inputs).peak_bytes <= by_hand.peak_bytes
     assert_trains_the_same(structure, plan)

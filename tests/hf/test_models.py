@@ -49,17 +49,17 @@ def test_plans_at_half_the_activation_memory_with_its_layers_as_units(name: str)
     checked = _planned(name)
     plan = checked.plan
     model = families.BY_NAME[name].build()
-    assert plan.feasible
-    assert plan.simulated_peak_bytes <= checked.budget
-    assert plan.trace_method == "hooks"
-    assert [name for u in plan.units for name in u.members or (u.name,)] == _layer_names(model)  # a segment: its layers
-    assert any(u.choice.mode != "keep" for u in plan.units)
+    assert plan.outcome.feasible
+    assert plan.prediction.simulated_peak_bytes <= checked.budget
+    assert plan.model.trace_method == "hooks"
+    assert [name for u in plan.decisions.units for name in u.members or (u.name,)] == _layer_names(model)  # a segment: its layers
+    assert any(u.choice.mode != "keep" for u in plan.decisions.units)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_predicted_peak_is_within_5_percent_of_the_simulated_peak(name: str) -> None:
     plan = _planned(name).plan
-    assert abs(plan.predicted_peak_bytes - plan.simulated_peak_bytes) <= 0.05 * plan.simulated_peak_bytes
+    assert abs(plan.prediction.peak_bytes - plan.prediction.simulated_peak_bytes) <= 0.05 * plan.prediction.simulated_peak_bytes
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -71,7 +71,7 @@ def test_rewritten_model_trains_one_step_like_the_original(name: str) -> None:
     # a fused loss head (chosen where it is the faster plan that fits) sums its gradients chunk by chunk:
     # equal to float rounding, not to the last bit; AdamW's first step is about lr·sign(gradient), so
     # the rounding of a near-zero gradient can move a parameter by up to lr (1e-2) in either model
-    fused = bool(plan.fused_loss)
+    fused = plan.decisions.fused_loss
     tolerances = [dict(atol=1e-4, rtol=1e-4), dict(atol=1e-3, rtol=1e-4), {}] if fused else [{}, {}, {}]
     torch.testing.assert_close(trained.rewritten_loss, trained.loss, **tolerances[0])
     for (original, rewritten), tolerance in zip((trained.grads, trained.params, trained.buffers), tolerances):
@@ -136,7 +136,7 @@ def test_the_plan_wins_over_gradient_checkpointing_enable(when: str, monkeypatch
     loss2, grads2, _, _ = families._train_step(rewritten, inputs)
     assert hf_calls == []  # never checkpointed twice
     # one checkpoint call per checkpointed layer on its own (a segment's region is planned.segments')
-    assert len(ours) == sum(u.choice.mode != "keep" and not u.members for u in plan.units)
+    assert len(ours) == sum(u.choice.mode != "keep" and not u.members for u in plan.decisions.units)
     torch.testing.assert_close(loss2, loss)
     torch.testing.assert_close(grads2, grads)
 
@@ -192,7 +192,7 @@ def test_a_model_without_labels_backpropagates_the_sum_of_its_outputs_and_loss_f
     model = transformers.BertModel(config)  # no head, no labels: no loss of its own
     assert "labels" not in example_inputs_for(model, 2, 16)
     plan = autoplan.plan(model, "1GB", batch_size=2, seq_len=16, device="cpu", precision="fp32")
-    assert plan.feasible
+    assert plan.outcome.feasible
     seen = []
     autoplan.plan(model, "1GB", batch_size=2, seq_len=16, device="cpu", precision="fp32", loss_fn=lambda out: seen.append(type(out)) or out.last_hidden_state.mean())
     assert seen and all(issubclass(t, transformers.modeling_outputs.ModelOutput) for t in seen)
@@ -255,7 +255,7 @@ def test_a_loop_that_leaves_the_cache_on_trains_as_the_original(mode: str) -> No
     inputs = family.inputs(model)
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", checkpoint={"*": mode})
     autoplan.apply(model, plan)
-    assert {u.choice.mode for u in plan.units} == {mode}
+    assert {u.choice.mode for u in plan.decisions.units} == {mode}
     for m in (model, original):
         m.train()
         for _ in range(2):  # the second step too: nothing of the first step's cache may linger

@@ -34,7 +34,7 @@ def batch():
 
 def halfway_plan(model, inputs):
     wide = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", reserve=0)
-    budget = (wide.minimum_peak_bytes + wide.baseline_peak_bytes) // 2
+    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
     return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", reserve=0)
 
 
@@ -44,11 +44,11 @@ def test_lora_on_a_full_precision_base_predicts_real_steps(family, dropout):
     **kwargs, so the wrapped model's signature decides that training runs without it."""
     model, inputs = lora_model(family, dropout), batch()
     plan = halfway_plan(model, inputs)
-    assert [u.name for u in plan.units][0].startswith("base_model.model.")  # the blocks, found through the wrapper
-    assert len(plan.units) == 3
-    assert any(u.choice.mode != "keep" for u in plan.units)
+    assert [u.name for u in plan.decisions.units][0].startswith("base_model.model.")  # the blocks, found through the wrapper
+    assert len(plan.decisions.units) == 3
+    assert any(u.choice.mode != "keep" for u in plan.decisions.units)
     result = autoplan.verify(model, plan, example_inputs=inputs)
-    assert result.measured_peak_bytes == plan.predicted_peak_bytes
+    assert result.measured_peak_bytes == plan.prediction.peak_bytes
 
 
 def test_adapters_save_and_merge_after_apply_and_remove_plan(tmp_path):
@@ -83,7 +83,7 @@ def test_merging_a_planned_model_keeps_the_plan_and_trains_as_the_merged_origina
     model, inputs = lora_model("qwen2"), batch()
     reference = lora_model("qwen2")
     wide = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", reserve=0, precision="fp32")
-    budget = (wide.minimum_peak_bytes + wide.baseline_peak_bytes) // 2
+    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", reserve=0, precision="fp32")
     autoplan.apply(model, plan)
     merged, merged_reference = model.merge_and_unload(), reference.merge_and_unload()

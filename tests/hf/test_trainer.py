@@ -57,7 +57,7 @@ def lowest_and_no_plan_peaks(micro_batch: int) -> tuple[int, int]:
     """The lowest peak and the no-plan peak of the Trainer's step for a micro-batch (reserve 0, cpu)."""
     args = TrainingArguments(output_dir="unused", per_device_train_batch_size=micro_batch, report_to=[], use_cpu=True)
     probe = optimize_for_trainer(tiny_llama(), args, "100%", device="cpu", reserve=0, seq_len=SEQ, apply=False)
-    return probe.plan.minimum_peak_bytes, probe.plan.baseline_peak_bytes
+    return probe.plan.prediction.minimum_peak_bytes, probe.plan.prediction.baseline_peak_bytes
 
 
 # -- the argument changes -------------------------------------------------------------------
@@ -69,14 +69,14 @@ def test_checkpointing_is_turned_off_because_the_plan_checkpoints_per_layer(tmp_
     args = arguments(tmp_path, activation_checkpointing=True)
     setup = optimize_for_trainer(model, args, (lowest + no_plan) // 2, device="cpu", reserve=0, seq_len=SEQ)
 
-    assert setup.plan.feasible
-    assert any(unit.choice.checkpointed for unit in setup.plan.units)  # a real trade-off: some layers recompute
+    assert setup.plan.outcome.feasible
+    assert any(unit.choice.checkpointed for unit in setup.plan.decisions.units)  # a real trade-off: some layers recompute
     [change] = setup.changes
     assert (change.name, change.before, change.after) == ("activation_checkpointing", True, False)
     assert setup.training_args.activation_checkpointing is False
     assert setup.training_args.gradient_checkpointing is False  # transformers' deprecated alias follows
     assert args.activation_checkpointing is True  # the caller's arguments are left alone
-    assert autoplan.planned_choices(model) == setup.plan.choices()  # applied in place
+    assert autoplan.planned_choices(model) == setup.plan.decisions.choices()  # applied in place
     assert model.config.use_cache is False  # a KV cache in training holds every layer's keys and values
     assert setup.loop.keep_outputs is False and setup.loop.accumulation_steps == 1
 
@@ -93,7 +93,7 @@ def test_the_checkpointing_change_counts_layers_not_segments(tmp_path) -> None:
     full, keep = Choice("full", "fp32"), Choice("keep", "fp32")
     units = (UnitDecision(Unit.from_name("model.layers.[0:2]"), full, 0, 0, 0.0, members=("model.layers.0", "model.layers.1")),
              *(UnitDecision(ModuleUnit(f"model.layers.{i}"), full if i < 5 else keep, 0, 0, 0.0) for i in range(2, 6)))
-    [change] = _changes(args, dataclasses.replace(plan, units=units), plan, 4)
+    [change] = _changes(args, dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, units=units)), plan, 4)
     assert change.name == "activation_checkpointing" and change.reason.startswith("the plan checkpoints 5 of 6 layers itself")
 
 
@@ -110,7 +110,7 @@ def test_a_batch_that_does_not_fit_is_split_into_accumulated_micro_batches(tmp_p
     assert changes == {"per_device_train_batch_size": (4, 2), "gradient_accumulation_steps": (3, 6)}
     assert setup.training_args.per_device_train_batch_size * setup.training_args.gradient_accumulation_steps == 12
     assert setup.micro_batch_size == 2 and setup.loop.accumulation_steps == 6
-    assert setup.plan.feasible
+    assert setup.plan.outcome.feasible
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -120,7 +120,7 @@ def test_nothing_fits_even_one_example_raises_with_the_plan(tmp_path) -> None:
     with pytest.raises(InfeasibleBudgetError) as raised:
         optimize_for_trainer(model, arguments(tmp_path, per_device_train_batch_size=2), lowest_at_2 // 2, device="cpu",
                              reserve=0, seq_len=SEQ)
-    assert not raised.value.plan.feasible
+    assert not raised.value.plan.outcome.feasible
     assert autoplan.planned_choices(model) == {}  # nothing applied
 
 
@@ -128,8 +128,8 @@ def test_nothing_fits_even_one_example_raises_with_the_plan(tmp_path) -> None:
 def test_bf16_arguments_plan_the_whole_forward_under_bf16_autocast(tmp_path) -> None:
     setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path, bf16=True), "100%", device="cpu", reserve=0,
                                  seq_len=SEQ, apply=False)
-    assert setup.plan.rest_precision == "bf16"
-    assert {unit.choice.precision for unit in setup.plan.units} == {"bf16"}
+    assert setup.plan.decisions.rest_precision == "bf16"
+    assert {unit.choice.precision for unit in setup.plan.decisions.units} == {"bf16"}
     assert setup.changes == ()
 
 
@@ -147,7 +147,7 @@ def test_sequence_length_comes_from_the_longest_examples_of_the_dataset(tmp_path
 
     setup = optimize_for_trainer(tiny_llama(2), arguments(tmp_path, per_device_train_batch_size=2), "100%", device="cpu",
                                  reserve=0, train_dataset=rows, data_collator=pad, apply=False)
-    assert setup.plan.feasible
+    assert setup.plan.outcome.feasible
     assert collated[0]["input_ids"].shape == (2, 24)  # the two longest examples, not the first two (8 and 24)
 
 
@@ -226,6 +226,6 @@ def test_the_trainer_example_trains_the_planned_model(tmp_path) -> None:
 
     assert len(run.losses) == 2 and all(torch.isfinite(torch.tensor(run.losses)))
     assert [change.name for change in run.setup.changes] == ["activation_checkpointing"]
-    assert any(unit.choice.checkpointed for unit in run.setup.plan.units)
+    assert any(unit.choice.checkpointed for unit in run.setup.plan.decisions.units)
     assert any(line.startswith("FITS") for line in written)  # the callback's report
     assert dataclasses.is_dataclass(run)

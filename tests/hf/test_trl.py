@@ -59,7 +59,7 @@ def test_packing_plans_one_flattened_row_as_trls_collator_makes_it(tmp_path) -> 
     assert inputs["position_ids"][0, ::MAX_LENGTH].tolist() == [0] * BATCH  # a document starts every max_length
     unpacked = planned(tmp_path, packing=False)
     # one row of 128 tokens attends over a 128 × 128 mask: not the same step as 4 rows of 32
-    assert setup.plan.predicted_peak_bytes != unpacked.plan.predicted_peak_bytes
+    assert setup.plan.prediction.peak_bytes != unpacked.plan.prediction.peak_bytes
 
 
 def test_wrapped_packing_keeps_the_batch_dimension(tmp_path) -> None:
@@ -75,8 +75,8 @@ def test_without_max_length_it_asks_for_the_sequence_length(tmp_path) -> None:
 @pytest.mark.parametrize(("changes", "precision"), [({}, "bf16"), ({"bf16": False}, "fp32")])
 def test_bf16_is_planned_as_sfttrainer_runs_it(tmp_path, changes, precision) -> None:
     setup = planned(tmp_path, **changes)  # trl's default is bf16=True
-    assert setup.plan.rest_precision == precision
-    assert {unit.choice.precision for unit in setup.plan.units} == {precision}
+    assert setup.plan.decisions.rest_precision == precision
+    assert {unit.choice.precision for unit in setup.plan.decisions.units} == {precision}
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -110,8 +110,8 @@ def test_sfttrainer_trains_the_planned_4bit_model_like_the_unplanned_one(tmp_pat
 
     written: list[str] = []
     run = sft_qlora.main(steps=2, output_dir=str(tmp_path / "planned"), write=written.append)
-    assert any(unit.choice.checkpointed for unit in run.setup.plan.units)  # a real trade-off
-    assert run.verification.measured_peak_bytes == run.setup.plan.predicted_peak_bytes  # the trainer's step, exact
+    assert any(unit.choice.checkpointed for unit in run.setup.plan.decisions.units)  # a real trade-off
+    assert run.verification.measured_peak_bytes == run.setup.plan.prediction.peak_bytes  # the trainer's step, exact
     assert any(line.startswith("FITS") for line in written)
 
     texts = sft_qlora.sentences()

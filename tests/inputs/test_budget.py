@@ -326,7 +326,7 @@ def test_the_plan_notes_how_the_budget_was_read() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     plan = autoplan.plan(model, "24GB", example_inputs=(torch.randn(2, 8),), device="rtx-4090")
-    assert plan.budget_bytes == 24 * 2**30
+    assert plan.request.budget_bytes == 24 * 2**30
     assert any("read as rtx-4090's whole memory" in note for note in plan.notes)
 
 

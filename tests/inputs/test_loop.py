@@ -52,8 +52,8 @@ def verify_family(name: str, plan: autoplan.Plan) -> autoplan.Verification:
 def test_hf_family_peak_holds_in_the_planned_loop(name, loop):
     pytest.importorskip("transformers")
     plan = family_plan(name, loop)
-    assert plan.feasible and plan.loop == loop
-    assert any(u.choice.mode != "keep" for u in plan.units)  # the budget makes the plan checkpoint
+    assert plan.outcome.feasible and plan.request.loop == loop
+    assert any(u.choice.mode != "keep" for u in plan.decisions.units)  # the budget makes the plan checkpoint
     assert_holds(verify_family(name, plan))
 
 
@@ -64,7 +64,7 @@ def zoo_plan(name: str, loop: TrainingLoop):
     inputs = tuple(t.repeat(repeat, *[1] * (t.dim() - 1)) for t in inputs)
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)
     free = autoplan.plan(model, "4GB", **options)
-    budget = (free.baseline_peak_bytes + free.minimum_peak_bytes) // 2
+    budget = (free.prediction.baseline_peak_bytes + free.prediction.minimum_peak_bytes) // 2
     return model, inputs, autoplan.plan(model, budget, **options)
 
 
@@ -72,7 +72,7 @@ def zoo_plan(name: str, loop: TrainingLoop):
 @pytest.mark.parametrize("name", sorted(ALL_MODELS))
 def test_zoo_peak_holds_in_the_planned_loop(name, loop):
     model, inputs, plan = zoo_plan(name, loop)
-    assert plan.feasible and plan.loop == loop
+    assert plan.outcome.feasible and plan.request.loop == loop
     assert_holds(autoplan.verify(model, plan, example_inputs=inputs, steps=2))
 
 
@@ -83,7 +83,7 @@ ACCUMULATING = {"2": TrainingLoop(accumulation_steps=2), "4-dropped": TrainingLo
 @pytest.mark.parametrize("name", ["tiny_gpt", "small_resnet", "skipnet"])
 def test_gradient_accumulation_peak_holds(name, loop):
     model, inputs, plan = zoo_plan(name, loop)
-    assert plan.feasible and any(u.choice.mode != "keep" for u in plan.units)
+    assert plan.outcome.feasible and any(u.choice.mode != "keep" for u in plan.decisions.units)
     assert_holds(autoplan.verify(model, plan, example_inputs=inputs, steps=2))
 
 
@@ -91,7 +91,7 @@ def test_gradient_accumulation_peak_holds(name, loop):
 def test_hf_gradient_accumulation_peak_holds(loop):
     pytest.importorskip("transformers")
     plan = family_plan("Llama", loop)
-    assert plan.feasible
+    assert plan.outcome.feasible
     assert_holds(verify_family("Llama", plan))
 
 
@@ -110,7 +110,7 @@ def test_optimizer_implementation_grad_scaler_and_zero_grad_hold_for_real(loop):
 def no_plan_peak(loop: TrainingLoop | None, name: str = "tiny_gpt", repeat: int = 1) -> int:
     model, inputs = ALL_MODELS[name]()
     inputs = tuple(t.repeat(repeat, *[1] * (t.dim() - 1)) for t in inputs)
-    return autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop).baseline_peak_bytes
+    return autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop).prediction.baseline_peak_bytes
 
 
 def test_each_loop_field_changes_the_predicted_peak_the_way_it_changes_memory():
@@ -130,11 +130,11 @@ def test_the_plan_states_the_loop_it_assumed():
     loop = TrainingLoop(keep_outputs=False, accumulation_steps=4, optimizer_impl="fused")
     model, inputs = ALL_MODELS["tiny_gpt"]()
     plan = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop=loop)
-    assert plan.loop == loop
+    assert plan.request.loop == loop
     assert json.loads(plan.to_json())["loop"] == dataclasses.asdict(loop)
     report = plan.report()
     assert "4 micro-batches per optimizer step" in report and "outputs dropped before backward" in report
-    assert autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu").loop == TrainingLoop()  # the common loop
+    assert autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu").request.loop == TrainingLoop()  # the common loop
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -148,7 +148,7 @@ def test_bad_loops_are_clear_errors():
     model, inputs = ALL_MODELS["mlp"]()  # returns a tensor: no .loss
     with pytest.raises(TypeError, match="TrainingLoop"):
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop="dropped")
-    with pytest.raises(TypeError, match="no field 'keep_output'"):  # a mapping of fields (plan.request's form) is checked
+    with pytest.raises(TypeError, match="no field 'keep_output'"):  # a mapping of fields (plan.request.arguments's form) is checked
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop={"keep_output": False})
     with pytest.raises(ValueError, match="loss_in_model=True"):
         autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", loop=TrainingLoop(loss_in_model=True))
@@ -194,5 +194,5 @@ def test_a_loop_shape_is_simulated_and_measured_by_the_same_runner(monkeypatch, 
 
     monkeypatch.setattr(LoopRunner, "micro_batch", holding_more)
     holding = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)
-    assert holding.simulated_peak_bytes == plan.simulated_peak_bytes + 2**20
+    assert holding.prediction.simulated_peak_bytes == plan.prediction.simulated_peak_bytes + 2**20
     assert autoplan.verify(model, holding, example_inputs=inputs).measured_peak_bytes == measured + 2**20

@@ -110,8 +110,8 @@ def test_checkpointed_units_recompute_attention_as_the_card_runs_it() -> None:
     model, inputs = make_tiny_gpt_dropout()
     every_block = {name: "full" for name in ("transformer.h.0", "transformer.h.1")}
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100-80gb", checkpoint=every_block)
-    assert {decision.choice.mode for decision in plan.units} == {"full"}
-    assert plan.predicted_peak_bytes > 0
+    assert {decision.choice.mode for decision in plan.decisions.units} == {"full"}
+    assert plan.prediction.peak_bytes > 0
 
 
 def _autocast_dtypes() -> dict[str, torch.dtype]:
@@ -157,7 +157,7 @@ def test_multihead_attention_with_dropout_checkpointed_trains_like_the_original(
     model, inputs = mha_dropout()
     every_block = {f"blocks.{i}": "full" for i in range(3)}
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device=device, precision="fp32", checkpoint=every_block)
-    assert {unit.choice for unit in plan.units} == {autoplan.Choice("full", "fp32")}
+    assert {unit.choice for unit in plan.decisions.units} == {autoplan.Choice("full", "fp32")}
     planned = autoplan.apply(copy.deepcopy(model), plan)
     losses = []
     for net in (model, planned):
@@ -173,7 +173,7 @@ def test_multihead_attention_with_dropout_checkpointed_trains_like_the_original(
 @pytest.mark.slow  # the whole pipeline
 def test_multihead_attention_with_dropout_plans_from_the_command_line() -> None:
     model, inputs = mha_dropout()
-    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
+    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).prediction.minimum_peak_bytes
     # the lowest peak: every block recomputes something, attention with its dropout included
     result = CliRunner().invoke(app, ["plan", "tests/cli_factories.py:mha_dropout", "--budget", f"{lowest}B",
                                       "--device", "h100", "--reserve", "0"])

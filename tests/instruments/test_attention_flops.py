@@ -142,13 +142,14 @@ def test_a_plan_that_recomputes_attention_counts_its_flops():
                          precision="fp32", checkpoint={"blocks.*": "full"})
     attention = 4 * batch * heads * tokens * tokens * (width // heads)
     qkv = 2 * batch * tokens * width * 3 * width
-    units = [unit for unit in plan.units if unit.choice.mode == "full"]
+    units = [unit for unit in plan.decisions.units if unit.choice.mode == "full"]
     assert [unit.name for unit in units] == ["blocks.0", "blocks.1"]
     # full recomputes the projection and attention; checkpoint's early stop spares the output projection
     assert [unit.recompute_flops for unit in units] == [qkv + attention] * 2
     assert "0 FLOP" not in plan.report().split("units")[1].split("step time")[0]
     # a checkpointed unit that reruns only elementwise ops still costs time: its row does not read as free
-    elementwise_only = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, recompute_flops=0) for u in plan.units))
+    elementwise_only = dataclasses.replace(plan, decisions=dataclasses.replace(
+        plan.decisions, units=tuple(dataclasses.replace(u, recompute_flops=0) for u in plan.decisions.units)))
     assert elementwise_only.report().count("no FLOPs") >= 1
 
 

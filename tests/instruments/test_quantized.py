@@ -66,7 +66,7 @@ def halfway_plan(model, inputs, wide=None):
     """A plan at a budget halfway between the lowest peak and no plan: some units checkpointed, some not.
     `wide`: the model's plan at 1GB where a test already has it."""
     wide = wide or autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
-    budget = (wide.minimum_peak_bytes + wide.baseline_peak_bytes) // 2
+    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
     return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", reserve=0)
 
 
@@ -74,11 +74,11 @@ def halfway_plan(model, inputs, wide=None):
 def test_4bit_lora_prediction_equals_real_steps_in_the_common_loop(saved_llama, quantization, request):
     model, inputs = quantized(saved_llama, quantization), batch()
     plan = halfway_plan(model, inputs, request.getfixturevalue("wide_nf4_plan") if quantization == "nf4-double" else None)
-    assert plan.feasible
-    assert len({u.choice.mode for u in plan.units}) > 1, "a halfway budget should mix checkpointed and kept units"
+    assert plan.outcome.feasible
+    assert len({u.choice.mode for u in plan.decisions.units}) > 1, "a halfway budget should mix checkpointed and kept units"
     result = autoplan.verify(model, plan, example_inputs=inputs)
     assert result.held
-    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
+    assert result.measured_peak_bytes <= plan.prediction.peak_bytes <= result.measured_peak_bytes * 1.01
 
 
 def test_8bit_base_prediction_equals_real_steps_in_the_common_loop(saved_llama):
@@ -89,7 +89,7 @@ def test_8bit_base_prediction_equals_real_steps_in_the_common_loop(saved_llama):
     plan = halfway_plan(model, inputs)
     result = autoplan.verify(model, plan, example_inputs=inputs)
     assert result.held
-    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
+    assert result.measured_peak_bytes <= plan.prediction.peak_bytes <= result.measured_peak_bytes * 1.01
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -98,12 +98,12 @@ def test_packed_weights_and_quant_state_count_as_parameters(saved_llama, wide_nf
     state = quantization_state_tensors(model)
     assert state, "a double-quantized 4-bit base holds absmax, codes and offsets beside its packed weights"
     plan = wide_nf4_plan  # this model's plan at 1GB
-    assert plan.breakdown.parameters == unique_storage_bytes(resident_tensors(model))
-    assert plan.breakdown.parameters > unique_storage_bytes(list(model.parameters()) + list(model.buffers()))
+    assert plan.prediction.breakdown.parameters == unique_storage_bytes(resident_tensors(model))
+    assert plan.prediction.breakdown.parameters > unique_storage_bytes(list(model.parameters()) + list(model.buffers()))
     # AdamW's state is the adapters' alone: two fp32 tensors and a step count per trainable (LoRA) weight
     adapters = [p for p in model.parameters() if p.requires_grad]
     assert adapters and all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
-    assert plan.breakdown.optimizer == sum(2 * rounded_bytes(p.numel() * 4) + rounded_bytes(4) for p in adapters)
+    assert plan.prediction.breakdown.optimizer == sum(2 * rounded_bytes(p.numel() * 4) + rounded_bytes(4) for p in adapters)
 
 
 def test_fake_twin_keeps_quant_state_and_int8_aliasing(saved_llama):
@@ -154,7 +154,7 @@ def test_planned_qlora_trains_as_the_unplanned_model(saved_llama):
     twin = copy.deepcopy(model)
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32",
                          checkpoint=["*layers.0", "*layers.2"])
-    assert {u.choice.mode for u in plan.units} >= {"full", "keep"}
+    assert {u.choice.mode for u in plan.decisions.units} >= {"full", "keep"}
     autoplan.apply(model, plan)
 
     def losses(m):
@@ -179,7 +179,7 @@ def test_planned_qlora_trains_as_the_unplanned_model(saved_llama):
 @pytest.mark.slow  # the whole pipeline
 def test_4bit_base_plans_for_a_gpu_and_8bit_says_it_cannot(saved_llama):
     plan = autoplan.plan(quantized(saved_llama, "nf4-double"), "24GB", example_inputs=batch(), device="rtx-4090")
-    assert plan.feasible and plan.device == "rtx-4090"
+    assert plan.outcome.feasible and plan.target.device == "rtx-4090"
     with pytest.raises(ProfileError, match="8-bit layers .* for the CPU only.*load_in_4bit"):
         autoplan.plan(quantized(saved_llama, "int8"), "24GB", example_inputs=batch(), device="rtx-4090")
 
@@ -224,10 +224,10 @@ def test_other_bases_and_adapters_predict_real_steps(tmp_path, family, quant_typ
     model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM"))
     inputs = batch()
     plan = halfway_plan(model, inputs)
-    assert plan.feasible and len({u.choice.mode for u in plan.units}) > 1
+    assert plan.outcome.feasible and len({u.choice.mode for u in plan.decisions.units}) > 1
     result = autoplan.verify(model, plan, example_inputs=inputs)
     assert result.held
-    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
+    assert result.measured_peak_bytes <= plan.prediction.peak_bytes <= result.measured_peak_bytes * 1.01
 
 
 @pytest.mark.parametrize("adapter", ["dora", "lora-with-trained-head", "ia3"])
@@ -244,7 +244,7 @@ def test_other_peft_adapters_on_a_4bit_base_predict_real_steps(saved_llama, adap
     model = peft.get_peft_model(quantized(saved_llama, "nf4-double", lora=False), configs[adapter]())
     inputs = batch()
     plan = halfway_plan(model, inputs)
-    assert plan.feasible and len({u.choice.mode for u in plan.units}) > 1
+    assert plan.outcome.feasible and len({u.choice.mode for u in plan.decisions.units}) > 1
     result = autoplan.verify(model, plan, example_inputs=inputs)
     assert result.held
-    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
+    assert result.measured_peak_bytes <= plan.prediction.peak_bytes <= result.measured_peak_bytes * 1.01

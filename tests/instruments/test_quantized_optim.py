@@ -75,10 +75,10 @@ def expected_state_bytes(name: str, params: list[torch.Tensor]) -> int:
 def test_prediction_equals_real_steps_by_name(name):
     model, x = mlp(), mlp_input()
     plan = autoplan.plan(model, "1GB", example_inputs=(x,), device="cpu", optimizer=name, reserve=0)
-    assert plan.optimizer == name
+    assert plan.request.optimizer == name
     result = autoplan.verify(model, plan, example_inputs=(x,))
     assert result.held
-    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
+    assert result.measured_peak_bytes <= plan.prediction.peak_bytes <= result.measured_peak_bytes * 1.01
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -96,10 +96,10 @@ def test_state_counted_is_what_bitsandbytes_allocates(name):
         big = next(p for p in params if p.numel() >= MIN_8BIT_SIZE)
         assert real.state[big]["state1"].dtype == torch.uint8 and real.state[big]["absmax1"].dtype == torch.float32
     plan = autoplan.plan(model, "1GB", example_inputs=(x,), device="cpu", optimizer=name, reserve=0)
-    assert plan.breakdown.optimizer == held
+    assert plan.prediction.breakdown.optimizer == held
     if name in EIGHT_BIT:  # 8-bit moments take about a quarter of AdamW's fp32 ones
         adamw = autoplan.plan(model, "1GB", example_inputs=(x,), device="cpu", optimizer="adamw", reserve=0)
-        assert plan.breakdown.optimizer < adamw.breakdown.optimizer * 0.6
+        assert plan.prediction.breakdown.optimizer < adamw.prediction.breakdown.optimizer * 0.6
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -110,12 +110,12 @@ def test_instance_of_a_llama_full_finetune_is_planned_and_measured(cls):
     model, inputs = tiny_llama()
     opt = cls(model.parameters(), lr=1e-3)
     wide = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", optimizer=opt)
-    budget = (wide.minimum_peak_bytes + wide.baseline_peak_bytes) // 2
+    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", optimizer=opt, reserve=0)
-    assert plan.optimizer == cls.__name__
+    assert plan.request.optimizer == cls.__name__
     result = autoplan.verify(model, plan, example_inputs=inputs, optimizer=opt)
     assert result.held
-    assert result.measured_peak_bytes <= plan.predicted_peak_bytes <= result.measured_peak_bytes * 1.01
+    assert result.measured_peak_bytes <= plan.prediction.peak_bytes <= result.measured_peak_bytes * 1.01
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -124,7 +124,7 @@ def test_instance_settings_decide_the_state():
     model, x = mlp(), mlp_input()
     everything_32bit = bnb.optim.AdamW8bit(model.parameters(), min_8bit_size=10**6)
     plan = autoplan.plan(model, "1GB", example_inputs=(x,), device="cpu", optimizer=everything_32bit, reserve=0)
-    assert plan.breakdown.optimizer == expected_state_bytes("paged-adamw", list(model.parameters()))
+    assert plan.prediction.breakdown.optimizer == expected_state_bytes("paged-adamw", list(model.parameters()))
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -133,7 +133,7 @@ def test_planned_model_trains_as_the_unplanned_one_with_adamw8bit():
     twin = copy.deepcopy(model)
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", optimizer="adamw8bit",
                          checkpoint=["*layers.0", "*layers.2"])
-    assert {u.choice.mode for u in plan.units} >= {"full", "keep"}
+    assert {u.choice.mode for u in plan.decisions.units} >= {"full", "keep"}
     autoplan.apply(model, plan)
 
     def train(m):
@@ -198,11 +198,11 @@ def test_paged_state_is_off_a_gpus_device_bytes(paged, unpaged):
               for name in (paged, "adamw8bit")}
     on_cpu = {name: autoplan.plan(model(), "1GB", example_inputs=(x,), device="cpu", optimizer=name, reserve=0)
               for name in (paged, unpaged)}
-    assert on_cpu[paged].breakdown.optimizer == on_cpu[unpaged].breakdown.optimizer
+    assert on_cpu[paged].prediction.breakdown.optimizer == on_cpu[unpaged].prediction.breakdown.optimizer
     if paged == "paged-adamw8bit":
         off_device = sum(2 * rounded_bytes(p.numel()) for p in big)  # two uint8 moments each
-        assert on_gpu[paged].breakdown.optimizer == on_gpu["adamw8bit"].breakdown.optimizer - off_device
-        assert on_gpu[paged].baseline_peak_bytes <= on_gpu["adamw8bit"].baseline_peak_bytes - off_device
+        assert on_gpu[paged].prediction.breakdown.optimizer == on_gpu["adamw8bit"].prediction.breakdown.optimizer - off_device
+        assert on_gpu[paged].prediction.baseline_peak_bytes <= on_gpu["adamw8bit"].prediction.baseline_peak_bytes - off_device
     else:
         small = [p for p in model().parameters() if p.numel() < quantized_optim.PAGED_MIN_NUMEL]
-        assert on_gpu[paged].breakdown.optimizer == sum(2 * rounded_bytes(4 * p.numel()) for p in small)
+        assert on_gpu[paged].prediction.breakdown.optimizer == sum(2 * rounded_bytes(4 * p.numel()) for p in small)

@@ -41,19 +41,19 @@ def _routed(model, *experts):
 def worst_case():
     model, inputs = build_eager_moe()
     free = _plan(model, inputs, units=["layers.*"])  # one level, the layers: the experts level costs as much again
-    tight = _plan(model, inputs, (free.minimum_peak_bytes + free.baseline_peak_bytes) // 2, units=["layers.*"])
+    tight = _plan(model, inputs, (free.prediction.minimum_peak_bytes + free.prediction.baseline_peak_bytes) // 2, units=["layers.*"])
     return model, inputs, free, tight
 
 
 def test_worst_case_plan_holds_for_skewed_and_spread_routing(worst_case):
     model, inputs, free, tight = worst_case
-    assert free.moe_routing == tight.moe_routing == "worst case"
+    assert free.model.moe_routing == tight.model.moe_routing == "worst case"
     assert any("worst case, every expert receiving all 64 tokens" in note for note in tight.notes)
-    assert tight.feasible and any(unit.choice.checkpointed for unit in tight.units)
+    assert tight.outcome.feasible and any(unit.choice.checkpointed for unit in tight.decisions.units)
     # the tight plan as built (every expert gets some tokens) and with every token sent to experts 0 and 1; no checkpointing, skewed
     for routed, plan in ((model, tight), (_routed(model, 0, 1), tight), (_routed(model, 0, 1), free)):
         measured = _measured(routed, plan, inputs)
-        assert measured <= plan.simulated_peak_bytes and measured <= plan.predicted_peak_bytes, (measured, plan.simulated_peak_bytes)
+        assert measured <= plan.prediction.simulated_peak_bytes and measured <= plan.prediction.peak_bytes, (measured, plan.prediction.simulated_peak_bytes)
 
 
 def test_worst_case_plan_trains_like_the_original(worst_case):
@@ -65,15 +65,15 @@ def test_a_capacity_plans_that_many_tokens_per_expert_and_holds_within_it(worst_
     _, _, worst, _ = worst_case
     model, inputs = build_eager_moe(balanced=True)  # exactly 64 × 2 / 4 = 32 tokens per expert
     balanced = _plan(model, inputs, moe_capacity=1.0, units=["layers.*"])  # one level: the layers
-    assert balanced.moe_routing == "capacity 1"
+    assert balanced.model.moe_routing == "capacity 1"
     note = next(note for note in balanced.notes if "capacity 1, 32 tokens per expert" in note)
     assert "may peak above the plan" in note
     assert balanced.to_dict()["moe_routing"] == "capacity 1" and balanced.to_dict()["request"]["moe_capacity"] == 1.0
     assert "moe_capacity=1.0" in balanced.report()  # the "apply it:" line reproduces the plan and "capacity 1, 32 tokens" in " ".join(balanced.report().split())
-    assert balanced.baseline_peak_bytes < worst.baseline_peak_bytes
-    assert _measured(model, balanced, inputs) <= balanced.simulated_peak_bytes
+    assert balanced.prediction.baseline_peak_bytes < worst.prediction.baseline_peak_bytes
+    assert _measured(model, balanced, inputs) <= balanced.prediction.simulated_peak_bytes
     # routing above the capacity peaks above the plan, as the note warns
-    assert _measured(_routed(model, 0, 1), balanced, inputs) > balanced.simulated_peak_bytes
+    assert _measured(_routed(model, 0, 1), balanced, inputs) > balanced.prediction.simulated_peak_bytes
     # at capacity experts / top_k every expert receives every token: the worst case
     router = RouterShape(tokens=64, top_k=2, experts=4)
     assert MoeRoutingBound(2.0).rows_per_expert(router) == MoeRoutingBound(3.0).rows_per_expert(router) == WORST_CASE.rows_per_expert(router) == 64
@@ -89,7 +89,7 @@ def test_a_capacity_that_is_not_a_positive_number_is_refused(capacity):
 def test_a_capacity_on_a_model_whose_routing_decides_no_shape_is_a_note():
     model, inputs = build_residual_list()
     plan = _plan(model, inputs, moe_capacity=1.25)
-    assert plan.moe_routing == ""
+    assert plan.model.moe_routing == ""
     assert any("moe_capacity=1.25 was given, but no routing in this model decides a shape" in note for note in plan.notes)
 
 
@@ -103,12 +103,12 @@ def test_transformers_eager_experts_plan_hold_and_train():
 
     model, inputs = build()
     plan = _plan(model, inputs)
-    assert plan.feasible and plan.moe_routing == "worst case"
+    assert plan.outcome.feasible and plan.model.moe_routing == "worst case"
     skewed = copy.deepcopy(model)
     for layer in skewed.model.layers:
         layer.mlp.gate.weight.data.zero_()  # every token scores every expert alike: top-2 takes the same two
     for routed in (model, skewed):
-        assert _measured(routed, plan, inputs) <= plan.simulated_peak_bytes
+        assert _measured(routed, plan, inputs) <= plan.prediction.simulated_peak_bytes
     assert_trains_the_same(Structure("eager Mixtral", build, transformers_checkpointing=True), plan)
 
 

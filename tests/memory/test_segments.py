@@ -77,10 +77,10 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
     blocks, _ = _floor(model, inputs, segments=False)
     mixed, profile = _floor(model, inputs)
     # checkpointing every block by hand holds all 16 inputs; segments hold fewer
-    assert mixed.minimum_peak_bytes < blocks.minimum_peak_bytes
-    at_floor = autoplan.plan(model, mixed.minimum_peak_bytes + 1, example_inputs=inputs, device="cpu", precision="fp32",
+    assert mixed.prediction.minimum_peak_bytes < blocks.prediction.minimum_peak_bytes
+    at_floor = autoplan.plan(model, mixed.prediction.minimum_peak_bytes + 1, example_inputs=inputs, device="cpu", precision="fp32",
                              reserve=0, menu_size=0)
-    assert at_floor.feasible and any(unit.members for unit in at_floor.units)
+    assert at_floor.outcome.feasible and any(unit.members for unit in at_floor.decisions.units)
     # the other single level, one segment over the whole run, recomputes everything at once: worse
     whole = {f"layers.0–layers.{len(model.layers) - 1}": Choice("full", "fp32")}
     traced = trace(model, inputs)
@@ -92,13 +92,13 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
 def test_a_plan_for_torch_compile_has_no_segments():
     """A segment's region runs eagerly between compiled graphs: compile=True plans blocks only."""
     model, inputs = _chain()
-    lowest = _floor(model, inputs)[0].minimum_peak_bytes
+    lowest = _floor(model, inputs)[0].prediction.minimum_peak_bytes
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=0)
-    assert any(unit.members for unit in autoplan.plan(model, lowest + 1, **options).units)
+    assert any(unit.members for unit in autoplan.plan(model, lowest + 1, **options).decisions.units)
     compiled = autoplan.plan(model, "10GB", compile=True, **options)
-    at_its_floor = autoplan.plan(model, compiled.minimum_peak_bytes + 1, compile=True, **options)
-    assert at_its_floor.feasible and not any(unit.members for unit in at_its_floor.units)
-    assert compiled.minimum_peak_bytes > lowest
+    at_its_floor = autoplan.plan(model, compiled.prediction.minimum_peak_bytes + 1, compile=True, **options)
+    assert at_its_floor.outcome.feasible and not any(unit.members for unit in at_its_floor.decisions.units)
+    assert compiled.prediction.minimum_peak_bytes > lowest
 
 
 def test_candidates_are_runs_the_model_calls_back_to_back():
@@ -114,11 +114,11 @@ def test_candidates_are_runs_the_model_calls_back_to_back():
 def test_predicted_peak_of_mixed_plans_is_the_simulated_one(fraction):
     model, inputs = _chain(norm=True)
     floor, _ = _floor(model, inputs)
-    budget = int(floor.minimum_peak_bytes + fraction * (floor.baseline_peak_bytes - floor.minimum_peak_bytes)) + 1
+    budget = int(floor.prediction.minimum_peak_bytes + fraction * (floor.prediction.baseline_peak_bytes - floor.prediction.minimum_peak_bytes)) + 1
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="a100-80gb", reserve=0, menu_size=0)
-    assert plan.feasible
-    assert abs(plan.predicted_peak_bytes - plan.simulated_peak_bytes) <= 0.05 * plan.simulated_peak_bytes
-    assert plan.predicted_peak_bytes <= budget and plan.simulated_peak_bytes <= budget
+    assert plan.outcome.feasible
+    assert abs(plan.prediction.peak_bytes - plan.prediction.simulated_peak_bytes) <= 0.05 * plan.prediction.simulated_peak_bytes
+    assert plan.prediction.peak_bytes <= budget and plan.prediction.simulated_peak_bytes <= budget
 
 
 def _train_step(model, inputs):
@@ -140,12 +140,12 @@ def _assert_trains_the_same(original, planned, inputs):
 def test_a_mixed_plan_trains_like_the_original_and_reads_back():
     model, inputs = _chain(norm=True)
     floor, _ = _floor(model, inputs)
-    plan = autoplan.plan(model, floor.minimum_peak_bytes + 1, example_inputs=inputs, device="cpu", precision="fp32",
+    plan = autoplan.plan(model, floor.prediction.minimum_peak_bytes + 1, example_inputs=inputs, device="cpu", precision="fp32",
                          reserve=0, menu_size=0)
-    segments = [unit for unit in plan.units if unit.members]
-    assert segments and len(plan.units) > len(segments)  # a mix: segments and blocks on their own
+    segments = [unit for unit in plan.decisions.units if unit.members]
+    assert segments and len(plan.decisions.units) > len(segments)  # a mix: segments and blocks on their own
     planned = autoplan.apply(copy.deepcopy(model), plan)
-    assert planned_choices(planned) == plan.choices()
+    assert planned_choices(planned) == plan.decisions.choices()
     _assert_trains_the_same(model, planned, inputs)
     # one line and one JSON entry per segment, naming its units
     first = segments[0]
@@ -222,7 +222,7 @@ def test_the_plan_is_never_worse_than_any_single_level_of_stages_of_blocks():
     levels = [autoplan.plan(model, "10GB", units=[unit.name for unit in level.units], segments=False, **options) for level in unit_levels(model)]
     budget = max(level.minimum_peak_bytes for level in levels) + 1
     mixed = autoplan.plan(model, budget, **options)
-    assert mixed.minimum_peak_bytes <= min(level.minimum_peak_bytes for level in levels)
+    assert mixed.prediction.minimum_peak_bytes <= min(level.prediction.minimum_peak_bytes for level in levels)
     for level in levels:
-        at_budget = autoplan.plan(model, budget, units=[u.name for u in level.units], segments=False, **options)
-        assert mixed.predicted_step_time_s <= at_budget.predicted_step_time_s * (1 + 1e-4)  # the solver's gap
+        at_budget = autoplan.plan(model, budget, units=[u.name for u in level.decisions.units], segments=False, **options)
+        assert mixed.prediction.step_time_s <= at_budget.prediction.step_time_s * (1 + 1e-4)  # the solver's gap

@@ -142,22 +142,24 @@ def test_the_plan_fuses_the_head_only_where_that_is_the_fastest_plan_that_fits()
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
     loose = autoplan.plan(model, "100MB", **options)
     written_only = autoplan.plan(model, "100MB", **options, fuse_loss=False)
-    assert loose.fused_loss == "" and loose.predicted_step_time_s == written_only.predicted_step_time_s
-    tight_bytes = written_only.minimum_peak_bytes - 1  # below anything the loss as written reaches
+    assert not loose.decisions.fused_loss and loose.prediction.step_time_s == written_only.prediction.step_time_s
+    tight_bytes = written_only.prediction.minimum_peak_bytes - 1  # below anything the loss as written reaches
     fused = autoplan.plan(model, tight_bytes, **options)
     written = autoplan.plan(model, tight_bytes, **options, fuse_loss=False)
-    assert fused.feasible and not written.feasible
-    assert fused.fused_loss == "256×2048 logits" and written.fused_loss == ""
-    assert fused.baseline_peak_bytes == written.baseline_peak_bytes  # no plan: the loss as written
-    assert fused.minimum_peak_bytes <= written.minimum_peak_bytes - LOGITS_BYTES
+    assert fused.outcome.feasible and not written.outcome.feasible
+    assert fused.decisions.fused_loss and fused.decisions.fused_logits == "256×2048 logits"
+    assert not written.decisions.fused_loss and written.decisions.fused_logits == ""
+    assert fused.prediction.baseline_peak_bytes == written.prediction.baseline_peak_bytes  # no plan: the loss as written
+    assert fused.prediction.minimum_peak_bytes <= written.prediction.minimum_peak_bytes - LOGITS_BYTES
     # the fastest plan ignoring memory is the fastest of both ways, never slower than a plan shown
-    assert fused.fastest_step_time_s == loose.fastest_step_time_s <= min(fused.predicted_step_time_s, loose.predicted_step_time_s)
-    assert fused.predicted_step_time_s > loose.predicted_step_time_s
-    assert "fused" in fused.report() and fused.to_dict()["fused_loss"] == "256×2048 logits"
+    assert fused.prediction.fastest_step_time_s == loose.prediction.fastest_step_time_s <= min(fused.prediction.step_time_s, loose.prediction.step_time_s)
+    assert fused.prediction.step_time_s > loose.prediction.step_time_s
+    assert "fused" in fused.report() and fused.to_dict()["fused_loss"] is True
+    assert fused.to_dict()["fused_loss_logits"] == "256×2048 logits"
     applied = autoplan.apply(copy.deepcopy(model), fused)
     check = autoplan.verify(applied, fused, example_inputs=inputs)
-    assert check.measured_peak_bytes == fused.predicted_peak_bytes
-    assert autoplan.plan(model, tight_bytes, **options, compile=True).fused_loss == ""
+    assert check.measured_peak_bytes == fused.prediction.peak_bytes
+    assert autoplan.plan(model, tight_bytes, **options, compile=True).decisions.fused_loss is False
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -177,11 +179,11 @@ def test_fused_only_where_it_is_the_faster_plan_that_fits():
     kept_written = autoplan.plan(model, "100MB", **options, fuse_loss=False)
     dropped_written = autoplan.plan(model, "100MB", **options, loop=dropped_loop, fuse_loss=False)
     # budgets just below the loss as written with every block kept: something must give
-    kept = autoplan.plan(model, kept_written.predicted_peak_bytes - 1, **options)
-    dropped = autoplan.plan(model, dropped_written.predicted_peak_bytes - 1, **options, loop=dropped_loop)
-    dropped_as_written = autoplan.plan(model, dropped_written.predicted_peak_bytes - 1, **options, loop=dropped_loop, fuse_loss=False)
-    assert kept.fused_loss == ""  # fused, the kept loop holds more: never the better plan
-    assert dropped.feasible and dropped.predicted_step_time_s <= dropped_as_written.predicted_step_time_s
-    assert dropped.fused_loss in ("", "64×256 logits")
+    kept = autoplan.plan(model, kept_written.prediction.peak_bytes - 1, **options)
+    dropped = autoplan.plan(model, dropped_written.prediction.peak_bytes - 1, **options, loop=dropped_loop)
+    dropped_as_written = autoplan.plan(model, dropped_written.prediction.peak_bytes - 1, **options, loop=dropped_loop, fuse_loss=False)
+    assert kept.decisions.fused_loss is False  # fused, the kept loop holds more: never the better plan
+    assert dropped.outcome.feasible and dropped.prediction.step_time_s <= dropped_as_written.prediction.step_time_s
+    assert dropped.decisions.fused_logits == ("64×256 logits" if dropped.decisions.fused_loss else "")
     check = autoplan.verify(autoplan.apply(copy.deepcopy(model), dropped), dropped, example_inputs=batch, loop=dropped_loop)
-    assert check.measured_peak_bytes == dropped.predicted_peak_bytes
+    assert check.measured_peak_bytes == dropped.prediction.peak_bytes

@@ -73,7 +73,7 @@ def _plan(budget: str, device: str = "rtx-4090", **options) -> autoplan.Plan:
 
 
 def _offloaded(plan: autoplan.Plan) -> list[str]:
-    return [unit.name for unit in plan.units if unit.choice.offloaded]
+    return [unit.name for unit in plan.decisions.units if unit.choice.offloaded]
 
 
 # -- the vocabulary and the tracker ---------------------------------------------------------------
@@ -216,29 +216,29 @@ def test_prediction_equals_simulation_on_the_device_and_the_host(measured, combo
 
 def test_slack_budget_offloads_nothing():
     plan = _plan("300MB")
-    assert plan.feasible and plan.offload and not _offloaded(plan) and plan.host_peak_bytes == 0
+    assert plan.outcome.feasible and plan.request.offload and not _offloaded(plan) and plan.prediction.host_peak_bytes == 0
 
 
 def test_offload_reaches_below_the_on_device_floor():
     without = _plan("100MB", offload=False)
     plan = _plan("100MB")
-    assert not without.feasible and plan.feasible
-    assert plan.minimum_peak_bytes < without.minimum_peak_bytes
-    assert _offloaded(plan) and plan.host_peak_bytes == plan.simulated_host_peak_bytes > 0
-    assert plan.predicted_peak_bytes == plan.simulated_peak_bytes <= plan.usable_bytes
+    assert not without.outcome.feasible and plan.outcome.feasible
+    assert plan.prediction.minimum_peak_bytes < without.prediction.minimum_peak_bytes
+    assert _offloaded(plan) and plan.prediction.host_peak_bytes == plan.prediction.simulated_host_peak_bytes > 0
+    assert plan.prediction.peak_bytes == plan.prediction.simulated_peak_bytes <= plan.request.usable_bytes
 
 
 def test_host_budget_binds():
-    assert not _plan("100MB", host_budget=0).feasible
+    assert not _plan("100MB", host_budget=0).outcome.feasible
     plan = _plan("100MB", host_budget="5MB")
-    assert plan.feasible and 0 < plan.host_peak_bytes <= 5_000_000
+    assert plan.outcome.feasible and 0 < plan.prediction.host_peak_bytes <= 5_000_000
 
 
 def test_a_fast_link_offloads_instead_of_recomputing_and_a_slow_one_recomputes():
     slow, fast = _plan("150MB", device=CARD + "1MB/s"), _plan("150MB", device=CARD + "100TB/s")
-    assert not _offloaded(slow) and any(u.choice.checkpointed for u in slow.units)
-    assert _offloaded(fast) and not any(u.choice.checkpointed for u in fast.units)
-    assert fast.predicted_step_time_s < slow.predicted_step_time_s
+    assert not _offloaded(slow) and any(u.choice.checkpointed for u in slow.decisions.units)
+    assert _offloaded(fast) and not any(u.choice.checkpointed for u in fast.decisions.units)
+    assert fast.prediction.step_time_s < slow.prediction.step_time_s
 
 
 def test_offload_is_refused_where_it_cannot_be():
@@ -246,7 +246,7 @@ def test_offload_is_refused_where_it_cannot_be():
         _plan("1GB", device="cpu", offload=True)
     with pytest.raises(OptionError, match="host_budget"):
         _plan("1GB", host_budget="12 apples")
-    assert not _plan("1GB", device="cpu").offload
+    assert not _plan("1GB", device="cpu").request.offload
 
 
 # -- what the person reads ------------------------------------------------------------------------
@@ -258,8 +258,8 @@ def test_report_json_and_advice_say_where_saved_bytes_live():
     assert "in host memory" in text and "pinned host memory" in text
     data = plan.to_dict()
     assert {unit["placement"] for unit in data["units"]} == {"device", "host"}
-    assert data["host_peak_bytes"] == plan.host_peak_bytes and data["offload"] is True
-    assert json.loads(plan.to_json())["host_budget_bytes"] == plan.host_budget_bytes
+    assert data["host_peak_bytes"] == plan.prediction.host_peak_bytes and data["offload"] is True
+    assert json.loads(plan.to_json())["host_budget_bytes"] == plan.request.host_budget_bytes
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -305,9 +305,9 @@ def test_floor_is_never_above_transformers_offload_by_hand():
     traced = trace(model, autoplan.inputs.batch.training_batch(model, None, 1, 2048), unit_names=tuple(u.unit for u in measured.units))
     hand = {unit.name: Choice("full", "bf16", placement="host") for unit in measured.units}
     by_hand = simulate_plan(traced, choices_by_unit(measured, hand), device=measured.device, optimizer="adamw", rest_precision="bf16",
-                            fused_loss=bool(measured.timeline.fused_loss))
+                            fused_loss=measured.timeline.fused_loss)
     on_device = autoplan.plan(model, "100MB", batch_size=1, seq_len=2048, device="rtx-4090", precision="bf16", reserve=0, offload=False)
-    assert plan.minimum_peak_bytes <= by_hand.peak_bytes < on_device.minimum_peak_bytes
+    assert plan.prediction.minimum_peak_bytes <= by_hand.peak_bytes < on_device.prediction.minimum_peak_bytes
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -320,5 +320,5 @@ def test_offload_never_raises_the_floor():
     structure = next(s for s in STRUCTURES if s.name == "transformers ResNet")
     model, inputs = structure.build()
     floors = [autoplan.plan(model, 1, example_inputs=inputs, device="rtx-4090", precision="fp32", reserve=0,
-                            offload=offload).minimum_peak_bytes for offload in (False, True)]
+                            offload=offload).prediction.minimum_peak_bytes for offload in (False, True)]
     assert floors[1] <= floors[0]

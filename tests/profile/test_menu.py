@@ -165,13 +165,13 @@ def test_plan_carries_the_chosen_policy_into_json_and_report():
     model, inputs = _tiny_llama()
     roomy = autoplan.plan(model, "100%", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=6)
     # 30% of the way from the lowest peak to no plan: here a menu point is the fastest fit
-    budget = roomy.minimum_peak_bytes + int(0.3 * (roomy.baseline_peak_bytes - roomy.minimum_peak_bytes))
+    budget = roomy.prediction.minimum_peak_bytes + int(0.3 * (roomy.prediction.baseline_peak_bytes - roomy.prediction.minimum_peak_bytes))
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=6)
-    assert plan.feasible and plan.simulated_peak_bytes <= budget
-    chosen = [d for d in plan.units if d.choice.saves is not None]
-    assert chosen, [str(d.choice) for d in plan.units]
+    assert plan.outcome.feasible and plan.prediction.simulated_peak_bytes <= budget
+    chosen = [d for d in plan.decisions.units if d.choice.saves is not None]
+    assert chosen, [str(d.choice) for d in plan.decisions.units]
     data = json.loads(plan.to_json())
-    for unit, decision in zip(data["units"], plan.units):
+    for unit, decision in zip(data["units"], plan.decisions.units):
         assert unit["saves"] == (None if decision.choice.saves is None else list(decision.choice.saves))
         assert unit["policy"] == decision.policy
     # the report says it by kind of op; the aten ops by submodule only when asked (issue 27)

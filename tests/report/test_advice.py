@@ -41,7 +41,7 @@ def loose():
 @pytest.fixture(scope="module")
 def tight(loose):
     _, plan, _ = loose
-    return planned(budget=f"{plan.minimum_peak_bytes - 2**16}B")
+    return planned(budget=f"{plan.prediction.minimum_peak_bytes - 2**16}B")
 
 
 # -- what profile.py and memory.py add ----------------------------------------------------------
@@ -68,7 +68,7 @@ def test_unit_parameter_bytes(loose) -> None:
 
 def test_sharded_peak_on_one_gpu_is_the_single_gpu_prediction(loose, tight) -> None:
     for _, plan, profile in (loose, tight):
-        assert sharded_peak(profile, plan.choices(), 1).total == predict_peak(profile, plan.choices()).bytes
+        assert sharded_peak(profile, plan.decisions.choices(), 1).total == predict_peak(profile, plan.decisions.choices()).bytes
 
 
 def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
@@ -78,9 +78,9 @@ def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
     static = profile.timeline.static
     # FSDP pads dim 0 to a multiple of N, so only divisors of the row counts shrink cleanly; from one
     # GPU to two the gathered root and buffers can outweigh halving the state of a model this small
-    totals = [sharded_peak(profile, plan.choices(), n).total for n in (2, 4, 8)]
+    totals = [sharded_peak(profile, plan.decisions.choices(), n).total for n in (2, 4, 8)]
     assert all(later < earlier for earlier, later in zip(totals, totals[1:]))
-    four = sharded_peak(profile, plan.choices(), 4)
+    four = sharded_peak(profile, plan.decisions.choices(), 4)
     layouts = [u.param_layout for u in profile.units] + [profile.rest_param_layout]
     groups = [GroupBytes.of(layout, 4) for layout in layouts]
     assert four.parameters == sum(g.sharded for g in groups) + profile.buffer_bytes
@@ -92,15 +92,15 @@ def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
     root, largest_unit = groups[-1].unsharded, max(g.unsharded for g in groups[:-1])
     assert root <= four.gathered_parameters <= root + 2 * largest_unit
     with pytest.raises(ValueError):
-        sharded_peak(profile, plan.choices(), 0)
+        sharded_peak(profile, plan.decisions.choices(), 0)
 
 
 def test_smallest_world_size_is_the_smallest(tight) -> None:
     _, plan, profile = tight
     least = least_activation_choices(profile)
-    found = smallest_world_size(profile, least, plan.usable_bytes)
-    assert found.world_size >= 2 and found.total <= plan.usable_bytes
-    assert sharded_peak(profile, least, found.world_size - 1).total > plan.usable_bytes
+    found = smallest_world_size(profile, least, plan.request.usable_bytes)
+    assert found.world_size >= 2 and found.total <= plan.request.usable_bytes
+    assert sharded_peak(profile, least, found.world_size - 1).total > plan.request.usable_bytes
     assert advise(plan, profile).fsdp == found  # what the advice recommends
 
 
@@ -126,7 +126,7 @@ def test_advice_for_a_plan_that_fits(loose) -> None:
     assert eight_bit == state // 4 + 2 * 4 * -(-(state // 8) // 256)
     sdpa = advice.step("sdpa")
     phases = [sample.phase for sample in profile.timeline.phases]
-    assert sdpa.status == "try" and sdpa.saves_bytes == held_attention(profile, plan.choices(), phases.index(plan.peak_phase))
+    assert sdpa.status == "try" and sdpa.saves_bytes == held_attention(profile, plan.decisions.choices(), phases.index(plan.prediction.peak_phase))
     json.dumps(advice.to_dict())  # plain data
 
 
@@ -134,18 +134,18 @@ def test_held_attention_counts_keep_units_alive_at_a_phase(loose) -> None:
     _, plan, profile = loose
     windows = unit_windows(profile)
     first_backward = windows[-1][1]  # the last unit's backward: every unit's saved tensors are alive
-    assert all(d.choice.mode == "keep" for d in plan.units)  # 1 GB: nothing needs checkpointing
-    expected = sum(u.options[d.choice].attention_bytes for u, d in zip(profile.units, plan.units))
-    assert held_attention(profile, plan.choices(), first_backward) == expected > 0
-    assert held_attention(profile, plan.choices(), 0) == 0  # before any forward
+    assert all(d.choice.mode == "keep" for d in plan.decisions.units)  # 1 GB: nothing needs checkpointing
+    expected = sum(u.options[d.choice].attention_bytes for u, d in zip(profile.units, plan.decisions.units))
+    assert held_attention(profile, plan.decisions.choices(), first_backward) == expected > 0
+    assert held_attention(profile, plan.decisions.choices(), 0) == 0  # before any forward
 
 
 def test_checkpointing_step_is_measured_against_keeping_everything(tight) -> None:
     _, plan, profile = tight
     advice = advise(plan, profile)
     step = advice.step("checkpointing")
-    kept = {d.name: Choice("keep", d.choice.precision) for d in plan.units}
-    assert step.status == "chosen" and step.saves_bytes == predict_peak(profile, kept).bytes - plan.predicted_peak_bytes > 0
+    kept = {d.name: Choice("keep", d.choice.precision) for d in plan.decisions.units}
+    assert step.status == "chosen" and step.saves_bytes == predict_peak(profile, kept).bytes - plan.prediction.peak_bytes > 0
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -155,9 +155,9 @@ def test_gradient_accumulation_is_verified_by_replanning(tight) -> None:
 
     def replan(micro, loop):
         calls.append(micro)
-        assert loop == dataclasses.replace(plan.loop, accumulation_steps=BATCH // micro)  # the planned loop, accumulating
+        assert loop == dataclasses.replace(plan.request.loop, accumulation_steps=BATCH // micro)  # the planned loop, accumulating
         model, inputs = tiny_gpt(batch_size=micro, seq_len=SEQ)
-        return autoplan.plan(model, plan.budget_bytes, example_inputs=inputs, device="h100", reserve=0, loop=loop)
+        return autoplan.plan(model, plan.request.budget_bytes, example_inputs=inputs, device="h100", reserve=0, loop=loop)
 
     advice = advise(plan, profile, batch_size=BATCH, seq_len=SEQ, replan=replan)
     step = advice.step("grad_accumulation")
@@ -166,7 +166,7 @@ def test_gradient_accumulation_is_verified_by_replanning(tight) -> None:
     estimated = advise(plan, profile, batch_size=BATCH, seq_len=SEQ).step("grad_accumulation")
     assert "estimated: activations scale linearly" in estimated.detail
     assert advise(plan, profile, batch_size=1).step("grad_accumulation").status == "n/a"
-    assert advice.first_fix is not None and plan.predicted_peak_bytes - advice.step(advice.first_fix).saves_bytes <= plan.usable_bytes
+    assert advice.first_fix is not None and plan.prediction.peak_bytes - advice.step(advice.first_fix).saves_bytes <= plan.request.usable_bytes
 
 
 def _run_snippet(code: str, batch) -> list:
@@ -193,12 +193,12 @@ def test_the_accumulation_snippet_splits_the_batch_the_plan_was_made_with(tight)
 
     _, plan, profile = tight
     tensor_code = advise(plan, profile, batch_size=BATCH, seq_len=SEQ).step("grad_accumulation").code
-    assert plan.fingerprint.batch[0][0] == "argument 0" and "batch.split(" in tensor_code
+    assert plan.model.fingerprint.batch[0][0] == "argument 0" and "batch.split(" in tensor_code
     calls = _run_snippet(tensor_code, torch.zeros(BATCH, SEQ))
     assert sum(args[0].shape[0] for args, _ in calls) == BATCH and len(calls) > 1
 
-    as_dict = dataclasses.replace(plan, fingerprint=Fingerprint(plan.fingerprint.parameters, (
-        ("input_ids", f"{BATCH}×{SEQ} int64"), ("labels", f"{BATCH}×{SEQ} int64"))))
+    as_dict = dataclasses.replace(plan, model=dataclasses.replace(plan.model, fingerprint=Fingerprint(plan.model.fingerprint.parameters, (
+        ("input_ids", f"{BATCH}×{SEQ} int64"), ("labels", f"{BATCH}×{SEQ} int64")))))
     dict_code = advise(as_dict, profile, batch_size=BATCH, seq_len=SEQ).step("grad_accumulation").code
     assert "batch.split" not in dict_code and "model(**micro)" in dict_code
     batch = {"input_ids": torch.arange(BATCH * SEQ).view(BATCH, SEQ), "labels": torch.ones(BATCH, SEQ)}
@@ -214,7 +214,7 @@ def test_the_qlora_snippet_loads_the_planned_class_with_its_auto_class(tight) ->
     _, plan, profile = tight
     for name, loader in (("Qwen2ForCausalLM", "AutoModelForCausalLM"), ("BertForSequenceClassification",
                                                                         "AutoModelForSequenceClassification")):
-        code = advise(dataclasses.replace(plan, model_name=name), profile).step("qlora").code
+        code = advise(dataclasses.replace(plan, model=dataclasses.replace(plan.model, name=name)), profile).step("qlora").code
         assert code.startswith(f"model = {loader}.from_pretrained(CHECKPOINT, quantization_config=BitsAndBytesConfig(")
         assert "prepare_model_for_kbit_training(model)" in code
     assert advise(plan, profile).step("qlora").code == ""  # the tiny GPT is not a transformers model
@@ -224,7 +224,7 @@ def test_shorter_sequences_needs_a_length(tight) -> None:
     _, plan, profile = tight
     assert advise(plan, profile).step("shorter_sequences").status == "n/a"
     shorter = advise(plan, profile, seq_len=SEQ).step("shorter_sequences")
-    assert shorter.status == "try" and f"instead of {SEQ}" in shorter.detail and shorter.saves_bytes > plan.predicted_peak_bytes - plan.usable_bytes
+    assert shorter.status == "try" and f"instead of {SEQ}" in shorter.detail and shorter.saves_bytes > plan.prediction.peak_bytes - plan.request.usable_bytes
 
 
 def test_device_dependent_steps() -> None:
@@ -247,7 +247,7 @@ def test_advise_wants_a_plan_and_its_profile(loose) -> None:
 def test_requested_world_size(loose) -> None:
     _, plan, profile = loose
     advice = advise(plan, profile, world_size=3)
-    assert isinstance(advice, Advice) and advice.requested == sharded_peak(profile, plan.choices(), 3)
+    assert isinstance(advice, Advice) and advice.requested == sharded_peak(profile, plan.decisions.choices(), 3)
     assert "FSDP estimate on 3 GPUs" in " ".join(format_report(plan, advice).split())
 
 
@@ -257,7 +257,7 @@ def test_requested_world_size(loose) -> None:
 def test_plain_report_has_no_terminal_codes(loose) -> None:
     _, plan, _ = loose
     text = plan.report()
-    assert "\x1b" not in text and text.startswith("FITS") and plan.model_name in text
+    assert "\x1b" not in text and text.startswith("FITS") and plan.model.name in text
 
 
 def test_fold_units_folds_only_identical_numbered_runs() -> None:
@@ -271,9 +271,9 @@ def test_fold_units_folds_only_identical_numbered_runs() -> None:
 def test_memory_curves_are_the_solvers_numbers(tight) -> None:
     _, plan, profile = tight
     curves = memory_curves(plan, profile)
-    assert max(curves.after) == plan.predicted_peak_bytes
-    assert list(curves.after) == [p.live_bytes for p in phase_bytes(profile, plan.choices())]
-    assert max(curves.before) == plan.baseline_peak_bytes
+    assert max(curves.after) == plan.prediction.peak_bytes
+    assert list(curves.after) == [p.live_bytes for p in phase_bytes(profile, plan.decisions.choices())]
+    assert max(curves.before) == plan.prediction.baseline_peak_bytes
     assert len(curves.before) == len(curves.after) == len(curves.phases)
 
 
@@ -304,7 +304,7 @@ def test_plot_reads_in_the_unit_that_fits_names_the_phases_and_keeps_the_legend_
     plot_memory(plan, profile, tmp_path / "m.png")
     (axes,) = figures[0].axes
     curves = memory_curves(plan, profile)
-    top = max(*curves.before, *curves.after, plan.budget_bytes)
+    top = max(*curves.before, *curves.after, plan.request.budget_bytes)
     unit = format_bytes(top).split()[1]  # the axis's top, in the unit the report says it in
     assert unit != "GB" and axes.get_ylabel() == f"live memory ({unit})"  # a tiny GPT's step: not 0.00x GB
     scale = {"KB": 1e3, "MB": 1e6}[unit]
@@ -346,5 +346,5 @@ def test_compile_advice_makes_no_roofline_split_of_measured_times() -> None:
     profiles: list = []
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", profile="measure", on_profile=profiles.append)
     step = advise(plan, profiles[0]).step("compile")
-    assert plan.time_source.startswith("measured") and "roofline step is memory traffic" not in step.detail
+    assert plan.prediction.time_source.startswith("measured") and "roofline step is memory traffic" not in step.detail
     assert "measured" in step.detail and "not known" in step.detail

@@ -146,8 +146,8 @@ def test_qlora_twin_plans_as_a_real_4bit_load(tmp_path, settings):
     for precision in ("auto", "bf16"):
         real_plan = autoplan.plan(real, "1GB", example_inputs=batch, device="cpu", precision=precision)
         twin_plan = autoplan.plan(twin, "1GB", example_inputs=batch, device="cpu", precision=precision)
-        assert real_plan.predicted_peak_bytes <= twin_plan.predicted_peak_bytes <= real_plan.predicted_peak_bytes * 1.01
-        assert twin_plan.breakdown == real_plan.breakdown
+        assert real_plan.prediction.peak_bytes <= twin_plan.prediction.peak_bytes <= real_plan.prediction.peak_bytes * 1.01
+        assert twin_plan.prediction.breakdown == real_plan.prediction.breakdown
 
 
 def test_adamw8bit_state_formula_equals_bitsandbytes_state():

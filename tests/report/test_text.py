@@ -46,9 +46,11 @@ def test_every_number_reads_in_human_units_at_any_scale() -> None:
     plan = roomy_plan()
     # the same plan as if it ran a model a million times larger: seconds and TFLOP, not 1e+03 ms and 1,000 GFLOP
     scaled = dataclasses.replace(
-        plan, predicted_step_time_s=4.17, fastest_step_time_s=3.9, baseline_step_time_s=125.0,
-        units=tuple(dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="full"), recompute_flops=31_336_100_000_000,
-                                         step_time_s=0.0000173) for u in plan.units),
+        plan,
+        prediction=dataclasses.replace(plan.prediction, step_time_s=4.17, fastest_step_time_s=3.9, baseline_step_time_s=125.0),
+        decisions=dataclasses.replace(plan.decisions, units=tuple(
+            dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="full"), recompute_flops=31_336_100_000_000,
+                                step_time_s=0.0000173) for u in plan.decisions.units)),
     )
     for report in (format_report(plan), format_report(scaled)):
         assert not SCIENTIFIC.search(report), report
@@ -60,11 +62,11 @@ def test_every_number_reads_in_human_units_at_any_scale() -> None:
 
 
 def test_state_alone_over_the_budget_opens_the_report_with_that_and_no_unit_table() -> None:
-    plan = plan_at(roomy_plan().state_bytes // 2)
+    plan = plan_at(roomy_plan().model.state_bytes // 2)
     report = format_report(plan, width=400)  # one line per paragraph
     first = report.splitlines()[0]
     assert first.startswith("DOES NOT FIT")
-    assert f"parameters, gradients and adamw state alone are {format_bytes(plan.state_bytes)}" in first
+    assert f"parameters, gradients and adamw state alone are {format_bytes(plan.model.state_bytes)}" in first
     assert "no checkpointing or precision choice changes that" in first
     assert not UNIT_TABLE.search(report) and "step time" not in report  # no table of arbitrary tied choices
     assert "memory at the peak" in report  # where the bytes are still says why
@@ -76,11 +78,11 @@ def test_a_peak_in_optimizer_step_says_its_temporaries_are_why() -> None:
     roomy = roomy_plan()
     model, inputs = state_heavy_gpt()
     profiles = []
-    plan = autoplan.plan(model, (roomy.state_bytes + roomy.minimum_peak_bytes) // 2, example_inputs=inputs, device="h100",
+    plan = autoplan.plan(model, (roomy.model.state_bytes + roomy.prediction.minimum_peak_bytes) // 2, example_inputs=inputs, device="h100",
                          reserve=0, on_profile=profiles.append)  # the state fits, its optimizer step does not
-    assert not plan.feasible and plan.peak_phase.kind == "step"
+    assert not plan.outcome.feasible and plan.prediction.peak_phase.kind == "step"
     bound = state_bound(plan)
-    assert bound.state_bytes + bound.step_bytes == plan.breakdown.total
+    assert bound.state_bytes + bound.step_bytes == plan.prediction.breakdown.total
     first = format_report(plan, width=400).splitlines()[0]
     assert "optimizer.step()'s temporaries" in first and "no checkpointing or precision choice changes that" in first
     assert not UNIT_TABLE.search(format_report(plan))
@@ -94,9 +96,9 @@ def test_a_peak_in_optimizer_step_says_its_temporaries_are_why() -> None:
 @pytest.mark.slow  # the whole pipeline
 def test_a_plan_short_of_activation_memory_still_shows_its_units() -> None:
     model, inputs = build(n_layer=2, n_embd=32, n_head=2, block_size=64, vocab_size=64, batch_size=4, seq_len=32)
-    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).minimum_peak_bytes
+    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).prediction.minimum_peak_bytes
     plan = autoplan.plan(model, lowest - 2**16, example_inputs=inputs, device="h100", reserve=0)
-    assert not plan.feasible and state_bound(plan) is None
+    assert not plan.outcome.feasible and state_bound(plan) is None
     report = format_report(plan)
     assert "the lowest peak autoplan reaches is" in report.splitlines()[0]
     assert "units (the lowest-peak choices)" in report
@@ -104,19 +106,19 @@ def test_a_plan_short_of_activation_memory_still_shows_its_units() -> None:
 
 def test_measured_peak_line_compares_with_the_prediction() -> None:
     plan = roomy_plan()
-    line = measured_peak_line(plan, plan.predicted_peak_bytes * 11 // 10, step=2)
+    line = measured_peak_line(plan, plan.prediction.peak_bytes * 11 // 10, step=2)
     assert "step 2 peaked at" in line and "+10.0%" in line and "within the usable budget" in line
-    over = measured_peak_line(dataclasses.replace(plan, usable_bytes=plan.predicted_peak_bytes), plan.predicted_peak_bytes * 2, 2)
+    over = measured_peak_line(dataclasses.replace(plan, request=dataclasses.replace(plan.request, usable_bytes=plan.prediction.peak_bytes)), plan.prediction.peak_bytes * 2, 2)
     assert "OVER the usable budget" in over
 
 
 def test_the_recompute_column_says_what_is_rerun() -> None:
     """Keep mode reruns nothing; a policy that reruns only norms and casts reruns no FLOPs, not "0 FLOP" of work."""
     plan = roomy_plan()
-    keep, = {u.choice for u in plan.units}
-    full = tuple(dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="selective"), recompute_flops=0) for u in plan.units)
+    keep, = {u.choice for u in plan.decisions.units}
+    full = tuple(dataclasses.replace(u, choice=dataclasses.replace(u.choice, mode="selective"), recompute_flops=0) for u in plan.decisions.units)
     assert keep.mode == "keep" and "0 FLOP" not in format_report(plan)
-    assert "no FLOPs" in format_report(dataclasses.replace(plan, units=full))
+    assert "no FLOPs" in format_report(dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, units=full)))
 
 
 def _bytes_in_row(report: str, label: str) -> str:
@@ -131,10 +133,10 @@ def test_the_breakdowns_predicted_peak_row_is_the_headlines_number() -> None:
     1 KB), a row says by how much, and the rows add up to the headline (issue 27 item 6)."""
     model, inputs = convmixer()
     plan = autoplan.plan(model, "1MB", example_inputs=inputs, reserve=0)
-    above = plan.predicted_peak_bytes - plan.breakdown.total
+    above = plan.prediction.peak_bytes - plan.prediction.breakdown.total
     assert above > 0  # the case this is about: the two numbers differ
     report = format_report(plan, width=200)
-    headline = format_bytes(plan.predicted_peak_bytes)
+    headline = format_bytes(plan.prediction.peak_bytes)
     assert f"predicted peak {headline} of" in report.splitlines()[0]
     assert _bytes_in_row(report, "= predicted peak") == headline
     assert _bytes_in_row(report, "simulated step above the memory model") == format_bytes(above)

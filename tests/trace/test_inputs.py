@@ -146,11 +146,11 @@ def test_plans_and_trains_like_the_original(case: str) -> None:
     torch.manual_seed(0)
     model, inputs, loss_of = CASES[case]()
     generous = autoplan.plan(model, "100%", example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    budget = (generous.minimum_peak_bytes + generous.baseline_peak_bytes) // 2
+    budget = (generous.prediction.minimum_peak_bytes + generous.prediction.baseline_peak_bytes) // 2
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    assert plan.feasible and plan.simulated_peak_bytes <= budget
-    assert any(u.choice.mode != "keep" for u in plan.units)
-    assert abs(plan.predicted_peak_bytes - plan.simulated_peak_bytes) <= 0.05 * plan.simulated_peak_bytes
+    assert plan.outcome.feasible and plan.prediction.simulated_peak_bytes <= budget
+    assert any(u.choice.mode != "keep" for u in plan.decisions.units)
+    assert abs(plan.prediction.peak_bytes - plan.prediction.simulated_peak_bytes) <= 0.05 * plan.prediction.simulated_peak_bytes
 
     rewritten = autoplan.apply(copy.deepcopy(model), plan)
     results = []

@@ -172,10 +172,10 @@ def test_convmixer_sequential_units_never_overlap() -> None:
 @pytest.mark.slow  # the whole pipeline
 def test_convmixer_plan_says_nothing_never_ran_and_trains_like_the_original() -> None:
     model, inputs = convmixer()
-    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, precision="fp32", reserve=0).minimum_peak_bytes
+    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, precision="fp32", reserve=0).prediction.minimum_peak_bytes
     plan = autoplan.plan(model, lowest, example_inputs=inputs, precision="fp32", reserve=0)
     assert "never ran" not in plan.report()  # every module ran; a unit overlapping another was called "never ran"
-    assert any(unit.choice.mode != "keep" for unit in plan.units)  # the plan does rewrite something
+    assert any(unit.choice.mode != "keep" for unit in plan.decisions.units)  # the plan does rewrite something
     planned = autoplan.apply(copy.deepcopy(model), plan)
     for step in range(2):  # twice: BatchNorm's running statistics are updated once per step, recompute or not
         losses = []

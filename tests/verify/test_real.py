@@ -27,7 +27,7 @@ def batch_of(name: str, repeat: int = 4):
 
 def tight_plan(model, inputs, **options):
     free = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
-    budget = (free.baseline_peak_bytes + free.minimum_peak_bytes) // 2
+    budget = (free.prediction.baseline_peak_bytes + free.prediction.minimum_peak_bytes) // 2
     return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
 
 
@@ -35,7 +35,7 @@ def tight_plan(model, inputs, **options):
 def test_verify_on_cpu_measures_the_predicted_peak(name):
     model, inputs = batch_of(name, repeat=64 if name == "flat" else 4)  # flat: activations must matter
     plan = tight_plan(model, inputs)
-    assert plan.feasible and any(u.choice.mode != "keep" for u in plan.units)
+    assert plan.outcome.feasible and any(u.choice.mode != "keep" for u in plan.decisions.units)
     params = [p.detach().clone() for p in model.parameters()]
     buffers = [b.clone() for b in model.buffers()]
     result = autoplan.verify(model, plan, example_inputs=inputs, steps=3)
@@ -43,7 +43,7 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
     assert not result.out_of_memory and result.held
     assert abs(result.peak_error) <= 0.01, (result.measured_peak_bytes, result.predicted_peak_bytes)
     assert result.measured_step_time_s > 0
-    assert autoplan.planned_choices(model) == plan.choices()  # verify applied the plan
+    assert autoplan.planned_choices(model) == plan.decisions.choices()  # verify applied the plan
     # verify trained real steps, then put the model back
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
@@ -52,11 +52,11 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
 def test_verify_runs_the_plan_and_judges_it_against_the_usable_budget():
     model, inputs = batch_of("tiny_gpt")
     plan = tight_plan(model, inputs)
-    apply_choices(model, {u.unit: Choice("keep", "fp32") for u in plan.units})  # not the plan
+    apply_choices(model, {u.unit: Choice("keep", "fp32") for u in plan.decisions.units})  # not the plan
     result = autoplan.verify(model, plan, example_inputs=inputs)
-    assert autoplan.planned_choices(model) == plan.choices()
+    assert autoplan.planned_choices(model) == plan.decisions.choices()
     assert result.held and abs(result.peak_error) <= 0.01
-    short = dataclasses.replace(plan, usable_bytes=result.measured_peak_bytes - 1)
+    short = dataclasses.replace(plan, request=dataclasses.replace(plan.request, usable_bytes=result.measured_peak_bytes - 1))
     assert not autoplan.verify(model, short, example_inputs=inputs).held
 
 
@@ -78,10 +78,10 @@ def test_measured_profile_times_units_for_real_and_leaves_the_model_alone():
     buffers = [b.clone() for b in model.buffers()]
     measured = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", profile="measure", menu_size=0)
     roofline = autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", profile="roofline", menu_size=0)
-    assert measured.time_source == "measured (CPU wall clock)" and roofline.time_source == "roofline"
-    assert all(u.step_time_s > 0 for u in measured.units)
-    assert [u.step_time_s for u in measured.units] != [u.step_time_s for u in roofline.units]
-    assert measured.baseline_step_time_s != roofline.baseline_step_time_s
+    assert measured.prediction.time_source == "measured (CPU wall clock)" and roofline.prediction.time_source == "roofline"
+    assert all(u.step_time_s > 0 for u in measured.decisions.units)
+    assert [u.step_time_s for u in measured.decisions.units] != [u.step_time_s for u in roofline.decisions.units]
+    assert measured.prediction.baseline_step_time_s != roofline.prediction.baseline_step_time_s
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
     assert all(p.grad is None for p in model.parameters())
 
@@ -112,7 +112,7 @@ def test_cuda_verify_reports_out_of_memory_instead_of_raising():
     model, inputs = batch_of("tiny_gpt", repeat=256)
     model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)
     plan = autoplan.plan(model, "80%", example_inputs=inputs)
-    small = autoplan.plan(model, plan.minimum_peak_bytes // 2, example_inputs=inputs, reserve=0)
+    small = autoplan.plan(model, plan.prediction.minimum_peak_bytes // 2, example_inputs=inputs, reserve=0)
     result = autoplan.verify(model, small, example_inputs=inputs)
     assert result.out_of_memory and not result.held
 
@@ -125,8 +125,8 @@ def test_an_optimizer_instance_is_counted_as_itself():
     batch = (torch.randn(4, 16),)
     by_name = autoplan.plan(model, "100%", example_inputs=batch, device="cpu", optimizer="adamw")
     by_object = autoplan.plan(model, "100%", example_inputs=batch, device="cpu", optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
-    assert by_object.optimizer == "AdamW"
-    assert by_object.breakdown.optimizer == by_name.breakdown.optimizer > 0
+    assert by_object.request.optimizer == "AdamW"
+    assert by_object.prediction.breakdown.optimizer == by_name.prediction.breakdown.optimizer > 0
 
 
 class _Regressor(torch.nn.Module):
@@ -150,4 +150,4 @@ def test_a_batch_tensor_passed_twice_is_counted_once():
     model = _Regressor()
     plan = tight_plan(model, inputs)
     result = autoplan.verify(model, plan, example_inputs=inputs, steps=3)
-    assert result.measured_peak_bytes == result.predicted_peak_bytes == plan.simulated_peak_bytes
+    assert result.measured_peak_bytes == result.predicted_peak_bytes == plan.prediction.simulated_peak_bytes

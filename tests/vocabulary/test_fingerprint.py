@@ -67,19 +67,19 @@ def test_apply_refuses_another_dtype(narrow_plan):
 def test_check_false_and_a_plan_without_fingerprint_apply_anyway(narrow_plan):
     wide = _net(width=64)
     assert autoplan.apply(wide, narrow_plan, check=False) is wide
-    assert autoplan.planned_choices(wide) == narrow_plan.choices()
-    by_hand = dataclasses.replace(narrow_plan, fingerprint=None)  # older JSON, or built by hand
+    assert autoplan.planned_choices(wide) == narrow_plan.decisions.choices()
+    by_hand = dataclasses.replace(narrow_plan, model=dataclasses.replace(narrow_plan.model, fingerprint=None))  # older JSON, or built by hand
     assert by_hand.to_dict()["fingerprint"] is None
     other = _net(width=64)
     autoplan.apply(other, by_hand)
-    assert autoplan.planned_choices(other) == narrow_plan.choices()
+    assert autoplan.planned_choices(other) == narrow_plan.decisions.choices()
 
 
 def test_apply_takes_the_same_model_whatever_the_batch(narrow_plan):
     model = _net()
     autoplan.apply(model, narrow_plan)
     model(*_batch(rows=3)).sum().backward()  # another batch size trains: apply checked the model only
-    assert autoplan.planned_choices(model) == narrow_plan.choices()
+    assert autoplan.planned_choices(model) == narrow_plan.decisions.choices()
 
 
 def test_verify_refuses_another_batch_saying_what_the_peak_is_for(narrow_plan):
