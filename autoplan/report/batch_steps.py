@@ -95,7 +95,7 @@ def grad_accumulation_step(plan: Plan, profile: Profile, phases, batch_size, rep
     peak, micro_time = estimate[micro], None
     for candidate in fitting[:2] if replan else []:
         checked = replan(candidate, loops[candidate])
-        micro, peak, micro_time = candidate, checked.predicted_peak_bytes, checked.predicted_step_time_s
+        micro, peak, micro_time = candidate, checked.prediction.peak_bytes, checked.prediction.step_time_s
         how = f"verified by planning batch {candidate} again in that loop: {'fits' if checked.feasible else 'does not fit'}"
         if checked.feasible:
             break

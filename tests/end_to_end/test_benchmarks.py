@@ -73,7 +73,7 @@ def test_plan_quality_auto_sac_names_ops_autoplan_can_apply():
     model, inputs = Llama(config), example_batch(config, 2, 64)
     assert quality.auto_sac_choices(config, inputs, budget_bytes=1) is None  # nothing fits
     # its memory model counts less than autoplan's (no logits, ...): below autoplan's floor it still checkpoints
-    choices = quality.auto_sac_choices(config, inputs, int(0.75 * quality._plan(model, "100%", inputs, menu_size=0).minimum_peak_bytes))
+    choices = quality.auto_sac_choices(config, inputs, int(0.75 * quality._plan(model, "100%", inputs, menu_size=0).prediction.minimum_peak_bytes))
     assert choices and {unit.name for unit in choices} <= {"layers.0", "layers.1"}
     assert all(c.mode == "selective" and all("#" in name for name in c.saves) for c in choices.values())
     reference, planned = Llama(config), Llama(config)

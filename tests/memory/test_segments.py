@@ -84,8 +84,8 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
     # the other single level, one segment over the whole run, recomputes everything at once: worse
     whole = {f"layers.0–layers.{len(model.layers) - 1}": Choice("full", "fp32")}
     traced = trace(model, inputs)
-    assert simulate_plan(traced, choices_by_unit(profile, whole), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes > mixed.minimum_peak_bytes
-    assert predict_peak(profile, whole).bytes > mixed.minimum_peak_bytes
+    assert simulate_plan(traced, choices_by_unit(profile, whole), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes > mixed.prediction.minimum_peak_bytes
+    assert predict_peak(profile, whole).bytes > mixed.prediction.minimum_peak_bytes
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -220,7 +220,7 @@ def test_the_plan_is_never_worse_than_any_single_level_of_stages_of_blocks():
     model, inputs = by_name("stages of blocks (stages[i].blocks[j])").build()
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=0)
     levels = [autoplan.plan(model, "10GB", units=[unit.name for unit in level.units], segments=False, **options) for level in unit_levels(model)]
-    budget = max(level.minimum_peak_bytes for level in levels) + 1
+    budget = max(level.prediction.minimum_peak_bytes for level in levels) + 1
     mixed = autoplan.plan(model, budget, **options)
     assert mixed.prediction.minimum_peak_bytes <= min(level.prediction.minimum_peak_bytes for level in levels)
     for level in levels:
