@@ -24,7 +24,7 @@ from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import check_size_syntax, make_budget
 from autoplan.inputs.devices import get_device, list_devices
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.inputs.options import MAX_WORLD_SIZE, check_time_limit
+from autoplan.inputs.options import check_time_limit, check_world_size
 from autoplan.report.plot import FORMATS, require_pyplot
 
 # Everything that imports torch (seconds) is imported inside the commands, after the options are
@@ -52,10 +52,7 @@ def _world_size(text: Optional[str]) -> int | str | None:
         return text
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise CliError(ExitCode.USAGE, f"--world-size must be a whole number of GPUs, at least 1, or auto; got {text!r}")
-    if int(text) > MAX_WORLD_SIZE:  # as inputs.options.check_world_size, before torch is imported
-        raise CliError(ExitCode.USAGE, f"--world-size {int(text):,} is more GPUs than FSDP shards over (at most {MAX_WORLD_SIZE:,}): "
-                       "give the number of GPUs you will train on, or auto for the fewest that fit")
-    return int(text)
+    return check_world_size(int(text), option="--world-size")  # OptionError: exit 2, before torch is imported
 
 
 def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path],

@@ -152,10 +152,12 @@ def check_offload(offload: bool | None, device: Device, world_size: Any) -> bool
 MAX_WORLD_SIZE = 65_536  # above any FSDP job run so far; a larger number is a typo, and the search would plan for it
 
 
-def check_world_size(world_size: object) -> int:
+def check_world_size(world_size: object, option: str = "world_size") -> int:
+    """`option`: the name the person gave it by, "--world-size" on the command line (where auto is unquoted)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise OptionError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
     if world_size > MAX_WORLD_SIZE:
-        raise OptionError(f"world_size {world_size:,} is more GPUs than FSDP shards over (at most {MAX_WORLD_SIZE:,}): give the "
-                          "number of GPUs you will train on, or \"auto\" for the fewest that fit")
+        auto = "auto" if option.startswith("--") else '"auto"'
+        raise OptionError(f"{option} {world_size:,} is more GPUs than FSDP shards over (at most {MAX_WORLD_SIZE:,}): give the "
+                          f"number of GPUs you will train on, or {auto} for the fewest that fit")
     return world_size

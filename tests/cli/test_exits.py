@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import typer
 
 from autoplan.cli.exits import LONGEST_ERROR_LINE, CliError, ExitCode, fail_with
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli.test_options import autoplan
 
 
 def test_a_message_of_kilobytes_is_cut_to_one_line_that_says_how_much_was_left_out(capsys) -> None:
@@ -31,9 +26,7 @@ def test_a_message_of_kilobytes_is_cut_to_one_line_that_says_how_much_was_left_o
 @pytest.mark.parametrize("command", ["plan", "verify"])
 def test_torch_sized_errors_from_the_model_reach_the_terminal_as_one_short_line(command) -> None:
     """The model's backward raises one line of about 7 KB: the person reads what and where, in one line."""
-    args = [sys.executable, "-m", "autoplan", command, "tests/cli_factories.py:long_error", "--budget", "1GB"]
-    result = subprocess.run(args + (["--on", "cpu"] if command == "verify" else []), cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = autoplan(command, "tests/cli_factories.py:long_error", "--budget", "1GB", *(["--on", "cpu"] if command == "verify" else []))
     assert result.returncode == ExitCode.CANNOT_PLAN, result.stderr
     line, = result.stderr.splitlines()
     assert line.startswith("autoplan: error: could not profile _LongError: RuntimeError: shapes differ: tensor 0")
