@@ -109,7 +109,7 @@ def plan(
                          compile=compile, fuse_loss=fuse_loss, world_size=world_size, device=device_profile, offload=offload)
     check_precision(space.precision, device_profile)
     target = Target(device_profile, make_budget(budget, device_profile, reserve, allow_over_device=flag("allow_over_device", allow_over_device)),
-                    reserve, world_size if world_size == "auto" else check_world_size(world_size),
+                    reserve, "auto" if world_size == "auto" else check_world_size(world_size),
                     check_choice("profile", profile, PROFILE_SOURCES), check_time_limit(time_limit_s), host_budget_bytes(host_budget))
     request = plan_request(budget, device_profile, dict(
         batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
@@ -218,11 +218,11 @@ def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions
     """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
     curve: tuple[WorldSizePoint, ...] = ()
     usable, time_limit_s = target.budget.usable_bytes, target.time_limit_s
-    if target.world_size == "auto":
+    if isinstance(target.world_size, int):
+        world = target.world_size
+    else:
         say("finding the smallest number of GPUs")
         world, curve = fewest_gpus(measured, pins, usable, time_limit_s)
-    else:
-        world = target.world_size
     offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, world)))
 
     host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory

@@ -337,7 +337,7 @@ def _over(decided: Plan) -> str:
 
 def _prepare_model(model: torch.nn.Module) -> list[str]:
     """What the Trainer's step needs of the model that the arguments do not say: no KV cache in training."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # a cache holds every layer's keys and values until the step ends; planned without
         return ["model.config.use_cache set to False: a KV cache in training holds every layer's keys and values"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -383,10 +382,11 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def report(self, verbose: bool = False) -> str:
-        """`autoplan.format_report(plan, verbose=verbose)` (verbose: selective units' saves op by op), found among the
-        package's public names when called, as the vocabulary imports no stage: works whatever was imported before."""
-        package = sys.modules[__name__.rpartition(".")[0]]  # `autoplan`, imported before any of its modules
-        return package.format_report(self, verbose=verbose)
+        """`autoplan.format_report(plan, verbose=verbose)` (verbose: selective units' saves op by op)."""
+        # the vocabulary's one import of a later stage, made when called (named in tests/test_layout.py)
+        from autoplan.report.text import format_report
+
+        return format_report(self, verbose=verbose)
 
 
 def _unit_dict(unit: UnitDecision) -> dict[str, Any]:

@@ -34,6 +34,7 @@ SEGMENT_DASH = "\u2013"  # an en dash: no module or run name contains one
 _RUN = re.compile(r"^(?P<parent>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 _GRAPH = re.compile(r"^graph\[(?P<first>[A-Za-z_][\w]*):(?P<last>[A-Za-z_][\w]*)\]$")
 _CALL = re.compile(r"^(?P<module>.+)@(?P<index>\d+)$")
+_NUMBERED = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class Unit:
 
     def __str__(self) -> str:
         return self.name
+
+    def numbered(self) -> tuple[str, int] | None:
+        """The numbered series it belongs to and its number in it ("layers.", 3 for "layers.3";
+        "block@", 2 for "block@2"), for reports that fold a run of alike units into one row; None
+        for a unit that is not numbered (a run or a segment)."""
+        return None
 
     @staticmethod
     def from_name(name: str) -> Unit:
@@ -87,6 +94,10 @@ class ModuleUnit(Unit):
     def child(self) -> str:
         """Its name inside its parent: "3" for "layers.3"."""
         return self.path.rpartition(".")[2]
+
+    def numbered(self) -> tuple[str, int] | None:
+        match = _NUMBERED.match(self.path)  # "layers.3", and "layer3" beside "layer2" in a ResNet
+        return None if match is None else (match["stem"], int(match["index"]))
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,9 @@ class CallSite(Unit):
     @property
     def name(self) -> str:
         return f"{self.module}@{self.index}"
+
+    def numbered(self) -> tuple[str, int] | None:
+        return f"{self.module}@", self.index
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,11 @@ LAYERS = (
     ("__init__", "__main__"),  # the package root re-exports the public names; `python -m autoplan` runs the command line
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+# Imports that run back up the pipeline on purpose, each made inside the one function that needs it,
+# when called; each named here with its reason, and left out of the rules below.
+CALLED_LATE = {
+    ("autoplan.plan", "autoplan.report.text"): "Plan.report() prints the plan with autoplan.format_report",
+}
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60  # code lines, docstring excluded
 
@@ -81,7 +86,8 @@ def _graph() -> nx.DiGraph:
     for module, path in _modules().items():
         graph.add_node(module)
         for imported in _imports(module, path):
-            graph.add_edge(module, imported)
+            if (module, imported) not in CALLED_LATE:
+                graph.add_edge(module, imported)
     return graph
 
 
@@ -107,11 +113,10 @@ def test_imports_only_go_towards_earlier_stages():
     assert not backward, "imports running back up the pipeline:\n" + "\n".join(backward)
 
 
-@pytest.mark.slow  # the whole pipeline
 def test_the_vocabulary_imports_nothing_else_of_autoplan():
     vocabulary = {"autoplan.plan", "autoplan.errors", "autoplan.units"}
     for module in vocabulary:
-        imported = _imports(module, _modules()[module])
+        imported = {name for name in _imports(module, _modules()[module]) if (module, name) not in CALLED_LATE}
         assert imported <= vocabulary, (module, imported)
 
 
@@ -151,3 +156,11 @@ def test_the_checker_sees_a_backward_import_inside_a_function(tmp_path):
     module = tmp_path / "probe.py"
     module.write_text("def late():\n    from autoplan.report.text import format_report\n    return format_report\n")
     assert _imports("autoplan.trace.probe", module) == {"autoplan.report.text"}
+
+
+def test_each_late_import_is_made_inside_a_function():
+    """A named exception stays one lazy import: at module level it would be an import circle."""
+    for module, imported in CALLED_LATE:
+        tree = ast.parse(_modules()[module].read_text())
+        at_top = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+        assert imported in _imports(module, _modules()[module]) and imported not in at_top, (module, imported)

@@ -38,6 +38,10 @@ def test_units_are_values_one_per_kind_and_parts() -> None:
     assert ModuleUnit("a") != CallSite("a", 0) and SequentialRun("a", 0, 1) != SequentialRun("a", 0, 2)
     assert SequentialRun("net", 2, 4).layer_names() == ["net.2", "net.3"]
     assert ModuleUnit("layers.3").parent == "layers" and ModuleUnit("layers.3").child == "3"
+    # the series a report folds alike rows of: numbered modules and calls, never a run or a segment
+    assert [unit.numbered() for unit in (ModuleUnit("h.12"), ModuleUnit("layer3"), CallSite("block", 2))] == [
+        ("h.", 12), ("layer", 3), ("block@", 2)]
+    assert [unit.numbered() for unit in (ModuleUnit("head"), SequentialRun("f", 0, 2), GraphRun("a", "b2"), Segment("h.0", "h.3"))] == [None] * 4
     with pytest.raises(AttributeError):
         ModuleUnit("a").path = "b"  # type: ignore[misc]  # frozen
 

@@ -81,6 +81,12 @@ _AUTO_HEADS = (
     "AutoModelForImageClassification",
     "AutoModel",
 )
+# A Hugging Face model: transformers' PreTrainedModel, or peft's wrapper of one. Its attributes
+# (`model.config`, `model.get_base_model()`) come through nn.Module.__getattr__, which torch types
+# `Tensor | Module`, and transformers' own types are not followed (pyproject's mypy section): to the
+# checker it is Any, and this name says what the argument is.
+HFModel = Any
+
 DEFAULT_SEQ_LEN_CAP = 2048  # seq_len when not given: the config's max positions, at most this
 
 
@@ -281,7 +287,7 @@ def _is_sequence_classifier(model: torch.nn.Module) -> bool:
     return type(model).__name__.endswith(("ForSequenceClassification", "ForImageClassification"))
 
 
-def training_inputs(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
+def training_inputs(model: HFModel, inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
     """The batch as a training step passes it: no KV cache (training never reads one back).
 
     A causal LM returns its cache by default, which holds every layer's keys and values until the
@@ -297,9 +303,9 @@ def training_inputs(model: torch.nn.Module, inputs: tuple[tuple, dict]) -> tuple
     return args, kwargs
 
 
-def _passes_to_language_model(model: torch.nn.Module) -> bool:
+def _passes_to_language_model(model: HFModel) -> bool:
     """A multimodal model (LLaVA) whose forward passes use_cache on, through **kwargs, to a language model that caches."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     return (text is not config and getattr(text, "use_cache", False)
             and accepts_argument(model.forward, "use_cache", through_kwargs=True))

@@ -26,6 +26,8 @@ from typing import Any, Iterator
 
 import torch
 
+from autoplan.inputs.hf_models import HFModel
+
 FLATTENING_PACKING_STRATEGIES = ("bfd", "bfd_split")  # trl turns padding_free on for these
 
 
@@ -39,7 +41,7 @@ def flattens_batch(args: Any) -> bool:
     return bool(args.padding_free or (args.packing and args.packing_strategy in FLATTENING_PACKING_STRATEGIES))
 
 
-def sft_batch(model: torch.nn.Module, args: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
+def sft_batch(model: HFModel, args: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
     """One batch of `batch_size` examples of `seq_len` tokens, made by trl's own collator as SFTTrainer makes it.
 
     Each example is one document of `seq_len` random tokens (with packing: one full bin of `max_length`);
@@ -59,7 +61,7 @@ def sft_batch(model: torch.nn.Module, args: Any, batch_size: int, seq_len: int) 
 
 
 @contextlib.contextmanager
-def fused_lm_head(model: torch.nn.Module) -> Iterator[None]:
+def fused_lm_head(model: HFModel) -> Iterator[None]:
     """The model patched with trl's fused LM head, as SFTTrainer patches it, while planning; then as it was.
 
     SFTTrainer patches the model again when it is built, so the patch is not left behind here.

@@ -19,7 +19,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 from autoplan.errors import OptionError
 from autoplan.inputs.budget import Budget
@@ -43,7 +43,7 @@ class Target:
     device: Device
     budget: Budget
     reserve: str | int | None  # as given: the plan reports it
-    world_size: int | str  # GPUs under FSDP2, or "auto": the fewest that fit
+    world_size: int | Literal["auto"]  # GPUs under FSDP2, or "auto": the fewest that fit
     profile: str  # where unit times come from: "auto", "measure" or "roofline"
     time_limit_s: float  # per solve
     host_budget_bytes: int = 0  # pinned host memory offloaded units may use (`host_budget_bytes`)

@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from autoplan.errors import MissingExtraError, OptionError
+from autoplan.inputs.hf_models import HFModel
 
 QLORA_EXTRA = 'pip install -e ".[qlora]"'  # pyproject's qlora extra: bitsandbytes, peft, trl
 QLORA_PACKAGES = ("bitsandbytes", "peft", "trl")
@@ -97,13 +98,13 @@ def checkpoint_dtype(model: torch.nn.Module) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
 
 
-def with_attention(model: torch.nn.Module, implementation: str) -> torch.nn.Module:
+def with_attention(model: HFModel, implementation: str) -> torch.nn.Module:
     """A copy of the Hugging Face `model` (on the meta device: a copy costs nothing) using this attention.
 
     "eager" saves the T×T attention probabilities for backward, "sdpa" (F.scaled_dot_product_attention)
     does not; a model that cannot use it is a ValueError from transformers.
     """
-    variant = copy.deepcopy(model)
+    variant: HFModel = copy.deepcopy(model)
     variant.set_attn_implementation(implementation)
     return variant
 

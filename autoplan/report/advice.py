@@ -17,7 +17,7 @@ from autoplan.errors import OptionTypeError
 from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
-from autoplan.plan import DTYPES, Choice, Plan, ShardedPeak
+from autoplan.plan import DTYPES, Choice, Mode, Plan, Precision, ShardedPeak
 from autoplan.profile.units import Profile
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size
 from autoplan.report.offload_advice import offload_step
@@ -123,7 +123,7 @@ def state_bound(plan: "Plan") -> StateBound | None:
     return None
 
 
-def _all(profile: Profile, mode: str, precision: str) -> dict[str, Choice] | None:
+def _all(profile: Profile, mode: Mode, precision: Precision) -> dict[str, Choice] | None:
     choice = Choice(mode, precision)
     if any(choice not in unit.options for unit in profile.units):
         return None
@@ -144,7 +144,7 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
                   f"{format_seconds(profile.reference.step_time_s)}")
         return Step(key, title, "chosen", detail, saves, -faster, code)
     fp32, lowered = _all(profile, "keep", "fp32"), _all(profile, "keep", low)
-    if lowered is None:
+    if fp32 is None or lowered is None:
         return Step(key, title, "n/a", f"not measured: precision was forced to fp32; plan with --precision auto to measure {low}")
     saves = predict_peak(profile, fp32).bytes - predict_peak(profile, lowered).bytes
     change = predict_step_time(profile, lowered) - predict_step_time(profile, fp32)
@@ -343,8 +343,8 @@ def advise(
     """
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise OptionTypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
-    phases = [sample.phase for sample in profile.timeline.phases]
-    peak_index = phases.index(plan.prediction.peak_phase) if plan.prediction.peak_phase in phases else 0
+    order = [sample.phase for sample in profile.timeline.phases]
+    peak_index = order.index(plan.prediction.peak_phase) if plan.prediction.peak_phase in order else 0
     # A plan that fits is the starting point; one that does not, the choices that keep least.
     least = plan.decisions.choices() if plan.outcome.feasible else least_activation_choices(profile)
     phases = phase_bytes(profile, least)

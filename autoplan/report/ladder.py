@@ -28,7 +28,7 @@ from autoplan.errors import OptionError
 from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora, with_attention
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time
-from autoplan.plan import Choice, Plan
+from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.units import Profile
 from autoplan.report.advice import adamw8bit_state_bytes, eight_bit_step_change_s
 from autoplan.report.text import apply_code
@@ -115,12 +115,12 @@ def _attention_variants(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.
                           f"{first_line(error)}") from error
 
 
-def _keep_all(profile: Profile, precision: str) -> dict[str, Choice] | None:
+def _keep_all(profile: Profile, precision: Precision) -> dict[str, Choice] | None:
     choice = Choice("keep", precision)
     return None if any(choice not in unit.options for unit in profile.units) else {u.name: choice for u in profile.units}
 
 
-def _precision_rungs(plan: Plan, profile: Profile, low: str, loader: str) -> list[Rung]:
+def _precision_rungs(plan: Plan, profile: Profile, low: Precision, loader: str) -> list[Rung]:
     usable = plan.request.usable_bytes
     reference = profile.reference
     base_time = profile.reference_step_time_s or reference.step_time_s

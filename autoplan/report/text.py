@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
@@ -29,9 +28,6 @@ from autoplan.vocabulary.code_lines import wrap_code
 if TYPE_CHECKING:
     from autoplan.plan import Plan, ShardedPeak, UnitDecision
     from autoplan.report.advice import Advice
-
-_NUMBERED = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
-
 
 @dataclass(frozen=True)
 class UnitRow:
@@ -55,15 +51,21 @@ def fold_units(units: tuple["UnitDecision", ...]) -> list[UnitRow]:
     for run in rows:
         label = run[0].name + (" (segment)" if run[0].members else "")  # one region over its members
         if len(run) > 1:
-            label = f"{run[0].name}–{_NUMBERED.match(run[-1].name)['index']} ×{len(run)}"
+            label = f"{run[0].name}–{_number(run[-1])} ×{len(run)}"
         folded.append(UnitRow(label, run[0], len(run)))
     return folded
 
 
+def _number(decision: "UnitDecision") -> int:
+    numbered = decision.unit.numbered()
+    assert numbered is not None, "only numbered units are folded"
+    return numbered[1]
+
+
 def _continues(previous: "UnitDecision", unit: "UnitDecision") -> bool:
-    a, b = _NUMBERED.match(previous.name), _NUMBERED.match(unit.name)
+    a, b = previous.unit.numbered(), unit.unit.numbered()
     same_cost = (previous.choice, previous.saved_bytes, previous.recompute_flops) == (unit.choice, unit.saved_bytes, unit.recompute_flops)
-    return bool(a and b and a["stem"] == b["stem"] and int(b["index"]) == int(a["index"]) + 1 and same_cost)
+    return a is not None and b is not None and a[0] == b[0] and b[1] == a[1] + 1 and same_cost
 
 
 def _verdict(plan: "Plan") -> Text:
@@ -211,7 +213,7 @@ def apply_code(plan: "Plan", budget_text: str | None = None) -> str:
 
 def _request_of(plan: "Plan") -> dict:
     """For a Plan made without a record of its arguments: what its own fields say."""
-    request = {"device": plan.target.device}
+    request: dict[str, object] = {"device": plan.target.device}
     if plan.decisions.rest_precision != "fp32":
         request["precision"] = plan.decisions.rest_precision
     if plan.request.world_size > 1:
@@ -312,15 +314,16 @@ def ladder_renderables(ladder) -> list[RenderableType]:
     """The toolbox ladder (`report.ladder.Ladder`): each rung adds one tool, the first that fits marked, and its code."""
     table = Table(title=Text(f"the toolbox ladder on {ladder.device}: each step adds one tool to those above"),
                   title_justify="left", show_edge=False)
-    for column, justify in (("step", "left"), ("peak", "right"), ("step time", "right"),
-                            (f"fits {format_bytes(ladder.usable_bytes)}", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("step", "left"), ("peak", "right"), ("step time", "right"),
+                                                      (f"fits {format_bytes(ladder.usable_bytes)}", "left"))
+    for column, justify in columns:
         table.add_column(column, justify=justify, no_wrap=True)
     for rung in ladder.rungs:
         mark = ("yes" if rung.fits else "no") + ("  ← first fits" if rung.key == ladder.first_fit else "")
         style = "bold" if rung.key == ladder.first_fit else ""
         table.add_row(Text(rung.title), format_bytes(rung.peak_bytes), format_seconds(rung.step_time_s), mark, style=style)
     how = [Padding(Text(f"{rung.title.lstrip('+ ')}: {rung.how}", style="dim"), (0, 0, 0, 2)) for rung in ladder.rungs]
-    parts = [table, Text("how each step was predicted:", style="dim"), *how]
+    parts: list[RenderableType] = [table, Text("how each step was predicted:", style="dim"), *how]
     first = next((r for r in ladder.rungs if r.key == ladder.first_fit), None)
     if first is None:
         lowest = min(ladder.rungs, key=lambda rung: rung.peak_bytes)

@@ -44,8 +44,9 @@ def _on_cuda(args: Any) -> bool:
 def callback_class() -> type:
     """`AutoplanCallback`, a transformers.TrainerCallback (imports transformers)."""
     transformers = require_transformers()
+    trainer_callback: Any = transformers.TrainerCallback  # transformers' types are not followed (pyproject's mypy section)
 
-    class AutoplanCallback(transformers.TrainerCallback):
+    class AutoplanCallback(trainer_callback):
         """Writes the plan when training starts and, on CUDA, the measured peak of step `measure_step`.
 
         write: where lines go (print by default; a logger's info, a list's append).

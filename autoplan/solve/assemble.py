@@ -5,12 +5,14 @@ blocks nest, the best of the levels planned.
 from __future__ import annotations
 
 import dataclasses
+from typing import TypedDict
 
 from autoplan.inputs.budget import Budget, both_units, budget_needed_for
 from autoplan.inputs.devices import Device
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
 from autoplan.memory.segments import chosen_segments, segment_terms
 from autoplan.plan import Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
+from autoplan.profile.menu import PolicyWords
 from autoplan.profile.units import Profile
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.solve.ilp import fastest
@@ -181,7 +183,12 @@ def _decisions(measured: Profile, chosen) -> tuple[UnitDecision, ...]:
     return tuple(decisions)
 
 
-def _policy_fields(words) -> dict[str, str]:
+class _PolicyFields(TypedDict, total=False):
+    policy: str
+    policy_summary: str
+
+
+def _policy_fields(words: PolicyWords | None) -> _PolicyFields:
     """A menu point's policy, as the plan carries it: in a person's words, and op by op."""
     return {} if words is None else {"policy": words.ops, "policy_summary": words.summary}
 

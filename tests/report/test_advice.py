@@ -18,7 +18,7 @@ from autoplan.report.plot import memory_curves, plot_memory
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.report.text import fold_units, format_report
 from autoplan.vocabulary.tensors import unique_storage_bytes
-from autoplan.units import ModuleUnit
+from autoplan.units import CallSite, ModuleUnit, Segment, SequentialRun
 from autoplan.vocabulary.names import unit_module
 from tests.cli_factories import tiny_gpt, tiny_gpt_sdpa
 
@@ -266,6 +266,12 @@ def test_fold_units_folds_only_identical_numbered_runs() -> None:
 
     rows = fold_units((unit("layers.0"), unit("layers.1"), unit("layers.2"), unit("layers.3", "full"), unit("head")))
     assert [(r.label, r.count) for r in rows] == [("layers.0–2 ×3", 3), ("layers.3", 1), ("head", 1)]
+    calls = [UnitDecision(CallSite("block", i), Choice("full", "bf16"), 10, 0, 1e-3) for i in range(3)]
+    runs = [UnitDecision(unit_, Choice("full", "bf16"), 10, 0, 1e-3, members=members) for unit_, members in (
+        (SequentialRun("features", 0, 2), ()), (SequentialRun("features", 2, 4), ()),
+        (Segment("h.0", "h.1"), ("h.0", "h.1")), (Segment("h.2", "h.3"), ("h.2", "h.3")))]
+    assert [(r.label, r.count) for r in fold_units((*calls, *runs))] == [
+        ("block@0–2 ×3", 3), ("features[0:2]", 1), ("features[2:4]", 1), ("h.0–h.1 (segment)", 1), ("h.2–h.3 (segment)", 1)]
 
 
 def test_memory_curves_are_the_solvers_numbers(tight) -> None:
