@@ -9,7 +9,7 @@ The package is the pipeline, one sub-package per stage in order: inputs, trace, 
 solve, verify, apply, report, cli; `plan.py` and `errors.py` are the vocabulary; what they share
 is in `vocabulary/` (names, formatting), `instruments/` (fake tensors, the live-bytes tracker),
 `training/` (the step, run once for simulation and measurement) and `planned/` (what a rewritten
-model runs); `api.py` is the orchestration.
+model runs); `planner.py` runs the stages in order and `api.py` is the public entry.
 
 The public names are imported on first use, not with the package: `import autoplan` costs no
 torch import, so the command line (`autoplan.cli.main`, inside this package) answers `--help`
@@ -34,6 +34,7 @@ _EXPORTS = {
     "apply": "autoplan.api",
     "optimize": "autoplan.api",
     "plan": "autoplan.api",
+    "Planner": "autoplan.planner",
     "InfeasibleBudgetError": "autoplan.errors",
     "PlanMismatchError": "autoplan.errors",
     "TraceError": "autoplan.errors",

@@ -3,93 +3,27 @@
     plan = autoplan.plan(model, "20GB", example_inputs=(x,), device="h100-80gb")
     model = autoplan.optimize(model, "20GB", example_inputs=(x,))
 
-Stages run in order — budget/device, trace, profile, solve, verify — and each hands a frozen value
-to the next. When the whole-step simulation of a solved plan exceeds the usable budget, the budget
-is tightened by the difference and the program solved again.
+`plan` is `Planner(model, **options).plan(budget)`: `planner.py` runs the stages in order —
+options and device, trace, profile, then for each budget solve and verify — each handing a frozen
+value to the next.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import numbers
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoplan.apply.fsdp import process_group_world_size, require_process_group
 from autoplan.apply.rewrite import apply_plan, refuse_meta
-from autoplan.errors import InfeasibleBudgetError, MissingExtraError, OptionError, ProfileError, RepeatedUnitError, TraceError
-from autoplan.inputs.batch import training_batch
-from autoplan.inputs.budget import make_budget
-from autoplan.inputs.devices import DEVICES, Device, get_device
-from autoplan.inputs.loop import TrainingLoop, changed_fields, check_loop
-from autoplan.inputs.options import (
-    PROFILE_SOURCES,
-    SearchSpace,
-    StepOptions,
-    Target,
-    check_choice,
-    check_precision,
-    check_time_limit,
-    flag,
-    host_budget_bytes,
-    search_space,
-)
+from autoplan.errors import InfeasibleBudgetError
 from autoplan.inputs.options import check_world_size
-from autoplan.memory.model import rank_offsets
-from autoplan.memory.segments import choices_by_unit
-from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
-from autoplan.profile.menu import DEFAULT_MENU_SIZE
-from autoplan.profile.timing import measure_times
-from autoplan.profile.units import Profile, precision_options
-from autoplan.profile.units import profile as profile_units
-from autoplan.vocabulary.fingerprint import batch_values, fingerprint_of
-from autoplan.vocabulary.formatting import first_line, where_in_user_code
-from autoplan.instruments.quantized import int8_layers, settle_first_forward
-from autoplan.instruments.routing import check_moe_capacity
-from autoplan.training.step_parts import model_device, optimizer_name
-from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head, infeasible_message
-from autoplan.solve.search import pinned_choices, search
-from autoplan.solve.worlds import fewest_gpus
-from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
-from autoplan.trace.units import UnitLevel, unit_levels
-from autoplan.verify.simulate import simulate_plan
+from autoplan.plan import Plan
+from autoplan.planner import Planner
+from autoplan.solve.assemble import infeasible_message
 
 
-@torch.enable_grad()  # a training step is planned: the caller's no_grad (or a factory's) is not the step's
-def plan(
-    model: torch.nn.Module,
-    budget: str | int,
-    *,
-    example_inputs: Any = None,
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    device: str | Device | None = None,
-    optimizer: str | torch.optim.Optimizer = "adamw",
-    precision: str = "auto",
-    units: list[str] | None = None,
-    keep_fp32: list[str] | None = None,
-    checkpoint: list[str] | Mapping[str, str] | None = None,
-    reserve: str | int | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    time_limit_s: float = 10.0,
-    profile: str = "auto",
-    progress: Callable[[str], None] | None = None,
-    on_profile: Callable[[Profile], None] | None = None,
-    world_size: int | str = 1,
-    menu_size: int = DEFAULT_MENU_SIZE,
-    compile: bool = False,
-    loop: TrainingLoop | None = None,
-    allow_over_device: bool = False,
-    segments: bool = True,
-    moe_capacity: float | None = None,
-    fuse_loss: bool = True,
-    offload: bool | None = None,
-    host_budget: str | int | None = None,
-) -> Plan:
+def plan(model: torch.nn.Module, budget: str | int, **options: Any) -> Plan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
     budget: "20GB", "20 GiB", "80%" (of the device), or an int of bytes. example_inputs: one batch
@@ -100,212 +34,11 @@ def plan(
     states it and `autoplan.verify` runs it. Every other argument (units, pins, reserve, profile,
     world_size, compile, segments, fuse_loss, offload, host_budget, moe_capacity, ...): docs/api.md. plan.request.arguments holds
     the arguments that shaped the plan; plan.report() shows the call that reproduces it.
+
+    Every option is a keyword of `autoplan.Planner`, and this is `Planner(model, **options).plan(budget)`:
+    to plan one model at several budgets, make the Planner once (it profiles once).
     """
-    # every option checked before minutes of tracing and profiling
-    _check_optimizer(optimizer)
-    step = StepOptions(optimizer, loss_fn, check_loop(loop), check_moe_capacity(moe_capacity))
-    device_profile = get_device(device)
-    space = search_space(precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, menu_size=menu_size, segments=segments,
-                         compile=compile, fuse_loss=fuse_loss, world_size=world_size, device=device_profile, offload=offload)
-    check_precision(space.precision, device_profile)
-    target = Target(device_profile, make_budget(budget, device_profile, reserve, allow_over_device=flag("allow_over_device", allow_over_device)),
-                    reserve, "auto" if world_size == "auto" else check_world_size(world_size),
-                    check_choice("profile", profile, PROFILE_SOURCES), check_time_limit(time_limit_s), host_budget_bytes(host_budget))
-    request = plan_request(budget, device_profile, dict(
-        batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
-        keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-        loop=step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity, fuse_loss=fuse_loss,
-        offload=offload, host_budget=host_budget, compile=compile))
-    _check_model(model, device_profile)
-    settle_first_forward(model)
-    batch = training_batch(model, example_inputs, batch_size, seq_len)
-    fingerprint = fingerprint_of(model, batch)  # before planning: what apply and verify check the plan against
-    # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
-    # within a level, segments of consecutive blocks are candidates of the same program
-    chosen, measured = _plan_levels(model, batch, unit_levels(model, units), target, step, space, progress or (lambda message: None))
-    if on_profile is not None:
-        on_profile(measured)
-    fingerprint = dataclasses.replace(fingerprint, values=batch_values(batch, measured.batch_reads))
-    traced_as = dataclasses.replace(chosen.model, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
-                                    batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
-    return dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=request), model=traced_as)
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    """An optimizer whose state plan() can count: a name it knows, or a torch.optim.Optimizer."""
-    try:
-        optimizer_name(optimizer)
-    except ValueError as error:
-        raise OptionError(f"optimizer (--optimizer on the command line): {error}") from None
-
-
-def _check_model(model: torch.nn.Module, target: Device) -> None:
-    """A model a training step can be planned for: something to train, and no 8-bit base for a GPU."""
-    if not any(parameter.requires_grad for parameter in model.parameters()):
-        raise OptionError(f"{type(model).__name__} has no trainable parameters (every requires_grad is False): a training "
-                          "step would update nothing. Unfreeze what you train (model.requires_grad_(True), or add adapters)")
-    _check_int8_target(model, target)
-
-
-def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
-    """8-bit bases are planned for the CPU only: on a GPU, bitsandbytes' LLM.int8() training matmul keeps
-    int8 copies of each input and its outlier columns, whose count depends on the batch's values, while
-    the CPU path the simulation runs keeps the input alone; a GPU plan would count less than the GPU holds."""
-    layers = int8_layers(model)
-    if layers and target.kind != "cpu":
-        raise ProfileError(
-            f"{type(model).__name__} has {len(layers)} bitsandbytes 8-bit layers (e.g. {layers[0]}); autoplan plans 8-bit bases "
-            f"for the CPU only, not for {target.name}: on a GPU their matmuls keep outlier columns whose size depends on the batch. "
-            "Load the base in 4-bit (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), which plans for any device")
-
-
-def _plan_levels(model, batch, levels: list[UnitLevel], target: Target, step: StepOptions, space: SearchSpace,
-                 say: Callable[[str], None]) -> tuple[Plan, Profile]:
-    """Every level traced, profiled and solved; the best plan of them and its profile."""
-    planned: list[tuple[Plan, Profile]] = []
-    planned_levels: list[UnitLevel] = []
-    for number, level in enumerate(levels, 1):
-        if len(levels) > 1:
-            say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
-        try:
-            traced, measured = _trace_and_profile(model, batch, target, level.units, step, space, say)
-        except RepeatedUnitError:
-            if number == len(levels) and not planned:
-                raise
-            continue  # a Sequential run called twice: the other levels are the plan space
-        planned_levels.append(level)
-        measured = dataclasses.replace(measured, segments=space.segments)
-        pins = pinned_choices(list(traced.unit_names), precision_options(space.precision, target.device), space.keep_fp32, space.checkpoint)
-        planned.append(_decide_loss_head(traced, measured, target, step, pins, say))
-    return best_level(planned, planned_levels, tried=len(levels))
-
-
-def plan_request(budget, target: Device, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """The arguments of plan() that shape the plan, as given: the budget, then those not at their default.
-
-    A value that is not a literal (a loss function, an optimizer or Device object) is recorded as None: the
-    code that reproduces the plan passes the caller's own. An omitted device is recorded by its profile
-    name when it has one, so the code says what the plan was made for.
-    """
-    defaults = {name: parameter.default for name, parameter in inspect.signature(plan).parameters.items()}
-    request: list[tuple[str, Any]] = [("budget", _literal(budget))]
-    for name, value in given.items():
-        if name == "device" and value is None and target.name in DEVICES:
-            value = target.name
-        if isinstance(value, TrainingLoop) and not changed_fields(value):
-            continue  # the common loop, however it was given
-        if value is not defaults[name] and value != defaults[name]:
-            request.append((name, _literal(value)))
-    return tuple(request)
-
-
-def _literal(value: Any) -> Any:
-    """`value` as a JSON and Python literal, or None when it is an object only the caller has."""
-    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
-        return value
-    if isinstance(value, TrainingLoop):
-        return changed_fields(value)  # check_loop takes these back
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
-        return list(value)
-    if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        return dict(value)
-    return None
-
-
-def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> Plan:
-    """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
-    curve: tuple[WorldSizePoint, ...] = ()
-    usable, time_limit_s = target.budget.usable_bytes, target.time_limit_s
-    if isinstance(target.world_size, int):
-        world = target.world_size
-    else:
-        say("finding the smallest number of GPUs")
-        world, curve = fewest_gpus(measured, pins, usable, time_limit_s)
-    offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, world)))
-
-    host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
-
-    def simulate(choices: Mapping[str, Choice]) -> int:
-        simulated = simulate_plan(
-            traced, choices_by_unit(measured, choices), device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
-            loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
-        )
-        host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
-        return simulated.peak_bytes
-
-    found = search(measured, usable, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say,
-                   host_budget=target.host_budget_bytes if measured.offload else None)
-    decided = assemble_plan(measured, traced, found, budget=target.budget, reserve=target.reserve, target=target.device, pins=pins,
-                            world=world, time_limit_s=time_limit_s, host_budget=target.host_budget_bytes)
-    simulated = dataclasses.replace(decided.prediction, world_size_curve=curve,
-                                    simulated_host_peak_bytes=host_peaks.get(frozenset(found.choices.items()), 0))
-    return dataclasses.replace(decided, prediction=simulated)
-
-
-def _decide_loss_head(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> tuple[Plan, Profile]:
-    """Decided with the loss head as the profile's timeline runs it and, where it can be fused, the other
-    way too: the faster plan that fits (`faster_loss_head`). Fusing is then chosen by time like any choice."""
-    decided = _decide(traced, measured, target, step, pins, say)
-    if measured.alternative is None or measured.base_step_time_s is not None:  # measured times are for the timeline's head only
-        return decided, measured
-    other = dataclasses.replace(measured, timeline=measured.alternative, alternative=measured.timeline)
-    say("planning again with the loss head " + ("fused" if other.timeline.fused_loss else "as written"))
-    return faster_loss_head((decided, measured), (_decide(traced, other, target, step, pins, say), other))
-
-
-def _trace_and_profile(model, batch, target: Target, unit_names, step: StepOptions, space: SearchSpace, say) -> tuple[Traced, Profile]:
-    """The trace and profile stages: units found, and what each costs under every allowed choice."""
-    precisions = precision_options(space.precision, target.device)
-    if space.keep_fp32 and "fp32" not in precisions:
-        precisions = (*precisions, "fp32")
-    rest: Precision = "fp32" if space.precision == "auto" else precisions[0]  # the one precision forced
-    say("tracing")
-    traced = trace(model, batch, unit_names=unit_names, routing=step.routing)
-    if space.compile and target.profile == "measure":
-        raise OptionError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
-                          "use profile='roofline' or 'auto'")
-    try:
-        measured = profile_units(
-            traced, target.device, optimizer=step.optimizer, precisions=precisions, rest_precision=rest, loss_fn=step.loss_fn,
-            progress=say, loop=step.loop, menu_size=space.menu_size, compile=space.compile, fuse_loss=space.fuse_loss,
-            offload=space.offload,
-        )
-        if not space.compile and _should_measure(target.profile, model, target.device):
-            measured = measure_times(measured, traced, optimizer=step.optimizer, loss_fn=step.loss_fn, progress=say)
-    except (TraceError, ProfileError, OptionError, MissingExtraError):
-        raise
-    except Exception as error:  # noqa: BLE001 - the model's own code failed under the profile: say where
-        raise _profile_failure(model, error) from error
-    return traced, measured
-
-
-_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
-
-
-def _profile_failure(model: torch.nn.Module, error: Exception) -> ProfileError:
-    """The error of a training step on fake tensors, with the line of the model it happened in."""
-    hint = f" — {FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
-    return ProfileError(
-        f"could not profile {type(model).__name__}: {type(error).__name__}: {first_line(error)}{where_in_user_code(error)}{hint}"
-    )
-
-
-def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:
-    device = model_device(model)
-    if profile == "roofline":
-        return False
-    if profile == "auto":
-        return device.type == "cuda" and target.kind == "cuda" and target.name == get_device(None).name
-    if device.type == "meta":
-        raise OptionError("profile='measure' needs real weights; this model is on the meta device. Use profile='roofline'.")
-    if device.type != target.kind:
-        raise OptionError(
-            f"profile='measure' times the model where it is ({device.type}), but the plan is for {target.name} "
-            f"({target.kind}); move the model there first, or use profile='roofline'"
-        )
-    return True
+    return Planner(model, **options).plan(budget)
 
 
 def apply(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> torch.nn.Module:

@@ -33,6 +33,7 @@ LAYERS = (
     ("verify",),
     ("apply",),
     ("report",),
+    ("planner",),  # the stages run in order: profile once, solve per budget
     ("api",),
     ("hf",),
     ("cli",),

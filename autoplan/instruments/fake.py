@@ -14,7 +14,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from autoplan.instruments.quantized import fake_quantized_entries
 from autoplan.instruments.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
-from autoplan.instruments.values import VALUE_LIMIT, KnownValues, ValuesAsData, for_real
+from autoplan.instruments.values import VALUE_LIMIT, KnownValues, ValuesAsData, for_real, laid_out_like
 from autoplan.vocabulary.fingerprint import input_names
 from autoplan.vocabulary.tensors import tensors_of
 
@@ -74,10 +74,12 @@ def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
     def to_fake(name: str, tensor: torch.Tensor) -> torch.Tensor:
         fake = storage_fakes.fake_of(tensor)
         if values is not None and has_values(tensor) and tensor.numel() <= VALUE_LIMIT:
-            # a copy: ops the simulation runs on values must not write into the user's batch
+            # a copy: ops the simulation runs on values must not write into the user's batch; laid out as the
+            # fake is where its storage is small enough to copy whole (slicing addresses storage by offset)
             if id(tensor) not in clones:
                 with for_real():
-                    clones[id(tensor)] = tensor.detach().clone()
+                    whole = tensor.untyped_storage().nbytes() // tensor.element_size() <= VALUE_LIMIT
+                    clones[id(tensor)] = laid_out_like(tensor.detach()) if whole else tensor.detach().clone()
             value = clones[id(tensor)]
             values.know(fake, value, frozenset((name,)))
         return fake.requires_grad_(tensor.requires_grad) if fake.is_floating_point() else fake

@@ -54,6 +54,7 @@ SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_no
 _INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
              torch.ops.aten._index_put_impl_.default)
 # ops whose output shapes are values of one argument, by its position: CTC loss's target_lengths
+_ADDRESSES_STORAGE = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default)
 _SHAPED_BY_LENGTHS = {torch.ops.aten._ctc_loss.Tensor: 3, torch.ops.aten._ctc_loss_backward.Tensor: 4}
 
 
@@ -135,11 +136,21 @@ class KnownValues:
             return self._fakes_of(real, sources, empty_strided)
         if func in SCALAR_READS:  # fake tensors answered a constant themselves; still a read of the batch
             self._note_read(sources)
-        if _small(out) and _has_values(func):
+        if _small(out) and _has_values(func) and self._addressable(func, args):
             self._attach_all(out, self._run(func, args, kwargs), sources)
         else:
             self._forget_written(func, args, kwargs)
         return out
+
+    def _addressable(self, func, args) -> bool:
+        """Whether `func` reads the same elements of a value as of its fake. as_strided (what slicing
+        decomposes to) addresses storage by absolute offset: on a value laid out unlike its fake (a
+        batch view whose storage was too large to copy whole, a result of `_fakes_of`) it would read
+        other elements, or past the end. Its result then has no value; the slice around it sets one."""
+        if func not in _ADDRESSES_STORAGE:
+            return True
+        value = self._values.get(args[0])
+        return value is not None and same_layout(args[0], value[0])
 
     def _run(self, func, args, kwargs) -> Any:
         """`func` on the values of its arguments, for real (the fake mode set aside)."""
@@ -266,6 +277,20 @@ def _uniform_range(args, kwargs) -> tuple[float, float]:
     low = args[1] if len(args) > 1 else kwargs.get("from", 0.0)
     high = args[2] if len(args) > 2 else kwargs.get("to", 1.0)
     return float(low), float(high)
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors lie in their storages alike: strides, offset and the storage's size."""
+    return (a.stride(), a.storage_offset(), a.untyped_storage().nbytes()) == (b.stride(), b.storage_offset(), b.untyped_storage().nbytes())
+
+
+def laid_out_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` over a copy of its whole storage, at its offset and strides: its fake's layout
+    (`instruments.fake.StorageFakes`), so an op that addresses storage reads the same elements of both."""
+    storage = tensor.untyped_storage()
+    base = torch.empty(storage.nbytes() // tensor.element_size(), dtype=tensor.dtype, device=tensor.device)
+    base.untyped_storage().copy_(storage)
+    return base.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
 def _small(out: Any) -> bool:

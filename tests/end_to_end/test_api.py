@@ -19,6 +19,7 @@ from autoplan import Choice, InfeasibleBudgetError, MemoryBreakdown, Plan, UnitD
 from autoplan.planned.forwards import planned_choices
 from autoplan.training.step_parts import default_loss
 from examples.gpt import build as build_gpt
+from tests.halfway import halfway_budget
 from tests.models import make_lora, make_small_resnet, make_tiny_gpt
 
 DEVICE = "h100-80gb"
@@ -481,10 +482,11 @@ def test_plan_and_apply_graph_units_of_a_flat_model():
     model, (x,) = make_flat()
     x = x.repeat(64, 1)
     reference = copy.deepcopy(model)
-    free = autoplan.plan(model, "1GB", example_inputs=(x,), device="h100-80gb", precision="fp32", reserve=0)
+    planner = autoplan.Planner(model, example_inputs=(x,), device="h100-80gb", precision="fp32", reserve=0)
+    free = planner.plan("1GB")
     assert all(u.name.startswith("graph[") for u in free.decisions.units)
-    budget = (free.prediction.baseline_peak_bytes + free.prediction.minimum_peak_bytes) // 2
-    tight = autoplan.plan(model, budget, example_inputs=(x,), device="h100-80gb", precision="fp32", reserve=0)
+    budget = halfway_budget(free)
+    tight = planner.plan(budget)
     assert tight.outcome.feasible and tight.prediction.simulated_peak_bytes <= budget
     assert any(u.choice.mode != "keep" for u in tight.decisions.units)
     assert autoplan.apply(model, tight) is model

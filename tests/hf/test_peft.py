@@ -12,6 +12,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import autoplan  # noqa: E402
+from tests.halfway import halfway_plan  # noqa: E402
 from autoplan.planned.forwards import planned_choices  # noqa: E402
 
 SIZES = dict(vocab_size=256, num_hidden_layers=3, num_attention_heads=4)
@@ -32,10 +33,8 @@ def batch():
     return {"input_ids": ids, "labels": ids}
 
 
-def halfway_plan(model, inputs):
-    wide = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", reserve=0)
-    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
-    return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", reserve=0)
+def cpu_halfway_plan(model, inputs, **options):
+    return halfway_plan(model, example_inputs=inputs, device="cpu", reserve=0, **options)
 
 
 @pytest.mark.parametrize("family,dropout", [("qwen2", 0.0), ("gpt2", 0.1)])
@@ -43,7 +42,7 @@ def test_lora_on_a_full_precision_base_predicts_real_steps(family, dropout):
     """The issue's 8.4% over-prediction was the KV cache: peft's forward passes use_cache on through
     **kwargs, so the wrapped model's signature decides that training runs without it."""
     model, inputs = lora_model(family, dropout), batch()
-    plan = halfway_plan(model, inputs)
+    plan = cpu_halfway_plan(model, inputs)
     assert [u.name for u in plan.decisions.units][0].startswith("base_model.model.")  # the blocks, found through the wrapper
     assert len(plan.decisions.units) == 3
     assert any(u.choice.mode != "keep" for u in plan.decisions.units)
@@ -55,7 +54,7 @@ def test_adapters_save_and_merge_after_apply_and_remove_plan(tmp_path):
     model, inputs = lora_model("qwen2"), batch()
     reference = lora_model("qwen2")
     reference.load_state_dict(model.state_dict())
-    plan = halfway_plan(model, inputs)
+    plan = cpu_halfway_plan(model, inputs)
     autoplan.apply(model, plan)
     assert planned_choices(model)
 
@@ -82,9 +81,7 @@ def test_adapters_save_and_merge_after_apply_and_remove_plan(tmp_path):
 def test_merging_a_planned_model_keeps_the_plan_and_trains_as_the_merged_original():
     model, inputs = lora_model("qwen2"), batch()
     reference = lora_model("qwen2")
-    wide = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", reserve=0, precision="fp32")
-    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
-    plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", reserve=0, precision="fp32")
+    plan = cpu_halfway_plan(model, inputs, precision="fp32")
     autoplan.apply(model, plan)
     merged, merged_reference = model.merge_and_unload(), reference.merge_and_unload()
     kept = planned_choices(merged)  # the base's own block names now, the same choices

@@ -17,6 +17,7 @@ import pytest
 import autoplan
 from autoplan import TrainingLoop
 from tests import families
+from tests.halfway import halfway_plan
 from tests.models import ALL_MODELS
 
 KEPT = TrainingLoop()  # outputs = model(**batch); outputs.loss.backward(): logits alive through backward
@@ -63,9 +64,7 @@ def zoo_plan(name: str, loop: TrainingLoop):
     repeat = 64 if name in ("flat", "mlp") else 4  # a batch whose activations matter
     inputs = tuple(t.repeat(repeat, *[1] * (t.dim() - 1)) for t in inputs)
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)
-    free = autoplan.plan(model, "4GB", **options)
-    budget = (free.prediction.baseline_peak_bytes + free.prediction.minimum_peak_bytes) // 2
-    return model, inputs, autoplan.plan(model, budget, **options)
+    return model, inputs, halfway_plan(model, "4GB", **options)
 
 
 @pytest.mark.parametrize("loop", [KEPT, DROPPED], ids=["outputs-kept", "outputs-dropped"])

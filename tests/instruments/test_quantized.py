@@ -17,6 +17,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import autoplan  # noqa: E402
+from tests import halfway  # noqa: E402
 from autoplan.instruments.fake import fake_copy, new_fake_mode  # noqa: E402
 from autoplan.instruments.quantized import quantization_state_tensors, resident_tensors  # noqa: E402
 from autoplan.vocabulary.tensors import rounded_bytes, unique_storage_bytes  # noqa: E402
@@ -65,9 +66,9 @@ def wide_nf4_plan(saved_llama):
 def halfway_plan(model, inputs, wide=None):
     """A plan at a budget halfway between the lowest peak and no plan: some units checkpointed, some not.
     `wide`: the model's plan at 1GB where a test already has it."""
-    wide = wide or autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu")
-    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
-    return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", reserve=0)
+    if wide is None:  # one profile for both solves
+        return halfway.halfway_plan(model, example_inputs=inputs, device="cpu", reserve=0)
+    return autoplan.plan(model, halfway.halfway_budget(wide), example_inputs=inputs, device="cpu", reserve=0)
 
 
 @pytest.mark.parametrize("quantization", ["nf4-double", "fp4"])

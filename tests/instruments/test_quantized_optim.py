@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from typer.testing import CliRunner  # noqa: E402
 
 import autoplan  # noqa: E402
+from tests.halfway import halfway_plan  # noqa: E402
 import autoplan.instruments.quantized_optim as quantized_optim  # noqa: E402
 from autoplan.cli.app import app  # noqa: E402
 from autoplan.cli.exits import ExitCode  # noqa: E402
@@ -109,9 +110,7 @@ def test_instance_of_a_llama_full_finetune_is_planned_and_measured(cls):
     """The failure this fixes: AdamW8bit's quantization map was built with `.tolist()` under fake tensors."""
     model, inputs = tiny_llama()
     opt = cls(model.parameters(), lr=1e-3)
-    wide = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", optimizer=opt)
-    budget = (wide.prediction.minimum_peak_bytes + wide.prediction.baseline_peak_bytes) // 2
-    plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", optimizer=opt, reserve=0)
+    plan = halfway_plan(model, example_inputs=inputs, device="cpu", optimizer=opt, reserve=0)
     assert plan.request.optimizer == cls.__name__
     result = autoplan.verify(model, plan, example_inputs=inputs, optimizer=opt)
     assert result.held

@@ -18,6 +18,7 @@ import pytest
 import autoplan
 from autoplan.errors import OptionError
 from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound, RouterShape
+from tests.halfway import halfway_budget
 from tests.structures import Structure, _MOE, _hf, _tokens, build_eager_moe, build_residual_list
 from tests.end_to_end.test_plan_space import assert_trains_the_same
 
@@ -40,8 +41,10 @@ def _routed(model, *experts):
 @pytest.fixture(scope="module")
 def worst_case():
     model, inputs = build_eager_moe()
-    free = _plan(model, inputs, units=["layers.*"])  # one level, the layers: the experts level costs as much again
-    tight = _plan(model, inputs, (free.prediction.minimum_peak_bytes + free.prediction.baseline_peak_bytes) // 2, units=["layers.*"])
+    # one level, the layers: the experts level costs as much again; profiled once for both budgets
+    planner = autoplan.Planner(model, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, units=["layers.*"])
+    free = planner.plan("1GB")
+    tight = planner.plan(halfway_budget(free))
     return model, inputs, free, tight
 
 

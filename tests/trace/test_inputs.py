@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoplan
+from tests.halfway import halfway_plan
 
 VOCAB, WIDTH = 40, 32
 
@@ -145,10 +146,8 @@ def _call(model, inputs):
 def test_plans_and_trains_like_the_original(case: str) -> None:
     torch.manual_seed(0)
     model, inputs, loss_of = CASES[case]()
-    generous = autoplan.plan(model, "100%", example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    budget = (generous.prediction.minimum_peak_bytes + generous.prediction.baseline_peak_bytes) // 2
-    plan = autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
-    assert plan.outcome.feasible and plan.prediction.simulated_peak_bytes <= budget
+    plan = halfway_plan(model, "100%", example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
+    assert plan.outcome.feasible and plan.prediction.simulated_peak_bytes <= plan.request.usable_bytes
     assert any(u.choice.mode != "keep" for u in plan.decisions.units)
     assert abs(plan.prediction.peak_bytes - plan.prediction.simulated_peak_bytes) <= 0.05 * plan.prediction.simulated_peak_bytes
 

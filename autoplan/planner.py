@@ -1,0 +1,348 @@
+"""Profile once, plan at many budgets: `Planner(model, **options).plan(budget)`.
+
+`autoplan.plan(model, budget, **options)` is `Planner(model, **options).plan(budget)`. Tracing and
+profiling a model are the minutes of planning; solving for one budget is seconds. A Planner checks
+its options when made, traces and profiles at its first `plan()`, and keeps what it measured, so
+a sweep of budgets (step time against memory, a budget between the lowest peak and no plan)
+profiles once. Each `plan(budget)` returns the Plan `autoplan.plan` returns for that budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from autoplan.errors import MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, TraceError
+from autoplan.inputs.batch import training_batch
+from autoplan.inputs.budget import make_budget
+from autoplan.inputs.devices import DEVICES, Device, get_device
+from autoplan.inputs.loop import TrainingLoop, changed_fields, check_loop
+from autoplan.inputs.options import (
+    PROFILE_SOURCES,
+    SearchSpace,
+    StepOptions,
+    Target,
+    check_choice,
+    check_precision,
+    check_time_limit,
+    check_world_size,
+    flag,
+    host_budget_bytes,
+    search_space,
+)
+from autoplan.memory.model import rank_offsets
+from autoplan.memory.segments import choices_by_unit
+from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
+from autoplan.profile.menu import DEFAULT_MENU_SIZE
+from autoplan.profile.timing import measure_times
+from autoplan.profile.units import Profile, precision_options
+from autoplan.profile.units import profile as profile_units
+from autoplan.vocabulary.fingerprint import batch_values, fingerprint_of
+from autoplan.vocabulary.formatting import first_line, where_in_user_code
+from autoplan.instruments.quantized import int8_layers, settle_first_forward
+from autoplan.instruments.routing import check_moe_capacity
+from autoplan.training.step_parts import model_device, optimizer_name
+from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
+from autoplan.solve.search import pinned_choices, search
+from autoplan.solve.worlds import fewest_gpus
+from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
+from autoplan.trace.units import UnitLevel, unit_levels
+from autoplan.verify.simulate import simulate_plan
+
+
+@dataclass(frozen=True)
+class ProfiledLevel:
+    """One level of units (`trace.units.unit_levels`), traced and profiled: all a solve needs but the budget."""
+
+    level: UnitLevel
+    traced: Traced
+    measured: Profile
+    pins: Mapping[str, tuple[Choice, ...]]
+
+
+class Planner:
+    """The model and every option of `autoplan.plan` but the budget; `plan(budget)` plans for one.
+
+    Options are checked here, before minutes of work. The first `plan()` traces and profiles the model
+    (every level of units); each later one solves again from what was measured. A model whose
+    parameters change in the meantime (shape, dtype, device, requires_grad) is refused: make a new Planner.
+    """
+
+    @torch.enable_grad()  # a training step is planned: the caller's no_grad (or a factory's) is not the step's
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        example_inputs: Any = None,
+        batch_size: int | None = None,
+        seq_len: int | None = None,
+        device: str | Device | None = None,
+        optimizer: str | torch.optim.Optimizer = "adamw",
+        precision: str = "auto",
+        units: list[str] | None = None,
+        keep_fp32: list[str] | None = None,
+        checkpoint: list[str] | Mapping[str, str] | None = None,
+        reserve: str | int | None = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        time_limit_s: float = 10.0,
+        profile: str = "auto",
+        progress: Callable[[str], None] | None = None,
+        on_profile: Callable[[Profile], None] | None = None,
+        world_size: int | str = 1,
+        menu_size: int = DEFAULT_MENU_SIZE,
+        compile: bool = False,
+        loop: TrainingLoop | None = None,
+        allow_over_device: bool = False,
+        segments: bool = True,
+        moe_capacity: float | None = None,
+        fuse_loss: bool = True,
+        offload: bool | None = None,
+        host_budget: str | int | None = None,
+    ) -> None:
+        # every option checked before minutes of tracing and profiling (the budget and reserve by plan())
+        _check_optimizer(optimizer)
+        self._step = StepOptions(optimizer, loss_fn, check_loop(loop), check_moe_capacity(moe_capacity))
+        self._device = get_device(device)
+        self._space = search_space(precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, menu_size=menu_size,
+                                   segments=segments, compile=compile, fuse_loss=fuse_loss, world_size=world_size,
+                                   device=self._device, offload=offload)
+        check_precision(self._space.precision, self._device)
+        self._reserve = reserve
+        self._world_size: int | Literal["auto"] = "auto" if world_size == "auto" else check_world_size(world_size)
+        self._profile = check_choice("profile", profile, PROFILE_SOURCES)
+        self._time_limit_s, self._host_budget_bytes = check_time_limit(time_limit_s), host_budget_bytes(host_budget)
+        self._allow_over_device = flag("allow_over_device", allow_over_device)
+        self._given = dict(
+            batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
+            keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
+            loop=self._step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity,
+            fuse_loss=fuse_loss, offload=offload, host_budget=host_budget, compile=compile)
+        _check_model(model, self._device)
+        settle_first_forward(model)
+        self._model, self._units = model, units
+        self._batch = training_batch(model, example_inputs, batch_size, seq_len)
+        self._fingerprint = fingerprint_of(model, self._batch)  # before planning: what apply and verify check the plan against
+        self._parameters = _parameter_states(model)
+        self._say = progress or (lambda message: None)
+        self._on_profile = on_profile
+        self._levels: list[ProfiledLevel] | None = None
+        self._tried = 0
+
+    @torch.enable_grad()
+    def plan(self, budget: str | int) -> Plan:
+        """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest (autoplan.plan's docstring)."""
+        target = Target(self._device, make_budget(budget, self._device, self._reserve, allow_over_device=self._allow_over_device),
+                        self._reserve, self._world_size, self._profile, self._time_limit_s, self._host_budget_bytes)
+        request = plan_request(budget, self._device, self._given)
+        self._check_unchanged()
+        if self._levels is None:
+            self._levels = self._profile_levels()
+        # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
+        # within a level, segments of consecutive blocks are candidates of the same program
+        planned = [_decide_loss_head(level.traced, level.measured, target, self._step, level.pins, self._say) for level in self._levels]
+        chosen, measured = best_level(planned, [level.level for level in self._levels], tried=self._tried)
+        if self._on_profile is not None:
+            self._on_profile(measured)
+        fingerprint = dataclasses.replace(self._fingerprint, values=batch_values(self._batch, measured.batch_reads))
+        traced_as = dataclasses.replace(chosen.model, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
+                                        batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
+        return dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=request), model=traced_as)
+
+    def _profile_levels(self) -> list[ProfiledLevel]:
+        """Every level of units traced and profiled; a level whose Sequential run is called twice is skipped."""
+        levels, profiled = unit_levels(self._model, self._units), list[ProfiledLevel]()
+        self._tried = len(levels)
+        for number, level in enumerate(levels, 1):
+            if len(levels) > 1:
+                self._say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
+            try:
+                traced, measured = _trace_and_profile(self._model, self._batch, self._profile, self._device, level.units,
+                                                      self._step, self._space, self._say)
+            except RepeatedUnitError:
+                if number == len(levels) and not profiled:
+                    raise
+                continue  # a Sequential run called twice: the other levels are the plan space
+            measured = dataclasses.replace(measured, segments=self._space.segments)
+            pins = pinned_choices(list(traced.unit_names), precision_options(self._space.precision, self._device),
+                                  self._space.keep_fp32, self._space.checkpoint)
+            profiled.append(ProfiledLevel(level, traced, measured, pins))
+        return profiled
+
+    def _check_unchanged(self) -> None:
+        """The model is the one profiled: a parameter added, dropped, reshaped, moved, cast or (un)frozen is not."""
+        now = _parameter_states(self._model)
+        if now != self._parameters:
+            first = next((f"{n}: {a} then {b}" for (n, a), (_, b) in zip(self._parameters, now) if a != b),
+                         f"{len(self._parameters)} parameters then {len(now)}")
+            raise PlanMismatchError(f"the model changed since this Planner was made ({first}); its profile is of the model "
+                                    "as it was: make a new Planner (or call autoplan.plan) for the model as it is")
+
+
+def _parameter_states(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    """Each parameter's name with what a plan depends on: shape, dtype, device and whether it trains."""
+    return tuple((name, f"{tuple(p.shape)} {p.dtype} {p.device} requires_grad={p.requires_grad}")
+                 for name, p in model.named_parameters())
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """An optimizer whose state plan() can count: a name it knows, or a torch.optim.Optimizer."""
+    try:
+        optimizer_name(optimizer)
+    except ValueError as error:
+        raise OptionError(f"optimizer (--optimizer on the command line): {error}") from None
+
+
+def _check_model(model: torch.nn.Module, target: Device) -> None:
+    """A model a training step can be planned for: something to train, and no 8-bit base for a GPU."""
+    if not any(parameter.requires_grad for parameter in model.parameters()):
+        raise OptionError(f"{type(model).__name__} has no trainable parameters (every requires_grad is False): a training "
+                          "step would update nothing. Unfreeze what you train (model.requires_grad_(True), or add adapters)")
+    _check_int8_target(model, target)
+
+
+def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
+    """8-bit bases are planned for the CPU only: on a GPU, bitsandbytes' LLM.int8() training matmul keeps
+    int8 copies of each input and its outlier columns, whose count depends on the batch's values, while
+    the CPU path the simulation runs keeps the input alone; a GPU plan would count less than the GPU holds."""
+    layers = int8_layers(model)
+    if layers and target.kind != "cpu":
+        raise ProfileError(
+            f"{type(model).__name__} has {len(layers)} bitsandbytes 8-bit layers (e.g. {layers[0]}); autoplan plans 8-bit bases "
+            f"for the CPU only, not for {target.name}: on a GPU their matmuls keep outlier columns whose size depends on the batch. "
+            "Load the base in 4-bit (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), which plans for any device")
+
+
+def plan_request(budget, target: Device, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The arguments of plan() that shape the plan, as given: the budget, then those not at their default.
+
+    A value that is not a literal (a loss function, an optimizer or Device object) is recorded as None: the
+    code that reproduces the plan passes the caller's own. An omitted device is recorded by its profile
+    name when it has one, so the code says what the plan was made for.
+    """
+    defaults = {name: parameter.default for name, parameter in inspect.signature(Planner).parameters.items()}
+    request: list[tuple[str, Any]] = [("budget", _literal(budget))]
+    for name, value in given.items():
+        if name == "device" and value is None and target.name in DEVICES:
+            value = target.name
+        if isinstance(value, TrainingLoop) and not changed_fields(value):
+            continue  # the common loop, however it was given
+        if value is not defaults[name] and value != defaults[name]:
+            request.append((name, _literal(value)))
+    return tuple(request)
+
+
+def _literal(value: Any) -> Any:
+    """`value` as a JSON and Python literal, or None when it is an object only the caller has."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+        return value
+    if isinstance(value, TrainingLoop):
+        return changed_fields(value)  # check_loop takes these back
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return list(value)
+    if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    return None
+
+
+def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> Plan:
+    """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
+    curve: tuple[WorldSizePoint, ...] = ()
+    usable, time_limit_s = target.budget.usable_bytes, target.time_limit_s
+    if isinstance(target.world_size, int):
+        world = target.world_size
+    else:
+        say("finding the smallest number of GPUs")
+        world, curve = fewest_gpus(measured, pins, usable, time_limit_s)
+    offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, world)))
+
+    host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
+
+    def simulate(choices: Mapping[str, Choice]) -> int:
+        simulated = simulate_plan(
+            traced, choices_by_unit(measured, choices), device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
+            loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
+        )
+        host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
+        return simulated.peak_bytes
+
+    found = search(measured, usable, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say,
+                   host_budget=target.host_budget_bytes if measured.offload else None)
+    decided = assemble_plan(measured, traced, found, budget=target.budget, reserve=target.reserve, target=target.device, pins=pins,
+                            world=world, time_limit_s=time_limit_s, host_budget=target.host_budget_bytes)
+    simulated = dataclasses.replace(decided.prediction, world_size_curve=curve,
+                                    simulated_host_peak_bytes=host_peaks.get(frozenset(found.choices.items()), 0))
+    return dataclasses.replace(decided, prediction=simulated)
+
+
+def _decide_loss_head(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> tuple[Plan, Profile]:
+    """Decided with the loss head as the profile's timeline runs it and, where it can be fused, the other
+    way too: the faster plan that fits (`faster_loss_head`). Fusing is then chosen by time like any choice."""
+    decided = _decide(traced, measured, target, step, pins, say)
+    if measured.alternative is None or measured.base_step_time_s is not None:  # measured times are for the timeline's head only
+        return decided, measured
+    other = dataclasses.replace(measured, timeline=measured.alternative, alternative=measured.timeline)
+    say("planning again with the loss head " + ("fused" if other.timeline.fused_loss else "as written"))
+    return faster_loss_head((decided, measured), (_decide(traced, other, target, step, pins, say), other))
+
+
+def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, step: StepOptions, space: SearchSpace,
+                       say) -> tuple[Traced, Profile]:
+    """The trace and profile stages: units found, and what each costs under every allowed choice."""
+    precisions = precision_options(space.precision, device)
+    if space.keep_fp32 and "fp32" not in precisions:
+        precisions = (*precisions, "fp32")
+    rest: Precision = "fp32" if space.precision == "auto" else precisions[0]  # the one precision forced
+    say("tracing")
+    traced = trace(model, batch, unit_names=unit_names, routing=step.routing)
+    if space.compile and profile == "measure":
+        raise OptionError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
+                          "use profile='roofline' or 'auto'")
+    try:
+        measured = profile_units(
+            traced, device, optimizer=step.optimizer, precisions=precisions, rest_precision=rest, loss_fn=step.loss_fn,
+            progress=say, loop=step.loop, menu_size=space.menu_size, compile=space.compile, fuse_loss=space.fuse_loss,
+            offload=space.offload,
+        )
+        if not space.compile and _should_measure(profile, model, device):
+            measured = measure_times(measured, traced, optimizer=step.optimizer, loss_fn=step.loss_fn, progress=say)
+    except (TraceError, ProfileError, OptionError, MissingExtraError):
+        raise
+    except Exception as error:  # noqa: BLE001 - the model's own code failed under the profile: say where
+        raise _profile_failure(model, error) from error
+    return traced, measured
+
+
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def _profile_failure(model: torch.nn.Module, error: Exception) -> ProfileError:
+    """The error of a training step on fake tensors, with the line of the model it happened in."""
+    hint = f" — {FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
+    return ProfileError(
+        f"could not profile {type(model).__name__}: {type(error).__name__}: {first_line(error)}{where_in_user_code(error)}{hint}"
+    )
+
+
+def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:
+    device = model_device(model)
+    if profile == "roofline":
+        return False
+    if profile == "auto":
+        return device.type == "cuda" and target.kind == "cuda" and target.name == get_device(None).name
+    if device.type == "meta":
+        raise OptionError("profile='measure' needs real weights; this model is on the meta device. Use profile='roofline'.")
+    if device.type != target.kind:
+        raise OptionError(
+            f"profile='measure' times the model where it is ({device.type}), but the plan is for {target.name} "
+            f"({target.kind}); move the model there first, or use profile='roofline'"
+        )
+    return True

@@ -1,0 +1,80 @@
+"""Planner: profile once, plan at many budgets; each plan is autoplan.plan's for that budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import autoplan
+from autoplan import planner as planner_module
+from autoplan.errors import BudgetError, OptionError, PlanMismatchError
+from autoplan.trace.units import unit_levels
+from tests.cli_factories import tiny_gpt
+from tests.structures import by_name
+
+OPTIONS: dict[str, Any] = dict(device="h100", reserve=0)
+
+
+def _without_solve_times(value: Any) -> Any:
+    """A plan's JSON less what the solver's clock wrote (how long each solve took)."""
+    if isinstance(value, dict):
+        return {key: _without_solve_times(item) for key, item in value.items() if "solve" not in key}
+    if isinstance(value, list):
+        return [_without_solve_times(item) for item in value]
+    return value
+
+
+def _budgets(plan: autoplan.Plan) -> list[int]:
+    """The lowest peak, a budget between it and no plan, and no plan: three different plans."""
+    low, high = plan.prediction.minimum_peak_bytes, plan.prediction.baseline_peak_bytes
+    return [low, (low + high) // 2, high]
+
+
+@pytest.mark.slow  # the whole pipeline, several times
+@pytest.mark.parametrize("build", [
+    lambda: tiny_gpt(batch_size=4, seq_len=32),  # the loss head planned fused and as written
+    lambda: by_name("stages of blocks (stages[i].blocks[j])").build(),  # two levels of units, the best kept
+], ids=["tiny GPT", "stages of blocks"])
+def test_each_plan_is_autoplans_plan_for_that_budget(build, monkeypatch) -> None:
+    model, inputs = build()
+    traces = []
+    real_trace = planner_module.trace
+    monkeypatch.setattr(planner_module, "trace", lambda *args, **kwargs: traces.append(1) or real_trace(*args, **kwargs))
+    planner = autoplan.Planner(model, example_inputs=inputs, precision="fp32", **OPTIONS)
+    assert traces == []  # made, not yet profiled: options only
+    budgets = _budgets(planner.plan("1GB"))
+    planned = [planner.plan(budget) for budget in budgets]
+    assert len(traces) == len(unit_levels(model))  # every level traced once, for four plans
+    assert len({tuple(plan.decisions.choices().items()) for plan in planned}) >= 2  # the budgets made different plans
+    for budget, plan in zip(budgets, planned):
+        alone = autoplan.plan(model, budget, example_inputs=inputs, precision="fp32", **OPTIONS)
+        assert _without_solve_times(plan.to_dict()) == _without_solve_times(alone.to_dict())
+        assert plan.request.budget_bytes == budget and plan.request.arguments[0] == ("budget", budget)
+
+
+def test_options_are_checked_when_made_and_the_budget_when_planned() -> None:
+    model, inputs = tiny_gpt(batch_size=2, seq_len=8)
+    with pytest.raises(OptionError, match="precision"):
+        autoplan.Planner(model, example_inputs=inputs, precision="fp8", **OPTIONS)
+    planner = autoplan.Planner(model, example_inputs=inputs, **OPTIONS)
+    with pytest.raises(BudgetError, match="20Gb"):
+        planner.plan("20Gb")
+    assert planner.plan("1GB").outcome.feasible  # a bad budget leaves the planner as it was
+
+
+@pytest.mark.parametrize("change", ["freeze", "cast", "grow"])
+def test_a_model_changed_after_profiling_is_refused(change) -> None:
+    model, inputs = tiny_gpt(batch_size=2, seq_len=8)
+    planner = autoplan.Planner(model, example_inputs=inputs, **OPTIONS)
+    planner.plan("1GB")
+    head = model.lm_head if hasattr(model, "lm_head") else list(model.modules())[-1]
+    if change == "freeze":
+        next(head.parameters()).requires_grad_(False)
+    elif change == "cast":
+        head.to(torch.float64)
+    else:
+        model.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(PlanMismatchError, match="changed since this Planner was made.*make a new Planner"):
+        planner.plan("1GB")
