@@ -13,9 +13,9 @@ from autoplan.instruments.values import known_value
 
 @pytest.mark.parametrize("copied_whole", [True, False], ids=["storage copied whole", "storage too large to copy"])
 def test_slices_of_a_label_view_read_its_own_elements(copied_whole, monkeypatch) -> None:
-    """Next-token labels are tokens[:, 1:], a view at storage offset 1. A slice at its end addressed
-    past the end of a contiguous copy (a Llama at 4096 tokens could not be planned), and one in its
-    middle read the elements one to the left."""
+    """Next-token labels are tokens[:, 1:], a view at storage offset 1. Its value was a contiguous copy,
+    and the as_strided a slice at its end decomposes to addressed past the copy's end (a Llama at 4096
+    tokens could not be planned)."""
     if not copied_whole:
         monkeypatch.setattr(fake_module, "VALUE_LIMIT", 5)  # the 5 labels keep a value, their 11-element storage is not copied
     tokens = torch.arange(100, 111).reshape(1, 11)
