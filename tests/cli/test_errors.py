@@ -91,7 +91,7 @@ MISTAKES = {
     "segment of another model": (_call("autoplan.vocabulary.names", "segment_members",
                                        torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2)),
                                        Segment("0.0", "1")), PlanMismatchError, ValueError, "not two children of one module"),
-    "measure a meta model": (_call("autoplan.api", "_should_measure", "measure", _meta_mlp(), None), OptionError, ValueError,
+    "measure a meta model": (_call("autoplan.planner", "_should_measure", "measure", _meta_mlp(), None), OptionError, ValueError,
                              "profile='roofline'"),
     "checkpoint mode unknown": (_call("autoplan.solve.search", "pinned_choices", ["a"], ("fp32",), None, {"a": "half"}),
                                 OptionError, ValueError, "'half'"),
