@@ -34,3 +34,14 @@ def pytest_xdist_make_scheduler(config, log):
             return SHARED_CACHE_FILES.get(path, path)
 
     return SharedCacheFileScheduling(config, log)
+
+
+# Folders whose every test runs the whole pipeline (or a process): marked slow without a mark each.
+WHOLE_PIPELINE_FOLDERS = ("end_to_end", "hf")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under WHOLE_PIPELINE_FOLDERS is `slow` (`-m 'not slow'` leaves them out; .ci/run runs them)."""
+    for item in items:
+        if item.path.parent.name in WHOLE_PIPELINE_FOLDERS and item.path.parent.parent.name == "tests":
+            item.add_marker(pytest.mark.slow)

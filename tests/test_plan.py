@@ -114,6 +114,7 @@ def test_the_fused_loss_head_is_a_flag_with_its_logits_beside_it():
         Decisions((), fused_loss=False, fused_logits="8×32 logits")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_report_needs_nothing_imported_first():
     """No formatter registered at import: a fresh interpreter that imports only the vocabulary can report."""
     script = (

@@ -54,6 +54,7 @@ def test_each_plan_is_autoplans_plan_for_that_budget(build, monkeypatch) -> None
         assert plan.request.budget_bytes == budget and plan.request.arguments[0] == ("budget", budget)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_options_are_checked_when_made_and_the_budget_when_planned() -> None:
     model, inputs = tiny_gpt(batch_size=2, seq_len=8)
     with pytest.raises(OptionError, match="precision"):
@@ -64,6 +65,7 @@ def test_options_are_checked_when_made_and_the_budget_when_planned() -> None:
     assert planner.plan("1GB").outcome.feasible  # a bad budget leaves the planner as it was
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("change", ["freeze", "cast", "grow"])
 def test_a_model_changed_after_profiling_is_refused(change) -> None:
     model, inputs = tiny_gpt(batch_size=2, seq_len=8)

@@ -180,6 +180,7 @@ def shared_two_ranks(tmp_path_factory):
     return free, _run_workers(tmp_path_factory.mktemp("fsdp_shared"), f"{budget}B", "shared")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_call_sites_of_one_module_are_one_fsdp_group_in_the_plan(shared_two_ranks) -> None:
     free, _ = shared_two_ranks
     model = shared_block()

@@ -349,6 +349,7 @@ def test_full_checkpoint_recomputes_one_forward_of_the_units():
 # -- 4. checkpointing saves memory ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("name", ["tiny_gpt", "tiny_gpt_eager", "residual_mlp", "small_resnet", "mlp"])
 def test_checkpointing_frees_activations_before_backward(name):
     alive = {mode: bytes_alive_after_forward(rewritten(name, Choice(mode, "fp32"))[0], ALL_MODELS[name]()[1]) for mode in MODES}
@@ -417,6 +418,7 @@ def test_eval_outputs_match_original_eval(mode):
 # -- 6. torch.compile -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("mode", ("full", "selective"))
 @pytest.mark.parametrize("name", ["tiny_gpt", "flat"])  # flat: graph units, a PlannedGraph forward
 def test_torch_compile_matches_eager_original(name, mode):
@@ -608,6 +610,7 @@ def mlp_plan():
     return autoplan.plan(model, "1GB", example_inputs=inputs, device="h100-80gb", reserve=0)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_apply_rewrites_in_place_as_planned(gpt_plan):
     model, inputs = make_tiny_gpt()
     assert autoplan.apply(model, gpt_plan) is model
@@ -622,6 +625,7 @@ def test_apply_rejects_plan_for_another_model(gpt_plan):
     assert all("forward" not in m.__dict__ for m in other.modules())
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_apply_rejects_range_plan_for_non_sequential_model(mlp_plan):
     other, _ = ALL_MODELS["residual_mlp"]()
     with pytest.raises(ValueError, match=r"\[0:2\]"):

@@ -265,6 +265,7 @@ def test_options_reach_the_plan(tmp_path) -> None:
     assert steps["fsdp"]["status"] == "chosen" and "planned for 4 × a100-80gb under FSDP2" in steps["fsdp"]["detail"]
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_precision_bf16_puts_every_unit_in_bf16(tmp_path) -> None:
     result, doc = run_json(tmp_path, "plan", FACTORY, "--budget", "1GB", "--device", "h100", "--precision", "bf16")
     assert result.exit_code == ExitCode.FITS
@@ -374,6 +375,7 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path) -> N
 # -- hf: targets (need autoplan.hf from the hf branch) ------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_hf_preset_planned_on_meta(tmp_path) -> None:
     result, doc = run_json(tmp_path, "plan", "hf:gpt2", "--budget", "80GB", "--device", "h100",
                            "--batch-size", "1", "--seq-len", "32")
@@ -382,6 +384,7 @@ def test_hf_preset_planned_on_meta(tmp_path) -> None:
     assert doc["inputs"]["parameter_count"] > 100_000_000
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_hf_local_config(tmp_path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64,

@@ -23,6 +23,7 @@ def test_a_message_of_kilobytes_is_cut_to_one_line_that_says_how_much_was_left_o
     assert capsys.readouterr().err.splitlines()[-1] == f"autoplan: error: {message}"
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("command", ["plan", "verify"])
 def test_torch_sized_errors_from_the_model_reach_the_terminal_as_one_short_line(command) -> None:
     """The model's backward raises one line of about 7 KB: the person reads what and where, in one line."""

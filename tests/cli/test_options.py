@@ -52,6 +52,7 @@ def test_verify_refuses_a_repeated_option_too() -> None:
     assert result.returncode == 2 and "--steps: given more than once (2, 3)" in " ".join(result.stderr.split())
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_world_size_no_fsdp_job_runs_is_refused_before_planning() -> None:
     result = autoplan("plan", MLP, "--budget", "1GB", "--world-size", "1000000")
     assert result.returncode == 2, result.stderr
@@ -73,6 +74,7 @@ def test_json_into_a_missing_folder_is_refused_and_no_folder_is_made(tmp_path) -
         assert result.returncode == 2 and f"the folder {tmp_path / 'file'} is not a folder" in result.stderr, result.stderr
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_fsdp_on_the_cpu_profile_speaks_of_ranks_not_gpus() -> None:
     result = autoplan("plan", MLP, "--budget", "1GB", "--device", "cpu", "--world-size", "2")
     assert result.returncode == 0, result.stderr

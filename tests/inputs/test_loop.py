@@ -48,6 +48,7 @@ def verify_family(name: str, plan: autoplan.Plan) -> autoplan.Verification:
     return autoplan.verify(model, plan, example_inputs=family.inputs(model), steps=2)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("loop", [KEPT, DROPPED], ids=["outputs-kept", "outputs-dropped"])
 @pytest.mark.parametrize("name", [f.name for f in families.FAMILIES])
 def test_hf_family_peak_holds_in_the_planned_loop(name, loop):
@@ -67,6 +68,7 @@ def zoo_plan(name: str, loop: TrainingLoop):
     return model, inputs, halfway_plan(model, "4GB", **options)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("loop", [KEPT, DROPPED], ids=["outputs-kept", "outputs-dropped"])
 @pytest.mark.parametrize("name", sorted(ALL_MODELS))
 def test_zoo_peak_holds_in_the_planned_loop(name, loop):
@@ -78,6 +80,7 @@ def test_zoo_peak_holds_in_the_planned_loop(name, loop):
 ACCUMULATING = {"2": TrainingLoop(accumulation_steps=2), "4-dropped": TrainingLoop(accumulation_steps=4, keep_outputs=False)}
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("loop", ACCUMULATING.values(), ids=ACCUMULATING.keys())
 @pytest.mark.parametrize("name", ["tiny_gpt", "small_resnet", "skipnet"])
 def test_gradient_accumulation_peak_holds(name, loop):
@@ -86,6 +89,7 @@ def test_gradient_accumulation_peak_holds(name, loop):
     assert_holds(autoplan.verify(model, plan, example_inputs=inputs, steps=2))
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("loop", ACCUMULATING.values(), ids=ACCUMULATING.keys())
 def test_hf_gradient_accumulation_peak_holds(loop):
     pytest.importorskip("transformers")
@@ -94,6 +98,7 @@ def test_hf_gradient_accumulation_peak_holds(loop):
     assert_holds(verify_family("Llama", plan))
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize(
     "loop",
     [TrainingLoop(optimizer_impl="foreach", grad_scaler=True), TrainingLoop(optimizer_impl="fused", zero_grad_set_to_none=False)],
@@ -112,6 +117,7 @@ def no_plan_peak(loop: TrainingLoop | None, name: str = "tiny_gpt", repeat: int 
     return autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop).prediction.baseline_peak_bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_each_loop_field_changes_the_predicted_peak_the_way_it_changes_memory():
     kept = no_plan_peak(KEPT)
     assert kept > no_plan_peak(DROPPED)  # the logits stay alive through backward

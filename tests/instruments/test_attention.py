@@ -90,6 +90,7 @@ def test_gpu_plan_of_gpt2_with_dropout_counts_what_cuda_keeps() -> None:
     assert all(c.saved_bytes - g.saved_bytes >= probabilities for c, g in zip(cpu.units, gpu.units))
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_attention_is_priced_in_a_gpu_profile_and_recompute_is_not_free() -> None:
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
     model = nn.Sequential(layer, nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True))

@@ -71,6 +71,7 @@ def halfway_plan(model, inputs, wide=None):
     return autoplan.plan(model, halfway.halfway_budget(wide), example_inputs=inputs, device="cpu", reserve=0)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("quantization", ["nf4-double", "fp4"])
 def test_4bit_lora_prediction_equals_real_steps_in_the_common_loop(saved_llama, quantization, request):
     model, inputs = quantized(saved_llama, quantization), batch()
@@ -82,6 +83,7 @@ def test_4bit_lora_prediction_equals_real_steps_in_the_common_loop(saved_llama, 
     assert result.measured_peak_bytes <= plan.prediction.peak_bytes <= result.measured_peak_bytes * 1.01
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_8bit_base_prediction_equals_real_steps_in_the_common_loop(saved_llama):
     """LLM.int8()'s training matmul keeps its input as an attribute of its autograd node, which backward
     does not free: the graph the loop's `loss` still holds keeps it through the next forward, and how
@@ -209,6 +211,7 @@ FAMILIES = {
 }
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("family,quant_type,double,compute,rank,targets,kbit_checkpointing", [
     ("qwen2", "nf4", False, torch.float16, 4, ["q_proj", "v_proj"], False),
     ("mistral", "fp4", True, torch.float32, 16, "all-linear", True),  # kbit's input-grad hook and HF checkpointing on
@@ -231,6 +234,7 @@ def test_other_bases_and_adapters_predict_real_steps(tmp_path, family, quant_typ
     assert result.measured_peak_bytes <= plan.prediction.peak_bytes <= result.measured_peak_bytes * 1.01
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("adapter", ["dora", "lora-with-trained-head", "ia3"])
 def test_other_peft_adapters_on_a_4bit_base_predict_real_steps(saved_llama, adapter):
     """DoRA dequantizes each 4-bit weight for its norm (peft reads the weight's class name to know how);

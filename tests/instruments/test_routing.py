@@ -48,6 +48,7 @@ def worst_case():
     return model, inputs, free, tight
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_worst_case_plan_holds_for_skewed_and_spread_routing(worst_case):
     model, inputs, free, tight = worst_case
     assert free.model.moe_routing == tight.model.moe_routing == "worst case"
@@ -64,6 +65,7 @@ def test_worst_case_plan_trains_like_the_original(worst_case):
     assert_trains_the_same(Structure("eager MoE", build_eager_moe, lambda m: list(m.layers)), tight)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_capacity_plans_that_many_tokens_per_expert_and_holds_within_it(worst_case):
     _, _, worst, _ = worst_case
     model, inputs = build_eager_moe(balanced=True)  # exactly 64 × 2 / 4 = 32 tokens per expert
@@ -96,6 +98,7 @@ def test_a_capacity_on_a_model_whose_routing_decides_no_shape_is_a_note():
     assert any("moe_capacity=1.25 was given, but no routing in this model decides a shape" in note for note in plan.notes)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_transformers_eager_experts_plan_hold_and_train():
     """transformers' own per-expert loop (experts_implementation="eager"), skewed and as initialised."""
     pytest.importorskip("transformers")

@@ -42,6 +42,7 @@ def errors(name: str, trials: int = 4) -> list[float]:
     return result
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize(
     "name", ["mlp", "residual_mlp", "tiny_gpt", "tiny_gpt_eager", "tiny_gpt_dropout", "small_resnet", "skipnet", "lora", "flat"]
 )
@@ -90,6 +91,7 @@ class _AttributeBlock(torch.nn.Module):
         return x + torch.relu(_KeepsInputAsAttribute.apply(self.linear(self.norm(x)), self.weight))
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_what_a_graph_keeps_after_backward_is_counted_per_choice():
     """The bytes an autograd node keeps past backward depend on the unit's choice (in bf16 its input is
     half the size); the memory model's `spent_bytes` makes its prediction the simulation's. (Checkpointing

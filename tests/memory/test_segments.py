@@ -185,6 +185,7 @@ def test_segments_train_the_same_under_torch_compile():
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_llama_layers_form_segments_priced_and_trained_exactly():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

@@ -180,6 +180,7 @@ def measured():
     return traced, profile(traced, autoplan.get_device("rtx-4090"), precisions=("fp32", "bf16"), offload=True)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_host_twins_move_what_keep_saves_off_the_device(measured):
     _, measured = measured
     unit = measured.units[0]
@@ -219,6 +220,7 @@ def test_slack_budget_offloads_nothing():
     assert plan.outcome.feasible and plan.request.offload and not _offloaded(plan) and plan.prediction.host_peak_bytes == 0
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_offload_reaches_below_the_on_device_floor():
     without = _plan("100MB", offload=False)
     plan = _plan("100MB")
@@ -228,12 +230,14 @@ def test_offload_reaches_below_the_on_device_floor():
     assert plan.prediction.peak_bytes == plan.prediction.simulated_peak_bytes <= plan.request.usable_bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_host_budget_binds():
     assert not _plan("100MB", host_budget=0).outcome.feasible
     plan = _plan("100MB", host_budget="5MB")
     assert plan.outcome.feasible and 0 < plan.prediction.host_peak_bytes <= 5_000_000
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_a_fast_link_offloads_instead_of_recomputing_and_a_slow_one_recomputes():
     slow, fast = _plan("150MB", device=CARD + "1MB/s"), _plan("150MB", device=CARD + "100TB/s")
     assert not _offloaded(slow) and any(u.choice.checkpointed for u in slow.decisions.units)

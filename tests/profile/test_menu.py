@@ -201,6 +201,7 @@ def test_a_policy_in_a_persons_words_names_kinds_of_op_not_aten_ops():
     assert summarize(ops, ()).startswith("keeps only its inputs; recomputes ")
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_compile_plans_price_only_flops_and_the_policy_runs_compiled():
     model, inputs = _tiny_llama()
     measured = profile(trace(model, inputs), CPU, precisions=("fp32",), menu_size=4, compile=True)

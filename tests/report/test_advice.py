@@ -47,6 +47,7 @@ def tight(loose):
 # -- what profile.py and memory.py add ----------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_attention_bytes_are_the_saved_softmax_probabilities(loose) -> None:
     model, _, profile = loose
     probabilities = BATCH * HEADS * SEQ * SEQ  # elements of one (B, heads, T, T) matrix
@@ -66,6 +67,7 @@ def test_unit_parameter_bytes(loose) -> None:
         assert unit.param_bytes == unique_storage_bytes(list(unit_module(model, unit.unit).parameters())) > 0
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_sharded_peak_on_one_gpu_is_the_single_gpu_prediction(loose, tight) -> None:
     for _, plan, profile in (loose, tight):
         assert sharded_peak(profile, plan.decisions.choices(), 1).total == predict_peak(profile, plan.decisions.choices()).bytes
@@ -227,6 +229,7 @@ def test_shorter_sequences_needs_a_length(tight) -> None:
     assert shorter.status == "try" and f"instead of {SEQ}" in shorter.detail and shorter.saves_bytes > plan.prediction.peak_bytes - plan.request.usable_bytes
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_device_dependent_steps() -> None:
     _, plan, profile = planned(device="t4", budget="1GB")
     advice = advise(plan, profile)

@@ -47,6 +47,7 @@ def ladder_run(tiny_config, tmp_path_factory):
     return result, json.loads(document.read_text())
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_ladder_rungs_are_cumulative_and_the_first_that_fits_is_marked(ladder_run):
     result, document = ladder_run
     ladder = document["advice"]["ladder"]

@@ -42,6 +42,7 @@ def plan_at(budget: int) -> autoplan.Plan:
     return autoplan.plan(model, budget, example_inputs=inputs, device="h100", reserve=0)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_every_number_reads_in_human_units_at_any_scale() -> None:
     plan = roomy_plan()
     # the same plan as if it ran a model a million times larger: seconds and TFLOP, not 1e+03 ms and 1,000 GFLOP
@@ -61,6 +62,7 @@ def test_every_number_reads_in_human_units_at_any_scale() -> None:
     assert "31.3 TFLOP" in format_report(scaled) and "17.3 µs" in format_report(scaled)
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_state_alone_over_the_budget_opens_the_report_with_that_and_no_unit_table() -> None:
     plan = plan_at(roomy_plan().model.state_bytes // 2)
     report = format_report(plan, width=400)  # one line per paragraph

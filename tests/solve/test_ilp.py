@@ -297,11 +297,13 @@ def _assert_solver_matches_brute_force(profile: Profile, fractions=(0.0, 0.2, 0.
     assert not solve(profile, lowest - HALF, pins=pins).feasible
 
 
+@pytest.mark.slow  # hundreds of solves against brute force
 @pytest.mark.parametrize(("seed", "n"), [(0, 4), (1, 6), (2, 8), (3, 10)])
 def test_solver_matches_brute_force_keep_or_full(seed: int, n: int) -> None:
     _assert_solver_matches_brute_force(random_chain(seed, n))
 
 
+@pytest.mark.slow  # hundreds of solves against brute force
 @pytest.mark.parametrize(("seed", "n"), [(5, 6), (13, 5)])
 def test_solver_matches_brute_force_three_modes(seed: int, n: int) -> None:
     _assert_solver_matches_brute_force(random_chain(seed, n, three_modes=True))
@@ -331,6 +333,7 @@ def test_solver_is_optimal_where_cbc_preprocessing_was_not(seed, n, three_modes,
     assert step_time(profile, solution.choices) < cbc_answered
 
 
+@pytest.mark.slow  # hundreds of solves against brute force
 @pytest.mark.parametrize(("seed", "n", "three_modes", "passed"), [(2, 8, False, False), (5, 6, True, False), (7, 7, False, True)])
 def test_cbc_fallback_matches_brute_force(monkeypatch, seed, n, three_modes, passed) -> None:
     """Without a highspy wheel the solver is pulp's CBC; its plans are as optimal."""

@@ -31,6 +31,7 @@ def tight_plan(model, inputs, **options):
     return autoplan.plan(model, budget, example_inputs=inputs, device="cpu", precision="fp32", reserve=0, **options)
 
 
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("name", ["tiny_gpt", "small_resnet", "skipnet", "flat", "lora"])
 def test_verify_on_cpu_measures_the_predicted_peak(name):
     model, inputs = batch_of(name, repeat=64 if name == "flat" else 4)  # flat: activations must matter
@@ -49,6 +50,7 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
 
 
+@pytest.mark.slow  # the whole pipeline
 def test_verify_runs_the_plan_and_judges_it_against_the_usable_budget():
     model, inputs = batch_of("tiny_gpt")
     plan = tight_plan(model, inputs)
