@@ -10,13 +10,15 @@ value to the next.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any
 
 import torch
 
 from autoplan.apply.fsdp import process_group_world_size, require_process_group
 from autoplan.apply.rewrite import apply_plan, refuse_meta
-from autoplan.errors import InfeasibleBudgetError
+from autoplan.errors import InfeasibleBudgetError, OptionTypeError
 from autoplan.inputs.options import check_world_size
 from autoplan.plan import Plan
 from autoplan.planner import Planner
@@ -38,7 +40,19 @@ def plan(model: torch.nn.Module, budget: str | int, **options: Any) -> Plan:
     Every option is a keyword of `autoplan.Planner`, and this is `Planner(model, **options).plan(budget)`:
     to plan one model at several budgets, make the Planner once (it profiles once).
     """
+    _check_option_names(options, "plan")
     return Planner(model, **options).plan(budget)
+
+
+def _check_option_names(options: dict[str, Any], called: str) -> None:
+    """A misspelled option named as the caller wrote it, with the closest real one: Python's own error
+    would name Planner.__init__, which the caller never called."""
+    known = [name for name in inspect.signature(Planner).parameters if name != "model"]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {', '.join(known)}"
+            raise OptionTypeError(f"{called}() got an unexpected keyword argument {name!r}{hint} (docs/api.md)")
 
 
 def apply(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> torch.nn.Module:
@@ -60,7 +74,7 @@ def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch
     back FSDP2-sharded (`apply.fsdp.apply_fsdp`), and the budget is per GPU.
     """
     refuse_meta(model)
-
+    _check_option_names(options, "optimize")
     world_size = options.get("world_size", 1)
     if world_size == "auto" and process_group_world_size() is None:
         require_process_group(0)  # says how to start one
