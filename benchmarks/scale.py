@@ -54,19 +54,28 @@ def run(preset: str, args) -> dict:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("presets", nargs="*", default=["1b", "8b", "70b"])
-    parser.add_argument("--world-size", default="8")
-    parser.add_argument("--budget", default="80GB")
+def llama_arguments(parser: argparse.ArgumentParser, presets: list[str], seq_len: int) -> None:
+    """The Llama presets to plan and the batch and device they are planned for (benchmarks/sweep.py too)."""
+    parser.add_argument("presets", nargs="*", default=presets)
     parser.add_argument("--device", default="h100-80gb")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=8192)
-    args = parser.parse_args()
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+
+
+def machine() -> str:
     import torch
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}; "
-          f"planning batch {args.batch_size} × {args.seq_len} for {args.world_size} × {args.device}, budget {args.budget} per GPU")
+    return f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    llama_arguments(parser, ["1b", "8b", "70b"], seq_len=8192)
+    parser.add_argument("--world-size", default="8")
+    parser.add_argument("--budget", default="80GB")
+    args = parser.parse_args()
+    print(f"{machine()}; planning batch {args.batch_size} × {args.seq_len} for {args.world_size} × {args.device}, "
+          f"budget {args.budget} per GPU")
     print(f"{'model':>6} {'parameters':>11} {'world size':>10} {'fits':>5} {'peak/GPU':>9} {'plan s':>7} {'wall s':>7} {'max RSS':>8}")
     for preset in args.presets:
         row = run(preset, args)

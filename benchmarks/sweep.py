@@ -12,13 +12,12 @@ model and the machine it ran on.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scale import ROOT, llama_arguments, machine  # benchmarks/ is on the path when this script runs
+
 sys.path.insert(0, ROOT)
 
 
@@ -45,16 +44,11 @@ def sweep(preset: str, args) -> tuple[float, list[float], int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("presets", nargs="*", default=["1b", "8b"])
+    llama_arguments(parser, ["1b", "8b"], seq_len=4096)
     parser.add_argument("--points", type=int, default=5)
-    parser.add_argument("--device", default="h100-80gb")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=4096)
     args = parser.parse_args()
-    import torch
-
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}; "
-          f"batch {args.batch_size} × {args.seq_len} on one {args.device}, {args.points} budgets from the lowest peak to no plan")
+    print(f"{machine()}; batch {args.batch_size} × {args.seq_len} on one {args.device}, {args.points} budgets from the lowest "
+          "peak to no plan")
     print(f"{'model':>6} {'first plan s':>13} {'later plan s (median)':>22} {'ratio':>6} {'fit':>5}")
     for preset in args.presets:
         first, later, fitting = sweep(preset, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -66,8 +67,13 @@ def test_options_are_checked_when_made_and_the_budget_when_planned() -> None:
 
 
 @pytest.mark.slow  # the whole pipeline
-@pytest.mark.parametrize("change", ["freeze", "cast", "grow"])
-def test_a_model_changed_after_profiling_is_refused(change) -> None:
+@pytest.mark.parametrize("change, named", [
+    ("freeze", r"parameter \S+ is .*, frozen here, .*, trained in the profile"),
+    ("cast", r"parameter \S+ is [0-9×]+ float64 on cpu, trained here, [0-9×]+ float32 on cpu, trained in the profile"),
+    # the new parameter comes first in named_parameters(): the message still names it, not a neighbour
+    ("grow", r"parameter extra \(3 float32 on cpu, trained\) is not in the profile"),
+])
+def test_a_model_changed_after_profiling_is_refused(change, named) -> None:
     model, inputs = tiny_gpt(batch_size=2, seq_len=8)
     planner = autoplan.Planner(model, example_inputs=inputs, **OPTIONS)
     planner.plan("1GB")
@@ -78,5 +84,6 @@ def test_a_model_changed_after_profiling_is_refused(change) -> None:
         head.to(torch.float64)
     else:
         model.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
-    with pytest.raises(PlanMismatchError, match="changed since this Planner was made.*make a new Planner"):
+    with pytest.raises(PlanMismatchError, match="changed since this Planner was made.*make a new Planner") as refused:
         planner.plan("1GB")
+    assert re.search(named, str(refused.value)), str(refused.value)

@@ -14,7 +14,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from autoplan.instruments.quantized import fake_quantized_entries
 from autoplan.instruments.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
-from autoplan.instruments.values import VALUE_LIMIT, KnownValues, ValuesAsData, for_real, laid_out_like
+from autoplan.instruments.values import VALUE_LIMIT, KnownValues, ValuesAsData, for_real, laid_out_like, storage_elements
 from autoplan.vocabulary.fingerprint import input_names
 from autoplan.vocabulary.tensors import tensors_of
 
@@ -56,7 +56,7 @@ class StorageFakes:
         key = (storage._cdata, tensor.dtype)
         with self.fake_mode:
             if key not in self._bases:
-                self._bases[key] = torch.empty(storage.nbytes() // tensor.element_size(), dtype=tensor.dtype, device="cpu")
+                self._bases[key] = torch.empty(storage_elements(tensor), dtype=tensor.dtype, device="cpu")
             return self._bases[key].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).detach()
 
 
@@ -78,7 +78,7 @@ def fake_tree(tree: Any, fake_mode: FakeTensorMode) -> Any:
             # fake is where its storage is small enough to copy whole (slicing addresses storage by offset)
             if id(tensor) not in clones:
                 with for_real():
-                    whole = tensor.untyped_storage().nbytes() // tensor.element_size() <= VALUE_LIMIT
+                    whole = storage_elements(tensor) <= VALUE_LIMIT
                     clones[id(tensor)] = laid_out_like(tensor.detach()) if whole else tensor.detach().clone()
             value = clones[id(tensor)]
             values.know(fake, value, frozenset((name,)))

@@ -284,12 +284,16 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.stride(), a.storage_offset(), a.untyped_storage().nbytes()) == (b.stride(), b.storage_offset(), b.untyped_storage().nbytes())
 
 
+def storage_elements(tensor: torch.Tensor) -> int:
+    """How many elements of its dtype the tensor's whole storage holds (a view's storage holds more than it)."""
+    return tensor.untyped_storage().nbytes() // tensor.element_size()
+
+
 def laid_out_like(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of `tensor` over a copy of its whole storage, at its offset and strides: its fake's layout
     (`instruments.fake.StorageFakes`), so an op that addresses storage reads the same elements of both."""
-    storage = tensor.untyped_storage()
-    base = torch.empty(storage.nbytes() // tensor.element_size(), dtype=tensor.dtype, device=tensor.device)
-    base.untyped_storage().copy_(storage)
+    base = torch.empty(storage_elements(tensor), dtype=tensor.dtype, device=tensor.device)
+    base.untyped_storage().copy_(tensor.untyped_storage())
     return base.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 

@@ -123,7 +123,8 @@ def state_bound(plan: "Plan") -> StateBound | None:
     return None
 
 
-def _all(profile: Profile, mode: Mode, precision: Precision) -> dict[str, Choice] | None:
+def every_unit(profile: Profile, mode: Mode, precision: Precision) -> dict[str, Choice] | None:
+    """Every unit of the profile in `mode` and `precision`; None when a unit was not profiled so."""
     choice = Choice(mode, precision)
     if any(choice not in unit.options for unit in profile.units):
         return None
@@ -143,7 +144,7 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
                   f"{format_bytes(profile.reference.peak_bytes)} in fp32; step {format_seconds(profile.timeline.step_time_s)} vs "
                   f"{format_seconds(profile.reference.step_time_s)}")
         return Step(key, title, "chosen", detail, saves, -faster, code)
-    fp32, lowered = _all(profile, "keep", "fp32"), _all(profile, "keep", low)
+    fp32, lowered = every_unit(profile, "keep", "fp32"), every_unit(profile, "keep", low)
     if fp32 is None or lowered is None:
         return Step(key, title, "n/a", f"not measured: precision was forced to fp32; plan with --precision auto to measure {low}")
     saves = predict_peak(profile, fp32).bytes - predict_peak(profile, lowered).bytes

@@ -28,9 +28,9 @@ from autoplan.errors import OptionError
 from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora, with_attention
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time
-from autoplan.plan import Choice, Plan, Precision
+from autoplan.plan import Plan, Precision
 from autoplan.profile.units import Profile
-from autoplan.report.advice import adamw8bit_state_bytes, eight_bit_step_change_s
+from autoplan.report.advice import adamw8bit_state_bytes, eight_bit_step_change_s, every_unit
 from autoplan.report.text import apply_code
 from autoplan.vocabulary.formatting import first_line
 
@@ -115,11 +115,6 @@ def _attention_variants(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.
                           f"{first_line(error)}") from error
 
 
-def _keep_all(profile: Profile, precision: Precision) -> dict[str, Choice] | None:
-    choice = Choice("keep", precision)
-    return None if any(choice not in unit.options for unit in profile.units) else {u.name: choice for u in profile.units}
-
-
 def _precision_rungs(plan: Plan, profile: Profile, low: Precision, loader: str) -> list[Rung]:
     usable = plan.request.usable_bytes
     reference = profile.reference
@@ -127,7 +122,7 @@ def _precision_rungs(plan: Plan, profile: Profile, low: Precision, loader: str) 
     baseline = Rung("baseline", "baseline (fp32, eager attention)", reference.peak_bytes, base_time,
                     reference.peak_bytes <= usable, "simulated step with no plan: every block keeps its activations, nothing "
                     "under autocast", f'model = {loader}.from_pretrained(CHECKPOINT, attn_implementation="eager")')
-    kept = _keep_all(profile, low)
+    kept = every_unit(profile, "keep", low)
     peak = predict_peak(profile, kept).bytes if kept else profile.timeline.peak_bytes
     time = predict_step_time(profile, kept) if kept else profile.timeline.step_time_s
     scaler = "\nscaler = torch.amp.GradScaler()" if low == "fp16" else ""

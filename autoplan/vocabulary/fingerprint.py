@@ -72,7 +72,7 @@ def check_model(fingerprint: Fingerprint | None, model: torch.nn.Module) -> None
     """Raise PlanMismatchError naming the first parameter that differs from the plan's; None checks nothing."""
     if fingerprint is None:
         return
-    difference = _first_difference(dict(fingerprint.parameters), dict(parameter_shapes(model)), "parameter")
+    difference = first_difference(dict(fingerprint.parameters), dict(parameter_shapes(model)), "parameter")
     if difference:
         raise PlanMismatchError(
             f"this plan was made for another {type(model).__name__}: {difference}. Its bytes and times are for the "
@@ -85,7 +85,7 @@ def check_batch(fingerprint: Fingerprint | None, batch: tuple[tuple, dict]) -> N
     if fingerprint is None or not fingerprint.batch:
         return
     here = batch_shapes(batch)
-    difference = _first_difference(dict(fingerprint.batch), dict(here), "input")
+    difference = first_difference(dict(fingerprint.batch), dict(here), "input")
     if difference:
         planned = ", ".join(f"{name} {shape}" for name, shape in fingerprint.batch)
         raise PlanMismatchError(
@@ -93,7 +93,7 @@ def check_batch(fingerprint: Fingerprint | None, batch: tuple[tuple, dict]) -> N
             "the plan was made for, or plan for this batch (autoplan.plan(..., example_inputs=...))"
         )
     values = batch_values(batch, tuple(name for name, _ in fingerprint.values))
-    difference = _first_difference(dict(fingerprint.values), dict(values), "value of")
+    difference = first_difference(dict(fingerprint.values), dict(values), "value of")
     if difference:
         raise PlanMismatchError(
             f"the model's forward reads values of {', '.join(name for name, _ in fingerprint.values)}, and the plan's "
@@ -102,13 +102,14 @@ def check_batch(fingerprint: Fingerprint | None, batch: tuple[tuple, dict]) -> N
         )
 
 
-def _first_difference(planned: dict[str, str], here: dict[str, str], what: str) -> str:
-    """The first name whose shape differs, in words, and how many more do; "" when none."""
+def first_difference(planned: dict[str, str], here: dict[str, str], what: str, source: str = "the plan") -> str:
+    """The first name whose shape differs, in words, and how many more do; "" when none. `source`: what
+    `planned` describes ("the plan", or "the profile" of a Planner)."""
     differences = [
-        f"{what} {name} is {here[name]} here, {shape} in the plan" if name in here
-        else f"{what} {name} of the plan is missing here"
+        f"{what} {name} is {here[name]} here, {shape} in {source}" if name in here
+        else f"{what} {name} of {source} is missing here"
         for name, shape in planned.items() if here.get(name) != shape
-    ] + [f"{what} {name} ({shape}) is not in the plan" for name, shape in here.items() if name not in planned]
+    ] + [f"{what} {name} ({shape}) is not in {source}" for name, shape in here.items() if name not in planned]
     if not differences:
         return ""
     more = len(differences) - 1
