@@ -1,9 +1,9 @@
 """The plan's vocabulary: what can be chosen for a unit, and the Plan a planning run returns.
 
-A `Choice` is one checkpoint mode × one precision. A `Plan` is everything a person (or the
-rewrite stage) needs, in parts by concern: what was asked, the model and device, one decision per
-unit, the predicted peaks, breakdown and step times, and how the search ended. `Plan.to_dict()`
-is the JSON schema; it holds only plain numbers, strings, lists and dicts.
+A `Choice` is one checkpoint mode × one precision. A `Plan` is everything a person (or the rewrite
+stage) needs, in parts by concern: what was asked, the model and device, one decision per unit, the
+predicted peaks, breakdown and step times, and how the search ended. `Plan.to_dict()` is the JSON
+schema: only plain numbers, strings, lists and dicts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
+from autoplan.errors import OptionError
 from autoplan.units import Unit
 
 Mode = Literal["keep", "selective", "full"]
@@ -91,17 +92,17 @@ class Choice:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"unknown checkpoint mode {self.mode!r}; expected one of {MODES}")
+            raise OptionError(f"unknown checkpoint mode {self.mode!r}; expected one of {MODES}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
+            raise OptionError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
         if self.saves is not None:
             if self.mode != "selective":
-                raise ValueError(f"only selective mode names the ops it saves; got mode {self.mode!r} with saves")
+                raise OptionError(f"only selective mode names the ops it saves; got mode {self.mode!r} with saves")
             object.__setattr__(self, "saves", tuple(self.saves))
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"unknown placement {self.placement!r}; expected one of {PLACEMENTS}")
+            raise OptionError(f"unknown placement {self.placement!r}; expected one of {PLACEMENTS}")
         if self.placement == "host" and self.mode not in OFFLOADABLE:
-            raise ValueError(f"only keep and full units can offload what they save; got mode {self.mode!r}")
+            raise OptionError(f"only keep and full units can offload what they save; got mode {self.mode!r}")
 
     @property
     def checkpointed(self) -> bool:
@@ -205,10 +206,9 @@ class OutsideUnits:
 class Fingerprint:
     """The model and the batch a plan was made for, by shape and dtype: what `apply` and `verify` check.
 
-    Each entry is a name and its tensor in words, ("blocks.0.fc.weight", "256×256 float32"): every
-    parameter by its qualified name (tied weights once), every tensor of the example batch by where
-    it is passed ("argument 0", "input_ids"). Devices are left out: a plan made on the meta device
-    applies to the same model with weights.
+    Each entry is a name and its tensor in words, ("blocks.0.fc.weight", "256×256 float32"): every parameter
+    by its qualified name (tied weights once), every tensor of the example batch by where it is passed
+    ("argument 0", "input_ids"). Devices are left out: a plan made on meta applies to the model with weights.
     """
 
     parameters: tuple[tuple[str, str], ...]
@@ -271,7 +271,7 @@ class Decisions:
 
     def __post_init__(self) -> None:
         if self.fused_logits and not self.fused_loss:
-            raise ValueError(f"fused_logits {self.fused_logits!r} names the logits of a fused loss head, but fused_loss is False")
+            raise OptionError(f"fused_logits {self.fused_logits!r} names the logits of a fused loss head, but fused_loss is False")
 
     @property
     def outside_units(self) -> OutsideUnits:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from autoplan.errors import OptionError
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import (
     FORWARD_START,
@@ -110,8 +111,22 @@ def test_the_fused_loss_head_is_a_flag_with_its_logits_beside_it():
     assert fused.decisions.outside_units.fused_loss is True and written.decisions.outside_units.fused_loss is False
     assert (fused.to_dict()["fused_loss"], fused.to_dict()["fused_loss_logits"]) == (True, "8×32 logits")
     assert (written.to_dict()["fused_loss"], written.to_dict()["fused_loss_logits"]) == (False, "")
-    with pytest.raises(ValueError, match="fused_loss is False"):
+    with pytest.raises(OptionError, match="fused_loss is False"):
         Decisions((), fused_loss=False, fused_logits="8×32 logits")
+
+
+@pytest.mark.parametrize("written, named", [
+    (dict(mode="half"), "unknown checkpoint mode 'half'"),
+    (dict(precision="fp8"), "unknown precision 'fp8'"),
+    (dict(mode="full", saves=("mm",)), "only selective mode names the ops it saves"),
+    (dict(placement="disk"), "unknown placement 'disk'"),
+    (dict(mode="selective", placement="host"), "only keep and full units can offload"),
+])
+def test_a_hand_written_choice_that_cannot_be_is_autoplans_option_error(written, named):
+    """A user's mistake in a hand-written Choice is an OptionError (the CLI's exit 2), still a ValueError."""
+    with pytest.raises(OptionError, match=named) as refused:
+        Choice(**written)
+    assert isinstance(refused.value, ValueError)
 
 
 @pytest.mark.slow  # the whole pipeline

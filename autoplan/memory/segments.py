@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
+from autoplan.errors import OptionError
 from autoplan.plan import OPTIMIZER_STEP, Choice, Phase
 from autoplan.profile.units import Profile
 from autoplan.units import ModuleUnit, Segment, Unit
@@ -148,7 +149,7 @@ def chosen_segments(profile: Profile, choices: Mapping[str, Choice]) -> list[tup
     candidates = _candidates_by_name(profile)
     unknown = [name for name, _ in named if name not in candidates]
     if unknown:
-        raise ValueError(f"{unknown} name no unit of this profile and no segment of its units")
+        raise OptionError(f"{unknown} name no unit of this profile and no segment of its units")
     return [(candidates[name], choice) for name, choice in named]
 
 
