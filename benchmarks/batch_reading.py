@@ -18,7 +18,6 @@ measured with every layer running (p = 0, the same weights): the worst case the 
 from __future__ import annotations
 
 import copy
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,12 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
 from tests.batch_reading import FAMILIES, GENERATED  # noqa: E402
 from tests.handmade import checkpoint_by_hand, measured_step  # noqa: E402
-
-
-def machine() -> str:
-    return f"{platform.node()} · {platform.processor() or platform.machine()} · Python {platform.python_version()} · torch {torch.__version__}"
 
 
 def every_layer_running(model: torch.nn.Module) -> torch.nn.Module:
@@ -64,7 +60,7 @@ def row(structure) -> str:
 
 
 def main() -> None:
-    print(f"CPU, this machine: {machine()}; live tensor bytes of training step 2, AdamW, fp32, outputs alive through backward\n")
+    print(f"CPU, this machine: {describe_machine()}; live tensor bytes of training step 2, AdamW, fp32, outputs alive through backward\n")
     print("| model | by hand: peak (B) | autoplan's floor (B) | floor / by hand | planned at the by-hand peak: predicted (B) "
           "| measured (B) | predicted − measured | recompute MFLOP by hand | recompute MFLOP autoplan | read from the batch |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")

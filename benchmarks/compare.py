@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.plan import Choice  # noqa: E402
 from autoplan.planned.forwards import apply_choices
@@ -136,7 +135,6 @@ def measure(model: torch.nn.Module, batch: dict, steps: int, autocast: bool) -> 
             times.append(time.perf_counter() - started)
     peak = torch.cuda.max_memory_allocated() if cuda else max(p.peak_bytes for p in tracker.phases())
     reserved = torch.cuda.max_memory_reserved() if cuda else None
-    del opt
     return Measured(peak, statistics.median(times), reserved)
 
 
@@ -231,17 +229,6 @@ def tuned_compile(workload: Workload, device: torch.device, steps: int, budget: 
     return best[0], f"activation_memory_budget={best[1]:.3f}"
 
 
-def machine(device: torch.device) -> str:
-    where = f"{platform.node()} · {platform.processor() or platform.machine()} · Python {platform.python_version()} · torch {torch.__version__}"
-    if device.type != "cuda":
-        return where + " · CPU mode (live tensor bytes, wall clock)"
-    free, total = torch.cuda.mem_get_info(device)  # after CUDA initialised: what the context took
-    context = total - free - torch.cuda.memory_reserved(device)
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    return where + (f" · {torch.cuda.get_device_name(device)} · driver {driver or '?'} · CUDA {torch.version.cuda}"
-                    f" · CUDA context + other processes: {format_bytes(context)}")
-
-
 def print_table(title: str, rows: list, reference_s: float) -> None:
     print(f"\n{title}")
     print(f"{'configuration':<42} {'budget':>10} {'peak':>10} {'step':>10} {'slowdown':>9} {'fits':>5}  note")
@@ -267,7 +254,7 @@ def main() -> None:
     device = torch.device("cpu" if cpu else "cuda")
     if not cpu:
         torch.backends.cuda.matmul.allow_tf32 = True
-    print("machine:", machine(device))
+    print("machine:", describe_machine(device) + ("" if device.type == "cuda" else " · CPU mode (live tensor bytes, wall clock)"))
     print("command: python benchmarks/compare.py" + (" --cpu" if args.cpu else "") + f" --steps {args.steps}")
     for workload in filter(None, (gpt2_medium(cpu), llama(cpu))):
         rows, static, bf16 = rows_for(workload, device, args.steps, with_compile=not cpu)

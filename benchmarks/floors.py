@@ -16,21 +16,15 @@ is the floor of `plan(..., segments=False)`: blocks only, no runs of them checkp
 
 from __future__ import annotations
 
-import platform
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
 from tests.handmade import compare_with_plan  # noqa: E402
 from tests.structures import STRUCTURES  # noqa: E402
-
-
-def machine() -> str:
-    return f"{platform.node()} · {platform.processor() or platform.machine()} · Python {platform.python_version()} · torch {torch.__version__}"
 
 
 def kib(nbytes: int) -> str:
@@ -45,7 +39,7 @@ def floor_without_segments(structure, budget: int) -> int:
 
 
 def main() -> None:
-    print(f"CPU, this machine: {machine()}; live tensor bytes of training step 2, AdamW, fp32\n")
+    print(f"CPU, this machine: {describe_machine()}; live tensor bytes of training step 2, AdamW, fp32\n")
     print("| structure | by hand: peak | autoplan's floor | floor − by hand | floor / by hand | floor, no segments "
           "| autoplan at the by-hand peak: measured | recompute MFLOP by hand | recompute MFLOP autoplan |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

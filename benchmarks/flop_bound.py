@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan_quality import CPU, SIZES, flops_of, machine, peak_of, setup  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
+from plan_quality import CPU, SIZES, flops_of, peak_of, setup  # noqa: E402
 
 from autoplan.memory.model import predict_peak  # noqa: E402
 from autoplan.memory.segments import chosen_segments  # noqa: E402
@@ -84,7 +85,7 @@ def main(size: str, fuse_loss: bool) -> None:
     original, inputs, traced, measured = made.original, made.inputs, made.traced, made.measured
     floor, activations = made.floor, made.activations
     plain_flops = flops_of(copy.deepcopy(original), inputs)
-    print(f"machine: {machine()}\nLlama-style {config.n_layers} layers, d={config.dim}, batch {batch}×{seq}, fp32; static "
+    print(f"machine: {describe_machine()}\nLlama-style {config.n_layers} layers, d={config.dim}, batch {batch}×{seq}, fp32; static "
           f"{format_bytes(floor)}, activations {format_bytes(activations)}; loss head "
           f"{'fused (' + measured.timeline.fused_logits + ')' if measured.timeline.fused_loss else 'as written'}; plain step {plain_flops / 1e9:.1f} GFLOP (FlopCounterMode)\n")
 

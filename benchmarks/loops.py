@@ -14,16 +14,14 @@ is the claim the tests (`tests/inputs/test_loop.py`) assert.
 
 from __future__ import annotations
 
-import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
 from autoplan import TrainingLoop  # noqa: E402
 from tests import families  # noqa: E402
 from tests.models import ALL_MODELS  # noqa: E402
@@ -40,13 +38,6 @@ OTHERS = {  # the optimizer implementation, GradScaler and zero_grad(set_to_none
 }
 OTHER_MODELS = ("Llama", "tiny_gpt")
 ZOO_REPEAT = {"flat": 64, "mlp": 64}  # batch multiplier: activations must matter for these
-
-
-def machine() -> str:
-    import transformers
-
-    return (f"{platform.node()} · {platform.processor() or platform.machine()} · {torch.get_num_threads()} threads · "
-            f"Python {platform.python_version()} · torch {torch.__version__} · transformers {transformers.__version__}")
 
 
 def family_case(name: str, loop: TrainingLoop):
@@ -85,7 +76,7 @@ def loops_for(name: str) -> dict[str, TrainingLoop]:
 def main(names: list[str]) -> None:
     hf = [f.name for f in families.FAMILIES]
     chosen = names or hf + sorted(ALL_MODELS)
-    print(f"<!-- python benchmarks/loops.py · {machine()} -->")
+    print(f"<!-- python benchmarks/loops.py · {describe_machine(libraries=('transformers',))} -->")
     print("| model | loop | predicted peak (B) | simulated (B) | measured (B) | error | within the usable budget | modes |")
     print("|---|---|---|---|---|---|---|---|")
     errors = []

@@ -27,7 +27,6 @@ GPU was used. Takes a few minutes per row on 2 cores.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
 from autoplan.inputs.batch import training_batch  # noqa: E402
 from autoplan.memory.model import host_peak, predict_step_time  # noqa: E402
 from autoplan.plan import Choice  # noqa: E402
@@ -60,10 +60,6 @@ ROWS = (  # config, card, batch, sequence length
 )
 BY_HAND = ((1, False), (2, False), (1, True))  # (every_n_layers, offload)
 HOST_BUDGET = "128GB"  # pinned host memory of the machine planned for, not of the one planning (the default: half its RAM)
-
-
-def machine() -> str:
-    return f"{platform.node()} · {platform.processor() or platform.machine()} · Python {platform.python_version()} · torch {torch.__version__}"
 
 
 def by_hand(traced, profile, every_n_layers: int, offload: bool) -> tuple[int, float, int]:
@@ -122,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first row only")
     args = parser.parse_args()
-    print(f"Predicted on this machine's CPU (fake tensors, roofline times; no GPU): {machine()}")
+    print(f"Predicted on this machine's CPU (fake tensors, roofline times; no GPU): {describe_machine()}")
     print(f"bf16 autocast, AdamW, outputs kept through backward, host budget {HOST_BUDGET}; floor = lowest device peak; "
           "time = predicted step at the whole card as the budget\n")
     print("| model, batch × tokens | card | autoplan, no offload: floor · plan | autoplan with offload: floor · plan "

@@ -13,7 +13,6 @@ original: same loss and gradients over two AdamW steps, to 1e-5.
 from __future__ import annotations
 
 import copy
-import platform
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
 from autoplan.inputs.batch import training_batch  # noqa: E402
 from tests.families import BATCH, FAMILIES, SEQ  # noqa: E402
 from tests.structures import STRUCTURES  # noqa: E402
@@ -67,7 +67,7 @@ def trains_as_original(model, plan, batch) -> bool:
 
 
 def main() -> None:
-    print(f"CPU, this machine: {platform.node()} · torch {torch.__version__}; planned for rtx-4090, fp32, AdamW, common loop\n")
+    print(f"CPU, this machine: {describe_machine()}; planned for rtx-4090, fp32, AdamW, common loop\n")
     print("| model | floor, no offload | floor, offload | plan between: predicted = simulated | host: predicted = simulated | units offloaded | trains as original |")
     print("|---|---:|---:|---|---|---:|---|")
     for name, model, batch in cases():

@@ -36,7 +36,6 @@ import copy
 import gc
 import io
 import os
-import platform
 import statistics
 import sys
 import time
@@ -57,6 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoplan  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
 from autoplan.inputs.devices import get_device  # noqa: E402
 from autoplan.memory.model import predict_peak  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
@@ -80,10 +80,6 @@ SIZES = {
     "small": (LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=688, max_seq_len=256), 4, 256),
     "issue": (LlamaConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1376, max_seq_len=512), 4, 512),
 }
-
-
-def machine() -> str:
-    return f"{platform.node()} · {platform.processor() or platform.machine()} · Python {platform.python_version()} · torch {torch.__version__}"
 
 
 @dataclass(frozen=True)
@@ -359,7 +355,7 @@ if __name__ == "__main__":
     import torch._inductor.config
 
     torch._inductor.config.post_grad_custom_pre_pass = _count_graph_flops
-    print(f"machine: {machine()}; plans for the cpu device profile; command: python benchmarks/plan_quality.py "
+    print(f"machine: {describe_machine()}; plans for the cpu device profile; command: python benchmarks/plan_quality.py "
           f"{' '.join(sys.argv[1:])}\n")
     quality_table(options.size, options.pairs, not options.no_compile, options.fixed_modes)
     if not options.skip_solve_times:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -62,19 +61,15 @@ def llama_arguments(parser: argparse.ArgumentParser, presets: list[str], seq_len
     parser.add_argument("--seq-len", type=int, default=seq_len)
 
 
-def machine() -> str:
-    import torch
-
-    return f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     llama_arguments(parser, ["1b", "8b", "70b"], seq_len=8192)
     parser.add_argument("--world-size", default="8")
     parser.add_argument("--budget", default="80GB")
     args = parser.parse_args()
-    print(f"{machine()}; planning batch {args.batch_size} × {args.seq_len} for {args.world_size} × {args.device}, "
+    from machine import describe_machine  # imports torch, which this process otherwise leaves to its children
+
+    print(f"machine: {describe_machine()}; planning batch {args.batch_size} × {args.seq_len} for {args.world_size} × {args.device}, "
           f"budget {args.budget} per GPU")
     print(f"{'model':>6} {'parameters':>11} {'world size':>10} {'fits':>5} {'peak/GPU':>9} {'plan s':>7} {'wall s':>7} {'max RSS':>8}")
     for preset in args.presets:

@@ -16,9 +16,11 @@ import statistics
 import sys
 import time
 
-from scale import ROOT, llama_arguments, machine  # benchmarks/ is on the path when this script runs
+from scale import ROOT, llama_arguments  # benchmarks/ is on the path when this script runs
 
 sys.path.insert(0, ROOT)
+
+from benchmarks.machine import describe_machine  # noqa: E402
 
 
 def sweep(preset: str, args) -> tuple[float, list[float], int]:
@@ -47,7 +49,7 @@ def main() -> None:
     llama_arguments(parser, ["1b", "8b"], seq_len=4096)
     parser.add_argument("--points", type=int, default=5)
     args = parser.parse_args()
-    print(f"{machine()}; batch {args.batch_size} × {args.seq_len} on one {args.device}, {args.points} budgets from the lowest "
+    print(f"machine: {describe_machine()}; batch {args.batch_size} × {args.seq_len} on one {args.device}, {args.points} budgets from the lowest "
           "peak to no plan")
     print(f"{'model':>6} {'first plan s':>13} {'later plan s (median)':>22} {'ratio':>6} {'fit':>5}")
     for preset in args.presets:
