@@ -41,6 +41,7 @@ from autoplan.inputs.hf_models import (
     is_hf_model,
     model_from_config,
     require_transformers,
+    stop_training_cache,
     training_inputs,
 )
 from autoplan.inputs.hf_trl import (
@@ -337,9 +338,7 @@ def _over(decided: Plan) -> str:
 
 def _prepare_model(model: torch.nn.Module) -> list[str]:
     """What the Trainer's step needs of the model that the arguments do not say: no KV cache in training."""
-    config: Any = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # a cache holds every layer's keys and values until the step ends; planned without
+    if stop_training_cache(model):  # a cache holds every layer's keys and values until the step ends; planned without
         return ["model.config.use_cache set to False: a KV cache in training holds every layer's keys and values"]
     return []
 

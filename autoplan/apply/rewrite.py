@@ -19,6 +19,7 @@ from autoplan.units import GraphRun
 from autoplan.vocabulary.names import unit_endpoints
 from autoplan.planned.forwards import apply_choices
 from autoplan.instruments.quantized import settle_first_forward
+from autoplan.inputs.hf_models import stop_training_cache
 
 
 def refuse_meta(model: torch.nn.Module) -> None:
@@ -57,6 +58,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
             raise PlanMismatchError(f"the plan names unit {unit.name!r}, which {type(model).__name__} does not have: {error}") from None
     if check:  # after the unit names: a model of another structure is told by the unit it lacks
         check_model(plan.model.fingerprint, model)
+    stop_training_cache(model)  # planned without a KV cache, so `model(**batch)` trains without one (plan.notes says so)
     if plan.request.world_size > 1:
         return apply_fsdp(model, plan)
     return apply_choices(model, choices, plan.decisions.outside_units)

@@ -303,6 +303,29 @@ def training_inputs(model: HFModel, inputs: tuple[tuple, dict]) -> tuple[tuple, 
     return args, kwargs
 
 
+def stop_training_cache(model: torch.nn.Module) -> bool:
+    """Set `use_cache=False` on every config in `model` that says True (a wrapped or multimodal model has
+    several); whether one did.
+
+    `model(**batch)` without use_cache reads its config's, and a causal LM's default True builds a KV cache
+    in training that holds every layer's keys and values until the outputs are freed (in the common loop,
+    through backward). Plans are made without one (`training_inputs`), as HF's Trainer trains. generate()
+    passes its GenerationConfig's use_cache, not the model config's, so generation still caches.
+    """
+    changed = False
+    for module in model.modules():
+        config: Any = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False
+            changed = True
+    return changed
+
+
+def caches_in_training(model: torch.nn.Module) -> bool:
+    """Whether a config in `model` says use_cache=True: what `stop_training_cache` would change."""
+    return any(getattr(getattr(module, "config", None), "use_cache", None) is True for module in model.modules())
+
+
 def _passes_to_language_model(model: HFModel) -> bool:
     """A multimodal model (LLaVA) whose forward passes use_cache on, through **kwargs, to a language model that caches."""
     config: Any = getattr(model, "config", None)

@@ -9,6 +9,7 @@ from typing import TypedDict
 
 from autoplan.inputs.budget import Budget, both_units, budget_needed_for
 from autoplan.inputs.devices import Device
+from autoplan.inputs.hf_models import caches_in_training
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
 from autoplan.memory.segments import chosen_segments, segment_terms
 from autoplan.plan import Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
@@ -85,6 +86,9 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget
     if measured.routing:
         notes.append(measured.routing)
     notes += value_notes(measured, traced)
+    if traced.example_inputs[1].get("use_cache") is False and caches_in_training(traced.model):
+        notes.append("planned without a KV cache, as training reads none back: autoplan.apply sets the model's "
+                     "config.use_cache to False, so model(**batch) trains as planned (generate() still caches)")
     if measured.timeline.target_kernels:
         notes.append(measured.timeline.target_kernels)
     if traced.skip_edges:

@@ -169,6 +169,32 @@ def test_training_inputs_turn_the_cache_off_unless_the_caller_set_it() -> None:
     assert "use_cache" not in training_inputs(vit, ((), {"pixel_values": 1}))[1]
 
 
+@pytest.mark.slow  # the whole pipeline, twice
+def test_a_plan_that_fits_fits_the_loop_that_leaves_the_cache_at_the_configs_default() -> None:
+    """`model(**batch)` with use_cache left at the config's True (transformers' default for causal LMs):
+    plans count no KV cache, so apply turns the config's off and the loop measures what was predicted.
+    Without it the layers planned `full` kept their keys and values in the cache: 32 KB over here."""
+    import transformers
+
+    from tests.handmade import measured_step
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    model = transformers.Qwen3ForCausalLM(config)
+    ids = torch.randint(0, 256, (2, 64))
+    batch = {"input_ids": ids, "labels": ids.clone()}  # no use_cache: the config decides
+    assert model.config.use_cache is True
+    options: dict = dict(example_inputs=batch, device="cpu", precision="fp32", reserve=0)
+    floor = autoplan.plan(model, "100%", **options).prediction.minimum_peak_bytes
+    plan = autoplan.plan(model, floor, **options)
+    assert plan.feasible and "full" in {u.choice.mode for u in plan.decisions.units}
+    assert any("without a KV cache" in note and "config.use_cache" in note for note in plan.notes)
+    planned = autoplan.apply(model, plan)
+    assert planned.config.use_cache is False
+    assert measured_step(planned, batch).peak_bytes == plan.prediction.peak_bytes
+
+
 def test_default_seq_len_is_the_config_maximum_capped() -> None:
     assert default_seq_len(families.BY_NAME["Llama"].build()) == 128
     assert default_seq_len(model_from_config("llama-3-8b")) == 2048
