@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from autoplan.instruments.quantized import fake_quantized_entries
+from autoplan.instruments.rnn import MKLDNN_RNN_LAYER, with_real_workspace
 from autoplan.instruments.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
 from autoplan.instruments.values import VALUE_LIMIT, KnownValues, ValuesAsData, for_real, laid_out_like, storage_elements
 from autoplan.vocabulary.fingerprint import input_names
@@ -157,6 +158,9 @@ class PlanningFakeMode(FakeTensorMode):
 
         def empty_strided(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return dispatch(torch.ops.aten.empty_strided.default, types, (list(shape), list(stride)), {"dtype": dtype, "device": device})
+
+        if func is MKLDNN_RNN_LAYER:  # its fake kernel leaves out the workspace backward reads (`instruments.rnn`)
+            return with_real_workspace(args, dispatch(func, types, args, kwargs), empty)
 
         def fake_dispatch(args, kwargs):
             answer = self.routing.before(func, args, kwargs, empty)
