@@ -317,6 +317,51 @@ def _hf_layers(stages_path: str) -> Callable[[nn.Module], list[nn.Module]]:
     return blocks
 
 
+# -- PyTorch's own layers: self-attention called as attn(h, h, h), and stacked LSTMs -----------------
+
+
+class TiedSelfAttention(nn.Module):
+    """nn.MultiheadAttention blocks called with one tensor as query, key and value (its self-attention
+    path runs other ops than three tensors do: recomputation must see one), and a head tied to the embedding."""
+
+    def __init__(self, depth: int = 3, width: int = 48, vocab: int = 100) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.attn = nn.ModuleList([nn.MultiheadAttention(width, 4, batch_first=True) for _ in range(depth)])
+        self.norms = nn.ModuleList([nn.LayerNorm(width) for _ in range(depth)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for attn, norm in zip(self.attn, self.norms):
+            h = norm(x)
+            x = x + attn(h, h, h, need_weights=False)[0]
+        return nn.functional.cross_entropy((x @ self.embed.weight.T).flatten(0, 1), ids.flatten())
+
+
+class StackedLSTM(nn.Module):
+    """nn.LSTM layers with residuals: on the CPU each keeps oneDNN's workspace for backward (`instruments.rnn`)."""
+
+    def __init__(self, depth: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.LSTM(width, width, batch_first=True) for _ in range(depth)])
+        self.out = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lstm in self.layers:
+            x = x + lstm(x)[0]
+        return self.out(x)
+
+
+def build_tied_self_attention():
+    torch.manual_seed(0)
+    return TiedSelfAttention(), torch.randint(0, 100, (4, 40))
+
+
+def build_stacked_lstm():
+    torch.manual_seed(0)
+    return StackedLSTM(), torch.randn(4, 48, 32)
+
+
 STRUCTURES: tuple[Structure, ...] = (
     Structure("ModuleList of residual Sequential blocks", build_residual_list, lambda m: list(m.blocks)),
     Structure("blocks in a ModuleDict, called by key", build_keyed_blocks, lambda m: list(m.layers.values())),
@@ -324,6 +369,8 @@ STRUCTURES: tuple[Structure, ...] = (
     Structure("VGG-style top-level Sequential", build_vgg, sequential_segments=_vgg_segments),
     Structure("U-Net with skips", build_unet, lambda m: [m.enc1, m.enc2, m.bottleneck, m.dec2, m.dec1]),
     Structure("one block applied N times (shared weights)", build_shared, lambda m: [m.block]),
+    Structure("nn.MultiheadAttention as attn(h, h, h), tied head", build_tied_self_attention, lambda m: list(m.attn)),
+    Structure("stacked nn.LSTM with residuals", build_stacked_lstm, lambda m: list(m.layers)),
     Structure("transformers ResNet", build_hf_resnet, _hf_layers("resnet.encoder.stages"), needs_transformers=True),
     Structure("transformers ConvNext", build_hf_convnext, _hf_layers("convnext.encoder.stages"), needs_transformers=True),
     Structure("transformers Swin", build_hf_swin, transformers_checkpointing=True, needs_transformers=True),

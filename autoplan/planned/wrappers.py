@@ -13,7 +13,7 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -162,10 +162,38 @@ class PlannedForward:
             # returns no dispatch modes, so full mode keeps checkpoint's default.
             extra = {"context_fn": self._context_fn()} if self.choice.mode == "selective" else {}
             args, kwargs = without_cache_writes(self.module, args, kwargs)
-            output = checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
+            function, saved_args, saved_kwargs = each_tensor_once(function, args, kwargs)
+            output = checkpoint(function, *saved_args, use_reentrant=False, **extra, **saved_kwargs)
         if self.cast_outputs and self.choice.precision != "fp32":
             output = _cast_like_inputs(output, args, kwargs, self.module)
         return output
+
+
+def each_tensor_once(function: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple, dict]:
+    """`function`, its positional arguments and keywords, with a tensor passed twice handed to checkpoint once.
+
+    Checkpoint saves its tensor arguments for the recomputation, and under any saved-tensor hooks (the
+    simulation's, an offload's) each comes back as a tensor of its own: `attn(h, h, h)` would recompute
+    with three, and MultiheadAttention takes its self-attention path only when they are one tensor
+    (with three it runs other ops, and selective checkpointing finds them missing from its forward).
+    A repeat is passed as None and given back the first tensor inside, so the recomputation sees one.
+    """
+    first: dict[int, int] = {}
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            first.setdefault(id(value), index)
+    repeat_of = {index: first[id(value)] for index, value in enumerate(args)
+                 if isinstance(value, torch.Tensor) and first[id(value)] != index}
+    keyword_of = {name: first[id(value)] for name, value in kwargs.items() if isinstance(value, torch.Tensor) and id(value) in first}
+    if not repeat_of and not keyword_of:
+        return function, args, kwargs
+
+    def with_repeats(*given, **given_kwargs):
+        whole = [given[repeat_of[index]] if index in repeat_of else value for index, value in enumerate(given)]
+        return function(*whole, **given_kwargs, **{name: given[index] for name, index in keyword_of.items()})
+
+    saved_args = tuple(None if index in repeat_of else value for index, value in enumerate(args))
+    return with_repeats, saved_args, {name: value for name, value in kwargs.items() if name not in keyword_of}
 
 
 def _offloaded_call(planned: PlannedForward, *args, **kwargs):

@@ -115,7 +115,8 @@ class UnitRecorder:
                 )
             self.begin(Phase("fwd", name))
             tensors = tensors_of((args, kwargs))
-            spec = tree_map_only(torch.Tensor, TensorSpec.of, (args, kwargs))
+            distinct: dict[int, int] = {}
+            spec = tree_map_only(torch.Tensor, lambda t: TensorSpec.of(t, distinct.setdefault(id(t), len(distinct))), (args, kwargs))
             keys = tuple(self.key(t) for t in tensors)
             for tensor, key in zip(tensors, keys):
                 self.tracker.watch(tensor, key)
@@ -199,14 +200,16 @@ class TensorSpec:
     requires_grad: bool
     value_digest: str = ""  # identifies the value: units called with other values are measured apart
     value: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # which of the call's distinct tensors this is: leaves of one identity were one tensor, `attn(h, h, h)`
+    identity: int = 0
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+    def of(cls, tensor: torch.Tensor, identity: int = 0) -> TensorSpec:
         value = known_value(tensor)
         if value is None:
-            return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad)
+            return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad, identity=identity)
         value, digest = copy_with_digest(value)
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad, digest, value)
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad, digest, value, identity)
 
     def materialize(self) -> torch.Tensor:
         tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="cpu")
@@ -214,6 +217,19 @@ class TensorSpec:
             give_value(tensor, self.value)
         return tensor.requires_grad_(self.requires_grad)
 
+
+
+def materialize_inputs(inputs: Any, make: Callable[[TensorSpec], torch.Tensor]) -> Any:
+    """A call's inputs made anew by `make`, once per identity: a tensor passed twice comes back as one tensor
+    twice, as in the step (MultiheadAttention runs other ops for `attn(h, h, h)` than for three tensors)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def once(spec: TensorSpec) -> torch.Tensor:
+        if spec.identity not in made:
+            made[spec.identity] = make(spec)
+        return made[spec.identity]
+
+    return tree_map_only(TensorSpec, once, inputs)
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,12 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from autoplan.errors import OptionError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import DTYPES, Choice, OutsideUnits, Precision
-from autoplan.profile.recorder import TensorSpec
+from autoplan.profile.recorder import TensorSpec, materialize_inputs
 from autoplan.profile.units import Profile, UnitCost
 from autoplan.vocabulary.names import unit_module
 from autoplan.planned.forwards import apply_choices, remove_plan
@@ -41,7 +40,7 @@ def _real_inputs(inputs: Any, device: torch.device) -> Any:
             tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
         return tensor.requires_grad_(spec.requires_grad and spec.dtype.is_floating_point)
 
-    return tree_map_only(TensorSpec, make, inputs)
+    return materialize_inputs(inputs, make)
 
 
 def _rest_autocast(rest: Precision, device: torch.device):

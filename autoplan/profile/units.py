@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
 from autoplan.errors import OptionError, OptionTypeError
 from autoplan.inputs.devices import Device
@@ -30,7 +30,7 @@ from autoplan.plan import DTYPES, MODES, Choice, Precision
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, menu_points, record_ops
 from autoplan.profile.offload import measure_host_twins
-from autoplan.profile.recorder import TensorSpec, UnitCall
+from autoplan.profile.recorder import TensorSpec, UnitCall, materialize_inputs
 from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
 from autoplan.instruments.target import as_the_target_runs
@@ -200,7 +200,7 @@ def _measure_unit(
     for param in module.parameters():
         param.grad = None
     with fake_mode, as_the_target_runs(device), tracker:
-        args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
+        args, kwargs = materialize_inputs(call.inputs, _materialize)
         inputs = tensors_of((args, kwargs))
         input_refs = [weakref.ref(t.untyped_storage()) for t in inputs]
         input_storages = {id(t.untyped_storage()) for t in inputs}
@@ -276,7 +276,7 @@ def _measure_options(module, call: UnitCall, precisions, rest: Precision, device
 def _menu(module, call: UnitCall, precision: Precision, device: Device, fake_mode: FakeTensorMode, size: int):
     """The unit's menu points in `precision`, from one recorded forward with inputs like the timeline's."""
     with fake_mode, as_the_target_runs(device):
-        args, kwargs = tree_map_only(TensorSpec, _materialize, call.inputs)
+        args, kwargs = materialize_inputs(call.inputs, _materialize)
         ops = record_ops(module, args, kwargs, precision, device)
     for param in module.parameters():
         param.grad = None
