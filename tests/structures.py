@@ -339,11 +339,12 @@ class TiedSelfAttention(nn.Module):
 
 
 class StackedLSTM(nn.Module):
-    """nn.LSTM layers with residuals: on the CPU each keeps oneDNN's workspace for backward (`instruments.rnn`)."""
+    """nn.LSTM layers with residuals: on the CPU each keeps oneDNN's workspace for backward (`instruments.rnn`).
+    With `layer=nn.RNN`, layers torch's selective checkpointing refuses (its tanh cell writes in place)."""
 
-    def __init__(self, depth: int = 4, width: int = 32) -> None:
+    def __init__(self, depth: int = 4, width: int = 32, layer: type[nn.Module] = nn.LSTM) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.LSTM(width, width, batch_first=True) for _ in range(depth)])
+        self.layers = nn.ModuleList([layer(width, width, batch_first=True) for _ in range(depth)])
         self.out = nn.Linear(width, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -362,6 +363,11 @@ def build_stacked_lstm():
     return StackedLSTM(), torch.randn(4, 48, 32)
 
 
+def build_stacked_rnn():
+    torch.manual_seed(0)
+    return StackedLSTM(layer=nn.RNN), torch.randn(4, 48, 32)
+
+
 STRUCTURES: tuple[Structure, ...] = (
     Structure("ModuleList of residual Sequential blocks", build_residual_list, lambda m: list(m.blocks)),
     Structure("blocks in a ModuleDict, called by key", build_keyed_blocks, lambda m: list(m.layers.values())),
@@ -371,6 +377,7 @@ STRUCTURES: tuple[Structure, ...] = (
     Structure("one block applied N times (shared weights)", build_shared, lambda m: [m.block]),
     Structure("nn.MultiheadAttention as attn(h, h, h), tied head", build_tied_self_attention, lambda m: list(m.attn)),
     Structure("stacked nn.LSTM with residuals", build_stacked_lstm, lambda m: list(m.layers)),
+    Structure("stacked nn.RNN (no selective checkpointing)", build_stacked_rnn, lambda m: list(m.layers)),
     Structure("transformers ResNet", build_hf_resnet, _hf_layers("resnet.encoder.stages"), needs_transformers=True),
     Structure("transformers ConvNext", build_hf_convnext, _hf_layers("convnext.encoder.stages"), needs_transformers=True),
     Structure("transformers Swin", build_hf_swin, transformers_checkpointing=True, needs_transformers=True),

@@ -31,6 +31,26 @@ from autoplan.planned.wrappers import PlannedForward, can_save, op_name
 DEFAULT_MENU_SIZE = 6  # menu points per unit and precision (keep and full not counted); 0: the three modes only
 
 
+# What torch's selective checkpointing raises for a unit it cannot run selectively: an op writing in place
+# into an output the policy saved (nn.RNN's tanh cell), ops that differ between forward and recomputation.
+# The real run refuses such a unit the same way, so the unit is offered keep and full only.
+_SELECTIVE_REFUSALS = ("selective activation checkpoint has been mutated", "encountered during backward but not found in storage")
+
+
+def measure_or_refuse(choices, measure) -> tuple[dict, str]:
+    """`measure(choice)` for each choice, and why selective checkpointing refused the unit ("" when it did
+    not): a selective choice it refuses is left out; any other failure is raised."""
+    costs, refused = {}, ""
+    for choice in choices:
+        try:
+            costs[choice] = measure(choice)
+        except RuntimeError as error:
+            if choice.mode != "selective" or not any(words in str(error) for words in _SELECTIVE_REFUSALS):
+                raise
+            refused = str(error).split(". ")[0]
+    return costs, refused
+
+
 @dataclass(frozen=True)
 class OpRecord:
     """One op of a unit's forward, as a policy can name it."""

@@ -115,7 +115,7 @@ class UnitRecorder:
                 )
             self.begin(Phase("fwd", name))
             tensors = tensors_of((args, kwargs))
-            distinct: dict[int, int] = {}
+            distinct = {}  # id of an argument -> its identity in this call
             spec = tree_map_only(torch.Tensor, lambda t: TensorSpec.of(t, distinct.setdefault(id(t), len(distinct))), (args, kwargs))
             keys = tuple(self.key(t) for t in tensors)
             for tensor, key in zip(tensors, keys):

@@ -28,7 +28,7 @@ from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice, Precision
 from autoplan.profile.layout import ParamShape, layout_of
-from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, menu_points, record_ops
+from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, measure_or_refuse, menu_points, record_ops
 from autoplan.profile.offload import measure_host_twins
 from autoplan.profile.recorder import TensorSpec, UnitCall, materialize_inputs
 from autoplan.profile.simulation import base_timelines, simulation_model
@@ -77,6 +77,7 @@ class UnitProfile:
     param_bytes: int = 0  # its parameters (what FSDP gathers to run it), tied weights once
     param_layout: tuple[ParamShape, ...] = ()  # its parameters' shapes, as FSDP shards them
     policies: Mapping[Choice, PolicyWords] = field(default_factory=lambda: MappingProxyType({}))  # its menu points' policies in words (profile.menu)
+    selective_refused: str = ""  # why torch's selective checkpointing refused it (keep and full only), "" when it did not
 
     @property
     def name(self) -> str:
@@ -253,11 +254,11 @@ def _measure_options(module, call: UnitCall, precisions, rest: Precision, device
                      host_bandwidth: float = 0.0):
     """Every choice of one unit measured: the three modes × precisions, their host twins when a host link is
     given (`profile.offload`), then its menu points (with their policies in words)."""
-    costs = {choice: _measure_unit(module, call, choice, rest, device, fake_mode) for choice in unit_choices(precisions)}
+    costs, refused = measure_or_refuse(unit_choices(precisions), lambda choice: _measure_unit(module, call, choice, rest, device, fake_mode))
     if host_bandwidth > 0:
         costs |= measure_host_twins(costs, lambda twin: _measure_unit(module, call, twin, rest, device, fake_mode), host_bandwidth)
     points = {}
-    for precision in precisions if menu_size > 0 else ():
+    for precision in precisions if menu_size > 0 and not refused else ():
         for point in _menu(module, call, precision, device, fake_mode, menu_size):
             points[point.choice] = (_measure_unit(module, call, point.choice, rest, device, fake_mode), point.policy)
     policies = {}
@@ -270,7 +271,7 @@ def _measure_options(module, call: UnitCall, precisions, rest: Precision, device
         if not dominated(cost, rivals):  # a point no better than another only slows the solver
             costs[choice] = cost
             policies[choice] = policy
-    return MappingProxyType(costs), MappingProxyType(policies)
+    return MappingProxyType(costs), MappingProxyType(policies), refused
 
 
 def _menu(module, call: UnitCall, precision: Precision, device: Device, fake_mode: FakeTensorMode, size: int):
@@ -289,7 +290,7 @@ def unit_choices(precisions: tuple[Precision, ...]) -> list[Choice]:
 
 def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth=0.0) -> list[UnitProfile]:
     """Every unit alone under every choice; identical units (class, parameter and input shapes) measured once."""
-    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, PolicyWords]]] = {}
+    measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, PolicyWords], str]] = {}
     units_by_name = {unit.name: unit for unit in base}
     units = []
     for index, call in enumerate(timeline.unit_calls):
@@ -300,8 +301,8 @@ def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fak
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
             measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size, host_bandwidth)
         params = list(module.parameters())
-        costs, policies = measured[key]
-        units.append(UnitProfile(unit, costs, base[unit], unique_storage_bytes(params), layout_of(params), policies=policies))
+        costs, policies, refused = measured[key]
+        units.append(UnitProfile(unit, costs, base[unit], unique_storage_bytes(params), layout_of(params), policies, refused))
     return units
 
 

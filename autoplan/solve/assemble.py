@@ -86,6 +86,11 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget
     if measured.routing:
         notes.append(measured.routing)
     notes += value_notes(measured, traced)
+    refused = {unit.name: unit.selective_refused for unit in measured.units if unit.selective_refused}
+    if refused:
+        notes.append(f"selective checkpointing is not offered for {', '.join(refused)}: torch's selective checkpointing "
+                     f"refuses {'it' if len(refused) == 1 else 'them'} ({next(iter(refused.values()))}), as it would in the "
+                     "real run; keep and full are")
     if traced.example_inputs[1].get("use_cache") is False and caches_in_training(traced.model):
         notes.append("planned without a KV cache, as training reads none back: autoplan.apply sets the model's "
                      "config.use_cache to False, so model(**batch) trains as planned (generate() still caches)")

@@ -74,6 +74,17 @@ def test_generated_trees_never_worse_than_by_hand_and_train_the_same(spec):
     check_structure(structure_of(spec))
 
 
+def test_layers_selective_checkpointing_refuses_are_offered_keep_and_full_and_the_plan_says_so():
+    """nn.RNN's tanh cell writes in place into a matmul output the policy saves: torch's selective
+    checkpointing refuses it in the real run ("has been mutated"); planning it failed whole before."""
+    row = compare_with_plan(by_name("stacked nn.RNN (no selective checkpointing)"))
+    assert row.feasible and row.planned.peak_bytes == row.plan.prediction.peak_bytes
+    assert {d.choice.mode for d in row.plan.decisions.units} <= {"keep", "full"}
+    refused = [note for note in row.plan.notes if note.startswith("selective checkpointing is not offered for ")]
+    assert len(refused) == 1 and "has been mutated" in refused[0], row.plan.notes
+    assert all(unit.name in refused[0] for unit in row.plan.decisions.units[:-1])  # every RNN layer; not the head
+
+
 def test_every_sibling_is_a_unit_whatever_holds_it():
     model, _ = by_name("ModuleList of residual Sequential blocks").build()
     assert tuple(u.name for u in unit_levels(model)[0].units) == tuple(f"blocks.{i}" for i in range(8))

@@ -251,3 +251,33 @@ def test_menu_points_spread_over_the_time_they_spare():
     for quarter in (1, 2, 3, 4):
         target = quarter * spared[-1] / 4
         assert any(target * (1 - 1e-9) <= s < target + longest_op_s for s in spared), (quarter, spared)
+
+
+def test_a_selective_choice_torch_refuses_is_left_out_and_anything_else_raised():
+    from autoplan.profile.menu import measure_or_refuse
+
+    choices = [Choice("keep", "fp32"), Choice("selective", "fp32"), Choice("full", "fp32")]
+
+    def refusing(choice):
+        if choice.mode == "selective":
+            raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated. More words")
+        return choice.mode
+
+    costs, refused = measure_or_refuse(choices, refusing)
+    assert costs == {choices[0]: "keep", choices[2]: "full"}
+    assert refused == "Tensor cached during selective activation checkpoint has been mutated"
+    assert measure_or_refuse(choices, lambda choice: choice.mode) == ({c: c.mode for c in choices}, "")
+
+    def failing(choice):
+        raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated")
+
+    with pytest.raises(RuntimeError, match="mutated"):  # keep failing too is the model's own failure
+        measure_or_refuse(choices, failing)
+
+    def other(choice):
+        if choice.mode == "selective":
+            raise RuntimeError("shape mismatch")
+        return choice.mode
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        measure_or_refuse(choices, other)
