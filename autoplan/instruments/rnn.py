@@ -6,7 +6,9 @@ backward: 389,120 bytes for one 32-wide layer over 48 steps of 4 sequences, abou
 output. torch's meta kernel returns an empty one, so a simulation would plan those bytes as free and
 a plan that says it fits would not. The size follows oneDNN's layout, for which torch has no
 formula: it is read off one real call on zeros of the same shapes, outside every mode and once per
-shape, and the fake call returns a workspace of that size. The simulation runs on CPU fakes for a
+shape, and the fake call returns a workspace of that size. torch's flop counter has no formula for the
+kernel, so recomputing an LSTM looked free: `register_rnn_flops` adds its matmuls' FLOPs, forward and
+backward. The simulation runs on CPU fakes for a
 GPU target too, so there this size stands in for cuDNN's reserve space (`_cudnn_rnn`'s fake kernel
 returns an empty one as well), which no GPU has measured for autoplan yet.
 """
@@ -18,8 +20,10 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 MKLDNN_RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default
+MKLDNN_RNN_LAYER_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
 _WORKSPACE = 3  # (output, hy, cy, workspace)
 _TRAIN = 15  # mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size, num_layers,
 #                               has_biases, bidirectional, batch_first, train)
@@ -48,3 +52,22 @@ def workspace_bytes(signature: tuple) -> int:
                            else (list(entry) if isinstance(entry, tuple) else entry) for entry in signature]
         workspace = MKLDNN_RNN_LAYER(*args)[_WORKSPACE]
         return workspace.untyped_storage().nbytes()
+
+
+def _forward_flops(input, w0, w1, *args, out_val=None, **kwargs) -> int:
+    """One layer and direction: the input and recurrent projections of every gate at every step."""
+    steps_by_batch = input.numel() // input.shape[-1]  # steps × sequences
+    gates_by_hidden, inputs = w0.shape  # (gates × hidden, input size), (gates × hidden, hidden)
+    return 2 * steps_by_batch * gates_by_hidden * (inputs + w1.shape[1])
+
+
+def _backward_flops(input, w0, w1, *args, out_val=None, **kwargs) -> int:
+    """The gradients of the layer's input and weights: twice its forward's matmuls."""
+    return 2 * _forward_flops(input, w0, w1)
+
+
+def register_rnn_flops() -> None:
+    """Add oneDNN's recurrent layer, forward and backward, to torch's flop registry (once)."""
+    for op, formula in ((MKLDNN_RNN_LAYER, _forward_flops), (MKLDNN_RNN_LAYER_BACKWARD, _backward_flops)):
+        if op.overloadpacket not in flop_registry:
+            register_flop_formula(op.overloadpacket, get_raw=True)(formula)

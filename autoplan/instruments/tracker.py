@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoplan.instruments.attention_flops import register_attention_flops
+from autoplan.instruments.rnn import register_rnn_flops
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
 from autoplan.instruments.quantized import hidden_temporary_bytes, register_quantized_flops
 from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
@@ -67,6 +68,7 @@ class LiveBytesTracker(TorchDispatchMode):
         super().__init__()
         register_quantized_flops()
         register_attention_flops()
+        register_rnn_flops()
         self.device = device
         self.allow_tf32 = allow_tf32
         self.live_bytes = 0

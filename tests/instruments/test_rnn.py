@@ -78,3 +78,19 @@ def test_a_stacked_lstm_is_predicted_to_the_byte(mode) -> None:
     model, batch = _StackedLSTM(), (torch.randn(4, 48, 32),)
     plan = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", precision="fp32", reserve=0, checkpoint={"*": mode})
     assert measured_step(autoplan.apply(copy.deepcopy(model), plan), batch).peak_bytes == plan.prediction.peak_bytes
+
+
+def test_an_lstm_layers_flops_are_its_matmuls_forward_and_twice_that_backward() -> None:
+    """torch's flop counter had no formula for the kernel: recomputing an LSTM was priced as free."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autoplan.instruments.rnn import register_rnn_flops
+
+    register_rnn_flops()
+    layer, x = nn.LSTM(32, 64, batch_first=True), torch.randn(4, 48, 32)
+    with FlopCounterMode(display=False) as counter:
+        layer(x)[0].sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    forward = 2 * (4 * 48) * (4 * 64) * (32 + 64)  # every step: 4 gates' input and recurrent projections
+    assert counts[torch.ops.aten.mkldnn_rnn_layer] == forward
+    assert counts[torch.ops.aten.mkldnn_rnn_layer_backward] == 2 * forward
