@@ -123,14 +123,23 @@ def _pages_off_device(optimizer: BnbOptimizer) -> None:
 
 
 def _without_unused_map(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A one-moment optimizer (Lion8bit) builds both maps but its state uses only the signed one: on
-    a GPU the unsigned one stays in host memory where `__init__` made it, so the device never holds
-    it. Under fake tensors it is dropped, so the simulation holds only the maps the state points to
-    (the real-step measurement on the CPU counts the optimizer's state, which holds only the signed one)."""
+    """`__init__` builds both maps, in host memory, and a parameter's 8-bit state moves the ones it
+    points to onto its device; the device never holds a map no state points to. A one-moment optimizer
+    (Lion8bit) points only to the signed one; with no parameter of `min_8bit_size` elements (LoRA
+    adapters: every state fp32) nothing points to either. Under fake tensors those are dropped, so the
+    simulation holds only the maps the state points to, as the device does (and as the real-step
+    measurement on the CPU counts: the optimizer's state). A parameter that does need one later finds
+    it gone and bitsandbytes builds it again (`init_state` calls `fill_qmap` when it is missing)."""
     from bitsandbytes.optim.optimizer import Optimizer1State
 
-    if isinstance(optimizer, Optimizer1State):
-        optimizer.name2qmap.pop("udynamic", None)
+    maps: dict = getattr(optimizer, "name2qmap", {})
+    smallest_8bit = getattr(getattr(optimizer, "args", None), "min_8bit_size", 0)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if smallest_8bit and not any(p.numel() >= smallest_8bit for p in params):
+        maps.pop("dynamic", None)
+        maps.pop("udynamic", None)
+    elif isinstance(optimizer, Optimizer1State):
+        maps.pop("udynamic", None)
     return optimizer
 
 

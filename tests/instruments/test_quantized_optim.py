@@ -205,3 +205,17 @@ def test_paged_state_is_off_a_gpus_device_bytes(paged, unpaged):
     else:
         small = [p for p in model().parameters() if p.numel() < quantized_optim.PAGED_MIN_NUMEL]
         assert on_gpu[paged].prediction.breakdown.optimizer == sum(2 * rounded_bytes(4 * p.numel()) for p in small)
+
+
+@pytest.mark.slow  # the whole pipeline
+@pytest.mark.parametrize("name", sorted(EIGHT_BIT))
+def test_with_no_parameter_large_enough_for_8_bits_no_map_is_counted(name):
+    """LoRA adapters (every parameter under min_8bit_size): all state fp32 and no state points to a
+    quantization map, so none reaches the device; the simulation counted both, 2,048 B over the measured
+    peak of a 4-bit LoRA Qwen3 with adamw8bit."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)), torch.randn(16, 32)
+    assert all(p.numel() < MIN_8BIT_SIZE for p in model.parameters())
+    plan = autoplan.plan(model, "1GB", example_inputs=(x,), device="cpu", optimizer=name, reserve=0)
+    assert plan.prediction.breakdown.optimizer == expected_state_bytes(name, list(model.parameters()))
+    assert autoplan.verify(model, plan, example_inputs=(x,)).measured_peak_bytes == plan.prediction.peak_bytes
