@@ -317,7 +317,7 @@ def _hf_layers(stages_path: str) -> Callable[[nn.Module], list[nn.Module]]:
     return blocks
 
 
-# -- PyTorch's own layers: self-attention called as attn(h, h, h), and stacked LSTMs -----------------
+# -- PyTorch's own layers: self-attention called as attn(h, h, h), stacked LSTMs and RNNs ------------
 
 
 class TiedSelfAttention(nn.Module):
@@ -338,7 +338,7 @@ class TiedSelfAttention(nn.Module):
         return nn.functional.cross_entropy((x @ self.embed.weight.T).flatten(0, 1), ids.flatten())
 
 
-class StackedLSTM(nn.Module):
+class StackedRecurrent(nn.Module):
     """nn.LSTM layers with residuals: on the CPU each keeps oneDNN's workspace for backward (`instruments.rnn`).
     With `layer=nn.RNN`, layers torch's selective checkpointing refuses (its tanh cell writes in place)."""
 
@@ -360,12 +360,12 @@ def build_tied_self_attention():
 
 def build_stacked_lstm():
     torch.manual_seed(0)
-    return StackedLSTM(), torch.randn(4, 48, 32)
+    return StackedRecurrent(), torch.randn(4, 48, 32)
 
 
 def build_stacked_rnn():
     torch.manual_seed(0)
-    return StackedLSTM(layer=nn.RNN), torch.randn(4, 48, 32)
+    return StackedRecurrent(layer=nn.RNN), torch.randn(4, 48, 32)
 
 
 STRUCTURES: tuple[Structure, ...] = (

@@ -312,18 +312,22 @@ def stop_training_cache(model: torch.nn.Module) -> bool:
     through backward). Plans are made without one (`training_inputs`), as HF's Trainer trains. generate()
     passes its GenerationConfig's use_cache, not the model config's, so generation still caches.
     """
-    changed = False
-    for module in model.modules():
-        config: Any = getattr(module, "config", None)
-        if getattr(config, "use_cache", None) is True:
-            config.use_cache = False
-            changed = True
-    return changed
+    configs = _caching_configs(model)
+    for config in configs:
+        config.use_cache = False
+    return bool(configs)
 
 
 def caches_in_training(model: torch.nn.Module) -> bool:
     """Whether a config in `model` says use_cache=True: what `stop_training_cache` would change."""
-    return any(getattr(getattr(module, "config", None), "use_cache", None) is True for module in model.modules())
+    return bool(_caching_configs(model))
+
+
+def _caching_configs(model: torch.nn.Module) -> list[Any]:
+    """The configs of `model`'s modules that say use_cache=True, each once (submodules share their model's)."""
+    configs = {id(config): config for module in model.modules()
+               if getattr(config := getattr(module, "config", None), "use_cache", None) is True}
+    return list(configs.values())
 
 
 def _passes_to_language_model(model: HFModel) -> bool:

@@ -6,17 +6,17 @@ backward: 389,120 bytes for one 32-wide layer over 48 steps of 4 sequences, abou
 output. torch's meta kernel returns an empty one, so a simulation would plan those bytes as free and
 a plan that says it fits would not. The size follows oneDNN's layout, for which torch has no
 formula: it is read off one real call on zeros of the same shapes, outside every mode and once per
-shape, and the fake call returns a workspace of that size. torch's flop counter has no formula for the
-kernel, so recomputing an LSTM looked free: `register_rnn_flops` adds its matmuls' FLOPs, forward and
-backward. The simulation runs on CPU fakes for a
-GPU target too, so there this size stands in for cuDNN's reserve space (`_cudnn_rnn`'s fake kernel
-returns an empty one as well), which no GPU has measured for autoplan yet.
+shape, and the fake call returns a workspace of that size. torch's flop counter has no formula for
+the kernel either, so recomputing an LSTM looked free: `register_rnn_flops` adds its matmuls' FLOPs,
+forward and backward. The simulation runs on CPU fakes for a GPU target too, so there this size
+stands in for cuDNN's reserve space (`_cudnn_rnn`'s fake kernel returns an empty one as well), which
+no GPU has measured for autoplan yet.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -37,10 +37,19 @@ def with_real_workspace(args: tuple, out: tuple, empty: Callable[[tuple[int, ...
     return (*out[:_WORKSPACE], empty((size,), torch.uint8), *out[_WORKSPACE + 1:])
 
 
+class _TensorLike(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _ListArgument(NamedTuple):
+    items: tuple
+
+
 def _signature(args: tuple) -> tuple:
-    """The call's shapes and flags, hashable: tensors by shape and dtype, everything else as it is."""
-    return tuple(("tensor", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else
-                 (tuple(a) if isinstance(a, list) else a) for a in args)
+    """The call's shapes and flags, hashable: tensors by shape and dtype, a list as a tuple, the rest as it is."""
+    return tuple(_TensorLike(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else
+                 _ListArgument(tuple(a)) if isinstance(a, list) else a for a in args)
 
 
 @functools.lru_cache(maxsize=256)
@@ -48,8 +57,8 @@ def workspace_bytes(signature: tuple) -> int:
     """The workspace bytes of one real `mkldnn_rnn_layer` call with these shapes and flags."""
     # grad on, as the kernel makes its workspace only then; no input requires grad, so no graph is kept
     with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.enable_grad():
-        args: list[Any] = [torch.zeros(entry[1], dtype=entry[2]) if isinstance(entry, tuple) and entry[:1] == ("tensor",)
-                           else (list(entry) if isinstance(entry, tuple) else entry) for entry in signature]
+        args: list[Any] = [torch.zeros(entry.shape, dtype=entry.dtype) if isinstance(entry, _TensorLike) else
+                           list(entry.items) if isinstance(entry, _ListArgument) else entry for entry in signature]
         workspace = MKLDNN_RNN_LAYER(*args)[_WORKSPACE]
         return workspace.untyped_storage().nbytes()
 

@@ -14,6 +14,7 @@ import autoplan
 from autoplan.instruments.fake import fake_copy, new_fake_mode
 from autoplan.instruments.rnn import MKLDNN_RNN_LAYER
 from tests.handmade import measured_step
+from tests.structures import build_stacked_lstm
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="nn.LSTM runs oneDNN's kernel only with it")
 
@@ -58,24 +59,12 @@ def test_with_grad_off_neither_keeps_one() -> None:
     assert _workspaces(layer, (10, 2, 32), fake=True, grad=False) == [0]
 
 
-class _StackedLSTM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.LSTM(32, 32, batch_first=True) for _ in range(4)])
-        self.out = nn.Linear(32, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for lstm in self.layers:
-            x = x + lstm(x)[0]
-        return self.out(x)
-
-
 @pytest.mark.slow  # the whole pipeline, twice
 @pytest.mark.parametrize("mode", ["keep", "full"])
 def test_a_stacked_lstm_is_predicted_to_the_byte(mode) -> None:
     """Before, its plan predicted 739,328 bytes for a step that measured 2,295,808: four workspaces missing."""
-    torch.manual_seed(0)
-    model, batch = _StackedLSTM(), (torch.randn(4, 48, 32),)
+    model, x = build_stacked_lstm()
+    batch = (x,)
     plan = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", precision="fp32", reserve=0, checkpoint={"*": mode})
     assert measured_step(autoplan.apply(copy.deepcopy(model), plan), batch).peak_bytes == plan.prediction.peak_bytes
 
