@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from autoplan.apply.fsdp import process_group_world_size, require_process_group
+from autoplan.apply.sharding import process_group_world_size, require_process_group
 from autoplan.apply.rewrite import apply_plan, refuse_meta
 from autoplan.errors import InfeasibleBudgetError, OptionTypeError
 from autoplan.inputs.options import check_world_size
@@ -71,7 +71,7 @@ def optimize(model: torch.nn.Module, budget: str | int, **options: Any) -> torch
     Takes the same arguments as `plan`. Raises InfeasibleBudgetError (with `.plan`) when no plan
     fits, rather than returning a model that would run out of memory. With world_size > 1 (or
     "auto") it must run in every rank of an initialised process group (torchrun): the model comes
-    back FSDP2-sharded (`apply.fsdp.apply_fsdp`), and the budget is per GPU.
+    back FSDP2-sharded (`apply.sharding.apply_fsdp`), and the budget is per GPU.
     """
     refuse_meta(model)
     _check_option_names(options, "optimize")

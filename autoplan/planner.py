@@ -39,12 +39,12 @@ from autoplan.inputs.options import (
     search_space,
 )
 from autoplan.memory.model import rank_offsets
-from autoplan.memory.segments import choices_by_unit
+from autoplan.memory.segment_terms import choices_by_unit
 from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
 from autoplan.profile.menu import DEFAULT_MENU_SIZE
 from autoplan.profile.timing import measure_times
-from autoplan.profile.units import Profile, precision_options
-from autoplan.profile.units import profile as profile_units
+from autoplan.profile.profiler import Profile, precision_options
+from autoplan.profile.profiler import profile as profile_units
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
@@ -54,13 +54,13 @@ from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
 from autoplan.solve.search import pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
-from autoplan.trace.units import UnitLevel, unit_levels
+from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.verify.simulate import simulate_plan
 
 
 @dataclass(frozen=True)
 class ProfiledLevel:
-    """One level of units (`trace.units.unit_levels`), traced and profiled: all a solve needs but the budget."""
+    """One level of units (`trace.discovery.unit_levels`), traced and profiled: all a solve needs but the budget."""
 
     level: UnitLevel
     traced: Traced

@@ -38,12 +38,12 @@ from benchmarks.machine import describe_machine  # noqa: E402
 from plan_quality import CPU, SIZES, flops_of, peak_of, setup  # noqa: E402
 
 from autoplan.memory.model import predict_peak  # noqa: E402
-from autoplan.memory.segments import chosen_segments  # noqa: E402
+from autoplan.memory.segment_terms import chosen_segments  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.profile.menu import describe, record_ops  # noqa: E402
-from autoplan.profile.units import with_choices  # noqa: E402
+from autoplan.profile.profiler import with_choices  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
-from autoplan.memory.segments import choices_by_unit  # noqa: E402
+from autoplan.memory.segment_terms import choices_by_unit  # noqa: E402
 from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.solve.ilp import solve  # noqa: E402
 from examples.llama import Llama  # noqa: E402

@@ -60,7 +60,7 @@ from benchmarks.machine import describe_machine  # noqa: E402
 from autoplan.inputs.devices import get_device  # noqa: E402
 from autoplan.memory.model import predict_peak  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
-from autoplan.profile.units import profile  # noqa: E402
+from autoplan.profile.profiler import profile  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
 from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.units import ModuleUnit  # noqa: E402
@@ -70,7 +70,7 @@ from autoplan.instruments.tracker import LiveBytesTracker  # noqa: E402
 from autoplan.training.step_parts import optimizer_state_tensors  # noqa: E402
 from autoplan.solve.ilp import minimum_peak, solve  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
-from autoplan.trace.units import find_units  # noqa: E402
+from autoplan.trace.discovery import find_units  # noqa: E402
 from examples.gpt import build  # noqa: E402
 from examples.llama import Llama, LlamaConfig, example_batch  # noqa: E402
 

@@ -18,7 +18,7 @@ from rich.table import Table
 
 import autoplan
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, prints_to_stderr, quiet, reported, write_stdout
-from autoplan.cli.options import (ACCUMULATION_STEPS, COMPILE, DROP_OUTPUTS, FUSE_LOSS, HOST_BUDGET, LADDER, MOE_CAPACITY, OFFLOAD,
+from autoplan.cli.flags import (ACCUMULATION_STEPS, COMPILE, DROP_OUTPUTS, FUSE_LOSS, HOST_BUDGET, LADDER, MOE_CAPACITY, OFFLOAD,
                                   OPTIMIZER_IMPL, TARGET, UNITS, VERBOSE, Optimizer, OptimizerImpl, OptionsGivenOnce, Precision)
 from autoplan.cli.progress import PlanningProgress, progress_wanted
 from autoplan.inputs.budget import check_size_syntax, make_budget
@@ -31,8 +31,8 @@ from autoplan.report.plot import FORMATS, require_pyplot
 # checked: `--help` and a mistyped option are answered at once (tests/test_cli.py checks that
 # torch stays unimported).
 if TYPE_CHECKING:
-    from autoplan.inputs.targets import Target
-    from autoplan.profile.units import Profile
+    from autoplan.inputs.targets import LoadedTarget
+    from autoplan.profile.profiler import Profile
 
 JSON_SCHEMA = "autoplan.plan/3"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; 3: fused_loss a bool, its logits in fused_loss_logits; bump when a key of the --json document changes meaning or goes away
 
@@ -111,7 +111,7 @@ def _units(values: Optional[list[str]]) -> Optional[list[str]]:
     return [pattern.strip() for value in values for pattern in value.split(",") if pattern.strip()]
 
 
-def _plan(target: Target, budget: str, options: dict, progress, inputs=None, model=None):
+def _plan(target: LoadedTarget, budget: str, options: dict, progress, inputs=None, model=None):
     from autoplan.api import plan as plan_model
 
     profiles: list[Profile] = []
@@ -143,7 +143,7 @@ def _write(path: Path, text: str, err: Console) -> None:
     err.print(f"wrote {path}", markup=False)
 
 
-def json_document(target: Target, plan, advice, budget: str) -> dict:
+def json_document(target: LoadedTarget, plan, advice, budget: str) -> dict:
     """What --json writes: the schema the README documents."""
     return {
         "schema": JSON_SCHEMA,
@@ -215,7 +215,7 @@ def plan_command(
     raise typer.Exit(int(ExitCode.FITS if plan.outcome.feasible else ExitCode.DOES_NOT_FIT))
 
 
-def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress, *, world_size: Optional[str], ladder):
+def _advise(loaded: LoadedTarget, plan, profile, budget: str, options: dict, progress, *, world_size: Optional[str], ladder):
     """What to change, in order (FSDP's step for the plan's world size where --world-size was given); a smaller
     micro-batch is planned again where the factory can rebuild the batch."""
     from autoplan.report.advice import advise
@@ -232,7 +232,7 @@ def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress,
                   parameter_count=loaded.parameter_count, replan=replan if rebuild else None, ladder=ladder)
 
 
-def _ladder(loaded: Target, budget: str, options: dict, device: Optional[str], progress):
+def _ladder(loaded: LoadedTarget, budget: str, options: dict, device: Optional[str], progress):
     """The toolbox ladder of a Hugging Face target: its variants planned with every block in the device's low precision."""
     from autoplan.inputs.hf_models import is_hf_model
     from autoplan.report.ladder import plan_ladder

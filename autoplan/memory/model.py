@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
 from autoplan.inputs.options import check_world_size
-from autoplan.memory.segments import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
+from autoplan.memory.segment_terms import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
 from autoplan.memory.sharded import RankTerms, rank_terms
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
-from autoplan.profile.units import Profile, UnitProfile
+from autoplan.profile.profiler import Profile, UnitProfile
 
 Relation = Literal["fwd", "held", "bwd", "spent"]
 HOLDING: tuple[Relation, ...] = ("held", "bwd")  # the relations in which a unit's held bytes are alive
@@ -166,7 +166,7 @@ def shared_bytes(profile: Profile, chosen: Sequence[Choice | Covered], tensors: 
 
 
 def _choices_list(profile: Profile, choices: Mapping[str, Choice]) -> list[Choice | Covered]:
-    """Per unit: its choice, or what it does inside a chosen segment (`memory.segments.Covered`)."""
+    """Per unit: its choice, or what it does inside a chosen segment (`memory.segment_terms.Covered`)."""
     covered = covered_units(profile, choices)
     return [covered.get(u, choices.get(unit.name, unit.base)) for u, unit in enumerate(profile.units)]
 

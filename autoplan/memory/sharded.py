@@ -34,7 +34,7 @@ from autoplan.units import CallSite, ModuleUnit, Unit
 from autoplan.vocabulary.tensors import rounded_bytes
 
 if TYPE_CHECKING:
-    from autoplan.profile.units import Profile
+    from autoplan.profile.profiler import Profile
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ output would hold until backward, and the time recomputing it costs, FLOPs *and*
 bytes without adding FLOPs). Sorting the ops by recompute time per byte saved, most first, and
 saving ever longer prefixes of that order walks the front of saved bytes against recompute
 time from "save nothing" (full) towards "save everything" (keep); `menu_points` picks K points
-along it. Each point is then measured like every other choice (`profile.units`), so the memory
+along it. Each point is then measured like every other choice (`profile.profiler`), so the memory
 model stays exact whatever the estimate here got wrong.
 """
 

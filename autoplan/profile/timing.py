@@ -22,7 +22,7 @@ from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import DTYPES, Choice, OutsideUnits, Precision
 from autoplan.profile.recorder import TensorSpec, materialize_inputs
-from autoplan.profile.units import Profile, UnitCost
+from autoplan.profile.profiler import Profile, UnitCost
 from autoplan.vocabulary.names import unit_module
 from autoplan.planned.forwards import apply_choices, remove_plan
 from autoplan.vocabulary.tensors import tensors_of

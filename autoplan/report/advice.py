@@ -18,7 +18,7 @@ from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
 from autoplan.plan import DTYPES, Choice, Mode, Plan, Precision, ShardedPeak
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size
 from autoplan.report.offload_advice import offload_step
 from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step

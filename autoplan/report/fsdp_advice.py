@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from autoplan.memory.model import sharded_peak
 from autoplan.plan import Choice, Plan, ShardedPeak
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.report.batch_steps import Step
 from autoplan.solve.worlds import fewest_ranks
 from autoplan.vocabulary.formatting import format_bytes, rank_noun

@@ -29,7 +29,7 @@ from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora, with_attention
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time
 from autoplan.plan import Plan, Precision
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.report.advice import adamw8bit_state_bytes, eight_bit_step_change_s, every_unit
 from autoplan.report.text import apply_code
 from autoplan.vocabulary.formatting import first_line

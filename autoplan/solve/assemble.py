@@ -11,16 +11,16 @@ from autoplan.inputs.budget import Budget, both_units, budget_needed_for
 from autoplan.inputs.devices import Device
 from autoplan.inputs.hf_models import caches_in_training
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
-from autoplan.memory.segments import chosen_segments, segment_terms
+from autoplan.memory.segment_terms import chosen_segments, segment_terms
 from autoplan.plan import Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
 from autoplan.profile.menu import PolicyWords
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.solve.ilp import fastest
 from autoplan.solve.search import SearchResult
 from autoplan.solve.worlds import profiled_parameter_count
 from autoplan.trace.tracer import Traced
-from autoplan.trace.units import UnitLevel
+from autoplan.trace.discovery import UnitLevel
 
 
 def best_level(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel], tried: int) -> tuple[Plan, Profile]:

@@ -38,9 +38,9 @@ from autoplan.memory.model import (
     transient_delta,
     unit_windows,
 )
-from autoplan.memory.segments import SegmentCandidate, SegmentTerms, member_held_delta, segment_candidates, segment_choices, segment_terms
+from autoplan.memory.segment_terms import SegmentCandidate, SegmentTerms, member_held_delta, segment_candidates, segment_choices, segment_terms
 from autoplan.plan import MODES, Choice
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 
 MIB = 2**20  # the program works in MiB so the solver's tolerances stay meaningful
 

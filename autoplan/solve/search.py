@@ -15,8 +15,8 @@ from typing import Callable, Mapping, cast
 from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.memory.model import predict_peak
 from autoplan.plan import MODES, Choice, Mode, Precision
-from autoplan.profile.offload import on_device_only
-from autoplan.profile.units import Profile
+from autoplan.profile.host_twins import on_device_only
+from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.names import match_units
 from autoplan.solve.ilp import STOPPED_WITH_PLAN, allowed_choices, minimum_peak, solve
 

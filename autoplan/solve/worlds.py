@@ -16,7 +16,7 @@ from autoplan.inputs.options import MAX_WORLD_SIZE  # beyond it the floor (activ
 from autoplan.memory.model import predict_peak
 from autoplan.memory.sharded import fsdp_group
 from autoplan.plan import Choice, WorldSizePoint
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.solve.ilp import minimum_peak
 
 

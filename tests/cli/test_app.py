@@ -359,7 +359,7 @@ def test_debug_shows_the_traceback() -> None:
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file every write to fails (ENOSPC)")
 def test_unwritable_json() -> None:
     """A write that fails after planning (a full disk): exit 8. A folder that does not exist is exit 2 before
-    planning (tests/cli/test_options.py)."""
+    planning (tests/cli/test_flags.py)."""
     result = run("plan", FACTORY, "--budget", "1GB", "--json", "/dev/full")
     assert result.exit_code == ExitCode.OUTPUT_FAILED and "cannot write /dev/full: No space left on device" in result.stderr
 

@@ -28,12 +28,12 @@ from autoplan.memory.model import host_peak, predict_peak
 from autoplan.plan import Choice
 from autoplan.planned.forwards import apply_choices, remove_plan
 from autoplan.planned.wrappers import PlannedForward
-from autoplan.profile.units import profile
+from autoplan.profile.profiler import profile
 from autoplan.solve.search import offloaded_by_hand
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
 from autoplan.units import ModuleUnit
-from autoplan.memory.segments import choices_by_unit
+from autoplan.memory.segment_terms import choices_by_unit
 
 CARD = "custom:memory=24GiB,fp32_tflops=82.6,bf16_tflops=165.2,bandwidth=1008GB/s,capability=8.9,host_bandwidth="
 

@@ -334,7 +334,7 @@ def test_least_activation_choices_put_kept_bytes_first():
     # kept bytes add up over every unit, so full must win though keep is faster.
     from types import SimpleNamespace
 
-    from autoplan.profile.units import UnitCost, UnitProfile
+    from autoplan.profile.profiler import UnitCost, UnitProfile
 
     def cost(held, bwd, time_s):
         return UnitCost(fwd_peak_bytes=0, held_bytes=held, bwd_peak_bytes=bwd, fwd_time_s=time_s, bwd_time_s=0.0,

@@ -19,7 +19,7 @@ import pytest
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import live_bytes, points, predict_peak, predict_step_time
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase, Choice
-from autoplan.profile.units import Profile, UnitCost, UnitProfile
+from autoplan.profile.profiler import Profile, UnitCost, UnitProfile
 from autoplan.solve.ilp import Solution, allowed_choices, check, fastest, minimum_peak, solve
 from autoplan.profile.recorder import Boundary
 from autoplan.profile.timeline import PhaseSample, StaticBytes, Timeline

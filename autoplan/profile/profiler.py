@@ -29,7 +29,7 @@ from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import DTYPES, MODES, Choice, Precision
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, measure_or_refuse, menu_points, record_ops
-from autoplan.profile.offload import measure_host_twins
+from autoplan.profile.host_twins import measure_host_twins
 from autoplan.profile.recorder import TensorSpec, UnitCall, materialize_inputs
 from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
@@ -253,7 +253,7 @@ def _measure_unit(
 def _measure_options(module, call: UnitCall, precisions, rest: Precision, device: Device, fake_mode: FakeTensorMode, menu_size: int,
                      host_bandwidth: float = 0.0):
     """Every choice of one unit measured: the three modes × precisions, their host twins when a host link is
-    given (`profile.offload`), then its menu points (with their policies in words)."""
+    given (`profile.host_twins`), then its menu points (with their policies in words)."""
     costs, refused = measure_or_refuse(unit_choices(precisions), lambda choice: _measure_unit(module, call, choice, rest, device, fake_mode))
     if host_bandwidth > 0:
         costs |= measure_host_twins(costs, lambda twin: _measure_unit(module, call, twin, rest, device, fake_mode), host_bandwidth)
@@ -332,7 +332,7 @@ def profile(
     costs the same in any loop. `fuse_loss`: the output head's cross-entropy may be fused;
     `alternative` is then the step the other way, for the solve to plan too (`profile.simulation`).
     `offload`: keep and full may also hold their saved tensors in host memory, priced by the device's
-    host link (`profile.offload`); ignored for a device without one (the CPU).
+    host link (`profile.host_twins`); ignored for a device without one (the CPU).
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):

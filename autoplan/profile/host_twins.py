@@ -1,6 +1,6 @@
 """Offload choices of a unit: its keep and full choices again with their saved tensors in host memory.
 
-The host twins are measured like any choice (`profile.units`), the offload hooks making the host
+The host twins are measured like any choice (`profile.profiler`), the offload hooks making the host
 copies (`planned.offload`), so their device bytes are exact; what measuring cannot tell, the time
 of the copies, is priced here from the device profile's host link (`Device.host_bandwidth`, bytes
 per second each way):
@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from autoplan.plan import OFFLOADABLE, Choice
 
-UnitCost = Any  # profile.units.UnitCost, which measures with these twins (an import would close a circle)
+UnitCost = Any  # profile.profiler.UnitCost, which measures with these twins (an import would close a circle)
 
 
 def host_twins(costs: Mapping[Choice, UnitCost]) -> list[Choice]:
