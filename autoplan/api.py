@@ -22,10 +22,11 @@ from autoplan.errors import InfeasibleBudgetError, OptionTypeError
 from autoplan.inputs.options import check_world_size
 from autoplan.plan import Plan
 from autoplan.planner import Planner
+from autoplan.report.reported import ReportedPlan
 from autoplan.solve.assemble import infeasible_message
 
 
-def plan(model: torch.nn.Module, budget: str | int, **options: Any) -> Plan:
+def plan(model: torch.nn.Module, budget: str | int, **options: Any) -> ReportedPlan:
     """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest. Changes nothing.
 
     budget: "20GB", "20 GiB", "80%" (of the device), or an int of bytes. example_inputs: one batch

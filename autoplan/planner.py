@@ -29,21 +29,21 @@ from autoplan.inputs.options import (
     PROFILE_SOURCES,
     SearchSpace,
     StepOptions,
-    Target,
     check_choice,
-    check_precision,
     check_time_limit,
     check_world_size,
     flag,
-    host_budget_bytes,
     search_space,
 )
 from autoplan.memory.model import rank_offsets
+from autoplan.mesh import Mesh
 from autoplan.memory.segment_terms import choices_by_unit
 from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
 from autoplan.profile.menu import DEFAULT_MENU_SIZE
+from autoplan.report.reported import ReportedPlan, reported
 from autoplan.profile.timing import measure_times
-from autoplan.profile.profiler import Profile, precision_options
+from autoplan.axes.precision import choices_for
+from autoplan.profile.profiler import Profile
 from autoplan.profile.profiler import profile as profile_units
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
@@ -51,6 +51,7 @@ from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.instruments.routing import check_moe_capacity
 from autoplan.training.step_parts import model_device, optimizer_name
 from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
+from autoplan.solve.request import SolveRequest
 from autoplan.solve.search import pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
@@ -113,12 +114,11 @@ class Planner:
         self._device = get_device(device)
         self._space = search_space(precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, menu_size=menu_size,
                                    segments=segments, compile=compile, fuse_loss=fuse_loss, world_size=world_size,
-                                   device=self._device, offload=offload)
-        check_precision(self._space.precision, self._device)
+                                   device=self._device, offload=offload, host_budget=host_budget)
         self._reserve = reserve
         self._world_size: int | Literal["auto"] = "auto" if world_size == "auto" else check_world_size(world_size)
         self._profile = check_choice("profile", profile, PROFILE_SOURCES)
-        self._time_limit_s, self._host_budget_bytes = check_time_limit(time_limit_s), host_budget_bytes(host_budget)
+        self._time_limit_s = check_time_limit(time_limit_s)
         self._allow_over_device = flag("allow_over_device", allow_over_device)
         self._given = dict(
             batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
@@ -137,24 +137,27 @@ class Planner:
         self._tried = 0
 
     @torch.enable_grad()
-    def plan(self, budget: str | int) -> Plan:
+    def plan(self, budget: str | int) -> ReportedPlan:
         """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest (autoplan.plan's docstring)."""
-        target = Target(self._device, make_budget(budget, self._device, self._reserve, allow_over_device=self._allow_over_device),
-                        self._reserve, self._world_size, self._profile, self._time_limit_s, self._host_budget_bytes)
+        ranks = self._world_size
+        asked = SolveRequest(make_budget(budget, self._device, self._reserve, allow_over_device=self._allow_over_device),
+                             time_limit_s=self._time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks),
+                             fewest_ranks=ranks == "auto", host=self._space.host, segments=self._space.segments)
         request = plan_request(budget, self._device, self._given)
         self._check_unchanged()
         if self._levels is None:
             self._levels = self._profile_levels()
         # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
         # within a level, segments of consecutive blocks are candidates of the same program
-        planned = [_decide_loss_head(level.traced, level.measured, target, self._step, level.pins, self._say) for level in self._levels]
+        planned = [_decide_loss_head(level.traced, level.measured, dataclasses.replace(asked, pins=level.pins), self._step, self._say)
+                   for level in self._levels]
         chosen, measured = best_level(planned, [level.level for level in self._levels], tried=self._tried)
         if self._on_profile is not None:
             self._on_profile(measured)
         fingerprint = dataclasses.replace(self._fingerprint, values=batch_values(self._batch, measured.batch_reads))
         traced_as = dataclasses.replace(chosen.model, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
                                         batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
-        return dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=request), model=traced_as)
+        return reported(dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=request), model=traced_as))
 
     def _profile_levels(self) -> list[ProfiledLevel]:
         """Every level of units traced and profiled; a level whose Sequential run is called twice is skipped."""
@@ -170,8 +173,7 @@ class Planner:
                 if number == len(levels) and not profiled:
                     raise
                 continue  # a Sequential run called twice: the other levels are the plan space
-            measured = dataclasses.replace(measured, segments=self._space.segments)
-            pins = pinned_choices(list(traced.unit_names), precision_options(self._space.precision, self._device),
+            pins = pinned_choices(list(traced.unit_names), choices_for(self._space.precision, self._device),
                                   self._space.keep_fp32, self._space.checkpoint)
             profiled.append(ProfiledLevel(level, traced, measured, pins))
         return profiled
@@ -252,51 +254,47 @@ def _literal(value: Any) -> Any:
     return None
 
 
-def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> Plan:
-    """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
+def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say) -> Plan:
+    """The solve and verify stages on a profile: the mesh, the searched choices, the Plan."""
     curve: tuple[WorldSizePoint, ...] = ()
-    usable, time_limit_s = target.budget.usable_bytes, target.time_limit_s
-    if isinstance(target.world_size, int):
-        world = target.world_size
-    else:
+    if request.fewest_ranks:
         say("finding the smallest number of GPUs")
-        world, curve = fewest_gpus(measured, pins, usable, time_limit_s)
-    offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, world)))
+        mesh, curve = fewest_gpus(measured, request)
+        request = dataclasses.replace(request, mesh=mesh)
+    offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, request.mesh)))
 
     host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         simulated = simulate_plan(
-            traced, choices_by_unit(measured, choices), device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
+            traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
         )
         host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
         return simulated.peak_bytes
 
-    found = search(measured, usable, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say,
-                   host_budget=target.host_budget_bytes if measured.offload else None)
-    decided = assemble_plan(measured, traced, found, budget=target.budget, reserve=target.reserve, target=target.device, pins=pins,
-                            world=world, time_limit_s=time_limit_s, host_budget=target.host_budget_bytes)
+    found = search(measured, request, simulate=simulate, progress=say)
+    decided = assemble_plan(measured, traced, found, request)
     simulated = dataclasses.replace(decided.prediction, world_size_curve=curve,
                                     simulated_host_peak_bytes=host_peaks.get(frozenset(found.choices.items()), 0))
     return dataclasses.replace(decided, prediction=simulated)
 
 
-def _decide_loss_head(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> tuple[Plan, Profile]:
+def _decide_loss_head(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say) -> tuple[Plan, Profile]:
     """Decided with the loss head as the profile's timeline runs it and, where it can be fused, the other
     way too: the faster plan that fits (`faster_loss_head`). Fusing is then chosen by time like any choice."""
-    decided = _decide(traced, measured, target, step, pins, say)
+    decided = _decide(traced, measured, request, step, say)
     if measured.alternative is None or measured.base_step_time_s is not None:  # measured times are for the timeline's head only
         return decided, measured
     other = dataclasses.replace(measured, timeline=measured.alternative, alternative=measured.timeline)
     say("planning again with the loss head " + ("fused" if other.timeline.fused_loss else "as written"))
-    return faster_loss_head((decided, measured), (_decide(traced, other, target, step, pins, say), other))
+    return faster_loss_head((decided, measured), (_decide(traced, other, request, step, say), other))
 
 
 def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, step: StepOptions, space: SearchSpace,
                        say) -> tuple[Traced, Profile]:
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
-    precisions = precision_options(space.precision, device)
+    precisions = choices_for(space.precision, device)
     if space.keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
     rest: Precision = "fp32" if space.precision == "auto" else precisions[0]  # the one precision forced
@@ -309,7 +307,7 @@ def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, s
         measured = profile_units(
             traced, device, optimizer=step.optimizer, precisions=precisions, rest_precision=rest, loss_fn=step.loss_fn,
             progress=say, loop=step.loop, menu_size=space.menu_size, compile=space.compile, fuse_loss=space.fuse_loss,
-            offload=space.offload,
+            host=space.host,
         )
         if not space.compile and _should_measure(profile, model, device):
             measured = measure_times(measured, traced, optimizer=step.optimizer, loss_fn=step.loss_fn, progress=say)

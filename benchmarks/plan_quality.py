@@ -68,7 +68,9 @@ from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes  # noqa
 from autoplan.instruments.tracker import op_roofline  # noqa: E402
 from autoplan.instruments.tracker import LiveBytesTracker  # noqa: E402
 from autoplan.training.step_parts import optimizer_state_tensors  # noqa: E402
+from autoplan.inputs.budget import Budget  # noqa: E402
 from autoplan.solve.ilp import minimum_peak, solve  # noqa: E402
+from autoplan.solve.request import SolveRequest  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
 from autoplan.trace.discovery import find_units  # noqa: E402
 from examples.gpt import build  # noqa: E402
@@ -334,10 +336,10 @@ def solve_times() -> None:
     for layers in (24, 96, 384):
         model, inputs = build(n_layer=layers, n_embd=64, n_head=2, block_size=64, vocab_size=128, batch_size=1, seq_len=64)
         measured = profile(trace(model, inputs), DEVICE, precisions=("fp32", "bf16"))
-        lowest = predict_peak(measured, minimum_peak(measured).choices).bytes
+        lowest = predict_peak(measured, minimum_peak(measured, SolveRequest(Budget(1, 0, "any"))).choices).bytes
         budget = (lowest + measured.reference.peak_bytes) // 2  # halfway: a real trade-off to solve
         started = time.perf_counter()
-        solution = solve(measured, budget)
+        solution = solve(measured, SolveRequest(Budget(budget, 0, f"{budget}B")))
         print(f"{layers:>6} {format_bytes(budget):>12} {solution.status:>10} {time.perf_counter() - started:>8.2f}")
 
 

@@ -228,7 +228,7 @@ def _advise(loaded: LoadedTarget, plan, profile, budget: str, options: dict, pro
         model, inputs = rebuild(micro)
         return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
 
-    return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.request.world_size if world_size else None,
+    return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, mesh=plan.request.mesh if world_size else None,
                   parameter_count=loaded.parameter_count, replan=replan if rebuild else None, ladder=ladder)
 
 

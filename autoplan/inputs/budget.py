@@ -34,11 +34,16 @@ class Budget:
     reserve_bytes: int
     text: str
     note: str = ""  # how the text was read, where that is not its face value ("24GB" read as the 24 GiB card)
+    reserve_is_default: bool = False  # the reserve is `default_reserve`'s (none was given)
 
     @property
     def usable_bytes(self) -> int:
         """What the planner fits the peak under."""
         return max(0, self.total_bytes - self.reserve_bytes)
+
+    def needed_for(self, usable_bytes: int, device: Device) -> int:
+        """The smallest budget that leaves `usable_bytes` with this budget's reserve: the one given, or the default rule's."""
+        return budget_needed_for(usable_bytes, device, None if self.reserve_is_default else self.reserve_bytes)
 
 
 def parse_bytes(value: object, *, device_memory_bytes: int | None = None) -> int:
@@ -96,7 +101,7 @@ def make_budget(value: object, device: Device, reserve: object = None, *, allow_
                 f"{_shown(value)} ({format_bytes(total)}): the reserve is held back from the budget, so it must be smaller"
             )
     text = value.strip() if isinstance(value, str) else str(value)
-    return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=text, note=note)
+    return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=text, note=note, reserve_is_default=reserve is None)
 
 
 def both_units(n: int) -> str:

@@ -1,16 +1,14 @@
-"""plan()'s options as three checked values, grouped by what they are about.
+"""plan()'s options as checked values, grouped by what they are about.
 
-- `Target`: what the plan must fit and how it is found: the device, the budget, the reserve as
-  given, the number of GPUs, where unit times come from, the solver's time limit, the host memory
-  offloading may use;
 - `StepOptions`: the training step the peak is for: the optimizer whose state is counted, the
   loss, the loop, and how data-dependent expert routing is profiled;
 - `SearchSpace`: which choices the solver may make: precisions, pins, each unit's menu of
-  selective policies, segments, compile pricing, the fused loss head, offload to host memory and
-  how much host memory it may use.
+  selective policies, segments, compile pricing, the fused loss head, and offload (`HostMemory`:
+  the host link and how much pinned host memory it may use, or None).
 
-Each is built once in `api.plan`, every option checked there with an `OptionError` that names
-the option and what it takes, and passed down whole instead of a list of keywords.
+Each is built once when a Planner is made, every option checked there with an `OptionError` that
+names the option and what it takes, and passed down whole instead of a list of keywords; what the
+solve stage needs for one budget is its `SolveRequest`.
 """
 
 from __future__ import annotations
@@ -19,12 +17,14 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from autoplan.axes.precision import check_setting
+from autoplan.axes.placement import HostMemory, offload_allowed
 from autoplan.errors import OptionError
-from autoplan.inputs.budget import Budget
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
+from autoplan.mesh import MAX_RANKS
 from autoplan.vocabulary.sizes import parse_size
 
 if TYPE_CHECKING:  # annotations only: the command line checks its options here before torch is imported
@@ -33,20 +33,6 @@ if TYPE_CHECKING:  # annotations only: the command line checks its options here 
     from autoplan.instruments.routing import MoeRoutingBound
 
 PROFILE_SOURCES = ("auto", "measure", "roofline")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-
-
-@dataclass(frozen=True)
-class Target:
-    """What the plan must fit, and how it is found."""
-
-    device: Device
-    budget: Budget
-    reserve: str | int | None  # as given: the plan reports it
-    world_size: int | Literal["auto"]  # GPUs under FSDP2, or "auto": the fewest that fit
-    profile: str  # where unit times come from: "auto", "measure" or "roofline"
-    time_limit_s: float  # per solve
-    host_budget_bytes: int = 0  # pinned host memory offloaded units may use (`host_budget_bytes`)
 
 
 @dataclass(frozen=True)
@@ -70,7 +56,7 @@ class SearchSpace:
     segments: bool  # runs of consecutive blocks as one region; off with compile
     compile: bool  # recomputing FLOP-free ops priced as free (Inductor fuses them)
     fuse_loss: bool  # the output head's cross-entropy fused; off with compile and with FSDP
-    offload: bool = False  # keep/full units may hold what they save in pinned host memory
+    host: HostMemory | None = None  # offload: keep/full units may hold what they save in this pinned host memory
 
 
 def flag(name: str, value: Any) -> bool:
@@ -93,14 +79,6 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def check_precision(precision: str, device: Device) -> Device:
-    """`device`, once it is known to run `precision` (bf16 needs Ampere or newer)."""
-    if precision == "bf16" and not device.supports_bf16:
-        raise OptionError(f"precision 'bf16' (--precision bf16): {device.name} has no bf16; use 'fp16' (with a GradScaler) "
-                          "or 'auto', which picks fp16 there")
-    return device
-
-
 def check_menu_size(menu_size: Any) -> int:
     if isinstance(menu_size, bool) or not isinstance(menu_size, numbers.Integral) or menu_size < 0:
         raise OptionError(f"menu_size takes a whole number ≥ 0 (0: keep/selective/full only); got {menu_size!r}")
@@ -108,19 +86,24 @@ def check_menu_size(menu_size: Any) -> int:
 
 
 def search_space(*, precision, keep_fp32, checkpoint, menu_size, segments, compile, fuse_loss, world_size,
-                 device: Device, offload: bool | None = None) -> SearchSpace:
+                 device: Device, offload: bool | None = None, host_budget: str | int | None = None) -> SearchSpace:
     """The checked search space; segments, the fused head and offload off where they cannot apply."""
     compile = flag("compile", compile)
     return SearchSpace(
-        precision=check_choice("precision", precision, PRECISIONS),
+        precision=check_setting(precision, device),  # a precision this device runs
         keep_fp32=keep_fp32,
         checkpoint=checkpoint,
         menu_size=check_menu_size(menu_size),
         segments=flag("segments", segments) and not compile,  # a segment's region runs eagerly between compiled graphs
         compile=compile,
         fuse_loss=flag("fuse_loss", fuse_loss) and not compile and world_size == 1,
-        offload=check_offload(offload, device, world_size),
+        host=_host_memory(offload, host_budget_bytes(host_budget), device, world_size),
     )
+
+
+def _host_memory(offload: bool | None, budget_bytes: int, device: Device, world_size: Any) -> HostMemory | None:
+    """Offload as one value: the host link and the memory it may fill, where it is allowed (`axes.placement`)."""
+    return HostMemory(budget_bytes, device.host_bandwidth) if offload_allowed(offload, device, sharded=world_size != 1) else None
 
 
 HOST_BUDGET_SHARE = 0.5  # default host budget: this share of this machine's RAM
@@ -136,28 +119,12 @@ def host_budget_bytes(host_budget: str | int | None) -> int:
                       fail=lambda reason: OptionError(f"host_budget: {reason}; e.g. '64GB' or '50%' of this machine's RAM"))
 
 
-def check_offload(offload: bool | None, device: Device, world_size: Any) -> bool:
-    """None (the default): offload where the target has a host link, on one GPU. True where it cannot be
-    is an error that says why."""
-    possible = device.host_bandwidth > 0 and world_size == 1
-    if offload is None:
-        return possible
-    if flag("offload", offload) and not possible:
-        why = (f"{device.name} has no host link to offload over (on the CPU activations are in host memory already)"
-               if device.host_bandwidth <= 0 else "offload plans one GPU; with FSDP (world_size > 1) leave it off")
-        raise OptionError(f"offload=True (--offload): {why}")
-    return offload
-
-
-MAX_WORLD_SIZE = 65_536  # above any FSDP job run so far; a larger number is a typo, and the search would plan for it
-
-
 def check_world_size(world_size: object, option: str = "world_size") -> int:
     """`option`: the name the person gave it by, "--world-size" on the command line (where auto is unquoted)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise OptionError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
-    if world_size > MAX_WORLD_SIZE:
+    if world_size > MAX_RANKS:
         auto = "auto" if option.startswith("--") else '"auto"'
-        raise OptionError(f"{option} {world_size:,} is more GPUs than FSDP shards over (at most {MAX_WORLD_SIZE:,}): give the "
+        raise OptionError(f"{option} {world_size:,} is more GPUs than FSDP shards over (at most {MAX_RANKS:,}): give the "
                           f"number of GPUs you will train on, or {auto} for the fewest that fit")
     return world_size

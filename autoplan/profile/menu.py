@@ -26,7 +26,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from autoplan.plan import Choice, Precision
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.tracker import RooflineRates, op_roofline
-from autoplan.planned.wrappers import PlannedForward, can_save, op_name
+from autoplan.axes.checkpoint import can_save, op_name
+from autoplan.planned.wrappers import PlannedForward
 
 DEFAULT_MENU_SIZE = 6  # menu points per unit and precision (keep and full not counted); 0: the three modes only
 

@@ -111,9 +111,9 @@ def autoplan_loss(loss_in_model: bool):
 
 def _precision(precision: str, device: str):
     from autoplan.inputs.devices import get_device
-    from autoplan.profile.profiler import precision_options
+    from autoplan.axes.precision import choices_for
 
-    return precision_options(precision, get_device(device))
+    return choices_for(precision, get_device(device))
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES))

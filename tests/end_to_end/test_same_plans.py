@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
 import autoplan
 from autoplan.errors import ProfileError, TraceError
@@ -32,6 +33,7 @@ FIXTURE = Path(__file__).with_name("plans_before.json")
 WALL_TIMES = ("solve_time_s",)  # the only fields a second run on the same machine may change
 HOST_BUDGET = "1GB"  # given, not this machine's RAM: the fixture holds on any machine
 GPU = "a100-80gb"
+THREADS = 1  # as every test under pytest-xdist runs (tests/conftest.py)
 
 Build = Callable[[], tuple[Any, Any]]
 
@@ -117,12 +119,22 @@ def _fsdp_auto(build: Build) -> dict[str, Any]:
 
 
 def record() -> None:
+    torch.set_num_threads(THREADS)
     plans = {name: case() for name, case in _variants().items()}
     FIXTURE.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
 
 
 def _recorded() -> dict[str, Any]:
     return json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """oneDNN's LSTM workspace (`instruments.rnn`, read off a real call) depends on the thread count: plan with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("case", sorted(_variants()))

@@ -3,7 +3,8 @@
 import pytest
 
 from autoplan.errors import OptionError
-from autoplan.inputs.options import MAX_WORLD_SIZE, check_world_size
+from autoplan.inputs.options import check_world_size
+from autoplan.mesh import MAX_RANKS
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, True, "2"])
@@ -14,6 +15,6 @@ def test_world_size_must_be_a_whole_number_of_gpus(world_size) -> None:
 
 
 def test_a_world_size_no_fsdp_job_runs_is_refused_naming_the_limit() -> None:
-    assert check_world_size(MAX_WORLD_SIZE) == MAX_WORLD_SIZE
+    assert check_world_size(MAX_RANKS) == MAX_RANKS
     with pytest.raises(OptionError, match="1,000,000 is more GPUs than FSDP shards over .at most 65,536."):
         check_world_size(1_000_000)

@@ -1,0 +1,1 @@
+"""One file per precision, each defining `KIND` (`axes.precision.PrecisionKind`); `axes.precision` finds them all."""
