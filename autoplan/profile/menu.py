@@ -23,13 +23,13 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from autoplan.inputs.options import DEFAULT_MENU_SIZE  # menu points per unit and precision, the option's default
 from autoplan.plan import Choice, Precision
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.tracker import RooflineRates, op_roofline
 from autoplan.axes.checkpoint import can_save, op_name
 from autoplan.planned.wrappers import PlannedForward
 
-DEFAULT_MENU_SIZE = 6  # menu points per unit and precision (keep and full not counted); 0: the three modes only
 
 
 # What torch's selective checkpointing raises for a unit it cannot run selectively: an op writing in place

@@ -78,7 +78,7 @@ MISTAKES = {
     "precision: unknown": (lambda: _precision("int8", "h100"), OptionError, ValueError, "'int8'"),
     "precision: bf16 on a t4": (lambda: _precision("bf16", "t4"), OptionError, ValueError, "no bf16"),
     "profile: not a trace": (_call("autoplan.profile.profiler", "profile", object(), None), OptionTypeError, TypeError, "Traced"),
-    "world size 0": (_call("autoplan.inputs.options", "check_world_size", 0), OptionError, ValueError, "world_size"),
+    "world size 0": (_call("autoplan.inputs.settings", "check_world_size", 0), OptionError, ValueError, "world_size"),
     "plan: a misspelled option": (_call("autoplan", "plan", _mlp(), "1GB", exmaple_inputs=(torch.randn(2, 4),)), OptionTypeError,
                                   TypeError, "did you mean 'example_inputs'"),
     "optimize: an unknown option": (_call("autoplan", "optimize", _mlp(), "1GB", zzz=1), OptionTypeError, TypeError,

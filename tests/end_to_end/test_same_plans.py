@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from tests.models import ALL_MODELS
 from tests.structures import STRUCTURES
 
 FIXTURE = Path(__file__).with_name("plans_before.json")
+ROOT = Path(__file__).resolve().parents[2]
 WALL_TIMES = ("solve_time_s",)  # the only fields a second run on the same machine may change
 HOST_BUDGET = "1GB"  # given, not this machine's RAM: the fixture holds on any machine
 GPU = "a100-80gb"
@@ -118,9 +120,23 @@ def _fsdp_auto(build: Build) -> dict[str, Any]:
     return {"budgets": [budget], "plans": [_comparable(plan)]}
 
 
+# Planned in a process of their own: the stacked LSTM's plans depend on what the process ran before (a second plan of
+# the same model in one process peaks 256 bytes apart; oneDNN's kernel is run for real, `instruments.rnn`)
+FRESH_PROCESS = ("structures:stacked nn.LSTM with residuals",)
+
+
+def _planned(case: str) -> dict[str, Any]:
+    if not case.startswith(FRESH_PROCESS):
+        return _variants()[case]()
+    code = (f"import json, torch; torch.set_num_threads({THREADS}); from tests.end_to_end import test_same_plans as t; "
+            f"print(json.dumps(t._variants()[{case!r}]()))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1200, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def record() -> None:
     torch.set_num_threads(THREADS)
-    plans = {name: case() for name, case in _variants().items()}
+    plans = {name: _planned(name) for name in _variants()}
     FIXTURE.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
 
 
@@ -142,7 +158,7 @@ def test_the_same_inputs_give_the_same_plans(case):
     if "transformers" in case:
         pytest.importorskip("transformers")
     before = _recorded()[case]
-    now = _variants()[case]()
+    now = _planned(case)
     assert now.get("error") == before.get("error"), case
     assert now["budgets"] == before["budgets"], case
     for index, (was, is_now) in enumerate(zip(before["plans"], now["plans"])):
