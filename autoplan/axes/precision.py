@@ -1,6 +1,6 @@
 """The precision axis: what a unit's ops compute in, one precision per file in `axes/precisions/`.
 
-Every module of `axes/precisions/` defines `KIND`, a `PrecisionKind`: its name (`Choice.precision`,
+Every module of `axes/precisions/` defines `KIND`, a `PrecisionKind` (the autocast ones an `Autocast`, `axes.precisions`): its name (`Choice.precision`,
 `--precision`, the report's column), torch's dtype, whether a device can run it, how a unit runs in it
 (a context around the unit's forward: autocast, or a swap of its modules while it runs), the rate its
 matmuls are priced at, and the report's words for it. A new precision is a new file there and its tests:
@@ -18,8 +18,7 @@ import contextlib
 import functools
 import importlib
 import pkgutil
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from autoplan.axes import DeviceLike
 from autoplan.errors import OptionError
@@ -53,35 +52,6 @@ class PrecisionKind(Protocol):
     def flops(self, device: DeviceLike, allow_tf32: bool) -> float:
         """Peak FLOP/s of its matmuls on `device`: what the roofline prices its compute at."""
         ...
-
-
-@dataclass(frozen=True)
-class Autocast:
-    """A low precision a unit runs in under `torch.autocast`: its matmuls and convolutions in `dtype_name`
-    (bf16 and fp16 are each one, in their own files)."""
-
-    name: str
-    dtype_name: str
-    order: int
-    auto_preference: int | None
-    grad_scaler: bool
-    words: str
-    missing: Callable[[DeviceLike], str]  # why a device cannot run it ("" when it can)
-    rewriting: int = 1  # an autocast around the unit
-
-    def unsupported(self, device: DeviceLike) -> str:
-        return self.missing(device)
-
-    def running(self, module: torch.nn.Module, device_type: str) -> contextlib.AbstractContextManager:
-        import torch
-
-        # The weight cache would keep low-precision weight copies alive until the outermost autocast
-        # exits, which defeats checkpointing; without it each use casts, and the cast is what is saved.
-        return torch.autocast(device_type, dtype=getattr(torch, self.dtype_name), cache_enabled=False)
-
-    def flops(self, device: DeviceLike, allow_tf32: bool) -> float:
-        # a precision the datasheet does not rate runs at the fp32 rate (emulated or upcast)
-        return device.peak_flops.get(self.name, device.peak_flops["fp32"])
 
 
 @functools.cache

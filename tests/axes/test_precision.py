@@ -72,3 +72,21 @@ def test_a_unit_runs_in_its_precision():
         assert layer(torch.ones(2, 4)).dtype == torch.bfloat16
         with kind("fp32").running(layer, "cpu"):  # an fp32 unit turns the autocast around it off
             assert layer(torch.ones(2, 4)).dtype == torch.float32
+
+
+def test_a_new_precision_is_its_file_alone(monkeypatch):
+    """What a precision file defines is all the rest asks: a kind the registry finds is a Choice, a setting, a rate."""
+    from autoplan.axes import precision
+    from autoplan.axes.precisions import Autocast
+
+    float8 = Autocast(name="fp8", dtype_name="float8_e4m3fn", order=3, auto_preference=None, grad_scaler=False,
+                      words="fp8 (stand-in)", missing=lambda device: "" if (device.compute_capability or (0, 0)) >= (8, 9)
+                      else f"{device.name} has no fp8")
+    found = precision.kinds()
+    monkeypatch.setattr(precision, "kinds", lambda: (*found, float8))
+    assert precision.names()[-1] == "fp8" and "fp8" in precision.settings()
+    assert Choice("keep", "fp8").precision == "fp8" and Choice("keep", "fp8").rewriting == 1
+    assert check_setting("fp8", get_device("h100-80gb")) == "fp8"
+    with pytest.raises(OptionError, match="a100-80gb has no fp8"):
+        check_setting("fp8", get_device("a100-80gb"))
+    assert low_precision(get_device("h100-80gb")).name == "bf16"  # "auto" picks what it did: fp8 is asked for by name

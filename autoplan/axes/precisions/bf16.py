@@ -1,7 +1,7 @@
 """bf16: bfloat16 autocast, fp32's range in half the bytes; cards from Ampere (compute capability 8.0) on, and the CPU."""
 
 from autoplan.axes import DeviceLike
-from autoplan.axes.precision import Autocast
+from autoplan.axes.precisions import Autocast
 
 
 def _missing(device: DeviceLike) -> str:
