@@ -140,15 +140,15 @@ def search_space(options: PlanOptions, device: Device) -> SearchSpace:
         segments=flag("segments", options.segments) and not compile,  # a segment's region runs eagerly between compiled graphs
         compile=compile,
         fuse_loss=flag("fuse_loss", options.fuse_loss) and not compile and options.world_size == 1,
-        host=_host_memory(options.offload, host_budget_bytes(options.host_budget), device, options.world_size),
+        host=_host_memory(options.offload, host_budget_bytes(options.host_budget), device, sharded=options.world_size != 1),
     )
 
 
-def _host_memory(offload: bool | None, budget_bytes: int, device: Device, world_size: Any) -> HostMemory | None:
+def _host_memory(offload: bool | None, budget_bytes: int, device: Device, *, sharded: bool) -> HostMemory | None:
     """Offload as one value: the host link and the memory it may fill, where it is allowed (`axes.placement`)."""
     from autoplan.axes.placement import HostMemory, offload_allowed  # torch: the offload hooks live there too
 
-    return HostMemory(budget_bytes, device.host_bandwidth) if offload_allowed(offload, device, sharded=world_size != 1) else None
+    return HostMemory(budget_bytes, device.host_bandwidth) if offload_allowed(offload, device, sharded) else None
 
 
 HOST_BUDGET_SHARE = 0.5  # default host budget: this share of this machine's RAM
