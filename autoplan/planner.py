@@ -91,7 +91,7 @@ class Planner:
         asked = SolveRequest(make_budget(budget, device, settings.reserve, allow_over_device=settings.allow_over_device),
                              time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks),
                              fewest_ranks=ranks == "auto", host=space.host, segments=space.segments)
-        arguments = self._options.arguments(budget, device.name if device.name in DEVICES else None)
+        arguments = (("budget", asked.budget.given), *self._options.arguments(device.name if device.name in DEVICES else None))
         self._check_unchanged()
         if self._levels is None:
             self._levels = self._profile_levels()

@@ -54,14 +54,23 @@ class PrecisionKind(Protocol):
         ...
 
 
-@functools.cache
-def kinds() -> tuple[PrecisionKind, ...]:
-    """Every precision of `axes/precisions/`, in their `order`."""
+def _discovered() -> tuple[PrecisionKind, ...]:
+    """Every precision of `axes/precisions/`, in their `order`: each module there defines one `KIND`."""
     from autoplan.axes import precisions
 
     found = [cast(PrecisionKind, importlib.import_module(f"{precisions.__name__}.{module.name}").KIND)
              for module in pkgutil.iter_modules(precisions.__path__)]
     return tuple(sorted(found, key=lambda found_kind: found_kind.order))
+
+
+# Found once, at import: a planned unit asks for its precision in every forward, under torch.compile too, where
+# Dynamo traces plain lookups but not a walk of the file system
+_KINDS = _discovered()
+
+
+def kinds() -> tuple[PrecisionKind, ...]:
+    """Every precision, in their `order`."""
+    return _KINDS
 
 
 def names() -> tuple[Precision, ...]:

@@ -36,6 +36,7 @@ class Budget:
     text: str
     note: str = ""  # how the text was read, where that is not its face value ("24GB" read as the 24 GiB card)
     reserve_is_default: bool = False  # the reserve is `default_reserve`'s (none was given)
+    given: str | int | None = None  # as the person gave it, for the record of the plan's arguments (an int of bytes as an int)
 
     @property
     def usable_bytes(self) -> int:
@@ -102,7 +103,9 @@ def make_budget(value: object, device: Device, reserve: object = None, *, allow_
                 f"the reserve {_shown(reserve.given)} ({format_bytes(reserve_bytes)}) leaves nothing of the budget "
                 f"{_shown(value)} ({format_bytes(total)}): the reserve is held back from the budget, so it must be smaller"
             )
-    return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=size.text, note=note, reserve_is_default=reserve is None)
+    given = size.given if isinstance(size.given, str) else int(size.given)  # type: ignore[call-overload]  # an int of bytes, read
+    return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=size.text, note=note, reserve_is_default=reserve is None,
+                  given=given)
 
 
 def both_units(n: int) -> str:

@@ -246,14 +246,14 @@ class PlanOptions:
                 raise OptionTypeError(f"{called}() got an unexpected keyword argument {name!r}{hint} (docs/api.md)")
         return PlanOptions(**options)
 
-    def arguments(self, budget: object, profile_name: str | None) -> tuple[tuple[str, Any], ...]:
-        """The arguments of plan() that shape the plan, as given: the budget, then those not at their default.
+    def arguments(self, profile_name: str | None) -> tuple[tuple[str, Any], ...]:
+        """The options that shape the plan, as given: those not at their default (the budget, given apart, goes first).
 
         A value that is not a literal (a loss function, an optimizer or Device object) is recorded as None: the
         code that reproduces the plan passes the caller's own. An omitted device is recorded by its profile
         name when it has one (`profile_name`), so the code says what the plan was made for.
         """
-        request: list[tuple[str, Any]] = [("budget", _literal(budget))]
+        request: list[tuple[str, Any]] = []
         for option in dataclasses.fields(self):
             value = getattr(self, option.name)
             if not option.metadata["recorded"]:

@@ -257,8 +257,8 @@ def test_time_out_of_the_fastest_plan_falls_back_to_a_plan_that_fits(monkeypatch
     import autoplan.solve.search as search
     from autoplan.errors import SolverTimeoutError
 
-    def out_of_time(*args, time_limit_s, **kwargs):
-        raise SolverTimeoutError(time_limit_s)
+    def out_of_time(profile, request, margin_bytes=0):
+        raise SolverTimeoutError(request.time_limit_s)
 
     monkeypatch.setattr(search, "solve", out_of_time)
     model, inputs = tiny_gpt()
