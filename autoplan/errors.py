@@ -30,6 +30,11 @@ class ProfileError(ValueError):
     """The traced model failed while its training step ran on fake tensors; names the model's line."""
 
 
+class TrainingStepError(ProfileError):
+    """The model's own training step raised in verify's real steps (the model's or a library's code, not
+    autoplan's): names the step, the library or file and the function where it failed."""
+
+
 class LossError(ProfileError):
     """The training step has nothing to backpropagate: the model's output holds no floating-point tensor,
     or the loop says the model computes its loss and its output has no `.loss`."""

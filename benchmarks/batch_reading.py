@@ -2,7 +2,7 @@
 
 For each model of `tests/batch_reading.py` (an image-grid tower, a label check with a loss over labelled
 positions, packed sequences split by `cu_seqlens`, LayerDrop both ways; tiny Qwen2-VL, LLaVA,
-Wav2Vec2-CTC and HuBERT-CTC), measures on the CPU, with the live-bytes tracker `autoplan.verify`
+Wav2Vec2-CTC and HuBERT-CTC), measures on the CPU, with the CPU allocator's count `autoplan.verify`
 uses, a real training step (AdamW, fp32, outputs alive through backward) checkpointed by hand
 (`torch.utils.checkpoint` around each block, or transformers' `gradient_checkpointing_enable()`);
 then plans at a budget of exactly that peak (no reserve), and measures the planned step. Prints the
@@ -60,7 +60,7 @@ def row(structure) -> str:
 
 
 def main() -> None:
-    print(f"CPU, this machine: {describe_machine()}; live tensor bytes of training step 2, AdamW, fp32, outputs alive through backward\n")
+    print(f"CPU, this machine: {describe_machine()}; the CPU allocator's count of training step 2, AdamW, fp32, outputs alive through backward\n")
     print("| model | by hand: peak (B) | autoplan's floor (B) | floor / by hand | planned at the by-hand peak: predicted (B) "
           "| measured (B) | predicted − measured | recompute MFLOP by hand | recompute MFLOP autoplan | read from the batch |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")

@@ -15,9 +15,9 @@ the fastest configuration that ignores memory, and whether the peak fits the bud
     python benchmarks/compare.py --cpu           # CPU mode: tiny sizes, eager only
 
 On a GPU the peak is torch.cuda.max_memory_allocated() over the timed steps and times are CUDA
-events (median of --steps after two warm-up steps). In CPU mode the peak is the live tensor bytes
-of the real run (autoplan's tracker: it sees eager ops only, so compiled rows are skipped) and
-times are the wall clock: it exercises the code, its times say nothing about a GPU.
+events (median of --steps after two warm-up steps). In CPU mode the peak is the CPU allocator's own
+count of the timed steps (autoplan/verify/allocator.py, nothing of the simulation's), compiled rows
+are skipped, and times are the wall clock: it exercises the code, its times say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from benchmarks.machine import describe_machine  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.plan import Choice  # noqa: E402
 from autoplan.planned.forwards import apply_choices
-from autoplan.instruments.tracker import LiveBytesTracker
+from autoplan.verify.allocator import AllocatorCount
 from autoplan.trace.discovery import find_units
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -110,30 +110,30 @@ def measure(model: torch.nn.Module, batch: dict, steps: int, autocast: bool) -> 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(2):
-        step()
-    times, tracker = [], None
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        tracker = LiveBytesTracker(autoplan.get_device("cpu"))
-        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        tracker.adopt(list(model.parameters()) + list(model.buffers()) + state + list(batch.values()))
-    for _ in range(steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    # on the CPU, the allocator's own count from before the warm-up (it reports only blocks it saw made)
+    count = None if cuda else AllocatorCount(resident=(model, batch, opt))
+    with count if count is not None else contextlib.nullcontext():
+        for _ in range(2):
             step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+        times = []
+        if count is not None:
+            count.mark("measured")
         else:
-            started = time.perf_counter()
-            with tracker:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
                 step()
-            times.append(time.perf_counter() - started)
-    peak = torch.cuda.max_memory_allocated() if cuda else max(p.peak_bytes for p in tracker.phases())
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                started = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated() if count is None else count.stretches()[-1].peak_bytes
     reserved = torch.cuda.max_memory_reserved() if cuda else None
     return Measured(peak, statistics.median(times), reserved)
 
@@ -254,7 +254,7 @@ def main() -> None:
     device = torch.device("cpu" if cpu else "cuda")
     if not cpu:
         torch.backends.cuda.matmul.allow_tf32 = True
-    print("machine:", describe_machine(device) + ("" if device.type == "cuda" else " · CPU mode (live tensor bytes, wall clock)"))
+    print("machine:", describe_machine(device) + ("" if device.type == "cuda" else " · CPU mode (the CPU allocator's count, wall clock)"))
     print("command: python benchmarks/compare.py" + (" --cpu" if args.cpu else "") + f" --steps {args.steps}")
     for workload in filter(None, (gpt2_medium(cpu), llama(cpu))):
         rows, static, bf16 = rows_for(workload, device, args.steps, with_compile=not cpu)

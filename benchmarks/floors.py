@@ -3,7 +3,7 @@
 For every structure of the test zoo (`tests/structures.py`: residual blocks in a ModuleList or
 ModuleDict, stages of blocks, a VGG-style Sequential, a U-Net, a shared block, transformers
 ResNet / ConvNext / Swin / Mixtral / Qwen2-MoE from tiny configs), measures on the CPU, with the
-live-bytes tracker `autoplan.verify` uses, a real training step (AdamW, fp32) checkpointed by hand
+CPU allocator's count `autoplan.verify` uses (nothing of the simulation's), a real training step (AdamW, fp32) checkpointed by hand
 (`torch.utils.checkpoint`, non-reentrant, around each block; `gradient_checkpointing_enable()`
 where transformers has it); then plans at a budget of exactly that peak (no reserve) and
 measures the planned step. Prints, per structure: autoplan's floor (`plan.prediction.minimum_peak_bytes`)
@@ -39,7 +39,7 @@ def floor_without_segments(structure, budget: int) -> int:
 
 
 def main() -> None:
-    print(f"CPU, this machine: {describe_machine()}; live tensor bytes of training step 2, AdamW, fp32\n")
+    print(f"CPU, this machine: {describe_machine()}; the CPU allocator's count of training step 2, AdamW, fp32\n")
     print("| structure | by hand: peak | autoplan's floor | floor − by hand | floor / by hand | floor, no segments "
           "| autoplan at the by-hand peak: measured | recompute MFLOP by hand | recompute MFLOP autoplan |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -4,7 +4,7 @@ For every Hugging Face family of `tests/families.py` (tiny configs, random weigh
 and every model of the plain-PyTorch zoo `tests/models.py`, plans each training loop below (the
 families at static memory + 50% of their no-plan activations in that loop, the zoo halfway between
 its no-plan and its lowest peak), rewrites the model, trains two real steps of that loop
-(`autoplan.verify`: live bytes of real tensors, the peak from the second) and prints the markdown
+(`autoplan.verify`: the CPU allocator's count of real steps, the peak from the second) and prints the markdown
 table that docs/loops.md shows. Error = (measured − predicted) / predicted: never above 0, at most 3% below
 is the claim the tests (`tests/inputs/test_loop.py`) assert.
 

@@ -3,10 +3,10 @@
 One run prints the table of issue 15 for a Llama-style model (examples/llama.py, plain PyTorch,
 random weights, fp32, AdamW), every row measured in real CPU training steps in this process:
 
-- peak (live tensors): bytes of live tensors in training step 2 (parameters, gradients, optimizer
-  state, activations), counted by autoplan's tracker over the real run; eager rows only;
+- peak (live tensors): bytes in training step 2 (parameters, gradients, optimizer state,
+  activations), the CPU allocator's own count of the real run (autoplan/verify/allocator.py); eager rows only;
 - peak (RSS rise): the tensors alive before step 2 plus the resident memory step 2 added
-  (`rss_peak_of`); it sees compiled graphs too, and agrees with the tracker on eager rows;
+  (`rss_peak_of`); it sees compiled graphs too;
 - step time: against a plain eager copy in the same process, steps alternating (plain, config),
   1 thread, the median of --pairs per-pair ratios (differences under ~5% are ties here);
 - extra FLOPs: torch's FlopCounterMode over one step, against the plain step (compiled rows: the
@@ -66,7 +66,7 @@ from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.units import ModuleUnit  # noqa: E402
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes  # noqa: E402
 from autoplan.instruments.tracker import op_roofline  # noqa: E402
-from autoplan.instruments.tracker import LiveBytesTracker  # noqa: E402
+from autoplan.verify.allocator import AllocatorCount  # noqa: E402
 from autoplan.training.step_parts import optimizer_state_tensors  # noqa: E402
 from autoplan.inputs.budget import Budget  # noqa: E402
 from autoplan.solve.ilp import minimum_peak, solve  # noqa: E402
@@ -101,14 +101,13 @@ def _step(model, inputs, optimizer) -> None:
 
 
 def peak_of(model, inputs) -> int:
-    """Live tensor bytes of training step 2 (step 1 makes the optimizer state)."""
+    """The peak of training step 2 (step 1 makes the optimizer state), as the CPU allocator counts it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    _step(model, inputs, optimizer)
-    tracker = LiveBytesTracker(CPU)
-    with tracker:
-        tracker.adopt(list(model.parameters()) + list(model.buffers()) + optimizer_state_tensors(optimizer))
+    with AllocatorCount(resident=(model, inputs, optimizer)) as count:
         _step(model, inputs, optimizer)
-    return max(phase.peak_bytes for phase in tracker.phases())
+        count.mark("step 2")
+        _step(model, inputs, optimizer)
+    return count.stretches()[-1].peak_bytes
 
 
 def flops_of(model, inputs) -> int:
@@ -142,7 +141,7 @@ def rss_peak_of(model, inputs) -> int:
     """Peak of training step 2 from the resident set: what was alive before it (parameters, buffers,
     optimizer state; no gradients) plus the most resident memory the step added.
 
-    This sees inside compiled graphs, which the live-bytes tracker does not. It is honest only
+    This sees inside compiled graphs, which the eager rows' count is not run on. It is honest only
     because main() runs with MALLOC_MMAP_THRESHOLD_ fixed at 64 KiB: glibc then maps every tensor
     of that size or more on its own and unmaps it when freed, so the resident set follows the live
     tensors (eager rows print both peaks: they agree to a few MB). The high-water mark is reset

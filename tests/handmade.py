@@ -6,8 +6,8 @@
 `model.gradient_checkpointing_enable()` for a transformers model.
 
 `measured_step(model, inputs)` runs real training steps on the CPU and returns the steady-state
-peak (step 2: optimizer state exists) counted by the same live-bytes tracker `autoplan.verify`
-uses on the CPU, and the FLOPs of that step (`torch.utils.flop_counter.FlopCounterMode`); the
+peak (step 2: optimizer state exists) counted as `autoplan.verify` counts on the CPU, by the CPU
+allocator's own reports (autoplan.verify.allocator, nothing of the simulation's), and the FLOPs of that step (`torch.utils.flop_counter.FlopCounterMode`); the
 difference of FLOPs to the same step without checkpointing is what a plan recomputes.
 """
 
@@ -22,11 +22,10 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.inputs.batch import normalize_inputs
-from autoplan.inputs.devices import get_device
-from autoplan.instruments.tracker import LiveBytesTracker
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.training.runner import LoopRunner
-from autoplan.training.step_parts import default_loss, make_optimizer, optimizer_state_tensors, preserved
+from autoplan.training.step_parts import default_loss, make_optimizer, preserved
+from autoplan.verify.allocator import AllocatorCount
 
 from tests.structures import Structure
 
@@ -71,7 +70,7 @@ def checkpoint_by_hand(model: torch.nn.Module, structure: Structure) -> torch.nn
 
 @dataclass(frozen=True)
 class StepMeasurement:
-    peak_bytes: int  # live tensor bytes at the peak of a steady-state training step (CPU tracker)
+    peak_bytes: int  # bytes at the peak of a steady-state training step (the CPU allocator's count)
     flops: int  # FLOPs of that step: forward, backward (recomputation included)
 
 
@@ -80,26 +79,24 @@ def measured_step(
 ) -> StepMeasurement:
     """The steady-state peak and FLOPs of a real training step of `model` on the CPU.
 
-    Counted as `autoplan.verify` counts on the CPU: from step 2 on, what was alive when the step
-    began (parameters, buffers, optimizer state, the batch) plus every tensor made during it.
+    Counted as `autoplan.verify` counts on the CPU: the CPU allocator's bytes in use from step 2 on,
+    starting from what the model, the batch and the optimizer hold.
     The model's parameters, buffers and the RNG are put back afterwards.
     """
     args, kwargs = normalize_inputs(example_inputs)
     params = [p for p in model.parameters() if p.requires_grad]
-    device = get_device("cpu")
     with preserved(model):
         opt = make_optimizer(optimizer, params, implementation="for-loop")  # torch's default on the CPU
         # the common loop, as autoplan.verify runs it by default: the outputs stay alive through backward
         runner = LoopRunner(model, opt, TrainingLoop(), loss_fn)
-        runner.step(args, kwargs)
-        tracker = LiveBytesTracker(device)
-        batch = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        with tracker:  # steps 2 and 3, as autoplan.verify counts them: in step 3 step 2's outputs are still alive
-            tracker.adopt(list(model.parameters()) + list(model.buffers()) + optimizer_state_tensors(opt) + batch)
-            tracker.begin_phase("steady")
+        # counted from the first step (the allocator reports only what it allocates while counted); the peak
+        # of steps 2 and 3, as autoplan.verify counts them: in step 3 step 2's outputs are still alive
+        with AllocatorCount(resident=(model, args, kwargs, opt)) as count:
+            runner.step(args, kwargs)
+            count.mark("steady")
             runner.step(args, kwargs)
             runner.step(args, kwargs)
-        peak = max(phase.peak_bytes for phase in tracker.phases()[1:])
+        peak = count.stretches()[-1].peak_bytes
         runner.close()
         # FLOPs in a step of their own: FlopCounterMode's module tracking makes reference cycles that
         # keep checkpoint's recomputed tensors alive until the garbage collector runs, which would

@@ -17,11 +17,15 @@ inside, and its FLOPs are registered with torch's flop counter.
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import copy
 from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from autoplan.vocabulary.tensors import rounded_bytes
@@ -184,6 +188,20 @@ def _gemm_4bit():
         return ops.gemm_4bit.default if ops is not None else None
     except AttributeError:
         return None
+
+
+def load_bitsandbytes_backends() -> None:
+    """Import bitsandbytes' backend modules now, if bitsandbytes is in use: it imports them on the first op it runs,
+    and they make lookup tables (`_NF4_QUANT_TABLE`) at import, which under a tracker would be counted as the step's
+    and stay counted for the process (a first plan in a process was 1,024 B above the same plan made again)."""
+    if "bitsandbytes" not in sys.modules:
+        return
+    with _disable_current_modes():  # outside every mode, wherever this is called from
+        for module in ("bitsandbytes.backends.utils", "bitsandbytes.backends.default.ops", "bitsandbytes.backends.cpu.ops"):
+            try:
+                importlib.import_module(module)
+            except ImportError:  # another release lays its backends out otherwise
+                pass
 
 
 def register_quantized_flops() -> None:

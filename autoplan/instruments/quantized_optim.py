@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autoplan.errors import MissingExtraError
+from autoplan.instruments.quantized import load_bitsandbytes_backends
 
 # bitsandbytes' Optimizer8bit: a torch Optimizer with `args`, `is_paged`, `get_state_buffer`, ...; the package ships
 # no types, so its own attributes are read as Any
@@ -63,8 +64,9 @@ def is_bnb_optimizer(optimizer: Any) -> bool:
 def _bnb_optim() -> Any:
     if not bitsandbytes_available():
         raise MissingExtraError(f"the bitsandbytes optimizers need bitsandbytes: {INSTALL_HINT}")
-    import bitsandbytes.optim
-
+    with _disable_current_modes():  # importing it makes tensors: none of them is the step's
+        import bitsandbytes.optim
+    load_bitsandbytes_backends()
     return bitsandbytes.optim
 
 
@@ -98,7 +100,9 @@ def _as_on_target(optimizer: BnbOptimizer, device_kind: str) -> torch.optim.Opti
     """Under fake tensors (which live on the CPU), an optimizer that allocates as bitsandbytes does on the target."""
     if detect_fake_mode() is None:
         return optimizer
-    if device_kind == "cuda" and optimizer.is_paged:
+    if device_kind != "cuda":
+        return optimizer  # on the CPU the maps `__init__` builds in host memory are on the device: all of them count
+    if optimizer.is_paged:
         _pages_off_device(optimizer)
     return _without_unused_map(optimizer)
 
@@ -126,10 +130,11 @@ def _without_unused_map(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
     """`__init__` builds both maps, in host memory, and a parameter's 8-bit state moves the ones it
     points to onto its device; the device never holds a map no state points to. A one-moment optimizer
     (Lion8bit) points only to the signed one; with no parameter of `min_8bit_size` elements (LoRA
-    adapters: every state fp32) nothing points to either. Under fake tensors those are dropped, so the
-    simulation holds only the maps the state points to, as the device does (and as the real-step
-    measurement on the CPU counts: the optimizer's state). A parameter that does need one later finds
-    it gone and bitsandbytes builds it again (`init_state` calls `fill_qmap` when it is missing)."""
+    adapters: every state fp32) nothing points to either. Under fake tensors for a GPU target those are
+    dropped, so the simulation holds only the maps the state points to, as the card does. (For a CPU
+    target host memory is the device's: every map is kept, as the CPU allocator counts them.) A parameter
+    that does need one later finds it gone and bitsandbytes builds it again (`init_state` calls
+    `fill_qmap` when it is missing)."""
     from bitsandbytes.optim.optimizer import Optimizer1State
 
     maps: dict = getattr(optimizer, "name2qmap", {})
@@ -159,7 +164,9 @@ def fake_safe_quantization_maps() -> Iterator[None]:
     original = bnb_functional.create_dynamic_map
 
     def create_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
-        with unset_fake_temporarily() as fake_mode:
+        # every mode off, the tracker too: the real map's making is no allocation of the step (bitsandbytes caches
+        # it, so only a first simulation in a process would have counted it, and kept it counted)
+        with unset_fake_temporarily() as fake_mode, _disable_current_modes():
             real = original(*args, **kwargs)
         if fake_mode is None:
             return real

@@ -20,9 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoplan.instruments.attention_flops import register_attention_flops
+from autoplan.instruments.cpu_scratch import scratch_bytes
 from autoplan.instruments.rnn import register_rnn_flops
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
-from autoplan.instruments.quantized import hidden_temporary_bytes, register_quantized_flops
+from autoplan.instruments.quantized import hidden_temporary_bytes, load_bitsandbytes_backends, register_quantized_flops
 from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
 
 
@@ -67,9 +68,11 @@ class LiveBytesTracker(TorchDispatchMode):
     def __init__(self, device: RooflineRates, allow_tf32: bool = False) -> None:
         super().__init__()
         register_quantized_flops()
+        load_bitsandbytes_backends()  # before any op runs under the tracker
         register_attention_flops()
         register_rnn_flops()
         self.device = device
+        self.cpu_kernels = runs_cpu_kernels(device)  # the target is this CPU: its kernels' scratch counts
         self.allow_tf32 = allow_tf32
         self.live_bytes = 0
         self.host_bytes = 0  # pinned host copies of offloaded activations alive now
@@ -78,9 +81,12 @@ class LiveBytesTracker(TorchDispatchMode):
         self._phases: list[_PhaseRecord] = [_PhaseRecord("start", 0, 0)]
         self._watched: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (storage, caller's key)
         self.last_use: dict[int, int] = {}  # caller's key -> index of the last phase an op read it in
+        self.engine_accumulates = False  # the autograd engine is adding gradients now (instruments.accumulation)
+        self._pending: _PendingSum | None = None
 
     # -- phases ---------------------------------------------------------------------------
     def begin_phase(self, label: Hashable) -> None:
+        self._settle()
         self._phases.append(_PhaseRecord(label, self.live_bytes, self.live_bytes))
 
     def phases(self, since: int = 0) -> list[TrackedPhase]:
@@ -103,6 +109,7 @@ class LiveBytesTracker(TorchDispatchMode):
     # -- dispatch -------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self._settle()
         out = func(*args, **kwargs)
         inputs = tensors_of((args, kwargs))
         outputs = tensors_of(out)
@@ -111,6 +118,26 @@ class LiveBytesTracker(TorchDispatchMode):
             ref, key = self._watched[storage_id]
             if ref() is not None:
                 self.last_use[key] = len(self._phases) - 1
+        # the engine adding two gradients: a real step (no mode) adds in place when an operand is not held elsewhere
+        in_place = self.engine_accumulates and is_gradient_sum(func, args, kwargs, out)
+        live_before = self.live_bytes
+        created = self._count_outputs(func, outputs, input_storages, raise_peak=not in_place)
+        if in_place:  # settled at the next op: in place if an operand's buffer went as the add returned
+            self._pending = _PendingSum([weakref.ref(t.untyped_storage()) for t in inputs], self.live_bytes,
+                                        len(self._phases) - 1)
+        # an op that holds a temporary inside (bitsandbytes' 4-bit matmul dequantizes its weight, a CPU kernel its
+        # scratch) peaks above its output
+        hidden = hidden_temporary_bytes(func, args, kwargs)
+        if self.cpu_kernels and not moving_over_the_link():
+            hidden += scratch_bytes(func, args, kwargs)
+        current = self._phases[-1]
+        current.peak_bytes = max(current.peak_bytes, (live_before if in_place else self.live_bytes) + hidden)
+        if (created or flop_key(func) in flop_registry) and not moving_over_the_link():
+            self._charge_time(func, args, kwargs, out, inputs, outputs, hidden)
+        return out
+
+    def _count_outputs(self, func, outputs, input_storages: set[int], *, raise_peak: bool) -> bool:
+        """Count the storages an op made; whether it made any."""
         created = False
         for tensor in outputs:
             storage = tensor.untyped_storage()
@@ -120,14 +147,8 @@ class LiveBytesTracker(TorchDispatchMode):
             if (key in input_storages and func not in _LIFTS) or key in self._finalizers:
                 continue
             created = True
-            self._count(storage, key)
-        # an op that holds a temporary inside (bitsandbytes' 4-bit matmul dequantizes its weight) peaks above its output
-        hidden = hidden_temporary_bytes(func, args, kwargs)
-        current = self._phases[-1]
-        current.peak_bytes = max(current.peak_bytes, self.live_bytes + hidden)
-        if (created or flop_key(func) in flop_registry) and not moving_over_the_link():
-            self._charge_time(func, args, kwargs, out, inputs, outputs, hidden)
-        return out
+            self._count(storage, key, raise_peak=raise_peak)
+        return created
 
     def adopt(self, tensors) -> None:
         """Count tensors made before tracking began (the model's parameters and buffers) as live."""
@@ -136,7 +157,18 @@ class LiveBytesTracker(TorchDispatchMode):
             if id(storage) not in self._finalizers:
                 self._count(storage, id(storage))
 
-    def _count(self, storage: torch.UntypedStorage, key: int) -> None:
+    def _settle(self) -> None:
+        """The last gradient sum: out of place after all (no operand's buffer went) raises its phase's peak."""
+        pending, self._pending = self._pending, None
+        if pending is not None and all(ref() is not None for ref in pending.operands):
+            phase = self._phases[pending.phase]
+            phase.peak_bytes = max(phase.peak_bytes, pending.live_bytes)
+
+    def __exit__(self, *exc):
+        self._settle()
+        return super().__exit__(*exc)
+
+    def _count(self, storage: torch.UntypedStorage, key: int, *, raise_peak: bool = True) -> None:
         if allocating_on_host():
             # torch's pinned-memory caching allocator hands out blocks of a power of two
             nbytes = 1 << max(storage.nbytes() - 1, 0).bit_length()
@@ -146,8 +178,9 @@ class LiveBytesTracker(TorchDispatchMode):
             return
         nbytes = rounded_bytes(storage.nbytes())
         self.live_bytes += nbytes
-        current = self._phases[-1]
-        current.peak_bytes = max(current.peak_bytes, self.live_bytes)
+        if raise_peak:
+            current = self._phases[-1]
+            current.peak_bytes = max(current.peak_bytes, self.live_bytes)
         self._finalizers[key] = weakref.finalize(storage, self._release, key, nbytes)
 
     def _release(self, key: int, nbytes: int) -> None:
@@ -164,6 +197,30 @@ class LiveBytesTracker(TorchDispatchMode):
         current = self._phases[-1]
         current.time_s += cost.time_s
         current.flops += cost.flops
+
+
+@dataclass(frozen=True)
+class _PendingSum:
+    operands: list  # weak references to the storages the add read
+    live_bytes: int  # live bytes with its result, as an out-of-place add holds them
+    phase: int  # the phase it ran in
+
+
+_ADD = torch.ops.aten.add.Tensor
+
+
+def is_gradient_sum(func, args, kwargs, out) -> bool:
+    """`a + b` of two dense tensors of the result's shape and dtype: how the engine adds two gradients under a mode."""
+    if func is not _ADD or kwargs.get("alpha", 1) != 1 or len(args) != 2 or not isinstance(out, torch.Tensor):
+        return False
+    return all(isinstance(a, torch.Tensor) and a.shape == out.shape and a.dtype == out.dtype and a.is_contiguous()
+               for a in args)
+
+
+def runs_cpu_kernels(device) -> bool:
+    """Whether the rates are a CPU's (a Device of kind "cpu", or one wrapped as FusedElementwiseRates)."""
+    kind = getattr(device, "kind", None) or getattr(getattr(device, "device", None), "kind", None)
+    return kind == "cpu"
 
 
 def flop_key(func):

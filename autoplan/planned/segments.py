@@ -12,7 +12,7 @@ needs each block's inputs: at the first block they are the region's saved inputs
 block's tensor arguments must be the previous block's output (a leaf of it, e.g. `[0]`) or the
 first block's own arguments (a mask, position embeddings), which is checked call by call here and
 at planning time (`memory.segment_terms`). Dropout masks replay (the region restores the RNG state),
-BatchNorm statistics update once, and under `torch.no_grad()` / eval nothing is opened.
+buffers (BatchNorm statistics) update once, and under `torch.no_grad()` / eval nothing is opened.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from torch.utils.checkpoint import noop_context_fn
 from autoplan.errors import SegmentError
 from autoplan.plan import Choice
 from autoplan.units import Segment
-from autoplan.planned.wrappers import PlannedForward, restoring_running_stats, without_cache_writes
+from autoplan.planned.buffers import BufferSnapshot, BufferWrites, has_buffers
+from autoplan.planned.wrappers import PlannedForward, without_cache_writes
 
 # torch.utils.checkpoint builds `checkpoint(use_reentrant=False)` on this generator: entered, it
 # installs the saved-tensors hooks of one region; resumed, it removes them. It is the only way to
@@ -48,6 +49,7 @@ class _Region:
     later: list = field(default_factory=list)  # per later block: (tree spec, leaves as ("prev", i) / ("first", i) / value)
     previous: list = field(default_factory=list)  # the last block's output tensors, until the next block takes them
     first_tensors: list = field(default_factory=list)  # the first block's tensors, until the region closes
+    buffers: BufferSnapshot | None = None  # the blocks' buffers as the forward found them (planned.buffers)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -76,7 +78,8 @@ class PlannedSegment:
             PlannedForward(module, Choice("keep", self.choice.precision), original=original)
             for module, original in zip(self.modules, self.originals)
         ]
-        self.stats_modules = torch.nn.ModuleList(self.modules)  # for their BatchNorms; registered nowhere
+        blocks = torch.nn.ModuleList(self.modules)  # registered nowhere
+        self.buffer_writes = BufferWrites(blocks) if has_buffers(blocks) else None
 
     def call(self, index: int, args: tuple, kwargs: dict):
         if index == 0:
@@ -91,7 +94,8 @@ class PlannedSegment:
         args, kwargs = without_cache_writes(self.modules[0], args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        region = _Region(None, spec, [_SAVED if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], first_tensors=tensors)
+        region = _Region(None, spec, [_SAVED if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], first_tensors=tensors,
+                         buffers=self.buffer_writes.before_forward() if self.buffer_writes is not None else None)
         replay = functools.partial(self._replay, region)
         region.generator = _checkpoint_region(replay, True, noop_context_fn, "default", False, True, *tensors)
         next(region.generator)
@@ -133,6 +137,8 @@ class PlannedSegment:
         assert region is not None  # _open or _continue ran this block in it
         if index == len(self.modules) - 1:
             self.region = None
+            if self.buffer_writes is not None:
+                self.buffer_writes.after_forward(region.buffers)
             # the region's own saved inputs keep what recomputation needs; references of ours would
             # keep the first block's inputs alive as long as the graph
             region.previous, region.first_tensors = [], []
@@ -149,9 +155,11 @@ class PlannedSegment:
             region.generator.close()
 
     def _replay(self, region: _Region, *first_tensors: torch.Tensor):
-        """Recomputation: every block again, each fed the previous one's output; BatchNorm statistics kept."""
-        run = restoring_running_stats(self.stats_modules, self._replay_blocks)
-        return run(region, first_tensors)
+        """Recomputation: every block again, each fed the previous one's output, on the forward's buffer copies."""
+        if self.buffer_writes is None:
+            return self._replay_blocks(region, first_tensors)
+        with self.buffer_writes.recomputing(region.buffers):
+            return self._replay_blocks(region, first_tensors)
 
     def _replay_blocks(self, region: _Region, first_tensors: tuple):
         supply = iter(first_tensors)

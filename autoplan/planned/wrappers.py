@@ -3,8 +3,8 @@
 It calls the class's own forward under the unit's precision (`axes.precision`: autocast) and checkpoint
 mode (torch.utils.checkpoint, non-reentrant; selective mode through `axes.checkpoint`'s policy, which
 keeps either every matmul/attention output or the op occurrences the choice names).
-BatchNorm statistics are not updated twice by recomputation, and transformers layers do not write
-their KV cache twice. An offloaded unit runs inside `axes.placement.OffloadSaved`.
+Buffers the forward writes (BatchNorm statistics, counters) are updated once by a recomputed unit
+(planned.buffers), and transformers layers do not write their KV cache twice. An offloaded unit runs inside `axes.placement.OffloadSaved`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.checkpoint import checkpoint
 
@@ -24,13 +23,8 @@ from autoplan.axes.checkpoint import selective_contexts
 from autoplan.axes.placement import OffloadSaved
 from autoplan.axes.precision import kind, low_dtypes
 from autoplan.plan import Choice
+from autoplan.planned.buffers import BufferSnapshot, BufferWrites, has_buffers
 from autoplan.vocabulary.tensors import tensors_of
-
-
-def _has_running_stats(module: torch.nn.Module) -> bool:
-    return any(
-        isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats for m in module.modules()
-    )
 
 
 @dataclass
@@ -71,6 +65,8 @@ class PlannedForward:
         return self._planned_call(*args, **kwargs)
 
     def __post_init__(self) -> None:
+        # the buffers its forward writes, kept as if it ran once a step when it recomputes (planned.buffers)
+        self.buffer_writes = BufferWrites(self.module) if self.choice.mode != "keep" and has_buffers(self.module) else None
         if self.choice.offloaded:
             _eager_offloaded_call()  # made now, eagerly, so that a compiled forward finds it made
 
@@ -78,15 +74,16 @@ class PlannedForward:
         if self.choice.mode == "keep" or not torch.is_grad_enabled():
             output = self._forward_in_precision(*args, **kwargs)
         else:
-            function = self._forward_in_precision
-            if _has_running_stats(self.module):
-                function = without_second_stats_update(self.module, function)
+            snapshot = self.buffer_writes.before_forward() if self.buffer_writes is not None else None
+            function = recomputed_on_copies(self._forward_in_precision, self.buffer_writes, snapshot)
             # Only selective mode passes a context_fn: torch.compile rejects a custom one that
             # returns no dispatch modes, so full mode keeps checkpoint's default.
             extra = {"context_fn": self._context_fn()} if self.choice.mode == "selective" else {}
             args, kwargs = without_cache_writes(self.module, args, kwargs)
             function, saved_args, saved_kwargs = each_tensor_once(function, args, kwargs)
             output = checkpoint(function, *saved_args, use_reentrant=False, **extra, **saved_kwargs)
+            if self.buffer_writes is not None:
+                self.buffer_writes.after_forward(snapshot)
         if self.cast_outputs and self.choice.precision != "fp32":
             output = _cast_like_inputs(output, args, kwargs, self.module)
         return output
@@ -184,42 +181,19 @@ def without_cache_writes(module: torch.nn.Module, args: tuple, kwargs: dict) -> 
     return bound.args[1:], bound.kwargs
 
 
-def without_second_stats_update(module: torch.nn.Module, function):
-    """Recomputing a BatchNorm in backward would update its running statistics a second time.
-
-    The first call (the forward) runs as is; later calls (recomputation) restore the running
-    statistics afterwards, so the buffers end the step as they would without checkpointing.
-    """
-    calls: list[Any] = []
-    restoring = restoring_running_stats(module, function)
+def recomputed_on_copies(function, buffer_writes: BufferWrites | None, snapshot: BufferSnapshot | None):
+    """`function`, run as is the first time (the forward) and on the forward's buffer copies after (recomputation)."""
+    if buffer_writes is None or snapshot is None:
+        return function
+    calls: list[bool] = []
 
     @functools.wraps(function)
     def run(*args, **kwargs):
         if not calls:
             calls.append(True)
             return function(*args, **kwargs)
-        return restoring(*args, **kwargs)
-
-    return run
-
-
-def restoring_running_stats(module: torch.nn.Module, function):
-    """`function`, after which the BatchNorm running statistics in `module` are put back as they were:
-    for a recomputation (a segment's only ever runs in backward)."""
-
-    @functools.wraps(function)
-    def run(*args, **kwargs):
-        buffers = [b for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) for b in m.buffers()]
-        # Outside the dispatch modes: selective checkpointing replays exactly the forward's ops
-        # during recomputation and would reject these extra ones.
-        with _disable_current_modes():
-            saved = [b.detach().clone() for b in buffers]
-        try:
+        with buffer_writes.recomputing(snapshot):
             return function(*args, **kwargs)
-        finally:
-            with _disable_current_modes(), torch.no_grad():
-                for buffer, value in zip(buffers, saved):
-                    buffer.copy_(value)
 
     return run
 

@@ -40,6 +40,7 @@ from autoplan.instruments.fake import new_fake_mode
 from autoplan.units import Unit
 from autoplan.vocabulary.names import unit_module
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
+from autoplan.instruments.accumulation import accumulating_adds
 from autoplan.instruments.tracker import FusedElementwiseRates, LiveBytesTracker, RooflineRates
 from autoplan.training.step_parts import optimizer_name
 from autoplan.planned.wrappers import PlannedForward
@@ -65,6 +66,7 @@ class UnitCost:
     host_bytes: int = 0  # offloaded: pinned host memory it holds from its forward until its backward
     transfer_s: float = 0.0  # offloaded: both copies over the host link
     exposed_transfer_s: float = 0.0  # the part of transfer_s its own forward and backward do not hide
+    written_buffers: tuple[str, ...] = ()  # recomputed: the buffers its forward writes, kept updated once (planned.buffers)
 
     @property
     def time_s(self) -> float:
@@ -204,6 +206,7 @@ def _measure_unit(
         attention = _AttentionSaved() if choice.mode == "keep" else contextlib.nullcontext()
         with outer, attention:
             output = planned(*args, **kwargs)
+        written = planned.buffer_writes.written_names() if planned.buffer_writes is not None else ()
         outputs = tensors_of(output)
         new_outputs = [t for t in outputs if id(t.untyped_storage()) not in input_storages]
         held = tracker.live_bytes - tracker.phases()[-1].start_bytes - unique_storage_bytes(new_outputs)
@@ -220,7 +223,8 @@ def _measure_unit(
         if root is None:
             tracker.begin_phase("bwd")
         else:
-            root.backward()
+            with accumulating_adds(tracker, root):
+                root.backward()
             after_backward = tracker.live_bytes
             del root
             spent = after_backward - tracker.live_bytes
@@ -240,6 +244,7 @@ def _measure_unit(
         attention_bytes=attention.total_bytes if isinstance(attention, _AttentionSaved) else 0,
         spent_bytes=spent,
         host_bytes=host_bytes,
+        written_buffers=written,
     )
 
 

@@ -10,8 +10,9 @@ so a unit can later be profiled on its own.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, ContextManager, Sequence, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -27,6 +28,7 @@ from autoplan.instruments.fake import FakeGradScaler, fake_tree
 from autoplan.training.runner import LoopRunner, StepHooks
 from autoplan.instruments.quantized import resident_tensors
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
+from autoplan.instruments.accumulation import accumulating_adds
 from autoplan.instruments.tracker import LiveBytesTracker, TrackedPhase
 from autoplan.training.step_parts import default_loss, loss_function, make_optimizer, optimizer_state_tensors
 
@@ -147,6 +149,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
             _warm_up(runner, graded)
             first_phase = tracker.phase_count
             hooks = _RecordingHooks(recorder, model, (args, kwargs), loop.keep_outputs)
+            hooks.sums = lambda: accumulating_adds(tracker, runner.loss)
             runner.hooks = hooks
             reached = _GradientsReached(trainable)
             # the last micro-batch of a step, the one that runs with every gradient alive
@@ -201,6 +204,8 @@ class _RecordingHooks(StepHooks):
         self.recorder, self.model, self.batch, self.keep_outputs = recorder, model, batch, keep_outputs
         self.calls: tuple[UnitCall, ...] = ()
         self.boundaries: tuple[Boundary, ...] = ()
+        self.sums: Callable[[], ContextManager] = contextlib.nullcontext  # where the engine adds gradients, per backward
+        self._backward = contextlib.ExitStack()
 
     def forward_context(self):
         return torch.autograd.graph.saved_tensors_hooks(self.recorder.pack, _identity)
@@ -220,9 +225,14 @@ class _RecordingHooks(StepHooks):
 
     def backward_started(self) -> None:
         self.recorder.begin(BACKWARD_START)
+        self._backward.enter_context(self.sums())
 
     def optimizer_step_started(self) -> None:
+        self.backward_done()
         self.recorder.begin(OPTIMIZER_STEP)
+
+    def backward_done(self) -> None:
+        self._backward.close()
 
     def zero_grad_started(self) -> None:
         self.recorder.begin(ZERO_GRAD)

@@ -66,5 +66,5 @@ def step_time_note(result: "Verification") -> Text:
         if "compiled" in source:
             why += ", and it prices the compiled model while these steps ran eagerly"
     else:
-        why = "no error: the two timings are not of the same kind (another device, or steps slowed by counting every tensor)"
+        why = "no error: the two timings are not of the same kind (another device, or steps slowed by recording every allocation)"
     return Text(f"step time: {measured}; {predicted}; {why}")

@@ -93,6 +93,7 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, request: 
         notes.append(f"selective checkpointing is not offered for {', '.join(refused)}: torch's selective checkpointing "
                      f"refuses {'it' if len(refused) == 1 else 'them'} ({next(iter(refused.values()))}), as it would in the "
                      "real run; keep and full are")
+    notes += buffer_notes(measured, found)
     if traced.example_inputs[1].get("use_cache") is False and caches_in_training(traced.model):
         notes.append("planned without a KV cache, as training reads none back: autoplan.apply sets the model's "
                      "config.use_cache to False, so model(**batch) trains as planned (generate() still caches)")
@@ -216,3 +217,18 @@ def _per_rank_peak(timeline, measured: Profile, mesh: Mesh) -> int:
     """A simulated timeline's peak on one rank of `mesh` (its own peak on one GPU)."""
     offsets = rank_offsets(measured, mesh)
     return max(phase.peak_bytes + offset for phase, offset in zip(timeline.phases, offsets))
+
+
+def buffer_notes(measured: Profile, found: SearchResult) -> list[str]:
+    """Recomputed units whose forward writes buffers: what their recomputation does about it."""
+    writers = {}
+    for unit in measured.units:
+        choice = found.choices.get(unit.name)
+        cost = unit.options.get(choice) if choice is not None else None
+        if cost is not None and cost.written_buffers:
+            writers[unit.name] = cost.written_buffers
+    if not writers:
+        return []
+    named = "; ".join(f"{name} ({', '.join(buffers)})" for name, buffers in writers.items())
+    return [f"recomputed units whose forward writes buffers: {named}: each recomputation runs on the values the "
+            "forward saw and leaves the buffers as the forward did, so they are updated once a step"]

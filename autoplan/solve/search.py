@@ -25,6 +25,12 @@ MAX_RESOLVES = 4
 RESOLVE_SLACK_BYTES = 2**20  # tighten by the overshoot and a MiB more, so a re-solve cannot land on the same point
 
 
+def resolve_slack(usable_bytes: int) -> int:
+    """What a re-solve tightens by beyond the overshoot: a MiB, or a hundredth of a small budget (a MiB off a
+    2 MB budget would jump below the floor, where a few KiB find the plan that fits)."""
+    return min(RESOLVE_SLACK_BYTES, max(1, usable_bytes // 100))
+
+
 @dataclass(frozen=True)
 class SearchResult:
     choices: dict[str, Choice]  # the plan's choices; the lowest-peak ones when nothing fits
@@ -157,8 +163,17 @@ def search(profile: Profile, request: SolveRequest, *, simulate: Callable[[Mappi
         if simulated_peak <= usable_bytes and predicted <= usable_bytes:
             chosen, simulated, feasible = solution.choices, simulated_peak, True
             break
-        margin += max(simulated_peak, predicted) - usable_bytes + RESOLVE_SLACK_BYTES
+        # the next solve must land below this one (else it returns it again), and below the usable budget by as
+        # much as the linear model erred here: plans near this one err alike
+        error = max(simulated_peak - predicted, 0)
+        margin = max(margin, usable_bytes - min(predicted, usable_bytes - error)) + resolve_slack(usable_bytes)
         resolves += 1
+    if not feasible and lowest_simulated is None and lowest_peak <= usable_bytes and not timed_out:
+        # every solve the simulation put over: the lowest-peak choices are the same at every budget, so if they fit
+        # a smaller budget they fit this one; checked whole here, more memory never turns a fit into no fit
+        say("verifying the lowest-peak plan with a simulated training step")
+        lowest_simulated = simulate(lowest.choices)
+        lowest_peak = max(lowest_peak, lowest_simulated)
     if not feasible and lowest_simulated is not None and lowest_simulated <= usable_bytes:
         chosen, simulated, feasible = lowest.choices, lowest_simulated, True  # no solution the linear model admits, but these fit
     if not feasible and timed_out and lowest_peak <= usable_bytes:
@@ -168,6 +183,6 @@ def search(profile: Profile, request: SolveRequest, *, simulate: Callable[[Mappi
         chosen, feasible = lowest.choices, simulated <= usable_bytes
         lowest_peak = max(lowest_peak, simulated)
     if simulated is None:  # nothing fitted after all: report the lowest-peak choices as simulated
-        simulated = simulate(lowest.choices)
+        simulated = lowest_simulated if lowest_simulated is not None else simulate(lowest.choices)
         lowest_peak = max(lowest_peak, simulated)
     return SearchResult(dict(chosen), feasible, simulated, lowest_peak, status, solve_time, resolves, timed_out)

@@ -3,9 +3,10 @@
 `verify(model, plan, example_inputs)` runs real training steps of the rewritten model, with the
 budget enforced on CUDA (`torch.cuda.set_per_process_memory_fraction`), and reports the measured
 peak (`max_memory_allocated`, and reserved) against the predicted and simulated peaks, and the
-measured step time against the predicted one. On the CPU the peak is the live tensor bytes of the
-real run, counted by the same tracker the simulation uses. Parameters, buffers, gradients and the
-RNG state are put back afterwards.
+measured step time against the predicted one. On the CPU the peak is the CPU allocator's own count of
+the bytes it holds (`verify.allocator`), which shares nothing with the simulation's tracker, so a
+tensor the simulation forgets or keeps too long shows as a difference. Parameters, buffers, gradients
+and the RNG state are put back afterwards.
 """
 
 from __future__ import annotations
@@ -18,24 +19,23 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from autoplan.errors import OptionError, OptionTypeError
+from autoplan.errors import OptionError, OptionTypeError, ProfileError, SegmentError, TrainingStepError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.inputs.devices import get_device
 from autoplan.inputs.hf_models import training_inputs
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
 from autoplan.planned.forwards import apply_choices, has_fused_loss, planned_units
-from autoplan.instruments.quantized import resident_tensors, settle_first_forward
+from autoplan.instruments.quantized import settle_first_forward
 from autoplan.vocabulary.fingerprint import check_batch, check_model
-from autoplan.vocabulary.tensors import tensors_of
-from autoplan.instruments.tracker import LiveBytesTracker
+from autoplan.verify.allocator import AllocatorCount
+from autoplan.verify.failures import failed_step_message
 from autoplan.training.runner import LoopRunner
 from autoplan.training.step_parts import (
     OPTIMIZERS,
     Timer,
     make_optimizer,
     model_device,
-    optimizer_state_tensors,
     preserved,
 )
 
@@ -46,7 +46,7 @@ class Verification:
 
     device: str  # the device the steps ran on
     steps: int
-    peak_source: str  # "torch.cuda.max_memory_allocated" or "live tensor bytes (CPU)"
+    peak_source: str  # "torch.cuda.max_memory_allocated", or CPU_ALLOCATOR_SOURCE
     measured_peak_bytes: int | None  # steady-state peak (steps after the first); None after an OOM
     measured_reserved_bytes: int | None  # the caching allocator's reserved peak (CUDA only)
     predicted_peak_bytes: int
@@ -88,7 +88,8 @@ class Verification:
 
 
 CUDA_EVENTS_SOURCE = "measured (CUDA events)"  # profile.timing's time_source for a plan timed on this GPU
-CPU_TRACKED_SOURCE = "CPU wall clock while the live-bytes tracker counts every tensor, slower than a plain step"
+CPU_TRACKED_SOURCE = "CPU wall clock while torch.profiler records every allocation, slower than a plain step"
+CPU_ALLOCATOR_SOURCE = "CPU allocator's count, 512 B blocks"  # verify.allocator: torch.profiler's memory events
 
 
 def _checked(model: torch.nn.Module, plan: Plan, steps: int, optimizer: str | torch.optim.Optimizer | None):
@@ -142,13 +143,13 @@ def verify(
     args, kwargs = training_inputs(model, normalize_inputs(example_inputs))  # as planned: no KV cache
     cuda = device.type == "cuda"
     with preserved(model), _budget_enforced(plan.request.budget_bytes if enforce_budget and cuda else None, device):
-        run = _run_steps(model, (args, kwargs), get_device(plan.target.device), optimizer, loss_fn, steps, loop)
+        run = _run_steps(model, (args, kwargs), optimizer, loss_fn, steps, loop, get_device(plan.target.device).kind)
     peak, reserved, times, out_of_memory = run.peak_bytes, run.reserved_bytes, run.step_times_s, run.out_of_memory
     held = not out_of_memory and peak is not None and peak <= plan.request.usable_bytes
     return Verification(
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
         steps=steps,
-        peak_source="torch.cuda.max_memory_allocated" if cuda else "live tensor bytes (CPU)",
+        peak_source="torch.cuda.max_memory_allocated" if cuda else CPU_ALLOCATOR_SOURCE,
         measured_peak_bytes=peak,
         measured_reserved_bytes=reserved,
         predicted_peak_bytes=plan.prediction.peak_bytes,
@@ -174,52 +175,54 @@ class _StepsRun:
     out_of_memory: bool
 
 
-def _run_steps(model, batch: tuple[tuple, dict], profile_device, optimizer, loss_fn, steps: int, loop: TrainingLoop) -> _StepsRun:
+def _run_steps(model, batch: tuple[tuple, dict], optimizer, loss_fn, steps: int, loop: TrainingLoop,
+               profile_device_kind: str) -> _StepsRun:
     """`steps` real optimizer steps of `loop`; the peak is counted from the second (optimizer state exists)."""
     args, kwargs = batch
     device = model_device(model)
     cuda = device.type == "cuda"
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(optimizer, params, implementation=loop.optimizer_implementation(profile_device.kind))
+    opt = make_optimizer(optimizer, params, implementation=loop.optimizer_implementation(profile_device_kind))
     runner = LoopRunner(model, opt, loop, loss_fn, device.type)
     timer = Timer(device)
-    tracker = None if cuda else LiveBytesTracker(profile_device)
+    # on the CPU, counted from before the first step: the allocator reports only what it allocates while counted
+    count = None if cuda else AllocatorCount(resident=(model, batch, opt))
     times: list[float] = []
+    step = 0
     try:
-        for step in range(steps):
-            if step == 1:
-                _start_peak(tracker, device, model, opt, batch)
-            with tracker if tracker is not None else contextlib.nullcontext():
+        with count if count is not None else contextlib.nullcontext():
+            for step in range(steps):
+                if step == 1:
+                    _start_peak(count, device)
                 seconds, _ = timer(lambda: runner.step(args, kwargs))
-            if step >= 1:
-                times.append(seconds)
-        peak, reserved = _read_peak(tracker, device)
+                if step >= 1:
+                    times.append(seconds)
+        peak, reserved = _read_peak(count, device)
         return _StepsRun(peak, reserved, times, False)
     except torch.cuda.OutOfMemoryError:
         return _StepsRun(None, None, times, True)
+    except (SegmentError, ProfileError):
+        raise
+    except Exception as error:  # the model's or a library's own code: a model error, named, not a bug of ours
+        raise TrainingStepError(failed_step_message(error, step, steps)) from error
     finally:
         runner.close()
 
 
-def _start_peak(tracker: LiveBytesTracker | None, device: torch.device, model, opt, batch) -> None:
-    """From step 2 on (optimizer state exists), count from what is alive now: the model, the
-    optimizer state and the batch."""
-    if tracker is None:
+def _start_peak(count: AllocatorCount | None, device: torch.device) -> None:
+    """From step 2 on (optimizer state exists)."""
+    if count is None:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return None
-    state = optimizer_state_tensors(opt)
-    inputs = tensors_of(batch)
-    tracker.adopt(resident_tensors(model) + state + inputs)
-    tracker.begin_phase("steady")
-    return None
+    else:
+        count.mark("steady")
 
 
-def _read_peak(tracker: LiveBytesTracker | None, device: torch.device) -> tuple[int, int | None]:
-    if tracker is None:
+def _read_peak(count: AllocatorCount | None, device: torch.device) -> tuple[int, int | None]:
+    if count is None:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-    return max(phase.peak_bytes for phase in tracker.phases()[1:]), None
+    return max(stretch.peak_bytes for stretch in count.stretches()[1:]), None
 
 
 @contextlib.contextmanager

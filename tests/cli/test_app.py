@@ -414,7 +414,7 @@ def test_verify_on_cpu_runs_real_steps_and_reports_the_measured_peak(tmp_path):
     document = json.loads(path.read_text())
     assert document["schema"] == "autoplan.verify/1"
     verification = document["verification"]
-    assert verification["steps"] == 2 and verification["peak_source"] == "live tensor bytes (CPU)"
+    assert verification["steps"] == 2 and verification["peak_source"] == "CPU allocator's count, 512 B blocks"
     assert verification["held"] is True and verification["measured_peak_bytes"] > 0
     assert abs(verification["peak_error"]) <= 0.01
     assert document["plan"]["predicted_peak_bytes"] == verification["predicted_peak_bytes"]
@@ -436,7 +436,7 @@ def test_verify_shows_the_plan_it_checked_and_what_the_step_times_are(tmp_path):
     assert re.search(rf"transformer\.h\.0–1 ×2 │ {unit['mode']} │ {unit['precision']}", out), out
     # the time row says what each number is and why it has no error
     assert re.search(r"step time \(see below\) │ [\d.]+ \w?s │ [\d.]+ \w?s │ │ n/a", out), out
-    assert "measured: " in out and "the median of 1 step after the first on cpu (CPU wall clock while the live-bytes tracker counts every tensor" in out
+    assert "measured: " in out and "the median of 1 step after the first on cpu (CPU wall clock while torch.profiler records every allocation" in out
     assert f"predicted: {format_seconds(plan['predicted_step_time_s'])} for cpu (roofline)" in out
     assert "no error: a roofline is FLOPs and bytes over cpu's datasheet peak rates, a lower bound" in out
     assert verification["step_time_error"] is None and verification["predicted_time_source"] == plan["time_source"] == "roofline"

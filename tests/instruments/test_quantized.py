@@ -96,6 +96,26 @@ def test_8bit_base_prediction_equals_real_steps_in_the_common_loop(saved_llama):
 
 
 @pytest.mark.slow  # the whole pipeline
+@pytest.mark.slow  # ten plans of one profile
+@pytest.mark.parametrize("adapter", ["lora", "ia3"])
+def test_an_8bit_base_fits_every_budget_above_one_it_fits(saved_llama, adapter):
+    """At 1.8 MB this 8-bit base planned FITS and at 2.1 MB DOES NOT FIT: every solved plan simulated over the
+    budget, the re-solves (each tightened by a MiB) ran below the floor, and the lowest-peak choices, which fit, were
+    never checked. Walked over ten budgets from the floor to no plan, a budget that fits stays fitting."""
+    model = quantized(saved_llama, "int8", lora=adapter == "lora")
+    if adapter == "ia3":
+        model = peft.get_peft_model(model, peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                                          feedforward_modules=["down_proj"]))
+    planner = autoplan.Planner(model, example_inputs=batch(64), device="cpu", reserve=0)
+    wide = planner.plan("100%")
+    floor, none = wide.prediction.minimum_peak_bytes, wide.prediction.baseline_peak_bytes
+    budgets = sorted({1_800_000, 2_100_000} | {floor + (none - floor) * step // 9 for step in range(1, 10)})
+    plans = [planner.plan(budget) for budget in budgets]
+    fitting = [plan.outcome.feasible for plan in plans]
+    assert fitting == sorted(fitting), list(zip(budgets, fitting))  # once it fits, it fits every larger budget
+    assert all(plan.prediction.peak_bytes <= plan.request.usable_bytes for plan in plans if plan.outcome.feasible)
+
+
 def test_packed_weights_and_quant_state_count_as_parameters(saved_llama, wide_nf4_plan):
     model = quantized(saved_llama, "nf4-double")
     state = quantization_state_tensors(model)

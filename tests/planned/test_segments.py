@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from autoplan.errors import SegmentError
-from autoplan.inputs.devices import get_device
-from autoplan.instruments.tracker import LiveBytesTracker
+from autoplan.verify.allocator import AllocatorCount
 from autoplan.plan import Choice
 from autoplan.planned.segments import PlannedSegment, SegmentMember
 from autoplan.units import Segment
@@ -102,11 +101,12 @@ def test_the_region_holds_only_the_first_blocks_inputs_until_backward() -> None:
 
 def _held_after_forward(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes made during one forward that are still live when it returns (x was made before)."""
-    with LiveBytesTracker(get_device("cpu")) as tracker:
+    with AllocatorCount(resident=(model, x)) as count:  # the CPU allocator's reports, not the simulation's tracker
         out = model(x)
-        held = tracker.live_bytes
+        count.mark("backward")
         out.sum().backward()
-    return held
+    forward, backward = count.stretches()
+    return backward.start_bytes - forward.start_bytes
 
 
 def test_without_grad_nothing_is_opened_or_recomputed() -> None:

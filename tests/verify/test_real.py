@@ -1,8 +1,8 @@
 """Real runs: measured unit times in the plan, and `autoplan.verify` against the prediction.
 
-On the CPU the verified peak is the live tensor bytes of a real training step, counted by the
-same tracker as the simulation; it must equal the fake-tensor prediction. CUDA tests skip
-without a GPU.
+On the CPU the verified peak is the CPU allocator's own count of a real training step
+(verify.allocator), which shares nothing with the simulation; it must equal the fake-tensor
+prediction. CUDA tests skip without a GPU.
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ import pytest
 import torch
 
 import autoplan
+
+from autoplan.errors import ProfileError, TrainingStepError
 from autoplan.plan import Choice
+from autoplan.instruments.tracker import LiveBytesTracker
 from autoplan.planned.forwards import apply_choices
+from autoplan.verify.real import CPU_ALLOCATOR_SOURCE
 from tests.models import ALL_MODELS
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -40,7 +44,7 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
     params = [p.detach().clone() for p in model.parameters()]
     buffers = [b.clone() for b in model.buffers()]
     result = autoplan.verify(model, plan, example_inputs=inputs, steps=3)
-    assert result.peak_source == "live tensor bytes (CPU)" and result.device == "cpu"
+    assert result.peak_source == CPU_ALLOCATOR_SOURCE and result.device == "cpu"
     assert not result.out_of_memory and result.held
     assert abs(result.peak_error) <= 0.01, (result.measured_peak_bytes, result.predicted_peak_bytes)
     assert result.measured_step_time_s > 0
@@ -48,6 +52,28 @@ def test_verify_on_cpu_measures_the_predicted_peak(name):
     # verify trained real steps, then put the model back
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_a_tensor_the_simulation_forgets_is_seen_by_verify(monkeypatch):
+    """The simulation's tracker made blind to the logits (the output the loop keeps through backward): the plan
+    predicts that much less, and verify, which counts with the CPU allocator and no code of the tracker's, measures
+    them. A verify that ran the tracker over the real step would have been blind the same way, and agreed."""
+    model, inputs = batch_of("tiny_gpt")
+    logits_bytes = model(*inputs).logits.untyped_storage().nbytes()
+    honest = tight_plan(model, inputs)
+    forgetful = LiveBytesTracker._count
+
+    def forgetting(self, storage, key):
+        if storage.nbytes() != logits_bytes:
+            forgetful(self, storage, key)
+
+    monkeypatch.setattr(LiveBytesTracker, "_count", forgetting)
+    blind = tight_plan(model, inputs)
+    assert blind.prediction.peak_bytes < honest.prediction.peak_bytes
+    result = autoplan.verify(model, blind, example_inputs=inputs, steps=3)
+    assert result.measured_peak_bytes >= blind.prediction.peak_bytes + logits_bytes // 2
+    assert abs(result.measured_peak_bytes - honest.prediction.peak_bytes) <= 0.01 * honest.prediction.peak_bytes
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -153,3 +179,30 @@ def test_a_batch_tensor_passed_twice_is_counted_once():
     plan = tight_plan(model, inputs)
     result = autoplan.verify(model, plan, example_inputs=inputs, steps=3)
     assert result.measured_peak_bytes == result.predicted_peak_bytes == plan.prediction.simulated_peak_bytes
+
+
+class _FailsOnSecondRealStep(torch.nn.Module):
+    """As a library that keeps state its second forward trips over: planning (fake tensors) runs, real step 2 fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+        self.real_forwards = 0
+
+    def forward(self, x):
+        if type(x) is torch.Tensor:  # a real step: not fake tensors, not a torch.fx trace
+            self.real_forwards += 1
+            if self.real_forwards == 2:
+                raise AttributeError("'NoneType' object has no attribute 'unsqueeze'")
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.sum()
+
+
+def test_a_model_whose_own_second_step_fails_is_named_not_a_bug():
+    model, inputs = _FailsOnSecondRealStep(), (torch.randn(4, 8),)
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", reserve=0, units=["blocks.*"])
+    with pytest.raises(TrainingStepError, match=r"training step 2 of 3 failed; the steps before it ran: AttributeError: "
+                       r"'NoneType' object has no attribute 'unsqueeze' \(in .*test_real.py:\d+, forward\)") as failed:
+        autoplan.verify(model, plan, example_inputs=inputs)
+    assert isinstance(failed.value, ProfileError)  # the CLI's "cannot plan" exit code, 6, not a bug's 1

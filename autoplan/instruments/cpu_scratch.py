@@ -1,0 +1,134 @@
+"""What a CPU kernel allocates inside itself beyond its outputs, read off one real call on zeros.
+
+Under fake tensors an op allocates its outputs and nothing else; the CPU kernel behind it may hold
+more while it runs: `aten.mm` copies an operand whose strides BLAS cannot take, oneDNN's convolution
+backward reorders its tensors into blocked layouts, the flash attention kernel keeps per-thread
+buffers, `aten.logsumexp` makes an input-sized difference. No dispatch mode sees those (they are made
+below it), so a plan for the CPU would count none of them, and the CPU allocator holds them at the
+moment they are made. For a CPU target the simulation asks here: the op is run once for real, outside
+every mode, on zeros with the call's shapes, strides and dtypes, under torch's profiler with its
+memory reports on, and the most bytes the op held above what it returned are its scratch. Cached per
+signature; ops that draw random numbers or whose work depends on the values are never run.
+
+For a GPU target the CPU's kernels are not the card's: there this is not asked (what CUDA kernels hold
+inside, cuBLAS and cuDNN workspaces, is not modelled; docs/how-it-works.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, NamedTuple
+
+import torch
+import torch.profiler
+from torch.utils._python_dispatch import _disable_current_modes
+
+GRANULE = 512  # blocks count as the CUDA allocator rounds them, as every byte of the simulation does
+
+# The ops whose CPU kernels allocate inside (found by benchmarks/kernel_scratch.py over the zoo and the
+# transformers families, CPU, torch 2.13): matmuls, convolutions, fused attention, logsumexp; and bitsandbytes'
+# optimizer updates, whose CPU kernels are written in Python with parameter-sized temporaries. By name: the
+# bitsandbytes ops exist only once it is imported.
+SCRATCH_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+    "aten::convolution", "aten::convolution_backward",
+    "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::logsumexp", "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward",
+    "bitsandbytes::optimizer_update_32bit", "bitsandbytes::optimizer_update_8bit_blockwise",
+})
+
+
+class _TensorLike(NamedTuple):
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    storage_elements: int
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def scratch_bytes(func, args: tuple, kwargs: dict) -> int:
+    """Bytes the CPU kernel of `func` holds inside itself beyond its outputs for this call (0 for most ops)."""
+    schema = getattr(func, "_schema", None)  # an aten or library operator (a higher-order one has none)
+    if schema is None or schema.name not in SCRATCH_OPS:
+        return 0
+    try:
+        signature = (_signature(args), tuple(sorted((name, _signature((value,))) for name, value in kwargs.items())))
+        hash(signature)
+    except TypeError:  # an argument that cannot key a cache: not measured
+        return 0
+    return _measured(func, signature, torch.get_num_threads())
+
+
+def _signature(values: tuple) -> tuple:
+    return tuple(_describe(value) for value in values)
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.is_sparse or value.layout != torch.strided:
+            raise TypeError("not a strided CPU tensor")
+        return _TensorLike(tuple(value.shape), tuple(value.stride()), int(value.storage_offset()),
+                           value.untyped_storage().nbytes() // max(value.element_size(), 1), value.dtype, value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(item) for item in value)
+    return value
+
+
+def _real(value: Any) -> Any:
+    if isinstance(value, _TensorLike):
+        storage = torch.zeros(max(value.storage_elements, 1), dtype=value.dtype)
+        return storage.as_strided(value.shape, value.stride, value.storage_offset)
+    if isinstance(value, tuple) and value and all(isinstance(item, (_TensorLike, type(None))) for item in value):
+        return [_real(item) for item in value]  # a list of tensors (an op's Tensor[] argument)
+    return value
+
+
+@functools.lru_cache(maxsize=4096)
+def _measured(func, signature: tuple, threads: int) -> int:
+    """One real call of `func` on zeros: the most bytes it held above what it returned."""
+    positional, keywords = signature
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+        args = tuple(_real(value) for value in positional)
+        kwargs = {name: _real(value[0]) for name, value in keywords}
+        with _quiet_stderr():
+            profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            with profile:
+                out = func(*args, **kwargs)
+        del out
+    held = peak = 0
+    for size in _block_sizes(profile):
+        held += size
+        peak = max(peak, held)
+    return max(0, peak - max(held, 0))
+
+
+def _block_sizes(profile) -> list[int]:
+    """The CPU blocks allocated (+) and freed (−) during the call, in order, rounded (the profiler reports the frees of
+    blocks it saw made, so the inputs made before it are not in here)."""
+    events = sorted((event.start_ns(), index, event) for index, event in
+                    enumerate(profile.profiler.kineto_results.events()) if event.name() == "[memory]")
+    sizes = []
+    for _, _, event in events:
+        nbytes = event.nbytes()
+        if abs(nbytes) > _SCALAR_BYTES:  # a scalar operand converted inside the kernel: host memory on a GPU
+            sizes.append((1 if nbytes > 0 else -1) * -(-abs(nbytes) // GRANULE) * GRANULE)
+    return sizes
+
+
+_SCALAR_BYTES = 16
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """kineto prints its start and stop lines to the process's file descriptor 2."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

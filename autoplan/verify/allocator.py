@@ -1,0 +1,302 @@
+"""The independent measurement of a real CPU step: the CPU allocator's own count of bytes in use.
+
+The simulation counts tensors with `instruments.tracker`, a dispatch mode over fake tensors. A
+measurement that ran that same tracker over the real step would miss what it misses and keep what it
+keeps, and so agree with it by construction. `AllocatorCount` shares no code, no hook and no idea
+with it: c10's CPU allocator reports every allocation and free it makes, with its size, to
+`torch.profiler` when `profile_memory=True`; this replays those reports in order and keeps a running
+total. It sees every block the step allocates, those made inside a kernel where no dispatch mode
+looks (oneDNN's workspaces, attention's per-thread buffers, bitsandbytes' dequantized weights)
+included, and holds no reference to any tensor.
+
+Each block counts rounded up to 512 bytes, as the CUDA caching allocator's `max_memory_allocated`
+counts it, so the figure compares with a plan for a GPU. What was allocated before counting began
+(the model, the batch) the allocator never reports: `resident_bytes` finds it by walking what the
+model and the batch hold, storages counted once, and the count starts from there. A block allocated
+before counting began and freed during it is not reported either (the profiler warns); the model's
+own storages are not freed by a training step, and `AllocatorCount.unreported_frees` says when one was.
+
+Blocks a GPU would not hold are left out, each for a CUDA fact: a Python number wrapped into a 0-dim
+CPU tensor (and its dtype conversion inside a CPU kernel), and the CPU RNG state checkpoint keeps.
+The host copies autoplan's offload makes are counted apart (`host_peak_bytes`): they are made inside
+a profiler record (`instruments.host.on_host`), the one thing of autoplan's this count reads, and a
+GPU keeps them in pinned host memory.
+
+What it cannot see: memory that is not c10's CPU allocator's (Python objects, a library's own
+malloc), and an allocation on a thread the profiler does not follow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import sys
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.profiler
+from torch._C._profiler import RecordScope
+
+from autoplan.instruments.host import HOST_ALLOCATIONS
+
+GRANULE = 512  # the CUDA caching allocator's smallest block: max_memory_allocated counts blocks of 512 B
+
+
+def _rounded(nbytes: int) -> int:
+    return -(-nbytes // GRANULE) * GRANULE
+
+
+@dataclass(frozen=True)
+class CountedStretch:
+    """One stretch of a counted run, between two marks: the bytes in use when it began, and its peak."""
+
+    label: str
+    start_bytes: int
+    peak_bytes: int
+
+
+class AllocatorCount:
+    """Counts the bytes c10's CPU allocator holds while it is entered, from the allocator's own reports.
+
+    `resident`: tensors alive before counting (their storages are counted once, rounded); `mark(label)`
+    starts a new stretch. After the `with` block, `stretches()` gives each stretch's start and peak.
+    """
+
+    def __init__(self, resident: Any = ()) -> None:
+        self.resident_bytes = resident_bytes(resident)
+        self._resident_storages = _storage_refs(resident)
+        self._profile: torch.profiler.profile | None = None
+        self._stretches: list[CountedStretch] | None = None
+        self._marks = 0
+        self.host_peak_bytes = 0  # most bytes of offloaded activations' host copies held at once
+        self.host_bytes = 0  # those held when counting ended
+
+    def __enter__(self) -> "AllocatorCount":
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        made_before = torch.empty(1)
+        with _quiet_stderr():  # kineto prints its start and stop lines to the process's stderr
+            self._profile.__enter__()
+            # c10 warns once a process when a block made before counting is freed; have it warn here, unheard
+            del made_before
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._profile is not None
+        with _quiet_stderr():
+            self._profile.__exit__(*exc)
+        recorded = self._profile.profiler
+        results = recorded.kineto_results if recorded is not None else None
+        if exc[0] is None and results is not None:
+            self._stretches = self._replay(results.experimental_event_tree())
+        self._profile = None
+
+    def mark(self, label: str) -> None:
+        """Begin a new stretch here (a step, a phase)."""
+        if self._profile is None:
+            raise RuntimeError("AllocatorCount.mark() is called inside its `with` block")
+        self._marks += 1
+        with torch.profiler.record_function(f"{_MARK}{self._marks}:{label}"):
+            pass
+
+    def stretches(self) -> list[CountedStretch]:
+        if self._stretches is None:
+            raise RuntimeError("the count is read after its `with` block has ended without an error")
+        return list(self._stretches)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(stretch.peak_bytes for stretch in self.stretches())
+
+    @property
+    def unreported_frees(self) -> int:
+        """Storages alive when counting began and freed since: the allocator reported none of those frees."""
+        return sum(1 for ref in self._resident_storages if ref() is None)
+
+    def _replay(self, roots) -> list[CountedStretch]:
+        in_use = self.resident_bytes
+        labels, starts, peaks = ["start"], [in_use], [in_use]
+        counted: dict[int, int] = {}  # address of a block in use -> the bytes it counts
+        host: dict[int, int] = {}  # the same for offloaded activations' host copies
+        host_in_use = 0
+        for node in _in_time_order(roots):
+            if node.name.startswith(_MARK):
+                labels.append(node.name.split(":", 1)[1])
+                starts.append(in_use)
+                peaks.append(in_use)
+                continue
+            size, address = node.extra_fields.alloc_size, node.extra_fields.ptr
+            if size > 0 and _host_copy(node):  # pinned host memory on a GPU: counted apart, as the plan counts it
+                host[address] = _rounded(size)
+                host_in_use += host[address]
+                self.host_peak_bytes = max(self.host_peak_bytes, host_in_use)
+            elif size > 0:
+                counted[address] = 0 if _host_only(node) else _rounded(size)
+                in_use += counted[address]
+                peaks[-1] = max(peaks[-1], in_use)
+            elif address in host:
+                host_in_use -= host.pop(address)
+            else:
+                in_use -= counted.pop(address, 0)  # a block from before counting: its free is never reported
+        self.host_bytes = host_in_use
+        return [CountedStretch(label, start, peak) for label, start, peak in zip(labels, starts, peaks)]
+
+
+_MARK = "autoplan.allocator_count."
+HOST_SCALAR_BYTES = 16  # a complex128 scalar: the largest a Python number wraps into
+
+
+def _host_only(allocation) -> bool:
+    """A block that a GPU's allocator would never hold, as the step runs on CUDA:
+
+    - a random generator's state that `torch.utils.checkpoint` keeps to replay dropout (`torch.get_rng_state()`,
+      made outside every operator): a CPU tensor on CUDA too, beside the CUDA generator's own state;
+    - a Python number the bindings wrap into a 0-dim CPU tensor before any operator runs (`x * 2.0`, saved for
+      backward by `MulBackward0`), or in a kernel written in Python (bitsandbytes' CPU optimizers): a wrapped
+      number is a CPU tensor on CUDA too, and ATen makes a tensor of one scalar only inside its own operators;
+    - that scalar converted to the other operand's dtype inside an operator's CPU kernel (`aten::mul` calling
+      `aten::to`): CUDA kernels take a CPU scalar as an argument and make no such tensor.
+    """
+    size = allocation.extra_fields.alloc_size
+    if size > HOST_SCALAR_BYTES and size != _cpu_rng_state_bytes():
+        return False
+    makers = _enclosing_calls(allocation)
+    if not makers or not _is_operator(makers[0]):  # made by Python code: a binding, or checkpoint saving the RNG state
+        return True
+    if size > HOST_SCALAR_BYTES:
+        return False
+    if not allocation.parent.name.startswith("aten::"):
+        return True  # a number wrapped by Python code that runs inside an operator (a kernel written in Python)
+    outside_conversion = [call for call in makers if call.name not in _CONVERSIONS + _ALLOCATIONS]
+    converted = any(call.name in _CONVERSIONS for call in makers)
+    return converted and bool(outside_conversion) and _is_operator(outside_conversion[0])
+
+
+def _host_copy(allocation) -> bool:
+    """Made where autoplan's offload makes its host copies (`instruments.host.on_host`, named in the profile)."""
+    node = allocation.parent
+    while node is not None:
+        if node.name == HOST_ALLOCATIONS:
+            return True
+        node = node.parent
+    return False
+
+
+def _enclosing_calls(node) -> list:
+    """The calls around a block, innermost first, that the profiler records as functions: operators, autograd
+    nodes, Python autograd Functions."""
+    calls = []
+    node = node.parent
+    while node is not None:
+        if getattr(node.extra_fields, "scope", None) in _OPERATOR_SCOPES:
+            calls.append(node)
+        node = node.parent
+    return calls
+
+
+def _is_operator(node) -> bool:
+    """A registered operator (`aten::mul`, `bitsandbytes::dequantize_4bit`), not an autograd node or engine frame."""
+    return _OPERATOR_NAME.match(node.name) is not None and not node.name.startswith(_AUTOGRAD)
+
+
+@functools.cache
+def _cpu_rng_state_bytes() -> int:
+    return torch.get_rng_state().nbytes
+
+
+_OPERATOR_SCOPES = (RecordScope.FUNCTION, RecordScope.BACKWARD_FUNCTION)
+_CONVERSIONS = ("aten::to", "aten::_to_copy")
+_ALLOCATIONS = ("aten::empty_strided", "aten::empty", "aten::empty_like")
+_OPERATOR_NAME = re.compile(r"^\w+::\w")
+_AUTOGRAD = ("autograd::", "torch::autograd::")
+
+
+def _in_time_order(roots) -> list:
+    """The CPU allocator's blocks and this count's marks in a profile's event tree, oldest first."""
+    found, pending = [], list(roots)
+    while pending:
+        node = pending.pop()
+        pending.extend(node.children)
+        fields = node.extra_fields
+        if node.name.startswith(_MARK) or (hasattr(fields, "alloc_size") and fields.device.type == "cpu"):
+            found.append(node)
+    return sorted(found, key=lambda node: (node.start_time_ns, node.id))
+
+
+def resident_bytes(roots: Any) -> int:
+    """Bytes of the distinct storages reachable from `roots` (a model, a batch, an optimizer), each rounded
+    up to 512 B: parameters, buffers, and any tensor an attribute holds (a quantized layer's state)."""
+    seen: dict[tuple[int, int], int] = {}
+    for tensor in _reachable_tensors(roots):
+        storage = tensor.untyped_storage()
+        if storage.device.type != "cpu" or storage.nbytes() == 0:
+            continue
+        seen[(storage.data_ptr(), storage.nbytes())] = _rounded(storage.nbytes())
+    return sum(seen.values())
+
+
+def _storage_refs(roots: Any) -> list[weakref.ref]:
+    refs = []
+    for tensor in _reachable_tensors(roots):
+        try:
+            refs.append(weakref.ref(tensor.untyped_storage()))
+        except TypeError:  # a storage type without weak references: nothing to watch
+            pass
+    return refs
+
+
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _reachable_tensors(roots: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from `roots` through containers, modules and plain objects' attributes, once.
+
+    Functions, classes and modules of Python are not followed: through their globals every tensor of the
+    process would be reachable."""
+    pending, visited = [roots], set()
+    while pending:
+        item = pending.pop()
+        if id(item) in visited or isinstance(item, _LEAVES):
+            continue
+        visited.add(id(item))
+        if isinstance(item, torch.Tensor):
+            yield item
+            pending.extend(t for t in (item.grad if item.is_leaf else None, *_tensor_attributes(item)) if t is not None)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            pending.extend(item)
+        elif isinstance(item, (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+            continue
+        elif hasattr(item, "__dict__"):
+            pending.extend(vars(item).values())
+        elif hasattr(type(item), "__slots__"):
+            pending.extend(getattr(item, slot, None) for slot in type(item).__slots__ if isinstance(slot, str))
+
+
+def _tensor_attributes(tensor: torch.Tensor) -> list[Any]:
+    """What a tensor subclass or a parameter class carries beside its data (bitsandbytes' quant_state, CB, SCB)."""
+    held = getattr(tensor, "__dict__", None)
+    return list(held.values()) if held else []
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send what C++ writes to file descriptor 2 nowhere for a moment; Python's own stderr is untouched."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -1,0 +1,42 @@
+"""instruments.cpu_scratch: what a CPU kernel holds inside itself, read off one real call, and counted for a CPU target."""
+
+from __future__ import annotations
+
+import torch
+
+import autoplan
+from autoplan.instruments.cpu_scratch import scratch_bytes
+from autoplan.instruments.fake import new_fake_mode
+from autoplan.instruments.tracker import LiveBytesTracker
+
+MM = torch.ops.aten.mm.default
+
+
+def test_a_contiguous_matmul_holds_nothing_and_one_blas_cannot_take_is_copied():
+    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    assert scratch_bytes(MM, (a, b), {}) == 0
+    expanded = torch.ones(()).expand(64, 32)  # strides (0, 0), as the gradient of a sum: the kernel copies it
+    assert scratch_bytes(MM, (expanded, b), {}) == 64 * 32 * 4
+
+
+def test_logsumexp_holds_an_input_sized_difference():
+    x = torch.randn(256, 1000)
+    assert scratch_bytes(torch.ops.aten.logsumexp.default, (x, [1]), {}) >= x.numel() * 4
+
+
+def test_ops_whose_kernels_hold_nothing_are_not_run():
+    state = torch.get_rng_state()
+    assert scratch_bytes(torch.ops.aten.bernoulli.default, (torch.full((8,), 0.5),), {}) == 0
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_a_simulated_cpu_step_counts_the_scratch_and_a_gpu_one_does_not():
+    def peak(device: str) -> int:
+        with new_fake_mode() as mode:
+            expanded = mode.from_tensor(torch.ones(())).expand(64, 32)
+            b = mode.from_tensor(torch.randn(32, 48))
+            with LiveBytesTracker(autoplan.get_device(device)) as tracker:
+                expanded @ b
+        return tracker.phases()[0].peak_bytes
+
+    assert peak("cpu") - peak("h100-80gb") == 64 * 32 * 4

@@ -1,0 +1,77 @@
+"""The independent count: c10's CPU allocator's own reports, replayed; nothing of the simulation's tracker."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from autoplan.verify.allocator import AllocatorCount, resident_bytes
+
+MB = 1 << 20
+
+
+def test_counts_what_is_allocated_and_freed_in_stretches():
+    kept = torch.ones(MB // 4)  # 1 MB, alive before counting
+    with AllocatorCount(resident=kept) as count:
+        first = torch.empty(2 * MB, dtype=torch.uint8)
+        del first
+        count.mark("second")
+        second = torch.empty(MB + 1, dtype=torch.uint8)  # rounded up to the next 512 B
+    start, after = count.stretches()
+    assert (start.label, after.label) == ("start", "second")
+    assert start.start_bytes == MB and start.peak_bytes == 3 * MB
+    assert after.start_bytes == MB and after.peak_bytes == 2 * MB + 512
+    assert count.peak_bytes == 3 * MB
+    del second
+
+
+def test_sees_what_no_dispatch_mode_sees_inside_a_kernel():
+    """A CPU kernel's own temporaries (here scaled_dot_product_attention's per-thread buffers) are allocated
+    below every dispatch mode; the allocator reports them, so the count's peak is above the output's bytes."""
+    q = torch.randn(2, 4, 128, 32)
+    with AllocatorCount(resident=q) as count:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert count.peak_bytes > count.resident_bytes + out.untyped_storage().nbytes()
+
+
+def test_leaves_out_what_a_gpu_would_hold_on_the_host():
+    """Python numbers wrapped into 0-dim CPU tensors and the RNG state checkpoint keeps are host memory on CUDA."""
+    x = torch.randn(256, requires_grad=True)  # 1 KB
+    with AllocatorCount(resident=x) as count:
+        y = x * 2.0  # saves the wrapped 2.0 for backward
+        z = checkpoint(torch.sin, y, use_reentrant=False)  # saves the CPU RNG state
+    assert count.peak_bytes == 3 * 1024  # x, y, z: nothing else
+    del y, z
+
+
+def test_holds_no_tensor():
+    with AllocatorCount() as count:
+        made = torch.ones(1000)
+        watched = weakref.ref(made)
+        del made
+    gc.collect()
+    assert watched() is None
+    assert count.peak_bytes == 4096
+
+
+def test_resident_bytes_walks_attributes_and_counts_storages_once():
+    class Quantized(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(256))  # 1 KB
+            self.state = {"absmax": torch.ones(512)}  # 2 KB, an attribute, neither parameter nor buffer
+            self.tied = self.weight  # the same storage again
+
+    assert resident_bytes(Quantized()) == 3 * 1024
+
+
+def test_mark_outside_the_block_is_an_error():
+    count = AllocatorCount()
+    with pytest.raises(RuntimeError, match="inside its `with` block"):
+        count.mark("x")
+    with pytest.raises(RuntimeError, match="read after"):
+        count.stretches()
