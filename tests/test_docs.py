@@ -1,46 +1,65 @@
-"""The docs' option tables are the options' schema: docs/api.md's from `autoplan.inputs.options`, docs/command-line.md's
-from the flags `autoplan plan` takes (`autoplan.cli.flags`). Written anew by `python -m tests.test_docs`."""
+"""The options tables in the docs are the schema's: docs/api.md's from `PlanOptions`, docs/command-line.md's
+from the flags `autoplan plan` takes. Each table stands between a `<!-- table: ... -->` line and
+`<!-- end of table -->`; an option added, renamed or re-documented in `autoplan/inputs/options.py`
+changes the table, and this test fails until the docs are written again:
+
+    python -m tests.test_docs   # rewrites both tables
+"""
 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
+from typing import Callable
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-START, END = "<!-- table: made from {} (python -m tests.test_docs writes it) -->\n", "<!-- end of table -->\n"
+import pytest
 
+from autoplan.cli.app import plan_command
+from autoplan.cli.flags import options_table
+from autoplan.inputs.options import api_table
 
-def _tables() -> dict[str, tuple[str, str]]:
-    """Per docs file: what makes its table, and the table."""
-    from autoplan.cli.app import plan_command
-    from autoplan.cli.flags import options_table
-    from autoplan.inputs.options import api_table
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+_TABLE = re.compile(r"(<!-- table: [^\n]*-->\n)(.*?)(<!-- end of table -->)", re.S)
 
-    return {"api.md": ("autoplan.inputs.options.PlanOptions", api_table()),
-            "command-line.md": ("autoplan.cli.flags for autoplan plan", options_table(plan_command))}
-
-
-def _between(text: str, source: str) -> re.Match | None:
-    return re.search(re.escape(START.format(source)) + r"(.*?)" + re.escape(END), text, re.DOTALL)
+TABLES: dict[str, Callable[[], str]] = {
+    "api.md": api_table,
+    "command-line.md": lambda: options_table(plan_command),
+}
 
 
-def test_the_docs_tables_are_the_schema_s():
-    for name, (source, table) in _tables().items():
-        found = _between((DOCS / name).read_text(), source)
-        assert found is not None, f"docs/{name} has no table made from {source}"
-        assert found[1] == table, f"docs/{name}'s table is not {source}'s: python -m tests.test_docs writes it anew"
+def written_table(text: str, name: str) -> str:
+    """The one generated table of a docs page."""
+    found = _TABLE.findall(text)
+    assert len(found) == 1, f"docs/{name} should hold one '<!-- table: ... -->' block, holds {len(found)}"
+    return found[0][1]
 
 
-def write() -> None:
-    for name, (source, table) in _tables().items():
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_the_docs_table_is_the_schemas(name):
+    assert written_table((DOCS / name).read_text(), name) == TABLES[name](), (
+        f"docs/{name}'s options table differs from the schema's: run `python -m tests.test_docs`")
+
+
+def test_the_tables_name_every_option():
+    # the check above would pass on two empty tables: the schema's own names must be rows of them
+    from dataclasses import fields
+
+    from autoplan.inputs.options import PlanOptions
+
+    api = api_table()
+    assert all(f"| `{option.name}` |" in api for option in fields(PlanOptions))
+    command_line = options_table(plan_command)
+    for flag in ("`--budget`", "`--world-size N`", "`--offload` / `--no-offload`", "`--host-budget SIZE`"):
+        assert flag in command_line
+
+
+def write_tables() -> None:
+    for name, table in TABLES.items():
         path = DOCS / name
         text = path.read_text()
-        found = _between(text, source)
-        if found is None:
-            sys.exit(f"docs/{name}: no {START.format(source)!r} line to write under")
-        path.write_text(text[:found.start(1)] + table + text[found.end(1):])
+        written_table(text, name)
+        path.write_text(_TABLE.sub(lambda match: match.group(1) + table() + match.group(3), text))
 
 
 if __name__ == "__main__":
-    write()
+    write_tables()
