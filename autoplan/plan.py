@@ -1,6 +1,6 @@
 """The plan's vocabulary: what can be chosen for a unit, and the Plan a planning run returns.
 
-A `Choice` is one checkpoint mode × one precision. A `Plan` is everything a person (or the rewrite
+A `Choice` is one value of each choice axis (`axes`: checkpoint mode, precision, placement). A `Plan` is everything a person (or the rewrite
 stage) needs, in parts by concern: what was asked, the model and device, one decision per unit, the
 predicted peaks, breakdown and step times, and how the search ended. `Plan.to_dict()` is the JSON
 schema: only plain numbers, strings, lists and dicts.
@@ -14,20 +14,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
-import torch
-
+from autoplan.axes.checkpoint import CHECKPOINT, Mode, checkpointed
+from autoplan.axes.placement import PLACEMENT, HostMemory, Placement, check_offloadable
+from autoplan.axes.precision import PRECISION, Precision
 from autoplan.errors import OptionError
+from autoplan.mesh import Mesh
 from autoplan.units import Unit
-
-Mode = Literal["keep", "selective", "full"]
-Precision = Literal["fp32", "bf16", "fp16"]
-Placement = Literal["device", "host"]
-
-MODES: tuple[Mode, ...] = ("keep", "selective", "full")
-PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
-PLACEMENTS: tuple[Placement, ...] = ("device", "host")
-OFFLOADABLE: frozenset[str] = frozenset({"keep", "full"})  # selective checkpointing keeps its ops' outputs out of reach of saved-tensor hooks
-CHECKPOINTED: frozenset[str] = frozenset({"selective", "full"})
+from autoplan.vocabulary.fingerprint import Fingerprint
 
 
 PhaseKind = Literal["fwd", "bwd", "step"]
@@ -88,25 +81,21 @@ class Choice:
     mode: Mode = "keep"  # keep: save all; selective: save some op outputs (see `saves`); full: save inputs only
     precision: Precision = "fp32"  # fp32, or the device's autocast dtype
     saves: tuple[str, ...] | None = None  # selective only: the op occurrences it keeps; None: matmul/attention outputs
-    placement: Placement = "device"  # host: what it saves for backward waits in pinned host memory (planned.offload)
+    placement: Placement = "device"  # host: what it saves for backward waits in pinned host memory (axes.placement)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise OptionError(f"unknown checkpoint mode {self.mode!r}; expected one of {MODES}")
-        if self.precision not in PRECISIONS:
-            raise OptionError(f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
+        CHECKPOINT.check(self.mode)
+        PRECISION.check(self.precision)
         if self.saves is not None:
             if self.mode != "selective":
                 raise OptionError(f"only selective mode names the ops it saves; got mode {self.mode!r} with saves")
             object.__setattr__(self, "saves", tuple(self.saves))
-        if self.placement not in PLACEMENTS:
-            raise OptionError(f"unknown placement {self.placement!r}; expected one of {PLACEMENTS}")
-        if self.placement == "host" and self.mode not in OFFLOADABLE:
-            raise OptionError(f"only keep and full units can offload what they save; got mode {self.mode!r}")
+        PLACEMENT.check(self.placement)
+        check_offloadable(self.mode, self.placement)
 
     @property
     def checkpointed(self) -> bool:
-        return self.mode in CHECKPOINTED
+        return checkpointed(self.mode)
 
     @property
     def offloaded(self) -> bool:
@@ -115,6 +104,11 @@ class Choice:
     def _order(self) -> tuple:
         # None (the fixed rule) sorts before any menu point; menu points by what they save
         return (self.mode, self.precision, self.saves is not None, self.saves or (), self.placement)
+
+    @property
+    def rewriting(self) -> int:
+        """How much this choice changes the unit's run, every axis together (0: as written): what breaks ties."""
+        return CHECKPOINT.rewriting(self.mode) + PRECISION.rewriting(self.precision) + PLACEMENT.rewriting(self.placement)
 
     def __lt__(self, other: Choice) -> bool:
         return self._order() < other._order()
@@ -202,23 +196,6 @@ class OutsideUnits:
     fused_loss: bool = False  # the output head's cross-entropy fused (autoplan.planned.loss_head)
 
 
-@dataclass(frozen=True)
-class Fingerprint:
-    """The model and the batch a plan was made for, by shape and dtype: what `apply` and `verify` check.
-
-    Each entry is a name and its tensor in words, ("blocks.0.fc.weight", "256×256 float32"): every parameter
-    by its qualified name (tied weights once), every tensor of the example batch by where it is passed
-    ("argument 0", "input_ids"). Devices are left out: a plan made on meta applies to the model with weights.
-    """
-
-    parameters: tuple[tuple[str, str], ...]
-    batch: tuple[tuple[str, str], ...]
-    values: tuple[tuple[str, str], ...] = ()  # batch inputs whose values the forward read (an image grid), with those values
-
-    def to_dict(self) -> dict[str, dict[str, str]]:
-        return {"parameters": dict(self.parameters), "batch": dict(self.batch), "values": dict(self.values)}
-
-
 class TrainingLoopLike(Protocol):
     """The training loop a plan's peak is for: an `autoplan.TrainingLoop` (`autoplan.inputs.loop`, a frozen
     dataclass). The vocabulary imports no stage, so the plan names it by what is read of it here."""
@@ -228,15 +205,26 @@ class TrainingLoopLike(Protocol):
 
 @dataclass(frozen=True)
 class Request:
-    """What was asked: the budget and what it leaves, the optimizer, the GPUs, the training loop."""
+    """What was asked: the budget and what it leaves, the optimizer, the devices, the training loop, offload."""
     budget_bytes: int  # the budget as given
     usable_bytes: int  # budget minus the reserve (CUDA context, fragmentation)
     optimizer: str  # the optimizer whose state was counted
-    world_size: int = 1  # GPUs the plan is for; above 1 every byte of the plan is per rank under FSDP2
+    mesh: Mesh = Mesh()  # the devices the plan is for; on more than one every byte of the plan is per rank (FSDP2)
     loop: TrainingLoopLike | None = None  # the training loop the peak was predicted for
-    offload: bool = False  # units were allowed to hold their saved tensors in pinned host memory
-    host_budget_bytes: int = 0  # with offload: the pinned host memory the plan may use
+    host: HostMemory | None = None  # offload allowed: the host link and the pinned host memory the plan may use; None: off
     arguments: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
+
+    @property
+    def world_size(self) -> int:  # devices in the mesh (the `world_size` option)
+        return self.mesh.size
+
+    @property
+    def offload(self) -> bool:  # units were allowed to hold their saved tensors in pinned host memory
+        return self.host is not None
+
+    @property
+    def host_budget_bytes(self) -> int:  # with offload: the pinned host memory the plan may use (0 without)
+        return self.host.budget_bytes if self.host is not None else 0
 
 
 @dataclass(frozen=True)
@@ -256,7 +244,7 @@ class PlannedModel:
 class DeviceTarget:
     """The device planned for and what its precision asks of the training loop."""
     device: str  # the device profile planned for, e.g. "h100-80gb"
-    low_precision: Precision  # the autocast dtype a low-precision unit uses on this device
+    low_precision: Precision  # the low precision a unit uses on this device ("auto" picks it: `axes.precision.low_precision`)
     needs_grad_scaler: bool = False  # fp16 units need torch.amp.GradScaler in the training loop
 
 
@@ -381,13 +369,6 @@ class Plan:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    def report(self, verbose: bool = False) -> str:
-        """`autoplan.format_report(plan, verbose=verbose)` (verbose: selective units' saves op by op)."""
-        # the vocabulary's one import of a later stage, made when called (named in tests/test_layout.py)
-        from autoplan.report.text import format_report
-
-        return format_report(self, verbose=verbose)
-
 
 def _unit_dict(unit: UnitDecision) -> dict[str, Any]:
     """A unit's decision in the JSON schema: its choice's fields flat, then its costs, then a segment's members."""
@@ -396,5 +377,3 @@ def _unit_dict(unit: UnitDecision) -> dict[str, Any]:
     return {"name": unit.name, "mode": choice.mode, "precision": choice.precision, "saves": None if choice.saves is None else list(choice.saves),
             "placement": choice.placement} | costs | {"members": list(unit.members)}  # members: a segment's units, empty for one on its own
 
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -11,56 +11,46 @@ between the lowest peak and no plan) so profiles once. Each `plan(budget)` retur
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping
+from typing import Mapping
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from typing_extensions import Unpack
 
+from autoplan.axes.precision import choices_for
 from autoplan.errors import MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, TraceError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import DEVICES, Device, get_device
-from autoplan.inputs.loop import TrainingLoop, changed_fields, check_loop
-from autoplan.inputs.options import (
-    PROFILE_SOURCES,
-    SearchSpace,
-    StepOptions,
-    Target,
-    check_choice,
-    check_precision,
-    check_time_limit,
-    check_world_size,
-    flag,
-    host_budget_bytes,
-    search_space,
-)
-from autoplan.memory.model import rank_offsets
-from autoplan.memory.segments import choices_by_unit
-from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
-from autoplan.profile.menu import DEFAULT_MENU_SIZE
-from autoplan.profile.timing import measure_times
-from autoplan.profile.units import Profile, precision_options
-from autoplan.profile.units import profile as profile_units
-from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
-from autoplan.vocabulary.formatting import first_line, where_in_user_code
+from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
+from autoplan.inputs.settings import SearchSpace, StepOptions, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
-from autoplan.instruments.routing import check_moe_capacity
-from autoplan.training.step_parts import model_device, optimizer_name
+from autoplan.memory.model import rank_offsets
+from autoplan.memory.segment_terms import choices_by_unit
+from autoplan.mesh import Mesh
+from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
+from autoplan.profile.profiler import Profile
+from autoplan.profile.profiler import profile as profile_units
+from autoplan.profile.timing import measure_times
+from autoplan.report.reported import ReportedPlan, reported
 from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
+from autoplan.solve.request import SolveRequest
 from autoplan.solve.search import pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus
+from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
-from autoplan.trace.units import UnitLevel, unit_levels
+from autoplan.training.step_parts import model_device
 from autoplan.verify.simulate import simulate_plan
+from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
+from autoplan.vocabulary.formatting import first_line, where_in_user_code
+from autoplan.vocabulary.sizes import Size
 
 
 @dataclass(frozen=True)
 class ProfiledLevel:
-    """One level of units (`trace.units.unit_levels`), traced and profiled: all a solve needs but the budget."""
+    """One level of units (`trace.discovery.unit_levels`), traced and profiled: all a solve needs but the budget."""
 
     level: UnitLevel
     traced: Traced
@@ -77,102 +67,63 @@ class Planner:
     """
 
     @torch.enable_grad()  # a training step is planned: the caller's no_grad (or a factory's) is not the step's
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        example_inputs: Any = None,
-        batch_size: int | None = None,
-        seq_len: int | None = None,
-        device: str | Device | None = None,
-        optimizer: str | torch.optim.Optimizer = "adamw",
-        precision: str = "auto",
-        units: list[str] | None = None,
-        keep_fp32: list[str] | None = None,
-        checkpoint: list[str] | Mapping[str, str] | None = None,
-        reserve: str | int | None = None,
-        loss_fn: Callable[[Any], torch.Tensor] | None = None,
-        time_limit_s: float = 10.0,
-        profile: str = "auto",
-        progress: Callable[[str], None] | None = None,
-        on_profile: Callable[[Profile], None] | None = None,
-        world_size: int | str = 1,
-        menu_size: int = DEFAULT_MENU_SIZE,
-        compile: bool = False,
-        loop: TrainingLoop | None = None,
-        allow_over_device: bool = False,
-        segments: bool = True,
-        moe_capacity: float | None = None,
-        fuse_loss: bool = True,
-        offload: bool | None = None,
-        host_budget: str | int | None = None,
-    ) -> None:
-        # every option checked before minutes of tracing and profiling (the budget and reserve by plan())
-        _check_optimizer(optimizer)
-        self._step = StepOptions(optimizer, loss_fn, check_loop(loop), check_moe_capacity(moe_capacity))
-        self._device = get_device(device)
-        self._space = search_space(precision=precision, keep_fp32=keep_fp32, checkpoint=checkpoint, menu_size=menu_size,
-                                   segments=segments, compile=compile, fuse_loss=fuse_loss, world_size=world_size,
-                                   device=self._device, offload=offload)
-        check_precision(self._space.precision, self._device)
-        self._reserve = reserve
-        self._world_size: int | Literal["auto"] = "auto" if world_size == "auto" else check_world_size(world_size)
-        self._profile = check_choice("profile", profile, PROFILE_SOURCES)
-        self._time_limit_s, self._host_budget_bytes = check_time_limit(time_limit_s), host_budget_bytes(host_budget)
-        self._allow_over_device = flag("allow_over_device", allow_over_device)
-        self._given = dict(
-            batch_size=batch_size, seq_len=seq_len, device=device, optimizer=optimizer, precision=precision, units=units,
-            keep_fp32=keep_fp32, checkpoint=checkpoint, reserve=reserve, loss_fn=loss_fn, profile=profile, world_size=world_size,
-            loop=self._step.loop, allow_over_device=allow_over_device, segments=segments, moe_capacity=moe_capacity,
-            fuse_loss=fuse_loss, offload=offload, host_budget=host_budget, compile=compile)
-        _check_model(model, self._device)
+    @with_options
+    def __init__(self, model: torch.nn.Module, **options: Unpack[PlanKeywords]) -> None:
+        """A Planner of `model` with `options` (those of `autoplan.plan`), each checked now."""
+        given = PlanOptions.given(options, "Planner")
+        settings = settle(given)
+        self._settings, self._options = settings, dataclasses.replace(given, loop=settings.step.loop)  # the loop as checked
+        _check_model(model, settings.device)
         settle_first_forward(model)
-        self._model, self._units = model, units
-        self._batch = training_batch(model, example_inputs, batch_size, seq_len)
+        self._model = model
+        self._batch = training_batch(model, given.example_inputs, given.batch_size, given.seq_len)
         self._fingerprint = fingerprint_of(model, self._batch)  # before planning: what apply and verify check the plan against
         self._parameters = _parameter_states(model)
-        self._say = progress or (lambda message: None)
-        self._on_profile = on_profile
+        self._say = given.progress or (lambda message: None)
         self._levels: list[ProfiledLevel] | None = None
         self._tried = 0
 
     @torch.enable_grad()
-    def plan(self, budget: str | int) -> Plan:
+    def plan(self, budget: str | int | Size) -> ReportedPlan:
         """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest (autoplan.plan's docstring)."""
-        target = Target(self._device, make_budget(budget, self._device, self._reserve, allow_over_device=self._allow_over_device),
-                        self._reserve, self._world_size, self._profile, self._time_limit_s, self._host_budget_bytes)
-        request = plan_request(budget, self._device, self._given)
+        settings = self._settings
+        device, ranks, space = settings.device, settings.ranks, settings.space
+        asked = SolveRequest(make_budget(budget, device, settings.reserve, allow_over_device=settings.allow_over_device),
+                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks),
+                             fewest_ranks=ranks == "auto", host=space.host, segments=space.segments)
+        arguments = (("budget", asked.budget.given), *self._options.arguments(device.name if device.name in DEVICES else None))
         self._check_unchanged()
         if self._levels is None:
             self._levels = self._profile_levels()
         # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
         # within a level, segments of consecutive blocks are candidates of the same program
-        planned = [_decide_loss_head(level.traced, level.measured, target, self._step, level.pins, self._say) for level in self._levels]
+        planned = [_decide_loss_head(level.traced, level.measured, dataclasses.replace(asked, pins=level.pins), settings.step, self._say)
+                   for level in self._levels]
         chosen, measured = best_level(planned, [level.level for level in self._levels], tried=self._tried)
-        if self._on_profile is not None:
-            self._on_profile(measured)
+        if self._options.on_profile is not None:
+            self._options.on_profile(measured)
         fingerprint = dataclasses.replace(self._fingerprint, values=batch_values(self._batch, measured.batch_reads))
         traced_as = dataclasses.replace(chosen.model, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
                                         batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
-        return dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=request), model=traced_as)
+        return reported(dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=arguments), model=traced_as))
 
     def _profile_levels(self) -> list[ProfiledLevel]:
         """Every level of units traced and profiled; a level whose Sequential run is called twice is skipped."""
-        levels, profiled = unit_levels(self._model, self._units), list[ProfiledLevel]()
+        settings = self._settings
+        levels, profiled = unit_levels(self._model, self._options.units), list[ProfiledLevel]()
         self._tried = len(levels)
         for number, level in enumerate(levels, 1):
             if len(levels) > 1:
                 self._say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
             try:
-                traced, measured = _trace_and_profile(self._model, self._batch, self._profile, self._device, level.units,
-                                                      self._step, self._space, self._say)
+                traced, measured = _trace_and_profile(self._model, self._batch, settings.profile, settings.device, level.units,
+                                                      settings.step, settings.space, self._say)
             except RepeatedUnitError:
                 if number == len(levels) and not profiled:
                     raise
                 continue  # a Sequential run called twice: the other levels are the plan space
-            measured = dataclasses.replace(measured, segments=self._space.segments)
-            pins = pinned_choices(list(traced.unit_names), precision_options(self._space.precision, self._device),
-                                  self._space.keep_fp32, self._space.checkpoint)
+            space = settings.space
+            pins = pinned_choices(list(traced.unit_names), choices_for(space.precision, settings.device), space.keep_fp32, space.checkpoint)
             profiled.append(ProfiledLevel(level, traced, measured, pins))
         return profiled
 
@@ -188,14 +139,6 @@ def _parameter_states(model: torch.nn.Module) -> dict[str, str]:
     """Each parameter by name, with what a plan depends on: shape, dtype, device and whether it trains."""
     return {name: f"{describe_tensor(p)} on {p.device}, {'trained' if p.requires_grad else 'frozen'}"
             for name, p in model.named_parameters()}
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    """An optimizer whose state plan() can count: a name it knows, or a torch.optim.Optimizer."""
-    try:
-        optimizer_name(optimizer)
-    except ValueError as error:
-        raise OptionError(f"optimizer (--optimizer on the command line): {error}") from None
 
 
 def _check_model(model: torch.nn.Module, target: Device) -> None:
@@ -218,85 +161,47 @@ def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
             "Load the base in 4-bit (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), which plans for any device")
 
 
-def plan_request(budget, target: Device, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """The arguments of plan() that shape the plan, as given: the budget, then those not at their default.
-
-    A value that is not a literal (a loss function, an optimizer or Device object) is recorded as None: the
-    code that reproduces the plan passes the caller's own. An omitted device is recorded by its profile
-    name when it has one, so the code says what the plan was made for.
-    """
-    defaults = {name: parameter.default for name, parameter in inspect.signature(Planner).parameters.items()}
-    request: list[tuple[str, Any]] = [("budget", _literal(budget))]
-    for name, value in given.items():
-        if name == "device" and value is None and target.name in DEVICES:
-            value = target.name
-        if isinstance(value, TrainingLoop) and not changed_fields(value):
-            continue  # the common loop, however it was given
-        if value is not defaults[name] and value != defaults[name]:
-            request.append((name, _literal(value)))
-    return tuple(request)
-
-
-def _literal(value: Any) -> Any:
-    """`value` as a JSON and Python literal, or None when it is an object only the caller has."""
-    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
-        return value
-    if isinstance(value, TrainingLoop):
-        return changed_fields(value)  # check_loop takes these back
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
-        return list(value)
-    if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        return dict(value)
-    return None
-
-
-def _decide(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> Plan:
-    """The solve and verify stages on a profile: the world size, the searched choices, the Plan."""
+def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say) -> Plan:
+    """The solve and verify stages on a profile: the mesh, the searched choices, the Plan."""
     curve: tuple[WorldSizePoint, ...] = ()
-    usable, time_limit_s = target.budget.usable_bytes, target.time_limit_s
-    if isinstance(target.world_size, int):
-        world = target.world_size
-    else:
+    if request.fewest_ranks:
         say("finding the smallest number of GPUs")
-        world, curve = fewest_gpus(measured, pins, usable, time_limit_s)
-    offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, world)))
+        mesh, curve = fewest_gpus(measured, request)
+        request = dataclasses.replace(request, mesh=mesh)
+    offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, request.mesh)))
 
     host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         simulated = simulate_plan(
-            traced, choices_by_unit(measured, choices), device=target.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
+            traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
         )
         host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
         return simulated.peak_bytes
 
-    found = search(measured, usable, simulate=simulate, pins=pins, time_limit_s=time_limit_s, world_size=world, progress=say,
-                   host_budget=target.host_budget_bytes if measured.offload else None)
-    decided = assemble_plan(measured, traced, found, budget=target.budget, reserve=target.reserve, target=target.device, pins=pins,
-                            world=world, time_limit_s=time_limit_s, host_budget=target.host_budget_bytes)
+    found = search(measured, request, simulate=simulate, progress=say)
+    decided = assemble_plan(measured, traced, found, request)
     simulated = dataclasses.replace(decided.prediction, world_size_curve=curve,
                                     simulated_host_peak_bytes=host_peaks.get(frozenset(found.choices.items()), 0))
     return dataclasses.replace(decided, prediction=simulated)
 
 
-def _decide_loss_head(traced: Traced, measured: Profile, target: Target, step: StepOptions, pins, say) -> tuple[Plan, Profile]:
+def _decide_loss_head(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say) -> tuple[Plan, Profile]:
     """Decided with the loss head as the profile's timeline runs it and, where it can be fused, the other
     way too: the faster plan that fits (`faster_loss_head`). Fusing is then chosen by time like any choice."""
-    decided = _decide(traced, measured, target, step, pins, say)
+    decided = _decide(traced, measured, request, step, say)
     if measured.alternative is None or measured.base_step_time_s is not None:  # measured times are for the timeline's head only
         return decided, measured
     other = dataclasses.replace(measured, timeline=measured.alternative, alternative=measured.timeline)
     say("planning again with the loss head " + ("fused" if other.timeline.fused_loss else "as written"))
-    return faster_loss_head((decided, measured), (_decide(traced, other, target, step, pins, say), other))
+    return faster_loss_head((decided, measured), (_decide(traced, other, request, step, say), other))
 
 
 def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, step: StepOptions, space: SearchSpace,
                        say) -> tuple[Traced, Profile]:
     """The trace and profile stages: units found, and what each costs under every allowed choice."""
-    precisions = precision_options(space.precision, device)
+    precisions = choices_for(space.precision, device)
     if space.keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
     rest: Precision = "fp32" if space.precision == "auto" else precisions[0]  # the one precision forced
@@ -309,7 +214,7 @@ def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, s
         measured = profile_units(
             traced, device, optimizer=step.optimizer, precisions=precisions, rest_precision=rest, loss_fn=step.loss_fn,
             progress=say, loop=step.loop, menu_size=space.menu_size, compile=space.compile, fuse_loss=space.fuse_loss,
-            offload=space.offload,
+            host=space.host,
         )
         if not space.compile and _should_measure(profile, model, device):
             measured = measure_times(measured, traced, optimizer=step.optimizer, loss_fn=step.loss_fn, progress=say)

@@ -5,7 +5,7 @@
 - `GraphRun`: a run of fx graph nodes, by its first and last node, "graph[fc1:relu]" (`planned.graph`);
 - `CallSite`: one call of a module that runs several times per forward, "block@2" (its third call);
 - `Segment`: consecutive units checkpointed as one region, "layers.0–layers.3" (its first and last
-  unit, an en dash between; `memory.segments`).
+  unit, an en dash between; `memory.segment_terms`).
 
 A unit's `name` is what patterns (`units=["layers.*"]`), the JSON and the reports use. The trace
 stage builds the units where it finds them and every later stage asks a unit for its kind and

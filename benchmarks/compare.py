@@ -41,7 +41,7 @@ from autoplan.vocabulary.formatting import format_bytes
 from autoplan.plan import Choice  # noqa: E402
 from autoplan.planned.forwards import apply_choices
 from autoplan.verify.allocator import AllocatorCount
-from autoplan.trace.units import find_units
+from autoplan.trace.discovery import find_units
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 FRACTIONS = (1.0, 0.75, 0.5, 0.35)

@@ -38,14 +38,16 @@ from benchmarks.machine import describe_machine  # noqa: E402
 from plan_quality import CPU, SIZES, flops_of, peak_of, setup  # noqa: E402
 
 from autoplan.memory.model import predict_peak  # noqa: E402
-from autoplan.memory.segments import chosen_segments  # noqa: E402
+from autoplan.memory.segment_terms import chosen_segments  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.profile.menu import describe, record_ops  # noqa: E402
-from autoplan.profile.units import with_choices  # noqa: E402
+from autoplan.profile.profiler import with_choices  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
-from autoplan.memory.segments import choices_by_unit  # noqa: E402
+from autoplan.memory.segment_terms import choices_by_unit  # noqa: E402
 from autoplan.planned.forwards import apply_choices  # noqa: E402
+from autoplan.inputs.budget import Budget  # noqa: E402
 from autoplan.solve.ilp import solve  # noqa: E402
+from autoplan.solve.request import SolveRequest  # noqa: E402
 from examples.llama import Llama  # noqa: E402
 
 FLOP_SECONDS = 1e-12  # a FLOP priced as a picosecond: the ILP's "time" becomes FLOPs
@@ -100,7 +102,7 @@ def main(size: str, fuse_loss: bool) -> None:
                for k in range(len(matmuls) + 1) for chosen in itertools.combinations(matmuls, k)]
     # per-block policies only: a segment recomputes its inner blocks' last ops too, which the FLOP count here
     # (members' own full recompute) would miss
-    studied = dataclasses.replace(with_choices(traced, measured, subsets), segments=False)
+    studied = with_choices(traced, measured, subsets)
     print(f"measured {len(subsets)} subsets in {time.perf_counter() - started:.0f} s\n")
     unit = studied.units[0]
     keep_bwd = unit.options[Choice("keep")].bwd_flops
@@ -117,7 +119,7 @@ def main(size: str, fuse_loss: bool) -> None:
     print("\n| budget | fewest extra FLOPs (predicted) | measured peak | measured extra FLOPs | per block |\n|---|---|---|---|---|")
     for fraction in (0.5, 0.25):
         budget = floor + int(fraction * activations)
-        solution = solve(flop_priced, budget, time_limit_s=60)
+        solution = solve(flop_priced, SolveRequest(Budget(budget, 0, f"{budget}B"), time_limit_s=60, segments=False))
         if not solution.feasible:
             print(f"| static + {fraction:.0%} ({format_bytes(budget)}) | nothing fits | | | |")
             continue

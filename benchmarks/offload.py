@@ -43,7 +43,7 @@ from autoplan.plan import Choice  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
 from autoplan.verify.simulate import simulate_plan  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes, format_seconds  # noqa: E402
-from autoplan.memory.segments import choices_by_unit  # noqa: E402
+from autoplan.memory.segment_terms import choices_by_unit  # noqa: E402
 
 CONFIGS = {  # LlamaConfig sizes of two open Llama-style models
     "TinyLlama-1.1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

@@ -60,7 +60,7 @@ from benchmarks.machine import describe_machine  # noqa: E402
 from autoplan.inputs.devices import get_device  # noqa: E402
 from autoplan.memory.model import predict_peak  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
-from autoplan.profile.units import profile  # noqa: E402
+from autoplan.profile.profiler import profile  # noqa: E402
 from autoplan.vocabulary.formatting import format_bytes  # noqa: E402
 from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.units import ModuleUnit  # noqa: E402
@@ -68,9 +68,11 @@ from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes  # noqa
 from autoplan.instruments.tracker import op_roofline  # noqa: E402
 from autoplan.verify.allocator import AllocatorCount  # noqa: E402
 from autoplan.training.step_parts import optimizer_state_tensors  # noqa: E402
+from autoplan.inputs.budget import Budget  # noqa: E402
 from autoplan.solve.ilp import minimum_peak, solve  # noqa: E402
+from autoplan.solve.request import SolveRequest  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
-from autoplan.trace.units import find_units  # noqa: E402
+from autoplan.trace.discovery import find_units  # noqa: E402
 from examples.gpt import build  # noqa: E402
 from examples.llama import Llama, LlamaConfig, example_batch  # noqa: E402
 
@@ -333,10 +335,10 @@ def solve_times() -> None:
     for layers in (24, 96, 384):
         model, inputs = build(n_layer=layers, n_embd=64, n_head=2, block_size=64, vocab_size=128, batch_size=1, seq_len=64)
         measured = profile(trace(model, inputs), DEVICE, precisions=("fp32", "bf16"))
-        lowest = predict_peak(measured, minimum_peak(measured).choices).bytes
+        lowest = predict_peak(measured, minimum_peak(measured, SolveRequest(Budget(1, 0, "any"))).choices).bytes
         budget = (lowest + measured.reference.peak_bytes) // 2  # halfway: a real trade-off to solve
         started = time.perf_counter()
-        solution = solve(measured, budget)
+        solution = solve(measured, SolveRequest(Budget(budget, 0, f"{budget}B")))
         print(f"{layers:>6} {format_bytes(budget):>12} {solution.status:>10} {time.perf_counter() - started:>8.2f}")
 
 

@@ -1,4 +1,4 @@
-"""The models and batches tests/apply/test_fsdp.py trains, shared by the test and its torchrun worker."""
+"""The models and batches tests/apply/test_sharding.py trains, shared by the test and its torchrun worker."""
 
 from __future__ import annotations
 

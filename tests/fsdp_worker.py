@@ -1,4 +1,4 @@
-"""One rank of tests/apply/test_fsdp.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
+"""One rank of tests/apply/test_sharding.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
 
 Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET [MODEL]`,
 MODEL "llama" (default: tests/fsdp_model.tiny_llama) or "shared" (one block called six times per forward).

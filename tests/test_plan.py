@@ -1,5 +1,6 @@
 """The Plan's shape: parts by concern, a flat JSON schema that loses none of their fields, the fused loss
-head as a flag plus the logits it names, and `plan.report()` that needs nothing imported first."""
+head as a flag plus the logits it names, and a report (`autoplan.format_report`, `plan.report()`) that needs nothing
+imported first."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from autoplan.axes.placement import HostMemory
 from autoplan.errors import OptionError
 from autoplan.inputs.loop import TrainingLoop
+from autoplan.mesh import Mesh
 from autoplan.plan import (
     FORWARD_START,
     Choice,
@@ -35,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # every field of every part, and the key of the flat JSON schema (docs/api.md) that holds it
 JSON_KEYS = {
     ("request", "budget_bytes"): "budget_bytes", ("request", "usable_bytes"): "usable_bytes",
-    ("request", "optimizer"): "optimizer", ("request", "world_size"): "world_size", ("request", "loop"): "loop",
-    ("request", "offload"): "offload", ("request", "host_budget_bytes"): "host_budget_bytes", ("request", "arguments"): "request",
+    ("request", "optimizer"): "optimizer", ("request", "mesh"): "world_size", ("request", "loop"): "loop",
+    ("request", "host"): "host_budget_bytes", ("request", "arguments"): "request",
     ("model", "name"): "model_name", ("model", "trace_method"): "trace_method", ("model", "parameter_count"): "parameter_count",
     ("model", "state_bytes"): "state_bytes", ("model", "fingerprint"): "fingerprint", ("model", "batch_values"): "batch_values",
     ("model", "random_control_flow"): "random_control_flow", ("model", "moe_routing"): "moe_routing",
@@ -53,6 +56,8 @@ JSON_KEYS = {
     ("outcome", "feasible"): "feasible", ("outcome", "solver_status"): "solver_status", ("outcome", "solve_time_s"): "solve_time_s",
     ("outcome", "resolves"): "resolves",
 }
+# keys a field fills besides its own: the request's host memory says whether offload was allowed at all
+DERIVED_KEYS = {"offload": ("request", "host")}
 PARTS = ("request", "model", "target", "decisions", "prediction", "outcome")
 
 
@@ -60,8 +65,8 @@ def by_hand(fused: bool = True) -> Plan:
     """A plan built field by field, every field away from its default, so none can hide behind one."""
     unit = UnitDecision(Unit.from_name("blocks.0"), Choice("full", "bf16"), saved_bytes=64, recompute_flops=1000, step_time_s=0.5)
     return Plan(
-        request=Request(budget_bytes=2000, usable_bytes=1500, optimizer="sgd", world_size=2, loop=TrainingLoop(keep_outputs=False),
-                        offload=True, host_budget_bytes=4096, arguments=(("budget", "2000B"), ("device", "cpu"))),
+        request=Request(budget_bytes=2000, usable_bytes=1500, optimizer="sgd", mesh=Mesh.fsdp(2), loop=TrainingLoop(keep_outputs=False),
+                        host=HostMemory(4096, 32e9), arguments=(("budget", "2000B"), ("device", "cpu"))),
         model=PlannedModel("Net", "export", parameter_count=12, state_bytes=144,
                            fingerprint=Fingerprint((("fc.weight", "2×2 float32"),), (("argument 0", "8×2 float32"),)),
                            batch_values=("input_ids",), random_control_flow=True, moe_routing="worst case"),
@@ -83,8 +88,11 @@ def test_every_field_of_every_part_is_in_the_json_schema():
     fields = {(part, field.name) for part in PARTS for field in dataclasses.fields(getattr(plan, part))}
     assert fields == set(JSON_KEYS), fields ^ set(JSON_KEYS)
     data = plan.to_dict()
-    assert set(data) == set(JSON_KEYS.values()) | {"notes"}
+    assert set(data) == set(JSON_KEYS.values()) | set(DERIVED_KEYS) | {"notes"}
+    assert (data["offload"], data["world_size"], data["host_budget_bytes"]) == (True, 2, 4096)
+    assert (plan.request.offload, plan.request.world_size, plan.request.host_budget_bytes) == (True, 2, 4096)
     plain = {"loop": dataclasses.asdict(plan.request.loop), "request": {"budget": "2000B", "device": "cpu"},
+             "world_size": plan.request.mesh.size, "host_budget_bytes": plan.request.host_budget_bytes,
              "fingerprint": plan.model.fingerprint.to_dict(), "breakdown": dataclasses.asdict(plan.prediction.breakdown) | {"total": 1000},
              "peak_phase": "fwd:start", "units": data["units"], "batch_values": ["input_ids"],
              "world_size_curve": [{"world_size": 2, "lowest_peak_bytes": 700, "no_plan_peak_bytes": 1800, "fits": True}]}
@@ -131,12 +139,16 @@ def test_a_hand_written_choice_that_cannot_be_is_autoplans_option_error(written,
 
 @pytest.mark.slow  # the whole pipeline
 def test_report_needs_nothing_imported_first():
-    """No formatter registered at import: a fresh interpreter that imports only the vocabulary can report."""
+    """No formatter registered at import: a fresh interpreter that imports only the vocabulary can report a plan
+    made by hand with autoplan.format_report, and `report()` of the plan autoplan hands out is that report."""
     script = (
         "import sys\n"
+        "import autoplan\n"
         "from tests.test_plan import by_hand\n"
         "assert 'autoplan.report.text' not in sys.modules, sorted(m for m in sys.modules if m.startswith('autoplan'))\n"
-        "print(by_hand().report())\n"
+        "from autoplan.report.reported import reported\n"
+        "assert reported(by_hand()).report() == autoplan.format_report(by_hand()) and reported(by_hand()) == reported(by_hand())\n"
+        "print(autoplan.format_report(by_hand()))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

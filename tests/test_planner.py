@@ -11,7 +11,7 @@ import torch
 import autoplan
 from autoplan import planner as planner_module
 from autoplan.errors import BudgetError, OptionError, PlanMismatchError
-from autoplan.trace.units import unit_levels
+from autoplan.trace.discovery import unit_levels
 from tests.cli_factories import tiny_gpt
 from tests.structures import by_name
 

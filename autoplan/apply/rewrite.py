@@ -2,7 +2,7 @@
 
 The same model object comes back: same class, parameters, `state_dict()` keys and methods; each
 unit's forward is wrapped on the instance (`planned.forwards.apply_choices`). A plan for more than
-one GPU is applied with FSDP2 (`apply.fsdp`).
+one GPU is applied with FSDP2 (`apply.sharding`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from autoplan.errors import OptionError, OptionTypeError, PlanMismatchError
-from autoplan.apply.fsdp import apply_fsdp
+from autoplan.apply.sharding import apply_fsdp
 from autoplan.plan import Plan
 from autoplan.vocabulary.fingerprint import check_model
 from autoplan.units import GraphRun

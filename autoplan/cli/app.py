@@ -18,21 +18,21 @@ from rich.table import Table
 
 import autoplan
 from autoplan.cli.exits import CliError, ExitCode, exit_code_for, print_report, prints_to_stderr, quiet, reported, write_stdout
-from autoplan.cli.options import (ACCUMULATION_STEPS, COMPILE, DROP_OUTPUTS, FUSE_LOSS, HOST_BUDGET, LADDER, MOE_CAPACITY, OFFLOAD,
-                                  OPTIMIZER_IMPL, TARGET, UNITS, VERBOSE, Optimizer, OptimizerImpl, OptionsGivenOnce, Precision)
+from autoplan.cli.flags import OUTPUTS, RUN, TARGET, VERIFY_TARGET, CommandLine, OptionsGivenOnce, with_flags
 from autoplan.cli.progress import PlanningProgress, progress_wanted
-from autoplan.inputs.budget import check_size_syntax, make_budget
+from autoplan.inputs.budget import make_budget, read_budget, read_reserve
 from autoplan.inputs.devices import get_device, list_devices
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.inputs.options import check_time_limit, check_world_size
+from autoplan.inputs.settings import check_time_limit
 from autoplan.report.plot import FORMATS, require_pyplot
+from autoplan.vocabulary.sizes import Size
 
 # Everything that imports torch (seconds) is imported inside the commands, after the options are
 # checked: `--help` and a mistyped option are answered at once (tests/test_cli.py checks that
 # torch stays unimported).
 if TYPE_CHECKING:
-    from autoplan.inputs.targets import Target
-    from autoplan.profile.units import Profile
+    from autoplan.inputs.targets import LoadedTarget
+    from autoplan.profile.profiler import Profile
 
 JSON_SCHEMA = "autoplan.plan/3"  # 2: FSDP estimates name communication_buffers, not unsharded_gradients; 3: fused_loss a bool, its logits in fused_loss_logits; bump when a key of the --json document changes meaning or goes away
 
@@ -46,34 +46,31 @@ app = typer.Typer(
 )
 
 
-def _world_size(text: Optional[str]) -> int | str | None:
-    """--world-size N or auto: the plan's FSDP world size (None: one GPU, no FSDP)."""
-    if text is None or text == "auto":
-        return text
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise CliError(ExitCode.USAGE, f"--world-size must be a whole number of GPUs, at least 1, or auto; got {text!r}")
-    return check_world_size(int(text), option="--world-size")  # OptionError: exit 2, before torch is imported
+def _read_sizes(cli: CommandLine) -> tuple[Size, Size | None]:
+    """The budget and the reserve, read once, before torch is imported: what planning is handed is what was read."""
+    return read_budget(cli.budget), read_reserve(cli.reserve)  # BudgetError: exit 2
 
 
-def _check_options(budget: str, device: Optional[str], reserve: Optional[str], world_size: Optional[str], plot: Optional[Path],
-                   time_limit: float = 10.0, allow_over_device: bool = False, moe_capacity: Optional[float] = None,
-                   ladder: bool = False, json_path: Optional[Path] = None):
-    """Every option's value, before minutes of planning; those that need no torch before seconds of its imports."""
-    check_size_syntax(budget, reserve)  # BudgetError: exit 2
-    _check_outputs(json=json_path, plot=plot)
-    _world_size(world_size)
-    check_time_limit(time_limit)  # OptionError: exit 2
+def _check_options(cli: CommandLine, budget: Size, reserve: Size | None, device: Optional[str]) -> dict:
+    """Every option's value, before minutes of planning; those that need no torch before seconds of its imports.
+    Returns autoplan.plan's keywords, the reserve as read."""
+    plot = cli.given.get("plot")
+    _check_outputs(json=cli.json_path, plot=plot)
+    options = cli.options() | {"reserve": reserve}  # --world-size: exit 2
+    check_time_limit(options.get("time_limit_s", 10.0))  # OptionError: exit 2
     if plot is not None and plot.suffix.lower() not in FORMATS:
         raise CliError(ExitCode.USAGE, f"--plot file must end in {', '.join(FORMATS)}; got {plot.name!r}")
-    make_budget(budget, get_device(device), reserve, allow_over_device=allow_over_device)  # DeviceError: exit 2 (this GPU: torch)
+    # DeviceError: exit 2 (this machine's GPU: torch); a budget over the device's memory, exit 2, before the model loads
+    make_budget(budget, get_device(device), reserve, allow_over_device=options.get("allow_over_device", False))
     from autoplan.instruments.routing import check_moe_capacity
     from autoplan.inputs.qlora_twin import check_qlora_installed
 
-    check_moe_capacity(moe_capacity)  # OptionError: exit 2
-    if ladder:
+    check_moe_capacity(options.get("moe_capacity"))  # OptionError: exit 2
+    if cli.given.get("ladder"):
         check_qlora_installed("--ladder")  # MissingExtraError, exit 7
     if plot is not None:
         require_pyplot()  # PlotUnavailable is exit 7
+    return options
 
 
 def _check_outputs(**paths: Optional[Path]) -> None:
@@ -90,28 +87,7 @@ def _check_outputs(**paths: Optional[Path]) -> None:
             raise CliError(ExitCode.USAGE, f"--{option} {path} is a folder; give a file name in it")
 
 
-def _loop(drop_outputs: bool, accumulation_steps: int, optimizer_impl: OptimizerImpl) -> TrainingLoop:
-    """The training loop the options describe (docs/loops.md): what the plan is for and verify runs."""
-    return TrainingLoop(
-        keep_outputs=not drop_outputs, accumulation_steps=accumulation_steps, optimizer_impl=optimizer_impl.value
-    )
-
-
-def _plan_options(device, optimizer: Optimizer, precision: Precision, units, reserve, loop, world_size=None) -> dict:
-    """autoplan.plan's keyword arguments from the command's options."""
-    options = dict(device=device, optimizer=optimizer.value, precision=precision.value, units=_units(units), reserve=reserve, loop=loop)
-    if world_size is not None:
-        options["world_size"] = _world_size(world_size)
-    return options
-
-
-def _units(values: Optional[list[str]]) -> Optional[list[str]]:
-    if not values:
-        return None
-    return [pattern.strip() for value in values for pattern in value.split(",") if pattern.strip()]
-
-
-def _plan(target: Target, budget: str, options: dict, progress, inputs=None, model=None):
+def _plan(target: LoadedTarget, budget: Size, options: dict, progress, inputs=None, model=None):
     from autoplan.api import plan as plan_model
 
     profiles: list[Profile] = []
@@ -143,7 +119,7 @@ def _write(path: Path, text: str, err: Console) -> None:
     err.print(f"wrote {path}", markup=False)
 
 
-def json_document(target: Target, plan, advice, budget: str) -> dict:
+def json_document(target: LoadedTarget, plan, advice, budget: str) -> dict:
     """What --json writes: the schema the README documents."""
     return {
         "schema": JSON_SCHEMA,
@@ -157,65 +133,29 @@ def json_document(target: Target, plan, advice, budget: str) -> dict:
 
 
 @app.command("plan", cls=OptionsGivenOnce)
-def plan_command(
-    target: str = TARGET,
-    budget: str = typer.Option(..., "--budget", "-b", help='Memory for the training step: "24GB", "24 GiB", "80%" of the device.'),
-    device: Optional[str] = typer.Option(None, "--device", "-d", help="Device profile to plan for (see `autoplan devices`). "
-                                         "Default: this machine's GPU, else the cpu profile."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Batch size, passed to the factory "
-                                             f"(hf: default {1})."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory (hf: default 1024, "
-                                          "capped at the model's maximum)."),
-    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer whose state is counted; the 8-bit and paged ones are bitsandbytes' (pip install -e \".[qlora]\")."),
-    drop_outputs: bool = DROP_OUTPUTS,
-    accumulation_steps: int = ACCUMULATION_STEPS,
-    optimizer_impl: OptimizerImpl = OPTIMIZER_IMPL,
-    precision: Precision = typer.Option(Precision.auto, "--precision", help="auto: per unit fp32 or the device's bf16/fp16; "
-                                        "or force one for the whole model."),
-    world_size: Optional[str] = typer.Option(None, "--world-size", help="Plan per GPU for FSDP sharding over N GPUs "
-                                             "(parameters, gradients, optimizer state 1/N each), or auto: the fewest GPUs "
-                                             "that fit, with the per-GPU peak against N."),
-    units: Optional[list[str]] = UNITS,
-    reserve: Optional[str] = typer.Option(None, "--reserve", help='Bytes held back from the budget, e.g. "1GB" or 0. '
-                                          "Default: CUDA context + 5% fragmentation."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and advice as JSON to this file "
-                                             "(- for stdout; the report then goes to stderr)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write memory over the training step, before and after the "
-                                        "plan, to this .png/.svg/.pdf (needs matplotlib)."),
-    time_limit: float = typer.Option(10.0, "--time-limit", help="Seconds the solver may take per solve."),
-    allow_over_device: bool = typer.Option(False, "--allow-over-device", help="Plan for a budget above the device's "
-                                           "memory (an error otherwise); the report says it fits the budget, not the device."),
-    moe_capacity: Optional[float] = MOE_CAPACITY,
-    fuse_loss: bool = FUSE_LOSS,
-    compiled: bool = COMPILE,
-    offload: Optional[bool] = OFFLOAD,
-    host_budget: Optional[str] = HOST_BUDGET,
-    ladder: bool = LADDER,
-    verbose: bool = VERBOSE,
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
-) -> None:
+@with_flags("plan", OUTPUTS)
+def plan_command(target: str = TARGET, cli: CommandLine = None) -> None:  # type: ignore[assignment]  # with_flags passes it
     """Plan TARGET for a budget: will it train, with what, and what to change if not."""
     out, err = Console(highlight=False), Console(file=sys.stderr)  # bound now: planning may swap sys.stderr
-    with reported(debug):
-        _check_options(budget, device, reserve, world_size, plot, time_limit, allow_over_device, moe_capacity, ladder, json_path)
-        options = _plan_options(device, optimizer, precision, units, reserve, _loop(drop_outputs, accumulation_steps, optimizer_impl),
-                                world_size) | dict(time_limit_s=time_limit, allow_over_device=allow_over_device, moe_capacity=moe_capacity,
-                                                      fuse_loss=fuse_loss, compile=compiled, offload=offload, host_budget=host_budget)
-        progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(json_path)))
+    with reported(cli.debug):
+        budget, reserve = _read_sizes(cli)
+        options = _check_options(cli, budget, reserve, cli.device)
+        progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=_is_stdout(cli.json_path)))
         from autoplan.inputs.targets import load_target
         from autoplan.report.text import report_renderables
 
-        with progress, quiet(debug), prints_to_stderr(err.file, when=_is_stdout(json_path)):
-            loaded = load_target(target, batch_size=batch_size, seq_len=seq_len)
+        with progress, quiet(cli.debug), prints_to_stderr(err.file, when=_is_stdout(cli.json_path)):
+            loaded = load_target(target, batch_size=cli.batch_size, seq_len=cli.seq_len)
             plan, profile = _plan(loaded, budget, options, progress)
-            advice = _advise(loaded, plan, profile, budget, options, progress, world_size=world_size,
-                             ladder=_ladder(loaded, budget, options, device, progress) if ladder else None)
-        _write_files(json_path, plot, json_document(loaded, plan, advice, budget), plan, profile, err)
-        print_report(err if _is_stdout(json_path) else out, report_renderables(plan, advice, budget_text=budget, verbose=verbose))
+            ladder = _ladder(loaded, budget, options, cli.device, progress) if cli.ladder else None
+            advice = _advise(loaded, plan, profile, budget, options, progress, world_size=cli.world_size, ladder=ladder)
+        _write_files(cli.json_path, cli.plot, json_document(loaded, plan, advice, cli.budget), plan, profile, err)
+        renderables = report_renderables(plan, advice, budget_text=cli.budget, verbose=cli.verbose)
+        print_report(err if _is_stdout(cli.json_path) else out, renderables)
     raise typer.Exit(int(ExitCode.FITS if plan.outcome.feasible else ExitCode.DOES_NOT_FIT))
 
 
-def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress, *, world_size: Optional[str], ladder):
+def _advise(loaded: LoadedTarget, plan, profile, budget: Size, options: dict, progress, *, world_size: Optional[str], ladder):
     """What to change, in order (FSDP's step for the plan's world size where --world-size was given); a smaller
     micro-batch is planned again where the factory can rebuild the batch."""
     from autoplan.report.advice import advise
@@ -228,11 +168,11 @@ def _advise(loaded: Target, plan, profile, budget: str, options: dict, progress,
         model, inputs = rebuild(micro)
         return _plan(loaded, budget, options | {"loop": loop}, progress, inputs=inputs, model=model)[0]
 
-    return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, world_size=plan.request.world_size if world_size else None,
+    return advise(plan, profile, batch_size=loaded.batch_size, seq_len=loaded.seq_len, mesh=plan.request.mesh if world_size else None,
                   parameter_count=loaded.parameter_count, replan=replan if rebuild else None, ladder=ladder)
 
 
-def _ladder(loaded: Target, budget: str, options: dict, device: Optional[str], progress):
+def _ladder(loaded: LoadedTarget, budget: Size, options: dict, device: Optional[str], progress):
     """The toolbox ladder of a Hugging Face target: its variants planned with every block in the device's low precision."""
     from autoplan.inputs.hf_models import is_hf_model
     from autoplan.report.ladder import plan_ladder
@@ -246,7 +186,7 @@ def _ladder(loaded: Target, budget: str, options: dict, device: Optional[str], p
     def plan_variant(model):
         return _plan(loaded, budget, variant_options, progress, model=model)
 
-    return plan_ladder(loaded.model, plan_variant, budget_text=budget, say=progress)
+    return plan_ladder(loaded.model, plan_variant, budget_text=str(budget.given), say=progress)
 
 
 def _write_files(json_path: Optional[Path], plot: Optional[Path], document: dict, plan, profile, err: Console) -> None:
@@ -264,79 +204,66 @@ def _write_files(json_path: Optional[Path], plot: Optional[Path], document: dict
 
 
 @app.command("verify", cls=OptionsGivenOnce)
-def verify_command(
-    target: str = typer.Argument(..., help="As for `autoplan plan`; hf: models are built with random weights."),
-    budget: str = typer.Option(..., "--budget", "-b", help='Memory for the training step: "24GB", "80%" of the device.'),
-    steps: int = typer.Option(3, "--steps", min=2, help="Real training steps to run (the first warms up)."),
-    on: Optional[str] = typer.Option(None, "--on", help="Where to run: cuda or cpu. Default: cuda if there is a GPU."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help="Batch size, passed to the factory."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length, passed to the factory."),
-    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer", help="Optimizer to count and to train with; the 8-bit and paged ones are bitsandbytes' (pip install -e \".[qlora]\")."),
-    drop_outputs: bool = DROP_OUTPUTS,
-    accumulation_steps: int = ACCUMULATION_STEPS,
-    optimizer_impl: OptimizerImpl = OPTIMIZER_IMPL,
-    precision: Precision = typer.Option(Precision.auto, "--precision", help="As for `autoplan plan`."),
-    units: Optional[list[str]] = typer.Option(None, "--units", help="As for `autoplan plan`."),
-    reserve: Optional[str] = typer.Option(None, "--reserve", help="As for `autoplan plan`."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the plan and the measurement as JSON to this file "
-                                             "(- for stdout; the table then goes to stderr)."),
-    fuse_loss: bool = FUSE_LOSS,
-    compiled: bool = typer.Option(False, "--compile", help="Plan as `autoplan plan --compile` does; the real steps run "
-                                  "eagerly (the plan's peaks are the eager model's), so the measured time is not the "
-                                  "compiled model's."),
-    offload: Optional[bool] = OFFLOAD,
-    host_budget: Optional[str] = HOST_BUDGET,
-    verbose: bool = VERBOSE,
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and torch's own output."),
-) -> None:
+@with_flags("verify", RUN | {name: OUTPUTS[name] for name in ("json_path", "verbose", "debug")})
+def verify_command(target: str = VERIFY_TARGET, cli: CommandLine = None) -> None:  # type: ignore[assignment]  # with_flags passes it
     """Plan TARGET, then train real steps of the planned model and measure whether the plan held.
 
     On a GPU the budget is enforced and the peak is torch.cuda.max_memory_allocated; on the CPU it is
     the live tensor bytes of the real run. Exit code 0 when it held, 9 when it did not.
     """
     out, err = Console(highlight=False), Console(file=sys.stderr)
-    with reported(debug):
-        where = _where(on, budget, reserve)
-        from autoplan.inputs.targets import load_target
-        from autoplan.report.text import report_renderables
-        from autoplan.report.verification import verification_renderables
-        from autoplan.verify.real import verify
-
+    with reported(cli.debug):
+        _check_on(cli.on)
+        budget, reserve = _read_sizes(cli)
+        where = _where(cli.on)
         device = None if where == "cuda" else "cpu"  # plan for the device the steps run on
-        _check_options(budget, device, reserve, None, None, json_path=json_path)
-        to_stdout = _is_stdout(json_path)
+        options = _check_options(cli, budget, reserve, device) | {"device": device}
+        to_stdout = _is_stdout(cli.json_path)
         progress = PlanningProgress(err, enabled=progress_wanted(sys.stdout, err, json_to_stdout=to_stdout))
-        with progress, quiet(debug), prints_to_stderr(err.file, when=to_stdout):
-            loaded = load_target(target, batch_size=batch_size, seq_len=seq_len, meta=False)
-            if any(parameter.is_meta for parameter in loaded.model.parameters()):
-                raise CliError(ExitCode.USAGE, f"{target} returns a model on the meta device: verify trains real steps, so the "
-                               "factory must build real (random) weights; autoplan plan takes a meta model")
-            model = loaded.model.to(where)
-            inputs = _to_device(loaded.example_inputs, where)
-            loop = _loop(drop_outputs, accumulation_steps, optimizer_impl)
-            options = _plan_options(device, optimizer, precision, units, reserve, loop) | dict(
-                fuse_loss=fuse_loss, compile=compiled, offload=offload, host_budget=host_budget)
-            plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
-            if plan.outcome.feasible:
-                progress(f"training {steps} real steps on {where}")
-                result = verify(model, plan, example_inputs=inputs, steps=steps, optimizer=optimizer.value)
-        if not plan.outcome.feasible:
-            print_report(err if to_stdout else out, report_renderables(plan, budget_text=budget, verbose=verbose))
+        with progress, quiet(cli.debug), prints_to_stderr(err.file, when=to_stdout):
+            plan, result = _plan_and_train(target, cli, budget, options, where, progress)
+        if result is None:
+            from autoplan.report.text import report_renderables
+
+            print_report(err if to_stdout else out, report_renderables(plan, budget_text=cli.budget, verbose=cli.verbose))
             raise typer.Exit(int(ExitCode.DOES_NOT_FIT))
-        if json_path is not None:
-            document = {"schema": "autoplan.verify/1", "target": target, "budget": budget,
+        if cli.json_path is not None:
+            document = {"schema": "autoplan.verify/1", "target": target, "budget": cli.budget,
                         "plan": plan.to_dict(), "verification": result.to_dict()}
-            _write(json_path, json.dumps(document, indent=2) + "\n", err)
-        print_report(err if to_stdout else out, verification_renderables(plan, result, verbose))
+            _write(cli.json_path, json.dumps(document, indent=2) + "\n", err)
+        from autoplan.report.verification import verification_renderables
+
+        print_report(err if to_stdout else out, verification_renderables(plan, result, cli.verbose))
     raise typer.Exit(int(ExitCode.FITS if result.held else ExitCode.DID_NOT_HOLD))
 
 
-def _where(on: Optional[str], budget: str, reserve: Optional[str]) -> str:
-    """verify's --on: cuda or cpu (default: cuda if this machine has it); a typo in it or in the budget is
-    answered before torch is imported to find a GPU."""
+def _plan_and_train(target: str, cli: CommandLine, budget: Size, options: dict, where: str, progress):
+    """verify's work: the target built with real weights where the steps run, planned, and trained when the plan
+    fits; (plan, the verification, or None when it does not fit)."""
+    from autoplan.inputs.targets import load_target
+    from autoplan.verify.real import verify
+
+    loaded = load_target(target, batch_size=cli.batch_size, seq_len=cli.seq_len, meta=False)
+    if any(parameter.is_meta for parameter in loaded.model.parameters()):
+        raise CliError(ExitCode.USAGE, f"{target} returns a model on the meta device: verify trains real steps, so the "
+                       "factory must build real (random) weights; autoplan plan takes a meta model")
+    model = loaded.model.to(where)
+    inputs = _to_device(loaded.example_inputs, where)
+    plan, _ = _plan(loaded, budget, options, progress, inputs=inputs, model=model)
+    if not plan.outcome.feasible:
+        return plan, None
+    progress(f"training {cli.steps} real steps on {where}")
+    return plan, verify(model, plan, example_inputs=inputs, steps=cli.steps, optimizer=options["optimizer"])
+
+
+def _check_on(on: Optional[str]) -> None:
+    """verify's --on: cuda or cpu; a typo is answered before torch is imported to find a GPU."""
     if on not in (None, "cuda", "cpu"):
         raise CliError(ExitCode.USAGE, f"--on must be cuda or cpu; got {on!r}")
-    check_size_syntax(budget, reserve)
+
+
+def _where(on: Optional[str]) -> str:
+    """Where verify's steps run: --on, or cuda if this machine has it."""
     import torch
 
     if on == "cuda" and not torch.cuda.is_available():

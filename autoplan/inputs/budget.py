@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from autoplan.errors import BudgetError, BudgetOverDeviceError
 from autoplan.inputs.devices import Device
 from autoplan.vocabulary.formatting import format_bytes
-from autoplan.vocabulary.sizes import SIZE, UNITS, parse_size
+from autoplan.vocabulary.sizes import UNITS, Size, read_size
 
 # Fraction of the allocator's memory lost to fragmentation. An uncalibrated
 # estimate: to be measured on a GPU (reserved vs. allocated at peak).
@@ -34,11 +35,17 @@ class Budget:
     reserve_bytes: int
     text: str
     note: str = ""  # how the text was read, where that is not its face value ("24GB" read as the 24 GiB card)
+    reserve_is_default: bool = False  # the reserve is `default_reserve`'s (none was given)
+    given: str | int | None = None  # as the person gave it, for the record of the plan's arguments (an int of bytes as an int)
 
     @property
     def usable_bytes(self) -> int:
         """What the planner fits the peak under."""
         return max(0, self.total_bytes - self.reserve_bytes)
+
+    def needed_for(self, usable_bytes: int, device: Device) -> int:
+        """The smallest budget that leaves `usable_bytes` with this budget's reserve: the one given, or the default rule's."""
+        return budget_needed_for(usable_bytes, device, None if self.reserve_is_default else self.reserve_bytes)
 
 
 def parse_bytes(value: object, *, device_memory_bytes: int | None = None) -> int:
@@ -47,19 +54,18 @@ def parse_bytes(value: object, *, device_memory_bytes: int | None = None) -> int
     KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2; a percentage
     is of ``device_memory_bytes``. Fractional bytes are floored.
     """
-    return _parse(value, device_memory_bytes, allow_zero=False, what="budget")
+    return _bytes(read_budget(value), device_memory_bytes, allow_zero=False, what="budget")
 
 
-def check_size_syntax(budget: object, reserve: object = None) -> None:
-    """The BudgetError `make_budget` would raise for a budget or reserve that is no size at all, before
-    the device is known (finding this machine's GPU imports torch: seconds a typo need not wait).
-    A percentage passes here; it is checked against the device's memory by `make_budget`."""
-    _parse(budget, _ANY_MEMORY, allow_zero=False, what="budget")
-    if reserve is not None:
-        _parse(reserve, _ANY_MEMORY, allow_zero=True, what="reserve")
+def read_budget(value: object) -> Size:
+    """A budget read once, before the device is known (finding this machine's GPU imports torch: seconds a
+    typo need not wait); a BudgetError when it is no size. A percentage is taken of the device by `make_budget`."""
+    return _read(value, allow_zero=False, what="budget")
 
 
-_ANY_MEMORY = 2**62  # bytes a percentage is taken of when only its syntax is checked
+def read_reserve(value: object) -> Size | None:
+    """A reserve read once, as `read_budget` reads a budget (None: the default reserve)."""
+    return None if value is None else _read(value, allow_zero=True, what="reserve")
 
 
 def default_reserve(total_bytes: int, device: Device) -> int:
@@ -71,14 +77,16 @@ def default_reserve(total_bytes: int, device: Device) -> int:
 def make_budget(value: object, device: Device, reserve: object = None, *, allow_over_device: bool = False) -> Budget:
     """Build a ``Budget`` for ``device``.
 
-    ``reserve`` None uses ``default_reserve``; otherwise it is an int of bytes
+    ``value`` and ``reserve`` are sizes as written, or as read already (`read_budget`, `read_reserve`): each is
+    read once. ``reserve`` None uses ``default_reserve``; otherwise it is an int of bytes
     or a size string, where 0 means no reserve; a reserve that leaves nothing of
     the budget is a ``BudgetError``. A total above the device's memory is a
     ``BudgetOverDeviceError`` unless ``allow_over_device`` (a plan that fits
     such a budget would not fit the device).
     """
-    total = parse_bytes(value, device_memory_bytes=device.memory_bytes)
-    total, note = _as_the_card(value, total, device)
+    size, reserve = read_budget(value), read_reserve(reserve)
+    value = size.given
+    total, note = _as_the_card(size, _bytes(size, device.memory_bytes, allow_zero=False, what="budget"), device)
     if total > device.memory_bytes and not allow_over_device:
         raise BudgetOverDeviceError(
             f"the budget {_shown(value)} ({both_units(total)}) is more than {device.name}'s "
@@ -89,14 +97,15 @@ def make_budget(value: object, device: Device, reserve: object = None, *, allow_
     if reserve is None:
         reserve_bytes = default_reserve(total, device)
     else:
-        reserve_bytes = _parse_reserve(reserve, device)
+        reserve_bytes = _reserve_bytes(reserve, device)
         if reserve_bytes >= total:
             raise BudgetError(
-                f"the reserve {_shown(reserve)} ({format_bytes(reserve_bytes)}) leaves nothing of the budget "
+                f"the reserve {_shown(reserve.given)} ({format_bytes(reserve_bytes)}) leaves nothing of the budget "
                 f"{_shown(value)} ({format_bytes(total)}): the reserve is held back from the budget, so it must be smaller"
             )
-    text = value.strip() if isinstance(value, str) else str(value)
-    return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=text, note=note)
+    given = size.given if isinstance(size.given, str) else int(size.given)  # type: ignore[call-overload]  # an int of bytes, read
+    return Budget(total_bytes=total, reserve_bytes=reserve_bytes, text=size.text, note=note, reserve_is_default=reserve is None,
+                  given=given)
 
 
 def both_units(n: int) -> str:
@@ -104,7 +113,7 @@ def both_units(n: int) -> str:
     return f"{n / 2**30:.2f} GiB = {n / 10**9:.2f} GB"
 
 
-def _as_the_card(value: object, total: int, device: Device) -> tuple[int, str]:
+def _as_the_card(size: Size, total: int, device: Device) -> tuple[int, str]:
     """A decimal budget that names a card's memory is the card, with a note saying so.
 
     Vendors sell a 24 GiB card as "24GB": "--budget 24GB" on it means the card, not 24×10⁹ bytes
@@ -112,12 +121,10 @@ def _as_the_card(value: object, total: int, device: Device) -> tuple[int, str]:
     binary twin (GiB/TiB/MiB), to the digits typed, is read as the whole card; GiB and bytes are
     taken as written.
     """
-    text = value.strip() if isinstance(value, str) else ""
-    match = SIZE.fullmatch(text) if device.kind == "cuda" else None
-    unit = match["unit"].lower() if match else ""
-    if match is None or unit not in ("mb", "gb", "tb") or total == device.memory_bytes:
+    unit = size.unit if isinstance(size.given, str) and device.kind == "cuda" else ""
+    if unit not in ("mb", "gb", "tb") or total == device.memory_bytes:
         return total, ""
-    typed = match["number"]
+    text, typed = size.text, size.written_number
     digits = len(typed.partition(".")[2])
     as_written = (device.memory_bytes / UNITS[unit], device.memory_bytes / UNITS[unit[0] + "ib"])
     if not any(round(amount, digits) == float(typed) for amount in as_written):
@@ -136,7 +143,7 @@ def budget_needed_for(usable_bytes: int, device: Device, reserve: object = None)
     if usable_bytes < 0:
         raise ValueError(f"usable bytes must be >= 0, got {usable_bytes}")
     if reserve is not None:
-        return max(1, usable_bytes + _parse_reserve(reserve, device))
+        return max(1, usable_bytes + _reserve_bytes(read_reserve(reserve), device))
     if usable_bytes == 0:
         return 1
     # Invert the reserve rule in closed form, then step to the exact minimum:
@@ -154,13 +161,23 @@ def _default_usable(total: int, device: Device) -> int:
     return max(0, total - default_reserve(total, device))
 
 
-def _parse_reserve(value: object, device: Device) -> int:
-    return _parse(value, device.memory_bytes, allow_zero=True, what="reserve")
+def _reserve_bytes(reserve: Size | None, device: Device) -> int:
+    assert reserve is not None  # the default reserve is `default_reserve`'s
+    return _bytes(reserve, device.memory_bytes, allow_zero=True, what="reserve")
 
 
-def _parse(value: object, device_memory_bytes: int | None, *, allow_zero: bool, what: str) -> int:
+def _failing(value: object, what: str) -> Callable[[str], BudgetError]:
     def fail(reason: str) -> BudgetError:
         accepted = f"Accepted: {_ACCEPTED_TEXT}." if isinstance(value, str) else _ACCEPTED
         return BudgetError(f"invalid {what} {value!r}: {reason}. {accepted}")
 
-    return parse_size(value, device_memory_bytes, allow_zero=allow_zero, what=what, fail=fail)
+    return fail
+
+
+def _read(value: object, *, allow_zero: bool, what: str) -> Size:
+    given = value.given if isinstance(value, Size) else value
+    return read_size(value, allow_zero=allow_zero, what=what, fail=_failing(given, what))
+
+
+def _bytes(size: Size, memory_bytes: int | None, *, allow_zero: bool, what: str) -> int:
+    return size.bytes(memory_bytes, allow_zero=allow_zero, what=what, fail=_failing(size.given, what))

@@ -16,8 +16,9 @@ import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 
+from autoplan.axes.precision import PRECISION, dtype_of, flops_for, low_precision
 from autoplan.errors import DeviceError
 from autoplan.vocabulary.sizes import parse_size
 
@@ -60,34 +61,24 @@ class Device:
 
     @property
     def supports_bf16(self) -> bool:
-        return "bf16" in self.peak_flops
+        return not PRECISION.unsupported("bf16", self)
+
+    @property
+    def low_precision_name(self) -> str:
+        """The low precision `precision="auto"` picks here (`axes.precision.low_precision`): bf16, or fp16 without it."""
+        return low_precision(self).name
 
     @property
     def low_precision_dtype(self) -> torch.dtype:
-        import torch
-
-        return torch.bfloat16 if self.supports_bf16 else torch.float16
-
-    @property
-    def low_precision_name(self) -> Literal["bf16", "fp16"]:  # a plan.Precision (plan.py imports torch)
-        return "bf16" if self.supports_bf16 else "fp16"
+        return dtype_of(self.low_precision_name)
 
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
-        """Peak FLOP/s for matmuls in ``dtype``.
+        """Peak FLOP/s for matmuls in ``dtype`` (`axes.precision.flops_for`).
 
         A precision the hardware lacks runs at the fp32 rate (emulated or
         upcast), and so do dtypes without a tensor-core path (ints, float64).
         """
-        import torch
-
-        fp32 = self.peak_flops["fp32"]
-        if dtype == torch.float32:
-            return self.peak_flops.get("tf32", fp32) if allow_tf32 else fp32
-        if dtype == torch.bfloat16:
-            return self.peak_flops.get("bf16", fp32)
-        if dtype == torch.float16:
-            return self.peak_flops.get("fp16", fp32)
-        return fp32
+        return flops_for(self, dtype, allow_tf32=allow_tf32)
 
 
 def _cuda(

@@ -1,163 +1,348 @@
-"""plan()'s options as three checked values, grouped by what they are about.
+"""Every option of `autoplan.plan`, written once: `PlanOptions`, the schema the rest is made from.
 
-- `Target`: what the plan must fit and how it is found: the device, the budget, the reserve as
-  given, the number of GPUs, where unit times come from, the solver's time limit, the host memory
-  offloading may use;
-- `StepOptions`: the training step the peak is for: the optimizer whose state is counted, the
-  loss, the loop, and how data-dependent expert routing is profiled;
-- `SearchSpace`: which choices the solver may make: precisions, pins, each unit's menu of
-  selective policies, segments, compile pricing, the fused loss head, offload to host memory and
-  how much host memory it may use.
+Each field is an option with its default and its documentation; a field the command line takes also
+names its flag (`Flag`). From this one table come: the keywords of `plan`, `optimize` and `Planner`
+(`PlanKeywords` types them for an editor, `with_options` shows them to `help()` and checks their
+names), the flags of `autoplan plan` and `autoplan verify` (`cli.flags`), the record of the arguments
+that shaped a plan (`PlanOptions.arguments`, `plan.request.arguments`), and the option tables of
+docs/api.md and docs/command-line.md (`api_table`; tests/test_docs.py holds the docs to them). What
+the options are checked into is `inputs.settings`.
 
-Each is built once in `api.plan`, every option checked there with an `OptionError` that names
-the option and what it takes, and passed down whole instead of a list of keywords.
+No torch at import: the command line reads this before torch is loaded.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import difflib
+import inspect
 import numbers
-import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict, TypeVar
 
-from autoplan.errors import OptionError
-from autoplan.inputs.budget import Budget
-from autoplan.inputs.devices import Device
-from autoplan.inputs.loop import TrainingLoop
-from autoplan.vocabulary.sizes import parse_size
+from autoplan.axes.precision import settings as precision_settings
+from autoplan.errors import OptionTypeError
+from autoplan.inputs.loop import TrainingLoop, changed_fields
 
-if TYPE_CHECKING:  # annotations only: the command line checks its options here before torch is imported
+if TYPE_CHECKING:  # annotations only
     import torch
 
-    from autoplan.instruments.routing import MoeRoutingBound
+    from autoplan.inputs.devices import Device
 
-PROFILE_SOURCES = ("auto", "measure", "roofline")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-
-
-@dataclass(frozen=True)
-class Target:
-    """What the plan must fit, and how it is found."""
-
-    device: Device
-    budget: Budget
-    reserve: str | int | None  # as given: the plan reports it
-    world_size: int | Literal["auto"]  # GPUs under FSDP2, or "auto": the fewest that fit
-    profile: str  # where unit times come from: "auto", "measure" or "roofline"
-    time_limit_s: float  # per solve
-    host_budget_bytes: int = 0  # pinned host memory offloaded units may use (`host_budget_bytes`)
+DEFAULT_MENU_SIZE = 6  # menu points per unit and precision (keep and full not counted); 0: the three modes only
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adamw8bit", "adam8bit", "paged-adamw", "paged-adamw8bit",
+              "paged-adamw32bit", "lion8bit")  # by name (training.step_parts counts each); 8-bit and paged: bitsandbytes'
 
 
 @dataclass(frozen=True)
-class StepOptions:
-    """The training step the peak is for."""
+class Flag:
+    """How the command line takes an option: `cli.flags` makes the typer option of it."""
 
+    names: tuple[str, ...]  # "--time-limit"; a switch with its negation as "--fuse-loss/--loss-as-written"
+    help: str  # `autoplan plan --help`
+    doc: str  # docs/command-line.md
+    kind: Any = str  # the value's type on the command line: str, int, float, bool, or a tuple of the names it takes
+    verify: bool = True  # `autoplan verify` takes it too
+    verify_help: str = ""  # where verify says it otherwise
+    metavar: str = ""  # what the docs show after the flag ("N", "SIZE")
+    unset: bool = False  # on the command line its default is None, "not given", not the option's
+    minimum: int | None = None  # the least number it takes on the command line
+
+
+# The longer docs, in the words of docs/api.md (and docs/command-line.md: `*_CLI_DOC`).
+BUDGET_DOC = (
+    '`"20GB"` (10⁹), `"20 GiB"` (2³⁰), `"512MB"`, `"1.5TB"`, an int of bytes, or `"80%"` of the device\'s memory. An int may '
+    'be any integer type (numpy\'s too). Anything else (`"20"`, `"0"`, `"-1GB"`, `"0GB"`, `"20Gb"` (gigabits), NaN, a float) '
+    "is a `ValueError` listing the accepted forms, and so is a budget above the device's memory unless "
+    '`allow_over_device=True` (the plan then notes that it fits the budget, not the device). A budget in GB/TB/MB that '
+    'names a GPU\'s memory (`"24GB"` or `"25.8GB"` on a 24 GiB card, `"80GB"` on the h100-80gb) is the whole card, and '
+    '`plan.notes` says how it was read.'
+)
+DEVICE_DOC = (
+    '`"cuda"`/`"cuda:N"` (this machine\'s GPU, as torch names it), a profile name (`a100-40gb`, `a100-80gb`, `a10g`, '
+    '`h100-80gb`, `h200`, `l4`, `l40s`, `rtx-3090`, `rtx-4090`, `rtx-a6000`, `t4`, `v100-16gb`, `v100-32gb`, `cpu`; aliases '
+    'like `h100`, `4090`, `a6000`; `a100` and `v100` must say their memory size), a card of your own '
+    '(`"custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,..."` or a `.json` file: '
+    '[command-line.md](command-line.md)), or a `torch.device` (`cpu`, or a CUDA device of this machine). **`None` = the '
+    "current CUDA device (matched by name, real memory from torch); without CUDA, the `cpu` profile (this machine's RAM).** "
+    "Pass a GPU name to plan for a card you don't have."
+)
+UNITS_DOC = (
+    'name patterns of the submodules to plan, e.g. `["layers.*"]`. Default: the submodule class the model repeats that '
+    'covers the most parameters (transformer blocks, ResNet blocks); for a model with none, runs of its `nn.Sequential` cut '
+    'so each starts at a layer with parameters (named like `"net[0:2]"`); for a model with neither, runs of its `torch.fx` '
+    'graph between articulation points (nodes every path from input to output passes through), again one parametric layer '
+    'per run (named after the run\'s first and last node, like `"graph[fc_in:gelu]"`; the rewrite runs the model\'s forward '
+    'through a GraphModule of its own layers, kept outside `state_dict()`).'
+)
+MOE_DOC = (
+    'mixture-of-experts layers written as a per-expert loop (`torch.where(expert_mask[e])`): None (default) profiles the '
+    'worst case, every expert receiving every token (holds for any routing); a positive number c profiles c × tokens × '
+    'top_k / experts tokens per expert (routing above it may peak above the plan). Anything else is an `OptionError`; a '
+    'capacity on a model with no such routing is a note. `plan.model.moe_routing` says what was assumed ("worst case", '
+    '"capacity 1.25", "any" for grouped-matmul experts, "" for none).'
+)
+FUSE_LOSS_DOC = (
+    "True (default): where the forward takes `F.cross_entropy` of its output Linear's logits (through reshapes that keep "
+    "the class dimension last and `.float()`; mean or sum, any `ignore_index`), the loss and that Linear's gradients are "
+    'computed together, in chunks of rows, during the forward (a fused linear cross-entropy, '
+    "`autoplan/planned/loss_head.py`): the log-softmax and the logits' gradient are never held whole and no FLOP is added, "
+    "but the head's gradients accumulate in fp32 and take time: the plan is solved both ways and fused only where that is "
+    'the faster plan that fits (a caller that keeps the logits through backward holds more in some phases with it fused: '
+    '[plan_quality.md](plan_quality.md#the-loss-head-a-fused-linear-cross-entropy-fuse_losstrue-the-default)). '
+    '`plan.decisions.fused_loss` says whether it was fused and `plan.decisions.fused_logits` names the logits ("4096×32000 '
+    'logits"; "" when nothing was fused). A loss computed outside the model (`loss_fn=`), label smoothing, class weights, '
+    '`reduction="none"`, no gradient (eval, `no_grad`) and torch.compile run as written; so does everything with '
+    '`compile=True` or `world_size` ≠ 1. Losses and gradients equal the loss as written to float rounding; a second '
+    'derivative through the loss is an error. False: as written.'
+)
+OFFLOAD_DOC = (
+    'None (default): on for a GPU target planned for one GPU, off for the CPU and with FSDP. Keep and full units may then '
+    'hold what they save in pinned host memory (`Choice.placement == "host"`), copied over the device\'s host link '
+    '(`Device.host_bandwidth`) on a side stream; the program chooses it per unit, with checkpointing and precision, where '
+    'it is the fastest way to fit ([offload.md](offload.md)). False: everything on the device. True where it cannot be (the '
+    'CPU, `world_size` ≠ 1): an `OptionError`.'
+)
+COMPILE_CLI_DOC = (
+    'plan for the model you will run under `torch.compile` (`autoplan.plan(..., compile=True)`): recomputing ops without '
+    'FLOPs is priced as free, as Inductor fuses them, so units save matmul/attention outputs and recompute the rest; '
+    "`time_source` is `roofline, compiled (elementwise fused)`, the peaks stay the eager model's, the loss is kept as "
+    'written. Compile after applying the plan'
+)
+BUDGET_CLI_DOC = (
+    'memory for the training step: `24GB`, `24 GiB`, `512MB`, `80%` (of the device), `1234B` (required). A budget in '
+    "GB/TB/MB whose number is a GPU's memory, to the digits typed, in that unit or its binary twin, is the whole card: "
+    "`24GB` on a 24 GiB card is the card (vendors sell GiB as GB), and so is `25.8GB`; the plan's notes say so. `GiB` and "
+    'bytes are taken as written'
+)
+BUDGET_FLAG = Flag(("--budget", "-b"), 'Memory for the training step: "24GB", "24 GiB", "80%" of the device.', BUDGET_CLI_DOC,
+                   verify_help='Memory for the training step: "24GB", "80%" of the device.')  # required: no default
+
+
+def _option(default: Any, doc: str, flag: Flag | None = None, recorded: bool = True) -> Any:
+    return field(default=default, metadata={"doc": doc, "flag": flag, "recorded": recorded})
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Every option of `autoplan.plan` but the budget, as given."""
+
+    example_inputs: Any = _option(None, "one batch: a tuple of positional args, a dict of kwargs, or `(args, kwargs)`. Required, except "
+                                  "for Hugging Face models ([hugging-face.md](hugging-face.md)).", recorded=False)
+    batch_size: int | None = _option(None, "Hugging Face models only, instead of `example_inputs`: the batch size of the batch autoplan "
+                                     "builds from the config.", Flag(
+        ("--batch-size",), "Batch size, passed to the factory (hf: default 1).", "passed to the factory (an error if it does not "
+        "take it); `hf:` default 1", int, metavar="N", minimum=1))
+    seq_len: int | None = _option(None, "Hugging Face models only, instead of `example_inputs`: the sequence length of that batch.", Flag(
+        ("--seq-len",), "Sequence length, passed to the factory (hf: default 1024, capped at the model's maximum).",
+        "passed to the factory (an error if it does not take it); `hf:` default 1024 (capped at the model's maximum)", int,
+        metavar="N", minimum=1))
+    device: str | Device | torch.device | None = _option(None, DEVICE_DOC, Flag(
+        ("--device", "-d"), "Device profile to plan for (see `autoplan devices`). Default: this machine's GPU, else the cpu profile.",
+        "device profile (`autoplan devices`); default this machine's GPU, else the `cpu` profile. A card of your own: "
+        "`custom:memory=48GiB,fp32_tflops=91.6,bf16_tflops=362,bandwidth=864GB/s,capability=8.9` (required: `memory`, `fp32_tflops`, "
+        "`bandwidth`; optional: `bf16_tflops` (none: an fp16 card), `fp16_tflops`, `tf32_tflops`, `capability` (default 8.0 with bf16, "
+        "else 7.0), `name`, `description`), or a `.json` file holding the same keys", verify=False))
+    optimizer: str | torch.optim.Optimizer = _option("adamw", "`\"adamw\"` (default), `\"adam\"`, `\"sgd\"`, `\"sgd-momentum\"`, or an "
+                                                     "optimizer instance (its class and defaults are used); bitsandbytes' by name "
+                                                     "([optimizers.md](optimizers.md)). On CUDA targets the optimizer is simulated with "
+                                                     "torch's default foreach implementation, whose temporaries are counted.", Flag(
+        ("--optimizer",), "Optimizer whose state is counted; the 8-bit and paged ones are bitsandbytes' (pip install -e \".[qlora]\").",
+        "`adamw` (default), `adam`, `sgd`, `sgd-momentum`: whose state is counted; bitsandbytes' `adamw8bit`, `adam8bit`, "
+        "`paged-adamw`, `paged-adamw8bit`, `paged-adamw32bit`, `lion8bit`", OPTIMIZERS,
+        verify_help="Optimizer to count and to train with; the 8-bit and paged ones are bitsandbytes' (pip install -e \".[qlora]\")."))
+    precision: str = _option("auto", "`\"auto\"`: per unit, fp32 or the device's low precision (bf16; fp16 on T4/V100, and "
+                             "`plan.target.needs_grad_scaler` tells you to use `torch.amp.GradScaler`). `\"fp32\"`, `\"bf16\"`, `\"fp16\"` "
+                             "force every unit and run the rest of the model under autocast too (`autoplan/axes/precision.py`).", Flag(
+        ("--precision",), "auto: per unit fp32 or the device's bf16/fp16; or force one for the whole model.",
+        "`auto` (per unit, fp32 or the device's bf16/fp16), `fp32`, `bf16`, `fp16`", precision_settings()))
+    units: list[str] | None = _option(None, UNITS_DOC, Flag(
+        ("--units",), 'Name patterns of the blocks to plan, e.g. "layers.*" (repeat or comma-separate). Default: the blocks the model '
+        "repeats.", "name patterns of the blocks to plan, repeated or comma-separated (`--units \"layers.*\"`); a pattern that names a "
+        "`ModuleList` or `ModuleDict` plans the blocks it holds", list))
+    keep_fp32: list[str] | None = _option(None, "pins: unit patterns that stay fp32.")
+    checkpoint: list[str] | Mapping[str, str] | None = _option(None, "pins: unit patterns that must be checkpointed (`full`), or "
+                                                               "`{pattern: \"selective\"}`.")
+    reserve: str | int | None = _option(None, "bytes held back from the budget. Default: 512 MiB CUDA context + 5% of the rest for "
+                                        "allocator fragmentation — **estimates, not yet calibrated on a GPU** (issue #5). `reserve=0` plans "
+                                        "the peak right up to the budget; a reserve as large as the budget is a `ValueError`.", Flag(
+        ("--reserve",), 'Bytes held back from the budget, e.g. "1GB" or 0. Default: CUDA context + 5% fragmentation.',
+        "bytes held back from the budget (`1GB`, `0`); default CUDA context + 5%", metavar="SIZE"))
+    loss_fn: Callable[[Any], torch.Tensor] | None = _option(None, "`output -> scalar` for profiling. Default: the output's `.loss` (or "
+                                                            "`[\"loss\"]`) when not None, else the sum of its floating-point outputs.")
+    time_limit_s: float = _option(10.0, "seconds the ILP solver may take per solve (default 10; must be positive). Out of time, the plan is "
+                                  "still one that fits, with a note that a faster one may exist; out of time before it can tell whether "
+                                  "anything fits, `autoplan.errors.SolverTimeoutError`. Never reported as \"does not fit\".", Flag(
+        ("--time-limit",), "Seconds the solver may take per solve.", "seconds the ILP solver may take per solve (default 10); out of "
+        "time, the plan still fits and a note says a faster one may exist", float, verify=False, metavar="S"), recorded=False)
+    profile: str = _option("auto", "where unit times come from: `\"roofline\"` (FLOPs and bytes over the device's datasheet rates), "
+                           "`\"measure\"` (real runs where the model is: CUDA events, or the CPU clock; see "
+                           "[below](#verify-a-plan-on-real-hardware)), `\"auto\"` (default: measure when the model is on the CUDA device "
+                           "planned for, else roofline).")
+    progress: Callable[[str], None] | None = _option(None, "called with a short message as each stage starts.", recorded=False)
+    on_profile: Callable[[Any], None] | None = _option(None, "called with the `Profile` of the level the plan chose, once per plan (a "
+                                                       "Planner calls it at every `plan()`; `autoplan.report.advice` needs it; the CLI uses "
+                                                       "this).", recorded=False)
+    world_size: int | str = _option(1, "GPUs to shard over with FSDP2 (parameters, gradients and optimizer state 1/N each; the plan's "
+                                    "`request.mesh`, `autoplan/mesh.py`): every constraint and every byte of the plan is then per rank. "
+                                    "`\"auto\"`: the fewest GPUs whose lowest per-rank peak fits, with the curve in "
+                                    "`plan.prediction.world_size_curve`. 1 (default): one GPU, no FSDP. [fsdp.md](fsdp.md)", Flag(
+        ("--world-size",), "Plan per GPU for FSDP sharding over N GPUs (parameters, gradients, optimizer state 1/N each), or auto: "
+        "the fewest GPUs that fit, with the per-GPU peak against N.", "plan per GPU for FSDP over N GPUs (at most 65,536), or `auto`: "
+        "the fewest that fit, with the curve (see [fsdp.md](fsdp.md)); on the `cpu` profile the report says ranks, not GPUs",
+        verify=False, metavar="N", unset=True))
+    menu_size: int = _option(DEFAULT_MENU_SIZE, "per unit and precision, up to this many selective policies of its own (which op outputs "
+                             "to save, `autoplan.profile.menu`) on top of keep/selective/full; 0: the three only.", recorded=False)
+    loop: TrainingLoop | None = _option(None, "the training loop the peak is for, `autoplan.TrainingLoop(...)`: outputs kept or dropped, "
+                                        "accumulation steps, `zero_grad(set_to_none)`, optimizer implementation, GradScaler "
+                                        "([loops.md](loops.md)). Default: outputs kept through backward, one micro-batch, "
+                                        "`set_to_none=True`, torch's default implementation (on the command line: `--drop-outputs`, "
+                                        "`--accumulation-steps`, `--optimizer-impl`).")
+    allow_over_device: bool = _option(False, "plan for a budget above the device's memory (default False: a `ValueError`).", Flag(
+        ("--allow-over-device",), "Plan for a budget above the device's memory (an error otherwise); the report says it fits the "
+        "budget, not the device.", "plan for a budget above the device's memory (exit 2 otherwise); the report notes it fits the "
+        "budget, not the device", bool, verify=False))
+    segments: bool = _option(True, "True (default): runs of consecutive blocks may be checkpointed as one region (a segment, as in √n "
+                             "checkpointing; `memory.segment_terms`) besides each block on its own; False: each block on its own.")
+    moe_capacity: float | None = _option(None, MOE_DOC, Flag(
+        ("--moe-capacity",), "Mixture-of-experts layers whose routing decides shapes: profile each expert with CAPACITY × tokens × "
+        "top_k / experts tokens (1.0: balanced routing). Default: the worst case, every expert gets every token.",
+        "mixture-of-experts layers written as a per-expert loop: profile C × tokens × top_k / experts tokens per expert (default: the "
+        "worst case, every expert gets every token); not a positive number: exit 2", float, verify=False, metavar="C"))
+    fuse_loss: bool = _option(True, FUSE_LOSS_DOC, Flag(
+        ("--fuse-loss/--loss-as-written",), "Fuse the cross-entropy of the output head's logits with that Linear (gradients in "
+        "chunks, during the forward; no FLOP added), or keep the loss as the model writes it.", "fuse the cross-entropy of the output "
+        "head's logits with that Linear (default; `plan.decisions.fused_loss`, the report's `loss:` line), or keep the loss as the "
+        "model writes it", bool))
+    offload: bool | None = _option(None, OFFLOAD_DOC, Flag(
+        ("--offload/--no-offload",), "Let units keep what they save in pinned host memory, copied over the host link (default: on "
+        "for a GPU target, off for the CPU).", "let units keep what they save in pinned host memory (default: on for a GPU target, off "
+        "for the CPU; `--offload` on the CPU is exit 2) or keep everything on the device ([offload.md](offload.md))", bool))
+    host_budget: str | int | None = _option(None, "the pinned host memory offloaded units may hold at once: `\"64GB\"`, "
+                                            "`\"40%\"` of this machine's RAM, an int of bytes; default half of this "
+                                            "machine's RAM. `plan.prediction.host_peak_bytes` is what the plan holds there, "
+                                            "`plan.prediction.simulated_host_peak_bytes` the whole-step simulation's.", Flag(
+        ("--host-budget",), 'Pinned host memory offloading may use, e.g. "64GB" or "40%" of this machine\'s RAM. Default: half of it.',
+        "pinned host memory offloading may use, e.g. `64GB` or `40%` of this machine's RAM (default: half of it)", metavar="SIZE"))
+    compile: bool = _option(False, "plan the model you will run under `torch.compile`: recomputing ops without FLOPs is priced as free "
+                            "(Inductor fuses them), so units save matmul/attention outputs and recompute the rest. Memory is still the "
+                            "eager model's, an upper bound for the compiled one. Compile after `apply`/`optimize`. Segments and the "
+                            "fused loss head are off with it.", Flag(
+        ("--compile",), "Plan for the model you will run under torch.compile: recomputing ops without FLOPs (elementwise, norms) is "
+        "priced as free, as Inductor fuses them, so units save matmul/attention outputs and recompute the rest. Peaks stay the eager "
+        "model's; the loss is kept as written. Compile after applying the plan.", COMPILE_CLI_DOC, bool,
+        verify_help="Plan as `autoplan plan --compile` does; the real steps run eagerly (the plan's peaks are the eager model's), so "
+        "the measured time is not the compiled model's."))
+
+    @staticmethod
+    def given(options: Mapping[str, Any], called: str) -> PlanOptions:
+        """The options a caller passed to `called`; a misspelled one is named as written, with the closest real one
+        (Python's own error would name a function the caller never called)."""
+        known = [option.name for option in dataclasses.fields(PlanOptions)]
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {', '.join(known)}"
+                raise OptionTypeError(f"{called}() got an unexpected keyword argument {name!r}{hint} (docs/api.md)")
+        return PlanOptions(**options)
+
+    def arguments(self, profile_name: str | None) -> tuple[tuple[str, Any], ...]:
+        """The options that shape the plan, as given: those not at their default (the budget, given apart, goes first).
+
+        A value that is not a literal (a loss function, an optimizer or Device object) is recorded as None: the
+        code that reproduces the plan passes the caller's own. An omitted device is recorded by its profile
+        name when it has one (`profile_name`), so the code says what the plan was made for.
+        """
+        request: list[tuple[str, Any]] = []
+        for option in dataclasses.fields(self):
+            value = getattr(self, option.name)
+            if not option.metadata["recorded"]:
+                continue
+            if option.name == "device" and value is None and profile_name is not None:
+                value = profile_name
+            if isinstance(value, TrainingLoop) and not changed_fields(value):
+                continue  # the common loop, however it was given
+            if value is not option.default and value != option.default:
+                request.append((option.name, _literal(value)))
+        return tuple(request)
+
+
+def _literal(value: Any) -> Any:
+    """`value` as a JSON and Python literal, or None when it is an object only the caller has."""
+    given = getattr(value, "given", value)  # a size read already (`vocabulary.sizes.Size`): as it was written
+    if isinstance(given, bool) or given is None or isinstance(given, (str, float)):
+        return given
+    if isinstance(given, TrainingLoop):
+        return changed_fields(given)  # check_loop takes these back
+    if isinstance(given, numbers.Integral):
+        return int(given)
+    if isinstance(given, (list, tuple)) and all(isinstance(item, str) for item in given):
+        return list(given)
+    if isinstance(given, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in given.items()):
+        return dict(given)
+    return None
+
+
+class PlanKeywords(TypedDict, total=False):
+    """`PlanOptions` as keywords, for an editor: `**options: Unpack[PlanKeywords]` (tests/inputs/test_options.py
+    holds the two alike)."""
+
+    example_inputs: Any
+    batch_size: int | None
+    seq_len: int | None
+    device: str | Device | torch.device | None
     optimizer: str | torch.optim.Optimizer
+    precision: str
+    units: list[str] | None
+    keep_fp32: list[str] | None
+    checkpoint: list[str] | Mapping[str, str] | None
+    reserve: str | int | None
     loss_fn: Callable[[Any], torch.Tensor] | None
-    loop: TrainingLoop
-    routing: MoeRoutingBound  # how experts whose routing decides shapes are profiled
+    time_limit_s: float
+    profile: str
+    progress: Callable[[str], None] | None
+    on_profile: Callable[[Any], None] | None
+    world_size: int | str
+    menu_size: int
+    loop: TrainingLoop | None
+    allow_over_device: bool
+    segments: bool
+    moe_capacity: float | None
+    fuse_loss: bool
+    offload: bool | None
+    host_budget: str | int | None
+    compile: bool
 
 
-@dataclass(frozen=True)
-class SearchSpace:
-    """Which choices the solver may make."""
-
-    precision: str  # "auto" (per unit) or one for every unit
-    keep_fp32: list[str] | None  # unit patterns pinned to fp32
-    checkpoint: list[str] | Mapping[str, str] | None  # unit patterns pinned to a checkpoint mode
-    menu_size: int  # selective policies of each unit's own, per precision
-    segments: bool  # runs of consecutive blocks as one region; off with compile
-    compile: bool  # recomputing FLOP-free ops priced as free (Inductor fuses them)
-    fuse_loss: bool  # the output head's cross-entropy fused; off with compile and with FSDP
-    offload: bool = False  # keep/full units may hold what they save in pinned host memory
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def flag(name: str, value: Any) -> bool:
-    """A yes/no option, which must be a bool: `fuse_loss="no"` would otherwise read as True."""
-    if not isinstance(value, bool):
-        raise OptionError(f"{name} takes True or False; got {value!r}")
-    return value
+def with_options(function: F) -> F:
+    """`function`, whose `**options` are PlanOptions' fields: its signature names each with its default (what
+    `help()` and an editor's hover show) and its docstring ends with what each means."""
+    signature = inspect.signature(function)
+    own = [parameter for parameter in signature.parameters.values() if parameter.kind is not parameter.VAR_KEYWORD]
+    keywords = [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default, annotation=option.type)
+                for option in dataclasses.fields(PlanOptions)]
+    setattr(function, "__signature__", signature.replace(parameters=own + keywords))
+    function.__doc__ = f"{inspect.cleandoc(function.__doc__ or '')}\n\nOptions (docs/api.md):\n\n{options_text()}"
+    return function
 
 
-def check_time_limit(time_limit_s: float) -> float:
-    if not (isinstance(time_limit_s, numbers.Real) and not isinstance(time_limit_s, bool) and 0 < time_limit_s < math.inf):
-        raise OptionError(f"time_limit_s (--time-limit on the command line) must be a positive number of seconds; got {time_limit_s!r}")
-    return float(time_limit_s)
+def options_text(width: int = 100) -> str:
+    """Every option and what it means, as plain text (the end of `help(autoplan.plan)`)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(f"{option.name}={option.default!r}: {option.metadata['doc']}", width, subsequent_indent="    ")
+                     for option in dataclasses.fields(PlanOptions))
 
 
-def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        listed = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
-        raise OptionError(f"{name} must be {listed}; got {value!r}")
-    return value
+def api_table() -> str:
+    """docs/api.md's table of plan()'s arguments: the budget, then every option."""
+    rows = [("budget", BUDGET_DOC)] + [(option.name, option.metadata["doc"]) for option in dataclasses.fields(PlanOptions)]
+    return "| argument | meaning |\n|---|---|\n" + "".join(f"| `{name}` | {doc} |\n" for name, doc in rows)
 
 
-def check_precision(precision: str, device: Device) -> Device:
-    """`device`, once it is known to run `precision` (bf16 needs Ampere or newer)."""
-    if precision == "bf16" and not device.supports_bf16:
-        raise OptionError(f"precision 'bf16' (--precision bf16): {device.name} has no bf16; use 'fp16' (with a GradScaler) "
-                          "or 'auto', which picks fp16 there")
-    return device
-
-
-def check_menu_size(menu_size: Any) -> int:
-    if isinstance(menu_size, bool) or not isinstance(menu_size, numbers.Integral) or menu_size < 0:
-        raise OptionError(f"menu_size takes a whole number ≥ 0 (0: keep/selective/full only); got {menu_size!r}")
-    return int(menu_size)
-
-
-def search_space(*, precision, keep_fp32, checkpoint, menu_size, segments, compile, fuse_loss, world_size,
-                 device: Device, offload: bool | None = None) -> SearchSpace:
-    """The checked search space; segments, the fused head and offload off where they cannot apply."""
-    compile = flag("compile", compile)
-    return SearchSpace(
-        precision=check_choice("precision", precision, PRECISIONS),
-        keep_fp32=keep_fp32,
-        checkpoint=checkpoint,
-        menu_size=check_menu_size(menu_size),
-        segments=flag("segments", segments) and not compile,  # a segment's region runs eagerly between compiled graphs
-        compile=compile,
-        fuse_loss=flag("fuse_loss", fuse_loss) and not compile and world_size == 1,
-        offload=check_offload(offload, device, world_size),
-    )
-
-
-HOST_BUDGET_SHARE = 0.5  # default host budget: this share of this machine's RAM
-
-
-def host_budget_bytes(host_budget: str | int | None) -> int:
-    """The pinned host memory offloading may use: a size, a share of this machine's RAM ("40%"), or by
-    default half of it (pinned memory cannot be swapped, and the data loader and the OS need the rest)."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if host_budget is None:
-        return int(ram * HOST_BUDGET_SHARE)
-    return parse_size(host_budget, ram, allow_zero=True, what="host budget (--host-budget)",
-                      fail=lambda reason: OptionError(f"host_budget: {reason}; e.g. '64GB' or '50%' of this machine's RAM"))
-
-
-def check_offload(offload: bool | None, device: Device, world_size: Any) -> bool:
-    """None (the default): offload where the target has a host link, on one GPU. True where it cannot be
-    is an error that says why."""
-    possible = device.host_bandwidth > 0 and world_size == 1
-    if offload is None:
-        return possible
-    if flag("offload", offload) and not possible:
-        why = (f"{device.name} has no host link to offload over (on the CPU activations are in host memory already)"
-               if device.host_bandwidth <= 0 else "offload plans one GPU; with FSDP (world_size > 1) leave it off")
-        raise OptionError(f"offload=True (--offload): {why}")
-    return offload
-
-
-MAX_WORLD_SIZE = 65_536  # above any FSDP job run so far; a larger number is a typo, and the search would plan for it
-
-
-def check_world_size(world_size: object, option: str = "world_size") -> int:
-    """`option`: the name the person gave it by, "--world-size" on the command line (where auto is unquoted)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise OptionError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
-    if world_size > MAX_WORLD_SIZE:
-        auto = "auto" if option.startswith("--") else '"auto"'
-        raise OptionError(f"{option} {world_size:,} is more GPUs than FSDP shards over (at most {MAX_WORLD_SIZE:,}): give the "
-                          f"number of GPUs you will train on, or {auto} for the fewest that fit")
-    return world_size
+def flagged() -> list[tuple[str, Flag]]:
+    """The options the command line takes, by field name, in the schema's order (`cli.flags`)."""
+    return [(option.name, option.metadata["flag"]) for option in dataclasses.fields(PlanOptions) if option.metadata["flag"]]

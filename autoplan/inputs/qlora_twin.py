@@ -27,12 +27,12 @@ from types import ModuleType
 
 import torch
 
+from autoplan.axes.precision import dtype_of
 from autoplan.errors import MissingExtraError, OptionError
 from autoplan.inputs.hf_models import HFModel
 
 QLORA_EXTRA = 'pip install -e ".[qlora]"'  # pyproject's qlora extra: bitsandbytes, peft, trl
 QLORA_PACKAGES = ("bitsandbytes", "peft", "trl")
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class QLoraSettings:
 
     def bits_and_bytes_arguments(self) -> str:
         return (f'load_in_4bit=True, bnb_4bit_quant_type="{self.quant_type}", bnb_4bit_use_double_quant={self.double_quant}, '
-                f"bnb_4bit_compute_dtype={_TORCH_DTYPES[self.compute_dtype]}")  # str(torch.bfloat16): "torch.bfloat16"
+                f"bnb_4bit_compute_dtype={dtype_of(self.compute_dtype)}")  # str(torch.bfloat16): "torch.bfloat16"
 
     def lora_arguments(self) -> str:
         return (f'r={self.rank}, lora_alpha={self.alpha}, lora_dropout={self.dropout}, target_modules="{self.target_modules}", '
@@ -133,7 +133,7 @@ def _quantize_linears(model: torch.nn.Module, bnb, transformers, settings: QLora
 
     quantization = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=settings.quant_type, bnb_4bit_use_double_quant=settings.double_quant,
-        bnb_4bit_compute_dtype=_TORCH_DTYPES[settings.compute_dtype])
+        bnb_4bit_compute_dtype=dtype_of(settings.compute_dtype))
     quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
     for param in model.parameters():  # a real load reads the stored weights in their dtype
         param.data = param.data.to(stored)

@@ -34,7 +34,9 @@ HF_DEFAULT_SEQ = 1024
 
 
 @dataclass(frozen=True)
-class Target:
+class LoadedTarget:
+    """What the command line's TARGET gives: the model, one batch, and how to build it again for a micro-batch."""
+
     spec: str  # as given on the command line
     model: torch.nn.Module
     example_inputs: Any
@@ -44,7 +46,7 @@ class Target:
     rebuild: Callable[[int], tuple[torch.nn.Module, Any]] | None  # micro-batch -> (model, inputs), for re-planning
 
 
-def load_target(spec: str, *, batch_size: int | None = None, seq_len: int | None = None, meta: bool = True) -> Target:
+def load_target(spec: str, *, batch_size: int | None = None, seq_len: int | None = None, meta: bool = True) -> LoadedTarget:
     """Load TARGET; `meta=False` builds hf: models with real (random) weights, to run them."""
     if spec.startswith("hf:"):
         return _load_hf(spec, spec[3:], batch_size, seq_len, meta)
@@ -122,7 +124,7 @@ def _default(factory: Callable, parameter: str) -> Any:
     return None if found is None or found.default is inspect.Parameter.empty else found.default
 
 
-def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | None, seq_len: int | None) -> Target:
+def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | None, seq_len: int | None) -> LoadedTarget:
     sizes = {}
     for option, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if value is not None:
@@ -155,10 +157,10 @@ def _call_factory(spec: str, factory: Callable, name: str, batch_size: int | Non
         rebuild = lambda micro: build(**(sizes | {"batch_size": micro}))  # noqa: E731
     elif batch:
         rebuild = lambda micro: (model, _slice_batch(inputs, batch, micro))  # noqa: E731
-    return Target(spec, model, inputs, batch, seq, parameter_count(model), rebuild)
+    return LoadedTarget(spec, model, inputs, batch, seq, parameter_count(model), rebuild)
 
 
-def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None, meta: bool = True) -> Target:
+def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None, meta: bool = True) -> LoadedTarget:
     try:
         model = hf_models.model_from_config(config, meta=meta)  # needs transformers: MissingExtraError without it
     except ModelConfigError as error:
@@ -171,7 +173,7 @@ def _load_hf(spec: str, config: str, batch_size: int | None, seq_len: int | None
     seq = seq_len or (min(HF_DEFAULT_SEQ, limit[0]) if limit else HF_DEFAULT_SEQ)
     inputs = hf_models.example_inputs_for(model, batch, seq)  # a seq_len over the model's positions: OptionError
     rebuild = lambda micro: (model, hf_models.example_inputs_for(model, micro, seq))  # noqa: E731
-    return Target(spec, model, inputs, batch, seq, parameter_count(model), rebuild)
+    return LoadedTarget(spec, model, inputs, batch, seq, parameter_count(model), rebuild)
 
 
 def _leading_dim(inputs: Any) -> int | None:

@@ -1,6 +1,6 @@
 """Host memory and the host link, as the live-bytes tracker sees them.
 
-Offloaded units (`planned.offload`) copy what they save into pinned host memory and back. When a
+Offloaded units (`axes.placement`) copy what they save into pinned host memory and back. When a
 GPU step is simulated on the CPU every tensor is a CPU tensor, so the tracker cannot tell host
 copies from device tensors by their device: the offload hooks say so instead, by allocating their
 host copies inside `on_host()`. The tracker counts what is made there as host bytes, apart from the

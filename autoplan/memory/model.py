@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
-from autoplan.inputs.options import check_world_size
-from autoplan.memory.segments import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
+from autoplan.memory.segment_terms import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
 from autoplan.memory.sharded import RankTerms, rank_terms
+from autoplan.mesh import Mesh
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
-from autoplan.profile.units import Profile, UnitProfile
+from autoplan.profile.profiler import Profile, UnitProfile
 
 Relation = Literal["fwd", "held", "bwd", "spent"]
 HOLDING: tuple[Relation, ...] = ("held", "bwd")  # the relations in which a unit's held bytes are alive
@@ -48,10 +48,10 @@ class Point:
     relations: tuple[tuple[int, Relation], ...]  # (unit index, how that unit's choice reaches this phase)
 
 
-def points(profile: Profile, world_size: int = 1) -> list[Point]:
-    """One constraint per phase; with world_size > 1, rank 0's bytes under FSDP (see `rank_offsets`)."""
+def points(profile: Profile, mesh: Mesh = Mesh()) -> list[Point]:
+    """One constraint per phase; on a mesh of more than one device, rank 0's bytes (see `rank_offsets`)."""
     windows = unit_windows(profile)
-    offsets = rank_offsets(profile, world_size)
+    offsets = rank_offsets(profile, mesh)
     spending = {u for u, unit in enumerate(profile.units) if len({cost.spent_bytes for cost in unit.options.values()}) > 1}
     result = []
     for index, phase in enumerate(profile.timeline.phases):
@@ -166,7 +166,7 @@ def shared_bytes(profile: Profile, chosen: Sequence[Choice | Covered], tensors: 
 
 
 def _choices_list(profile: Profile, choices: Mapping[str, Choice]) -> list[Choice | Covered]:
-    """Per unit: its choice, or what it does inside a chosen segment (`memory.segments.Covered`)."""
+    """Per unit: its choice, or what it does inside a chosen segment (`memory.segment_terms.Covered`)."""
     covered = covered_units(profile, choices)
     return [covered.get(u, choices.get(unit.name, unit.base)) for u, unit in enumerate(profile.units)]
 
@@ -247,18 +247,18 @@ class PeakPrediction:
     bytes: int
     phase: Phase
     breakdown: MemoryBreakdown
-    rank: ShardedPeak | None = None  # with world_size > 1: the same peak in FSDP's terms
+    rank: ShardedPeak | None = None  # on a mesh of more than one device: the same peak in FSDP's terms
 
 
-def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: int = 1) -> PeakPrediction:
+def predict_peak(profile: Profile, choices: Mapping[str, Choice], mesh: Mesh = Mesh()) -> PeakPrediction:
     """The predicted peak of a training step under `choices`, where it happens, and what it is made of.
 
-    With world_size > 1 it is rank 0's peak under FSDP: parameters are its shards plus the gathered
+    On a mesh that shards (FSDP) it is rank 0's peak: parameters are its shards plus the gathered
     ones, transient includes FSDP's communication buffers.
     """
     # FSDP's terms once: the per-rank constants and the breakdown at the peak both come from them
-    terms = rank_terms(profile, world_size) if check_world_size(world_size) > 1 else None
-    offsets = rank_offsets(profile, world_size, terms)
+    terms = rank_terms(profile, mesh) if mesh.shards > 1 else None
+    offsets = rank_offsets(profile, mesh, terms)
     live = [single + offset for single, offset in zip(live_bytes(profile, choices), offsets)]
     index = max(range(len(live)), key=live.__getitem__)
     phase = profile.timeline.phases[index]
@@ -275,7 +275,7 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], world_size: in
     )
     if terms is None:  # one GPU
         return PeakPrediction(live[index], phase.phase, breakdown)
-    rank = _rank_peak(phase.phase, terms[index], live[index], world_size)
+    rank = _rank_peak(phase.phase, terms[index], live[index], mesh)
     # outside the optimizer step activations and transients are a single GPU's; in it, 1/N of them
     transient = breakdown.transient if phase.kind != "step" else 0
     sharded = MemoryBreakdown(
@@ -334,21 +334,20 @@ def phase_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[PhaseBy
     ]
 
 
-def rank_offsets(profile: Profile, world_size: int, terms: list[RankTerms] | None = None) -> list[int]:
+def rank_offsets(profile: Profile, mesh: Mesh, terms: list[RankTerms] | None = None) -> list[int]:
     """Per phase: rank 0's bytes under FSDP minus one GPU's, whatever the units choose.
 
     FSDP replaces the full parameters, gradients and optimizer state by this rank's shards and adds
     gathered parameters and communication buffers (`memory.sharded.rank_terms`); activations are the
     same on every rank (each runs its own batch), except the optimizer step's temporaries, which
     are per parameter and so sharded. Zero everywhere for one GPU: no FSDP. `terms`: the
-    `rank_terms` of this profile and world size, when the caller has them already.
+    `rank_terms` of this profile and mesh, when the caller has them already.
     """
-    check_world_size(world_size)
-    if world_size == 1:
+    if mesh.shards == 1:
         return [0] * len(profile.timeline.phases)
     static = profile.timeline.static
     offsets = []
-    for phase, term in zip(profile.timeline.phases, terms if terms is not None else rank_terms(profile, world_size)):
+    for phase, term in zip(profile.timeline.phases, terms if terms is not None else rank_terms(profile, mesh)):
         activations = phase.peak_bytes - (static.parameters + static.optimizer + phase.grad_bytes)
         sharded_activations = int(activations * term.step_share) if phase.kind == "step" else activations
         rank = term.parameters + term.gradients + term.optimizer + term.gathered + term.buffers + sharded_activations
@@ -356,17 +355,17 @@ def rank_offsets(profile: Profile, world_size: int, terms: list[RankTerms] | Non
     return offsets
 
 
-def _rank_peak(phase: Phase, terms: RankTerms, live: int, world_size: int) -> ShardedPeak:
+def _rank_peak(phase: Phase, terms: RankTerms, live: int, mesh: Mesh) -> ShardedPeak:
     fsdp = terms.parameters + terms.gradients + terms.optimizer + terms.gathered + terms.buffers
     return ShardedPeak(
-        world_size, phase, terms.parameters, terms.gradients, terms.optimizer, terms.gathered, terms.buffers,
+        mesh.size, phase, terms.parameters, terms.gradients, terms.optimizer, terms.gathered, terms.buffers,
         activations=live - fsdp,
     )
 
 
-def sharded_peak(profile: Profile, choices: Mapping[str, Choice], world_size: int) -> ShardedPeak:
-    """Rank 0's peak under FSDP on `world_size` ranks with `choices` (with 1, exactly `predict_peak`)."""
-    prediction = predict_peak(profile, choices, world_size)
+def sharded_peak(profile: Profile, choices: Mapping[str, Choice], mesh: Mesh) -> ShardedPeak:
+    """Rank 0's peak on `mesh` with `choices` (on one device, exactly `predict_peak`)."""
+    prediction = predict_peak(profile, choices, mesh)
     if prediction.rank is not None:
         return prediction.rank
     b = prediction.breakdown

@@ -1,7 +1,8 @@
 """What FSDP2 adds to, and takes from, one rank's memory: the arithmetic behind the per-rank model.
 
-`memory.model` turns a single-GPU prediction into a per-rank one with these terms; this module only
-knows FSDP2's buffers (torch.distributed.fsdp.fully_shard, read from its source in torch 2.13):
+`memory.model` turns a single-GPU prediction into a per-rank one with these terms, for a mesh whose
+dimension is FSDP's (`mesh.FSDP`: each rank holds 1/N of the state and trains its own batch); this
+module only knows FSDP2's buffers (torch.distributed.fsdp.fully_shard, read from its source in torch 2.13):
 
 - every parameter is sharded on dim 0, padded to a multiple of N rows: each rank keeps
   ceil(rows / N) rows of it, one storage per parameter;
@@ -28,18 +29,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autoplan.mesh import FSDP, Mesh
 from autoplan.plan import Phase
 from autoplan.profile.layout import ParamShape
 from autoplan.units import CallSite, ModuleUnit, Unit
 from autoplan.vocabulary.tensors import rounded_bytes
 
 if TYPE_CHECKING:
-    from autoplan.profile.units import Profile
+    from autoplan.profile.profiler import Profile
 
 
 @dataclass(frozen=True)
 class GroupBytes:
-    """One FSDP group on one rank of `world_size`."""
+    """One FSDP group on one rank of `ranks`."""
 
     full: int  # its parameters unsharded and unpadded: what one GPU holds, and its gradients' size
     sharded: int  # this rank's padded shards, one storage per parameter (alive all the time)
@@ -48,13 +50,13 @@ class GroupBytes:
     grad_shard: int  # the flat reduce-scatter output: this rank's gradients of the group
 
     @staticmethod
-    def of(layout: tuple[ParamShape, ...], world_size: int) -> "GroupBytes":
-        shards = [p.shard_bytes(world_size) for p in layout]
+    def of(layout: tuple[ParamShape, ...], ranks: int) -> "GroupBytes":
+        shards = [p.shard_bytes(ranks) for p in layout]
         return GroupBytes(
             full=sum(rounded_bytes(p.rows * p.row_numel * p.itemsize) for p in layout),
             sharded=sum(rounded_bytes(s) for s in shards),
-            unsharded=sum(rounded_bytes(s * world_size) for s in shards),
-            flat=rounded_bytes(sum(shards) * world_size) if shards else 0,
+            unsharded=sum(rounded_bytes(s * ranks) for s in shards),
+            flat=rounded_bytes(sum(shards) * ranks) if shards else 0,
             grad_shard=rounded_bytes(sum(shards)) if shards else 0,
         )
 
@@ -71,8 +73,8 @@ class RankTerms:
     step_share: float  # the fraction of the optimizer step's temporaries on this rank (1.0 outside "step")
 
 
-def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
-    """Per phase of the profiled step: FSDP's terms on rank 0 of `world_size` ranks.
+def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
+    """Per phase of the profiled step: FSDP's terms on rank 0 of the mesh's FSDP dimension.
 
     Units are FSDP groups in forward order; in backward the group before the running one is
     prefetched (FSDP2's default), in forward the previous group's flat all-gather output is still
@@ -80,9 +82,10 @@ def rank_terms(profile: "Profile", world_size: int) -> list[RankTerms]:
     backward. Each term is a constant of the phase, whatever the units choose, so the solver's
     per-rank constraints are its single-GPU ones with a different constant.
     """
-    units = [GroupBytes.of(unit.param_layout, world_size) for unit in profile.units]
+    ranks = mesh.along(FSDP)
+    units = [GroupBytes.of(unit.param_layout, ranks) for unit in profile.units]
     group = [fsdp_group(unit.unit) for unit in profile.units]  # the module each unit runs: call sites share one
-    root = GroupBytes.of(profile.rest_param_layout, world_size)
+    root = GroupBytes.of(profile.rest_param_layout, ranks)
     groups = list({key: units[i] for i, key in enumerate(group)}.values()) + [root]  # each module once
     phase_count = len(profile.timeline.phases)
     position = {unit.name: i for i, unit in enumerate(profile.units)}  # forward order

@@ -11,7 +11,7 @@ closed when the last one returns (`SegmentMember` is each block's instance forwa
 needs each block's inputs: at the first block they are the region's saved inputs; every later
 block's tensor arguments must be the previous block's output (a leaf of it, e.g. `[0]`) or the
 first block's own arguments (a mask, position embeddings), which is checked call by call here and
-at planning time (`memory.segments`). Dropout masks replay (the region restores the RNG state),
+at planning time (`memory.segment_terms`). Dropout masks replay (the region restores the RNG state),
 buffers (BatchNorm statistics) update once, and under `torch.no_grad()` / eval nothing is opened.
 """
 

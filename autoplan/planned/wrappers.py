@@ -1,10 +1,10 @@
 """A unit's forward under its choice: `PlannedForward`, set as `module.forward` on the instance.
 
-It calls the class's own forward under the unit's precision (torch.autocast) and checkpoint mode
-(torch.utils.checkpoint, non-reentrant; selective mode through its selective-checkpoint policy,
-which keeps either every matmul/attention output or the op occurrences the choice names).
+It calls the class's own forward under the unit's precision (`axes.precision`: autocast) and checkpoint
+mode (torch.utils.checkpoint, non-reentrant; selective mode through `axes.checkpoint`'s policy, which
+keeps either every matmul/attention output or the op occurrences the choice names).
 Buffers the forward writes (BatchNorm statistics, counters) are updated once by a recomputed unit
-(planned.buffers), and transformers layers do not write their KV cache twice. An offloaded unit runs inside `planned.offload.OffloadSaved`.
+(planned.buffers), and transformers layers do not write their KV cache twice. An offloaded unit runs inside `axes.placement.OffloadSaved`.
 """
 
 from __future__ import annotations
@@ -17,82 +17,14 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
-from autoplan.plan import DTYPES, Choice
-from autoplan.instruments.quantized import is_quantized_matmul
+from autoplan.axes.checkpoint import selective_contexts
+from autoplan.axes.placement import OffloadSaved
+from autoplan.axes.precision import kind, low_dtypes
+from autoplan.plan import Choice
 from autoplan.planned.buffers import BufferSnapshot, BufferWrites, has_buffers
-from autoplan.planned.offload import OffloadSaved
 from autoplan.vocabulary.tensors import tensors_of
-
-# Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
-# their cost) and recomputes everything else: norms, activations, dropout, casts, adds. bitsandbytes'
-# fused 4-bit matmul is one of them too (instruments.quantized.is_quantized_matmul), and the fused attention kernels.
-_SAVED_IN_SELECTIVE = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-    torch.ops.aten.convolution.default,
-}
-
-
-# The fused attention kernels, one name for a policy: a plan made for a GPU (flash or efficient
-# kernel) names the same op as the CPU's flash kernel when it is applied and run on the CPU.
-_FUSED_ATTENTION = {
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def op_name(func) -> str:
-    """How a menu names an aten op: its overload packet, "aten.mm" (occurrences add "#0", "#1", ...);
-    "aten.sdpa" for any fused attention kernel."""
-    return "aten.sdpa" if func in _FUSED_ATTENTION else str(func.overloadpacket)
-
-
-def can_save(func) -> bool:
-    """Whether a policy may keep this op's output: not an in-place op or a view (their outputs alias
-    an input, which recomputation restores for free and which a later in-place op may change)."""
-    schema = func._schema
-    return not schema.is_mutable and all(ret.alias_info is None for ret in schema.returns)
-
-
-class OccurrencePolicy:
-    """A selective-checkpoint policy that tells ops apart by type and occurrence.
-
-    torch's selective checkpointing asks the policy once per op of the forward (the recomputation
-    replays the cached outputs by the same per-op count), so one counter per op type numbers
-    the ops exactly as a profiled forward of the unit numbered them. `saves` None is the fixed
-    rule (every matmul/conv/attention output). `observer`, if given, sees every op with its name
-    and output (the menu builder records a unit's ops through it).
-    """
-
-    def __init__(self, saves: tuple[str, ...] | None, observer=None) -> None:
-        self.saves = None if saves is None else frozenset(saves)
-        self.observer = observer
-        self.counts: dict[str, int] = {}
-
-    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        name = op_name(func)
-        index = self.counts.get(name, 0)
-        self.counts[name] = index + 1
-        occurrence = f"{name}#{index}"
-        if self.observer is not None:
-            self.observer(occurrence, func, args, kwargs, ctx.op_output)
-        saved = (func in _SAVED_IN_SELECTIVE or func in _FUSED_ATTENTION or is_quantized_matmul(func)) if self.saves is None else occurrence in self.saves and can_save(func)
-        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _fixed_rule_contexts():
-    return create_selective_checkpoint_contexts(OccurrencePolicy(None))
-
-
-def _occurrence_contexts(saves, observer):
-    # a fresh policy per checkpointed call: its counters number this forward's ops from 0
-    return create_selective_checkpoint_contexts(OccurrencePolicy(saves, observer))
 
 
 @dataclass
@@ -118,19 +50,10 @@ class PlannedForward:
         return inspect.signature(_class_forward(type(self.module)).__get__(self.module))
 
     def _precision_context(self, args, kwargs) -> contextlib.AbstractContextManager:
-        device_type = _device_type(self.module, args, kwargs)
-        if self.choice.precision == "fp32":
-            if torch.is_autocast_enabled(device_type):
-                return torch.autocast(device_type, enabled=False)
-            return contextlib.nullcontext()
-        # The weight cache would keep low-precision weight copies alive until the outermost autocast
-        # exits, which defeats checkpointing; without it each use casts, and the cast is what is saved.
-        return torch.autocast(device_type, dtype=DTYPES[self.choice.precision], cache_enabled=False)
+        return kind(self.choice.precision).running(self.module, _device_type(self.module, args, kwargs))
 
     def _context_fn(self):
-        if self.choice.saves is None and self.observer is None:
-            return _fixed_rule_contexts
-        return functools.partial(_occurrence_contexts, self.choice.saves, self.observer)
+        return selective_contexts(self.choice.saves, self.observer)
 
     def _forward_in_precision(self, *args, **kwargs):
         with self._precision_context(args, kwargs):
@@ -289,7 +212,7 @@ def _cast_like_inputs(output, args, kwargs, module):
     target = floats[0].dtype if floats else next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     if target is None:
         return output
-    low = (torch.bfloat16, torch.float16)
+    low = low_dtypes()
     return tree_map_only(
         torch.Tensor, lambda t: t.to(target) if t.dtype in low and t.dtype != target else t, output
     )

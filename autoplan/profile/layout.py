@@ -22,8 +22,8 @@ class ParamShape:
         rows = tensor.shape[0] if tensor.dim() else 1
         return ParamShape(rows, tensor.numel() // max(rows, 1), tensor.element_size())
 
-    def shard_bytes(self, world_size: int) -> int:
-        return -(-self.rows // world_size) * self.row_numel * self.itemsize
+    def shard_bytes(self, ranks: int) -> int:
+        return -(-self.rows // ranks) * self.row_numel * self.itemsize
 
 
 def layout_of(params) -> tuple[ParamShape, ...]:

@@ -7,7 +7,7 @@ output would hold until backward, and the time recomputing it costs, FLOPs *and*
 bytes without adding FLOPs). Sorting the ops by recompute time per byte saved, most first, and
 saving ever longer prefixes of that order walks the front of saved bytes against recompute
 time from "save nothing" (full) towards "save everything" (keep); `menu_points` picks K points
-along it. Each point is then measured like every other choice (`profile.units`), so the memory
+along it. Each point is then measured like every other choice (`profile.profiler`), so the memory
 model stays exact whatever the estimate here got wrong.
 """
 
@@ -23,12 +23,13 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from autoplan.inputs.options import DEFAULT_MENU_SIZE  # menu points per unit and precision, the option's default
 from autoplan.plan import Choice, Precision
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.tracker import RooflineRates, op_roofline
-from autoplan.planned.wrappers import PlannedForward, can_save, op_name
+from autoplan.axes.checkpoint import can_save, op_name
+from autoplan.planned.wrappers import PlannedForward
 
-DEFAULT_MENU_SIZE = 6  # menu points per unit and precision (keep and full not counted); 0: the three modes only
 
 
 # What torch's selective checkpointing raises for a unit it cannot run selectively: an op writing in place

@@ -78,7 +78,7 @@ class Timeline:
     carried_bytes: int = 0  # what the loop's variables hold from the previous step through this forward (outputs, loss)
     fused_logits: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
     target_kernels: str = ""  # what was stood in for the GPU target's kernels (instruments.target), "" for a CPU target
-    host_peak_bytes: int = 0  # pinned host memory of offloaded units' saved tensors, at its most (planned.offload)
+    host_peak_bytes: int = 0  # pinned host memory of offloaded units' saved tensors, at its most (axes.placement)
 
     @property
     def step_time_s(self) -> float:

@@ -9,7 +9,6 @@ left as it was found.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 from types import MappingProxyType
@@ -20,9 +19,10 @@ import torch
 from autoplan.errors import OptionError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
-from autoplan.plan import DTYPES, Choice, OutsideUnits, Precision
+from autoplan.axes.precision import kind
+from autoplan.plan import Choice, OutsideUnits, Precision
 from autoplan.profile.recorder import TensorSpec, materialize_inputs
-from autoplan.profile.units import Profile, UnitCost
+from autoplan.profile.profiler import Profile, UnitCost
 from autoplan.vocabulary.names import unit_module
 from autoplan.planned.forwards import apply_choices, remove_plan
 from autoplan.vocabulary.tensors import tensors_of
@@ -43,19 +43,13 @@ def _real_inputs(inputs: Any, device: torch.device) -> Any:
     return materialize_inputs(inputs, make)
 
 
-def _rest_autocast(rest: Precision, device: torch.device):
-    if rest == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[rest], cache_enabled=False)
-
-
 def _time_unit(module, inputs, choice: Choice, rest: Precision, device, warmup: int, runs: int) -> tuple[float, float]:
     planned = PlannedForward(module, choice)
     timer = Timer(device)
     fwd_times, bwd_times = [], []
     for run in range(warmup + runs):
         args, kwargs = _real_inputs(inputs, device)
-        with _rest_autocast(rest, device):
+        with kind(rest).running(module, device.type):
             fwd_s, output = timer(lambda: planned(*args, **kwargs))
         outputs = [t for t in tensors_of(output) if t.requires_grad]
         grads = [torch.ones_like(t) for t in outputs]

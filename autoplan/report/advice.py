@@ -17,8 +17,11 @@ from autoplan.errors import OptionTypeError
 from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
-from autoplan.plan import DTYPES, Choice, Mode, Plan, Precision, ShardedPeak
-from autoplan.profile.units import Profile
+from autoplan.axes.precision import kind
+from autoplan.axes.checkpoint import Mode
+from autoplan.mesh import Mesh
+from autoplan.plan import Choice, Plan, Precision, ShardedPeak
+from autoplan.profile.profiler import Profile
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size
 from autoplan.report.offload_advice import offload_step
 from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
@@ -133,8 +136,7 @@ def every_unit(profile: Profile, mode: Mode, precision: Precision) -> dict[str, 
 
 def _low_precision(plan: Plan, profile: Profile) -> Step:
     low = plan.target.low_precision
-    key, scaler = low, " with torch.amp.GradScaler" if low == "fp16" else ""
-    title = f"{low} autocast{scaler}"
+    key, title = low, kind(low).words
     code = f'autoplan.optimize(model, budget, example_inputs=batch, precision="{low}")  # every unit and the rest'
     if profile.rest_precision != "fp32":
         saves = profile.reference.peak_bytes - profile.timeline.peak_bytes
@@ -204,10 +206,10 @@ def _sdpa(plan: Plan, profile: Profile, peak_index: int) -> Step:
 def _compile(plan: Plan, profile: Profile) -> Step:
     device = profile.device
     units = {unit.name: unit for unit in profile.units}
-    compute_s = sum(phase.flops for phase in profile.timeline.phases if phase.unit is None) / device.flops_for(DTYPES[profile.rest_precision])
+    compute_s = sum(phase.flops for phase in profile.timeline.phases if phase.unit is None) / kind(profile.rest_precision).flops(device, allow_tf32=False)
     for name, choice in plan.decisions.unit_choices().items():
         cost = units[name].options[choice]
-        compute_s += (cost.fwd_flops + cost.bwd_flops) / device.flops_for(DTYPES[choice.precision])
+        compute_s += (cost.fwd_flops + cost.bwd_flops) / kind(choice.precision).flops(device, allow_tf32=False)
     bound = max(0.0, plan.prediction.step_time_s - compute_s)
     if not plan.prediction.time_source.startswith("roofline"):  # measured times have no roofline split into FLOPs and traffic
         return Step("compile", "torch.compile", "try", f"the step times were {plan.prediction.time_source}, so how much of "
@@ -332,7 +334,7 @@ def advise(
     *,
     batch_size: int | None = None,
     seq_len: int | None = None,
-    world_size: int | None = None,
+    mesh: Mesh | None = None,
     parameter_count: int | None = None,
     replan: Callable[[int, TrainingLoop], Plan] | None = None,
     ladder: Any = None,
@@ -340,7 +342,7 @@ def advise(
     """Escalation advice for `plan` (from `profile`), each step with what it saves and costs here.
 
     batch_size, seq_len: what was planned, for gradient accumulation and shorter sequences.
-    world_size: also estimate the per-GPU FSDP peak on this many GPUs. parameter_count: for QLoRA
+    mesh: also estimate the per-rank peak on these devices (FSDP over N GPUs). parameter_count: for QLoRA
     (default: from the gradients' bytes, assuming fp32). replan(micro_batch, loop) -> Plan: plan again at a
     smaller batch in the planned loop with that many more micro-batches per optimizer step, to verify the
     gradient-accumulation estimate (skipped when None). ladder: the planned toolbox ladder
@@ -373,5 +375,5 @@ def advise(
     if not plan.outcome.feasible:
         first_fix = next((s.key for s in steps if s.status == "try" and s.saves_bytes is not None
                           and plan.prediction.peak_bytes - s.saves_bytes <= plan.request.usable_bytes), None)
-    requested = sharded_peak(profile, least, world_size) if world_size else None
+    requested = sharded_peak(profile, least, mesh) if mesh is not None else None
     return Advice(plan.outcome.feasible, plan.prediction.peak_bytes, plan.request.usable_bytes, tuple(steps), first_fix, found, requested, ladder)

@@ -11,7 +11,7 @@ from typing import Callable
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import PhaseBytes, unit_windows
 from autoplan.plan import Choice, Plan
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.formatting import format_bytes, format_seconds
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from autoplan.memory.model import sharded_peak
+from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, ShardedPeak
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.report.batch_steps import Step
 from autoplan.solve.worlds import fewest_ranks
 from autoplan.vocabulary.formatting import format_bytes, rank_noun
@@ -12,8 +13,8 @@ from autoplan.vocabulary.formatting import format_bytes, rank_noun
 
 def smallest_world_size(profile: Profile, choices, usable_bytes: int) -> ShardedPeak | None:
     """The per-GPU FSDP estimate on the fewest GPUs where it fits `usable_bytes` with `choices`, or None."""
-    found = fewest_ranks(lambda n: sharded_peak(profile, choices, n).total, usable_bytes)
-    return sharded_peak(profile, choices, found.world_size) if found.fits else None
+    found = fewest_ranks(lambda n: sharded_peak(profile, choices, Mesh.fsdp(n)).total, usable_bytes)
+    return sharded_peak(profile, choices, Mesh.fsdp(found.world_size)) if found.fits else None
 
 
 def _least(plan: Plan, choices: dict[str, Choice]) -> str:
@@ -31,7 +32,7 @@ def fsdp_step(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: 
         return Step("fsdp", title, "chosen", f"planned for {plan.request.world_size} × {plan.target.device} under FSDP2: per {rank_noun(plan.target.device)} "
                     f"{format_bytes(plan.prediction.peak_bytes)}, {fits} {format_bytes(plan.request.usable_bytes)} usable{one}")
     if found is None:
-        limit = min((sharded_peak(profile, choices, 2**k) for k in range(13)), key=lambda peak: peak.total)
+        limit = min((sharded_peak(profile, choices, Mesh.fsdp(2**k)) for k in range(13)), key=lambda peak: peak.total)
         return Step("fsdp", title, "n/a", f"sharding alone cannot fit: the unsharded part (gathered parameters "
                     f"{format_bytes(limit.gathered_parameters)}, activations {format_bytes(limit.activations)}) stays over "
                     f"{format_bytes(plan.request.usable_bytes)}; lower the batch or sequence first")
@@ -43,7 +44,7 @@ def fsdp_step(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: 
               f"{format_bytes(found.optimizer)} + gathered parameters of the root, the running and the prefetched unit "
               f"{format_bytes(found.gathered_parameters)} + all-gather/reduce-scatter buffers {format_bytes(found.communication_buffers)} "
               f"+ activations {format_bytes(found.activations)} (at {found.phase}); on {n - 1} the estimate is "
-              f"{format_bytes(sharded_peak(profile, choices, n - 1).total)}; {_least(plan, choices)}. Estimate: the all-gathers and "
+              f"{format_bytes(sharded_peak(profile, choices, Mesh.fsdp(n - 1)).total)}; {_least(plan, choices)}. Estimate: the all-gathers and "
               f"reduce-scatter move about {format_bytes(3 * profile.timeline.static.parameters * (n - 1) // n)} per {rank_noun(plan.target.device)} per "
               "step, not in the step time")
     code = (f"# in every rank of torchrun --nproc_per_node={n}, after torch.distributed.init_process_group()\n"

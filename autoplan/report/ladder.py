@@ -24,12 +24,13 @@ from typing import Any, Callable
 
 import torch
 
+from autoplan.axes.precision import kind
 from autoplan.errors import OptionError
 from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora, with_attention
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time
 from autoplan.plan import Plan, Precision
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.report.advice import adamw8bit_state_bytes, eight_bit_step_change_s, every_unit
 from autoplan.report.text import apply_code
 from autoplan.vocabulary.formatting import first_line
@@ -125,10 +126,10 @@ def _precision_rungs(plan: Plan, profile: Profile, low: Precision, loader: str) 
     kept = every_unit(profile, "keep", low)
     peak = predict_peak(profile, kept).bytes if kept else profile.timeline.peak_bytes
     time = predict_step_time(profile, kept) if kept else profile.timeline.step_time_s
-    scaler = "\nscaler = torch.amp.GradScaler()" if low == "fp16" else ""
+    scaler = "\nscaler = torch.amp.GradScaler()" if kind(low).grad_scaler else ""
     lowered = Rung(low, f"+ {low} autocast", peak, time, peak <= usable,
                    f"the same profile with every block kept in {low} (fp32 master weights and AdamW state)",
-                   f"with torch.autocast(\"cuda\", dtype=torch.{'bfloat16' if low == 'bf16' else 'float16'}): "
+                   f"with torch.autocast(\"cuda\", dtype=torch.{kind(low).dtype_name}): "
                    f"loss = model(**batch).loss{scaler}")
     return [baseline, lowered]
 

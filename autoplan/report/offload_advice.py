@@ -6,7 +6,7 @@ import dataclasses
 
 from autoplan.memory.model import predict_peak, predict_step_time
 from autoplan.plan import Plan
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.report.batch_steps import Step
 from autoplan.vocabulary.formatting import format_bytes, format_seconds
 

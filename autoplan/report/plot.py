@@ -18,7 +18,7 @@ from autoplan.vocabulary.formatting import byte_unit
 
 if TYPE_CHECKING:
     from autoplan.plan import Phase, Plan
-    from autoplan.profile.units import Profile
+    from autoplan.profile.profiler import Profile
 
 FORMATS = (".png", ".svg", ".pdf")
 MOST_LABELS = 40  # phase names on the x axis; more are thinned out to every k-th (they would overlap)

@@ -5,7 +5,7 @@ identical units folded into one row: `layers.0–31 ×32`), step times, the code
 plan, an FSDP estimate when asked, and the advice. When the weights, gradients and optimizer state
 alone decide that nothing fits, the verdict says that in one line and no units or times follow:
 no choice of theirs would matter. Every number goes through `autoplan.vocabulary.formatting`.
-`format_report` renders the same to plain text without colour, which is what `Plan.report()`
+`format_report` renders the same to plain text without colour, which is what `plan.report()`
 returns. Nothing here prints: the CLI does.
 """
 

@@ -7,20 +7,22 @@ from __future__ import annotations
 import dataclasses
 from typing import TypedDict
 
-from autoplan.inputs.budget import Budget, both_units, budget_needed_for
-from autoplan.inputs.devices import Device
+from autoplan.axes.precision import kind
+from autoplan.inputs.budget import both_units
 from autoplan.inputs.hf_models import caches_in_training
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
-from autoplan.memory.segments import chosen_segments, segment_terms
+from autoplan.memory.segment_terms import chosen_segments, segment_terms
+from autoplan.mesh import Mesh
 from autoplan.plan import Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
 from autoplan.profile.menu import PolicyWords
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.solve.ilp import fastest
+from autoplan.solve.request import SolveRequest
 from autoplan.solve.search import SearchResult
 from autoplan.solve.worlds import profiled_parameter_count
 from autoplan.trace.tracer import Traced
-from autoplan.trace.units import UnitLevel
+from autoplan.trace.discovery import UnitLevel
 
 
 def best_level(planned: list[tuple[Plan, Profile]], levels: list[UnitLevel], tried: int) -> tuple[Plan, Profile]:
@@ -65,9 +67,9 @@ def faster_loss_head(first: tuple[Plan, Profile], second: tuple[Plan, Profile]) 
     return dataclasses.replace(best[0], prediction=both), best[1]
 
 
-def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget: Budget, target: Device,
-           time_limit_s: float) -> list[str]:
+def plan_notes(traced: Traced, measured: Profile, found: SearchResult, request: SolveRequest) -> list[str]:
     """What a person should know about the plan beyond its numbers."""
+    budget, target, time_limit_s = request.budget, measured.device, request.time_limit_s
     notes = [budget.note] if budget.note else []
     if budget.total_bytes > target.memory_bytes:
         notes.append(f"the budget ({both_units(budget.total_bytes)}) is more than {target.name}'s {both_units(target.memory_bytes)} "
@@ -99,8 +101,9 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, *, budget
         notes.append(measured.timeline.target_kernels)
     if traced.skip_edges:
         notes.append(f"{len(traced.skip_edges)} skip connection(s) keep tensors alive across units")
-    if target.low_precision_name == "fp16" and any(c.precision == "fp16" for c in found.choices.values()):
-        notes.append("fp16 units need torch.amp.GradScaler in the training loop")
+    low = target.low_precision_name
+    if kind(low).grad_scaler and any(c.precision == low for c in found.choices.values()):
+        notes.append(f"{low} units need torch.amp.GradScaler in the training loop")
     return notes
 
 
@@ -119,20 +122,17 @@ def value_notes(measured: Profile, traced: Traced) -> list[str]:
     return notes
 
 
-def assemble_plan(
-    measured: Profile, traced: Traced, found: SearchResult, *, budget: Budget, reserve, target: Device, pins, world: int,
-    time_limit_s: float, host_budget: int = 0,
-) -> Plan:
+def assemble_plan(measured: Profile, traced: Traced, found: SearchResult, request: SolveRequest) -> Plan:
     """The Plan: the search's choices with what they cost, and the numbers a person checks them by."""
-    rest = measured.rest_precision
+    rest, budget, target, mesh = measured.rest_precision, request.budget, measured.device, request.mesh
     chosen, feasible = found.choices, found.feasible
-    prediction = predict_peak(measured, chosen, world)
-    notes = plan_notes(traced, measured, found, budget=budget, target=target, time_limit_s=time_limit_s)
+    prediction = predict_peak(measured, chosen, mesh)
+    notes = plan_notes(traced, measured, found, request)
     decisions = _decisions(measured, chosen)
     return Plan(
         request=Request(
-            budget_bytes=budget.total_bytes, usable_bytes=budget.usable_bytes, optimizer=measured.optimizer, world_size=world,
-            loop=measured.loop, offload=measured.offload, host_budget_bytes=host_budget if measured.offload else 0,
+            budget_bytes=budget.total_bytes, usable_bytes=budget.usable_bytes, optimizer=measured.optimizer, mesh=mesh,
+            loop=measured.loop, host=request.host,
         ),
         model=PlannedModel(
             name=measured.model_name, trace_method=traced.method, parameter_count=profiled_parameter_count(measured),
@@ -140,7 +140,7 @@ def assemble_plan(
         ),
         target=DeviceTarget(
             target.name, target.low_precision_name,
-            needs_grad_scaler=any(c.precision == "fp16" for c in chosen.values()) or rest == "fp16",
+            needs_grad_scaler=any(kind(c.precision).grad_scaler for c in chosen.values()) or kind(rest).grad_scaler,
         ),
         decisions=Decisions(decisions, rest, measured.timeline.fused_loss, measured.timeline.fused_logits),
         prediction=Prediction(
@@ -148,14 +148,14 @@ def assemble_plan(
             # (a view of a batch tensor), and the plan's number must not be below what the step measures
             peak_bytes=max(prediction.bytes, found.simulated_peak_bytes),
             simulated_peak_bytes=found.simulated_peak_bytes,
-            baseline_peak_bytes=_per_rank_peak(measured.reference, measured, world),
+            baseline_peak_bytes=_per_rank_peak(measured.reference, measured, mesh),
             minimum_peak_bytes=found.lowest_peak_bytes,
-            minimum_budget_bytes=budget_needed_for(found.lowest_peak_bytes, target, reserve),
+            minimum_budget_bytes=budget.needed_for(found.lowest_peak_bytes, target),
             breakdown=prediction.breakdown,
             peak_phase=prediction.phase,
             step_time_s=predict_step_time(measured, chosen),
             baseline_step_time_s=measured.reference_step_time_s or measured.reference.step_time_s,
-            fastest_step_time_s=predict_step_time(measured, fastest(measured, pins)),
+            fastest_step_time_s=predict_step_time(measured, fastest(measured, request.pins)),
             time_source=measured.time_source,
             fsdp=prediction.rank,
             host_peak_bytes=host_peak(measured, chosen),
@@ -213,9 +213,9 @@ def infeasible_message(plan: Plan) -> str:
 
 
 
-def _per_rank_peak(timeline, measured: Profile, world: int) -> int:
-    """A simulated timeline's peak on one of `world` ranks (its own peak on one GPU)."""
-    offsets = rank_offsets(measured, world)
+def _per_rank_peak(timeline, measured: Profile, mesh: Mesh) -> int:
+    """A simulated timeline's peak on one rank of `mesh` (its own peak on one GPU)."""
+    offsets = rank_offsets(measured, mesh)
     return max(phase.peak_bytes + offset for phase, offset in zip(timeline.phases, offsets))
 
 

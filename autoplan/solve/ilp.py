@@ -38,9 +38,12 @@ from autoplan.memory.model import (
     transient_delta,
     unit_windows,
 )
-from autoplan.memory.segments import SegmentCandidate, SegmentTerms, member_held_delta, segment_candidates, segment_choices, segment_terms
-from autoplan.plan import MODES, Choice
-from autoplan.profile.units import Profile
+from autoplan.memory.segment_terms import SegmentCandidate, SegmentTerms, member_held_delta, segment_candidates, segment_choices, segment_terms
+from autoplan.axes.checkpoint import CHECKPOINT
+from autoplan.mesh import Mesh
+from autoplan.plan import Choice
+from autoplan.profile.profiler import Profile
+from autoplan.solve.request import SolveRequest
 
 MIB = 2**20  # the program works in MiB so the solver's tolerances stay meaningful
 
@@ -87,23 +90,22 @@ class SegmentOption:
     terms: SegmentTerms
 
 
-def segment_options(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = None, world_size: int = 1) -> list[SegmentOption]:
+def segment_options(profile: Profile, request: SolveRequest) -> list[SegmentOption]:
     """Every segment the program may choose (none on several GPUs: FSDP wraps blocks one by one)."""
-    if world_size != 1 or not profile.segments:
+    if request.mesh.size != 1 or not request.segments:
         return []
     return [
         SegmentOption(candidate, choice, segment_terms(profile, candidate, choice))
         for candidate in segment_candidates(profile)
-        for choice in segment_choices(profile, candidate, pins)
+        for choice in segment_choices(profile, candidate, request.pins)
     ]
 
 
-def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name: str, world_size: int = 1,
-           host_budget: int | None = None) -> "Program":
+def _build(profile: Profile, request: SolveRequest, name: str) -> "Program":
     """The program both objectives share: one choice per unit or a covering segment, each phase's bytes, and
-    the offloaded units' host bytes within `host_budget` (None: no limit)."""
-    allowed = allowed_choices(profile, pins)
-    segments = segment_options(profile, pins, world_size)
+    the offloaded units' host bytes within the request's host memory."""
+    allowed = allowed_choices(profile, request.pins)
+    segments = segment_options(profile, request)
     problem = pulp.LpProblem(name, pulp.LpMinimize)
     x = {
         (u, c): problem.add_variable(f"x_{u}_{i}_{c.mode}_{c.precision}_{c.placement}", cat=pulp.LpBinary)
@@ -120,8 +122,8 @@ def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name
         problem += pulp.lpSum(x[u, c] for c in options) + pulp.lpSum(v for v, _ in covering.get(u, [])) == 1, f"one_choice_unit_{u}"
     held, corrections = _held_expressions(profile, allowed, x, problem, covering)
     host = [(profile.units[u].options[c].host_bytes, v) for (u, c), v in x.items() if c.offloaded]
-    if host and host_budget is not None:
-        problem += pulp.lpSum(nbytes / MIB * v for nbytes, v in host) <= host_budget / MIB, "host_memory"
+    if host and request.host is not None:
+        problem += pulp.lpSum(nbytes / MIB * v for nbytes, v in host) <= request.host.budget_bytes / MIB, "host_memory"
     segment_bytes: dict[int, list] = {}
     for variable, option in zip(y, segments):
         for index, nbytes in option.terms.phase_bytes.items():
@@ -150,7 +152,7 @@ def _build(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, name
         extra = pulp.lpSum(corrections.get(point.index, [])) + pulp.lpSum(segment_bytes.get(point.index, []))
         return point.base_bytes / MIB + held_now + own + extra
 
-    return Program(problem, allowed, segments, x, y, phase_bytes, points(profile, world_size))
+    return Program(problem, allowed, segments, x, y, phase_bytes, points(profile, request.mesh))
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ def _held_expressions(profile: Profile, allowed, x, problem, covering) -> tuple[
 def _tie_break(choice: Choice) -> float:
     """Between choices of equal time, prefer less rewriting: keep over checkpointing, fp32 over low precision,
     the device over host memory."""
-    return 1e-12 * (MODES.index(choice.mode) + (choice.precision != "fp32") + 3 * choice.offloaded)
+    return 1e-12 * choice.rewriting
 
 
 def _run(problem: pulp.LpProblem, time_limit_s: float) -> bool:
@@ -296,7 +298,7 @@ def _time_objective(profile: Profile, program: Program):
     units = pulp.lpSum((profile.units[u].options[c].time_s + _tie_break(c)) * v for (u, c), v in program.x.items())
     # a segment takes as long as its members each checkpointed: between the two, prefer the members
     grouped = pulp.lpSum(
-        (option.terms.time_s + 1e-12 * (len(option.candidate.members) * MODES.index("full") + 1)) * v
+        (option.terms.time_s + 1e-12 * (len(option.candidate.members) * CHECKPOINT.rewriting("full") + 1)) * v
         for v, option in zip(program.y, program.segments)
     )
     return units + grouped
@@ -308,35 +310,26 @@ def _fastest_step(profile: Profile) -> float:
     return sum(min(option.time_s for option in unit.options.values()) for unit in profile.units) or 1.0
 
 
-def solve(
-    profile: Profile,
-    usable_bytes: int,
-    *,
-    pins: Mapping[str, tuple[Choice, ...]] | None = None,
-    time_limit_s: float = 10.0,
-    world_size: int = 1,
-    host_budget: int | None = None,
-) -> Solution:
-    """The fastest choices whose predicted peak fits `usable_bytes` (per rank, on `world_size` FSDP ranks),
-    offloading at most `host_budget` bytes to host memory."""
+def solve(profile: Profile, request: SolveRequest, margin_bytes: int = 0) -> Solution:
+    """The fastest choices whose predicted peak fits the request's usable bytes less `margin_bytes` (per rank
+    on its mesh), offloading no more than its host memory holds."""
     started = time.perf_counter()
-    program = _build(profile, pins, "autoplan_fastest", world_size, host_budget)
+    usable_bytes = request.usable_bytes - margin_bytes
+    program = _build(profile, request, "autoplan_fastest")
     problem = program.problem
     for point in program.constraints:
         problem += program.phase_bytes(point) <= usable_bytes / MIB, f"peak_at_{point.index}"
     problem += _time_objective(profile, program) / _fastest_step(profile), "step_time"
-    has_solution = _run(problem, time_limit_s)
+    has_solution = _run(problem, request.time_limit_s)
     status = STOPPED_WITH_PLAN if _stopped_early(problem) else pulp.LpStatus[problem.status]
     elapsed = time.perf_counter() - started
     if not has_solution:
         return Solution({}, status, False, elapsed)
-    choices = _prefer_less_rewriting(profile, program.allowed, _read_choices(profile, program), usable_bytes, world_size, host_budget)
+    choices = _prefer_less_rewriting(profile, program.allowed, _read_choices(profile, program), request, usable_bytes)
     return Solution(choices, status, True, time.perf_counter() - started)
 
 
-def _prefer_less_rewriting(
-    profile: Profile, allowed, choices: dict[str, Choice], usable_bytes: int, world_size: int = 1, host_budget: int | None = None
-) -> dict[str, Choice]:
+def _prefer_less_rewriting(profile: Profile, allowed, choices: dict[str, Choice], request: SolveRequest, usable_bytes: int) -> dict[str, Choice]:
     """Swap in a choice of no more time and less rewriting wherever the budget still holds.
 
     The solver's optimality gap is far larger than the objective's tie-break, so ties are settled here.
@@ -350,28 +343,22 @@ def _prefer_less_rewriting(
                 break
             if unit.options[option].time_s <= unit.options[current].time_s:
                 trial = {**choices, unit.name: option}
-                if predict_peak(profile, trial, world_size).bytes <= usable_bytes and (
-                        host_budget is None or host_peak(profile, trial) <= host_budget):
+                if predict_peak(profile, trial, request.mesh).bytes <= usable_bytes and (
+                        request.host is None or host_peak(profile, trial) <= request.host.budget_bytes):
                     choices, current = trial, option
                     break
     return choices
 
 
-def minimum_peak(
-    profile: Profile,
-    *,
-    pins: Mapping[str, tuple[Choice, ...]] | None = None,
-    time_limit_s: float = 10.0,
-    world_size: int = 1,
-    host_budget: int | None = None,
-) -> LowestPeak:
-    """The choices with the lowest predicted peak (per rank on `world_size` ranks), and the solve time.
+def minimum_peak(profile: Profile, request: SolveRequest) -> LowestPeak:
+    """The choices with the lowest predicted peak (per rank on the request's mesh), and the solve time; the
+    request's budget plays no part.
 
     Every choice is feasible here (the peak is a variable), so the solver always holds an answer unless it
     ran out of time first (SolverTimeoutError); stopped at the limit with one, `proven` is False.
     """
     started = time.perf_counter()
-    program = _build(profile, pins, "autoplan_lowest_peak", world_size, host_budget)
+    program = _build(profile, request, "autoplan_lowest_peak")
     problem = program.problem
     peak = problem.add_variable("peak_mib")
     for point in program.constraints:
@@ -380,7 +367,7 @@ def minimum_peak(
     # worth 1e-4 MiB, under the 512 B that peaks differ by, yet above the solvers' absolute tolerance
     # (in seconds it fell under it, and which equal-peak plan came back changed with the solver's version)
     problem += peak + 1e-4 * _time_objective(profile, program) / _fastest_step(profile), "peak"
-    if not _run(problem, time_limit_s):
+    if not _run(problem, request.time_limit_s):
         raise RuntimeError(f"the lowest-peak program has no solution ({pulp.LpStatus[problem.status]}): a bug, every unit has a choice")
     choices = _read_choices(profile, program)
     return LowestPeak(choices, time.perf_counter() - started, proven=not _stopped_early(problem))
@@ -394,5 +381,6 @@ def fastest(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None = No
     }
 
 
-def check(profile: Profile, choices: Mapping[str, Choice], usable_bytes: int, world_size: int = 1) -> bool:
-    return predict_peak(profile, choices, world_size).bytes <= usable_bytes
+
+def check(profile: Profile, choices: Mapping[str, Choice], usable_bytes: int, mesh: Mesh = Mesh()) -> bool:
+    return predict_peak(profile, choices, mesh).bytes <= usable_bytes

@@ -14,11 +14,12 @@ from typing import Callable, Mapping, cast
 
 from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.memory.model import predict_peak
-from autoplan.plan import MODES, Choice, Mode, Precision
-from autoplan.profile.offload import on_device_only
-from autoplan.profile.units import Profile
+from autoplan.axes.checkpoint import MODES, Mode
+from autoplan.plan import Choice, Precision
+from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.names import match_units
 from autoplan.solve.ilp import STOPPED_WITH_PLAN, allowed_choices, minimum_peak, solve
+from autoplan.solve.request import SolveRequest
 
 MAX_RESOLVES = 4
 RESOLVE_SLACK_BYTES = 2**20  # tighten by the overshoot and a MiB more, so a re-solve cannot land on the same point
@@ -62,28 +63,28 @@ def pinned_choices(
     return pins
 
 
-def _floor(profile: Profile, usable_bytes: int, simulate, pins, time_limit_s: float, world_size: int, host_budget: int | None = None):
+def _floor(profile: Profile, request: SolveRequest, simulate):
     """The lowest-peak choices, their peak, and their simulated peak where it was needed (else None).
 
     A whole-step simulation is the slow part at scale: it runs only when it decides something.
     """
-    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size, host_budget=host_budget)
-    lowest_peak = predict_peak(profile, lowest.choices, world_size).bytes
-    if lowest_peak <= usable_bytes:
+    lowest = minimum_peak(profile, request)
+    lowest_peak = predict_peak(profile, lowest.choices, request.mesh).bytes
+    if lowest_peak <= request.usable_bytes:
         return lowest, lowest_peak, None
     # the linear model errs high where units' savings overlap; the whole-step simulation of
     # these very choices is what a real step does, so it decides the floor
     lowest_simulated = simulate(lowest.choices)
-    if profile.offload:
-        lowest, lowest_simulated = _offload_floor(profile, pins, time_limit_s, world_size, host_budget, simulate,
-                                                  (lowest, lowest_simulated, lowest_peak))
-    if lowest_simulated > usable_bytes and not lowest.proven:
-        raise SolverTimeoutError(time_limit_s, f"the solver ran out of time ({time_limit_s:g} s) before it could tell "
+    if request.host is not None:
+        lowest, lowest_simulated = _offload_floor(profile, request, simulate, (lowest, lowest_simulated, lowest_peak))
+    if lowest_simulated > request.usable_bytes and not lowest.proven:
+        limit = request.time_limit_s
+        raise SolverTimeoutError(limit, f"the solver ran out of time ({limit:g} s) before it could tell "
                                  "whether any plan fits: raise time_limit_s (--time-limit on the command line)")
     return lowest, lowest_simulated, lowest_simulated
 
 
-def _offload_floor(profile: Profile, pins, time_limit_s, world_size, host_budget, simulate, found):
+def _offload_floor(profile: Profile, request: SolveRequest, simulate, found):
     """With offload allowed, two more floor candidates, each simulated; the lowest of the three stays.
 
     - checkpointing and offloading every unit, as transformers' offload=True does by hand: the linear
@@ -93,10 +94,10 @@ def _offload_floor(profile: Profile, pins, time_limit_s, world_size, host_budget
       model does not see), the lowest-peak choices on the device alone: offload must not raise the floor.
     """
     lowest, lowest_simulated, lowest_peak = found
-    candidates = [offloaded_by_hand(profile, pins, host_budget)]
+    candidates = [offloaded_by_hand(profile, request)]
     if lowest_simulated > lowest_peak:
         on_device = on_device_only(profile)
-        candidates.append(dict(minimum_peak(on_device, pins=pins, time_limit_s=time_limit_s, world_size=world_size).choices))
+        candidates.append(dict(minimum_peak(on_device, request).choices))
     for choices in candidates:
         if choices is not None and choices != lowest.choices:
             simulated = simulate(choices)
@@ -105,33 +106,32 @@ def _offload_floor(profile: Profile, pins, time_limit_s, world_size, host_budget
     return lowest, lowest_simulated
 
 
-def offloaded_by_hand(profile: Profile, pins, host_budget: int | None) -> dict[str, Choice] | None:
+def on_device_only(profile: Profile) -> Profile:
+    """`profile` without its host twins: the plan space with offload off."""
+    units = tuple(dataclasses.replace(unit, options={c: cost for c, cost in unit.options.items() if not c.offloaded})
+                  for unit in profile.units)
+    return dataclasses.replace(profile, units=units)
+
+
+def offloaded_by_hand(profile: Profile, request: SolveRequest) -> dict[str, Choice] | None:
     """Every unit checkpointed (full), its inputs in host memory while the host budget lasts: the allowed
     choice that keeps least of each. None where a unit may not be checkpointed."""
     choices, host = {}, 0
-    for unit, options in zip(profile.units, allowed_choices(profile, pins)):
+    budget = request.host.budget_bytes if request.host is not None else 0
+    for unit, options in zip(profile.units, allowed_choices(profile, request.pins)):
         full = [c for c in options if c.mode == "full"]
         if not full:
             return None
-        hosted = [c for c in full if c.offloaded and (host_budget is None or host + unit.options[c].host_bytes <= host_budget)]
+        hosted = [c for c in full if c.offloaded and host + unit.options[c].host_bytes <= budget]
         choice = min(hosted or full, key=lambda c: (unit.options[c].held_bytes, unit.options[c].bwd_peak_bytes, unit.options[c].time_s))
         host += unit.options[choice].host_bytes
         choices[unit.name] = choice
     return choices
 
 
-def search(
-    profile: Profile,
-    usable_bytes: int,
-    *,
-    simulate: Callable[[Mapping[str, Choice]], int],
-    pins: Mapping[str, tuple[Choice, ...]] | None = None,
-    time_limit_s: float = 10.0,
-    world_size: int = 1,
-    progress: Callable[[str], None] | None = None,
-    host_budget: int | None = None,
-) -> SearchResult:
-    """The fastest choices whose predicted and simulated peaks both fit `usable_bytes`.
+def search(profile: Profile, request: SolveRequest, *, simulate: Callable[[Mapping[str, Choice]], int],
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    """The fastest choices whose predicted and simulated peaks both fit the request's usable bytes.
 
     `simulate(choices)` returns the simulated peak of a training step with those choices. When the
     solver runs out of time, the answer is still one the memory model and the simulation agree fits
@@ -140,15 +140,15 @@ def search(
     """
     say = progress or (lambda message: None)
     say("solving")
-    lowest, lowest_peak, lowest_simulated = _floor(profile, usable_bytes, simulate, pins, time_limit_s, world_size, host_budget)
+    usable_bytes = request.usable_bytes
+    lowest, lowest_peak, lowest_simulated = _floor(profile, request, simulate)
     solve_time = lowest.solve_time_s
 
     margin, resolves, status, timed_out = 0, 0, "Infeasible", False
     chosen, simulated, feasible = lowest.choices, lowest_simulated, False
     while lowest_peak <= usable_bytes and resolves <= MAX_RESOLVES:
         try:
-            solution = solve(profile, usable_bytes - margin, pins=pins, time_limit_s=time_limit_s, world_size=world_size,
-                             host_budget=host_budget)
+            solution = solve(profile, request, margin)
         except SolverTimeoutError:
             status, timed_out = "Not Solved (time limit)", True
             break
@@ -159,7 +159,7 @@ def search(
             break
         say("verifying the plan with a simulated training step")
         simulated_peak = simulate(solution.choices)
-        predicted = predict_peak(profile, solution.choices, world_size).bytes
+        predicted = predict_peak(profile, solution.choices, request.mesh).bytes
         if simulated_peak <= usable_bytes and predicted <= usable_bytes:
             chosen, simulated, feasible = solution.choices, simulated_peak, True
             break

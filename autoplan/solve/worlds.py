@@ -1,8 +1,8 @@
-"""How many GPUs: the per-rank peak against the world size, and the fewest GPUs on which it fits.
+"""How many GPUs: the per-rank peak against the mesh's FSDP dimension, and the fewest ranks on which it fits.
 
-For each candidate N the solver finds the choices with the lowest per-rank peak (the memory
-model's FSDP constraints, `memory.model.rank_offsets`); the fewest N whose lowest peak fits the usable
-budget is the answer to `world_size="auto"`. The per-rank peak falls as N grows (shards shrink)
+For each candidate N the solver finds the choices with the lowest per-rank peak on the mesh with N
+ranks along FSDP (the memory model's FSDP constraints, `memory.model.rank_offsets`); the fewest N whose
+lowest peak fits the usable budget is the answer to `world_size="auto"`. The per-rank peak falls as N grows (shards shrink)
 towards a floor N does not move: activations, the gathered root and units, the communication
 buffers. Doubling N finds a fitting N, then bisection the fewest between it and its half.
 """
@@ -10,14 +10,16 @@ buffers. Doubling N finds a fitting N, then bisection the fewest between it and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+import dataclasses
+from typing import Callable
 
-from autoplan.inputs.options import MAX_WORLD_SIZE  # beyond it the floor (activations, gathered units) is what does not fit
 from autoplan.memory.model import predict_peak
 from autoplan.memory.sharded import fsdp_group
-from autoplan.plan import Choice, WorldSizePoint
-from autoplan.profile.units import Profile
+from autoplan.mesh import FSDP, MAX_RANKS, Mesh  # beyond MAX_RANKS the floor (activations, gathered units) is what does not fit
+from autoplan.plan import WorldSizePoint
+from autoplan.profile.profiler import Profile
 from autoplan.solve.ilp import minimum_peak
+from autoplan.solve.request import SolveRequest
 
 
 
@@ -28,11 +30,13 @@ def profiled_parameter_count(profile: Profile) -> int:
     return sum(p.rows * p.row_numel for layout in layouts for p in layout)
 
 
-def world_size_point(profile: Profile, pins, usable_bytes: int, world_size: int, time_limit_s: float) -> WorldSizePoint:
-    lowest = minimum_peak(profile, pins=pins, time_limit_s=time_limit_s, world_size=world_size).choices
-    lowest_bytes = predict_peak(profile, lowest, world_size).bytes
+def world_size_point(profile: Profile, request: SolveRequest) -> WorldSizePoint:
+    """The lowest and the no-plan per-rank peak on the request's mesh."""
+    mesh = request.mesh
+    lowest = minimum_peak(profile, request).choices
+    lowest_bytes = predict_peak(profile, lowest, mesh).bytes
     no_plan = {unit.name: unit.base for unit in profile.units}
-    return WorldSizePoint(world_size, lowest_bytes, predict_peak(profile, no_plan, world_size).bytes, lowest_bytes <= usable_bytes)
+    return WorldSizePoint(mesh.size, lowest_bytes, predict_peak(profile, no_plan, mesh).bytes, lowest_bytes <= request.usable_bytes)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int) -> WorldSizeF
         return peaks[n]
 
     high = 1
-    while peak(high) > usable_bytes and high < MAX_WORLD_SIZE:
+    while peak(high) > usable_bytes and high < MAX_RANKS:
         if peak(2 * high) >= peak(high):
             break  # more GPUs no longer help
         high = 2 * high
@@ -72,22 +76,21 @@ def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int) -> WorldSizeF
     return WorldSizeFound(high, True)
 
 
-def fewest_gpus(
-    profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | None, usable_bytes: int, time_limit_s: float = 10.0
-) -> tuple[int, tuple[WorldSizePoint, ...]]:
-    """The fewest GPUs whose lowest per-rank peak fits, and the points measured on the way (sorted by N).
+def fewest_gpus(profile: Profile, request: SolveRequest) -> tuple[Mesh, tuple[WorldSizePoint, ...]]:
+    """The request's mesh with the fewest ranks along FSDP whose lowest per-rank peak fits, and the points
+    measured on the way (sorted by N).
 
-    When none fits (doubling stops once the peak stops falling, or at MAX_WORLD_SIZE), the answer
+    When none fits (doubling stops once the peak stops falling, or at MAX_RANKS), the answer
     is the last N tried, which does not fit.
     """
     points: dict[int, WorldSizePoint] = {}
 
     def at(n: int) -> WorldSizePoint:
         if n not in points:
-            points[n] = world_size_point(profile, pins, usable_bytes, n, time_limit_s)
+            points[n] = world_size_point(profile, dataclasses.replace(request, mesh=request.mesh.resized(FSDP, n)))
         return points[n]
 
-    found = fewest_ranks(lambda n: at(n).lowest_peak_bytes, usable_bytes)
+    found = fewest_ranks(lambda n: at(n).lowest_peak_bytes, request.usable_bytes)
     if found.fits:
         at(2 * found.world_size)  # one point past the answer shows what more GPUs buy
-    return found.world_size, tuple(points[n] for n in sorted(points))
+    return request.mesh.resized(FSDP, found.world_size), tuple(points[n] for n in sorted(points))

@@ -61,6 +61,45 @@ class _Provenance(TorchDispatchMode):
         return out
 
 
+class _UnitCalls:
+    """Which unit is running, from forward hooks on each unit's first and last module: every call a unit of its
+    own, in call order ("block@0", "block@1"; `runtime_unit_graph` names a module called once back)."""
+
+    def __init__(self, provenance: _Provenance) -> None:
+        self.provenance = provenance
+        self.order: list[str] = []
+        self.calls: Counter[str] = Counter()
+        self._running: list[str] = []  # the unit each entry of provenance.running is a call of
+
+    def hook(self, twin: torch.nn.Module, units: list[Unit]) -> list:
+        from autoplan.vocabulary.names import unit_endpoints
+
+        handles = []
+        for unit in units:
+            first, last = unit_endpoints(twin, unit)
+            handles.append(first.register_forward_pre_hook(self._enter(unit.name)))
+            handles.append(last.register_forward_hook(self._leave(unit.name)))
+        return handles
+
+    def _enter(self, name: str):
+        def hook(module, args):
+            self.calls[name] += 1
+            site = CallSite(name, self.calls[name] - 1)
+            self.order.append(site.name)
+            self.provenance.running.append(site.name)
+            self._running.append(name)
+
+        return hook
+
+    def _leave(self, name: str):
+        def hook(module, args, output):
+            if self._running and self._running[-1] == name:
+                self._running.pop()
+                self.provenance.running.pop()
+
+        return hook
+
+
 def runtime_unit_graph(
     model: torch.nn.Module, inputs: tuple[tuple, dict], units: list[Unit], routing: MoeRoutingBound = WORST_CASE, draws: str = "high",
 ) -> tuple[list[str], nx.DiGraph, int]:
@@ -70,42 +109,14 @@ def runtime_unit_graph(
     Raises RuntimeError naming the failing line of the model's code when the forward cannot run
     on fake tensors.
     """
-    from autoplan.vocabulary.names import unit_endpoints
     from autoplan.planned.forwards import remove_plan
 
     fake_mode = new_fake_mode(routing, draws)
     twin = remove_plan(fake_copy(model, fake_mode))
     twin.train()  # the step being planned is a training step: dropout and friends as in training
     provenance = _Provenance()
-    order: list[str] = []
-    handles = []
-
-    calls: Counter[str] = Counter()
-    running_modules: list[str] = []  # the unit each entry of provenance.running is a call of
-
-    def enter(name: str):
-        def hook(module, args):
-            # every call its own unit for now; a module called once is renamed back below
-            calls[name] += 1
-            site = CallSite(name, calls[name] - 1)
-            order.append(site.name)
-            provenance.running.append(site.name)
-            running_modules.append(name)
-
-        return hook
-
-    def leave(name: str):
-        def hook(module, args, output):
-            if running_modules and running_modules[-1] == name:
-                running_modules.pop()
-                provenance.running.pop()
-
-        return hook
-
-    for unit in units:
-        first, last = unit_endpoints(twin, unit)
-        handles.append(first.register_forward_pre_hook(enter(unit.name)))
-        handles.append(last.register_forward_hook(leave(unit.name)))
+    calls = _UnitCalls(provenance)
+    handles = calls.hook(twin, units)
     try:
         with fake_mode, provenance, torch.no_grad():
             args, kwargs = fake_tree(inputs, fake_mode)
@@ -119,8 +130,8 @@ def runtime_unit_graph(
         for handle in handles:
             handle.remove()
     graph = nx.DiGraph()
-    graph.add_nodes_from(["input", *order, "output"])
+    graph.add_nodes_from(["input", *calls.order, "output"])
     graph.add_edges_from(provenance.edges)
     graph.add_edges_from((source, "output") for source in finished)
-    once = {CallSite(name, 0).name: name for name, count in calls.items() if count == 1}
-    return [once.get(site, site) for site in order], nx.relabel_nodes(graph, once), fake_mode.values.random_reads
+    once = {CallSite(name, 0).name: name for name, count in calls.calls.items() if count == 1}
+    return [once.get(site, site) for site in calls.order], nx.relabel_nodes(graph, once), fake_mode.values.random_reads

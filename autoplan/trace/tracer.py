@@ -42,7 +42,7 @@ from autoplan.vocabulary.tensors import tensors_of
 from autoplan.planned.graph import split_by_units
 from autoplan.instruments.routing import WORST_CASE, MoeRoutingBound
 from autoplan.units import CallSite, GraphRun, SequentialRun, Unit
-from autoplan.trace.units import find_units
+from autoplan.trace.discovery import find_units
 
 
 @dataclass(frozen=True)

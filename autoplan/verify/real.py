@@ -92,6 +92,21 @@ CPU_TRACKED_SOURCE = "CPU wall clock while torch.profiler records every allocati
 CPU_ALLOCATOR_SOURCE = "CPU allocator's count, 512 B blocks"  # verify.allocator: torch.profiler's memory events
 
 
+def _checked(model: torch.nn.Module, plan: Plan, steps: int, optimizer: str | torch.optim.Optimizer | None):
+    """verify()'s arguments, before the model changes: the device it runs on, and the optimizer it trains with."""
+    if not isinstance(plan, Plan):
+        raise OptionTypeError(f"verify() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
+    if steps < 2:
+        raise OptionError(f"steps must be at least 2 (the first step creates the optimizer state); got {steps}")
+    device = model_device(model)
+    if device.type == "meta":
+        raise OptionError("the model's parameters are on the meta device; load real weights (or build it on a device) to verify")
+    optimizer = optimizer if optimizer is not None else plan.request.optimizer
+    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
+        raise OptionError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
+    return device, optimizer
+
+
 @torch.enable_grad()  # real training steps, whatever grad mode the caller is in
 def verify(
     model: torch.nn.Module,
@@ -117,16 +132,7 @@ def verify(
     plan's (another parameter shape or dtype, another batch shape) raises PlanMismatchError: the
     plan's peak says nothing about them. check=False runs it anyway.
     """
-    if not isinstance(plan, Plan):
-        raise OptionTypeError(f"verify() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
-    if steps < 2:
-        raise OptionError(f"steps must be at least 2 (the first step creates the optimizer state); got {steps}")
-    device = model_device(model)
-    if device.type == "meta":
-        raise OptionError("the model's parameters are on the meta device; load real weights (or build it on a device) to verify")
-    optimizer = optimizer if optimizer is not None else plan.request.optimizer
-    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
-        raise OptionError(f"the plan counted a {optimizer} optimizer; pass verify(..., optimizer=) the instance you train with")
+    device, optimizer = _checked(model, plan, steps, optimizer)
     settle_first_forward(model)  # as plan() and apply() do: a 4-bit layer's bias in its compute dtype
     if check:  # before the model changes
         check_model(plan.model.fingerprint, model)

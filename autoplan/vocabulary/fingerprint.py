@@ -7,15 +7,32 @@ unit names but four times the bytes per parameter. `apply` checks the parameters
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import SequenceKey, keystr, tree_flatten_with_path
 
 from autoplan.errors import PlanMismatchError
-from autoplan.plan import Fingerprint
 
 REPLAN = "plan again for this model (autoplan.plan)"
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The model and the batch a plan was made for, by shape and dtype: what `apply` and `verify` check.
+
+    Each entry is a name and its tensor in words, ("blocks.0.fc.weight", "256×256 float32"): every parameter
+    by its qualified name (tied weights once), every tensor of the example batch by where it is passed
+    ("argument 0", "input_ids"). Devices are left out: a plan made on meta applies to the model with weights.
+    """
+
+    parameters: tuple[tuple[str, str], ...]
+    batch: tuple[tuple[str, str], ...]
+    values: tuple[tuple[str, str], ...] = ()  # batch inputs whose values the forward read (an image grid), with those values
+
+    def to_dict(self) -> dict[str, dict[str, str]]:
+        return {"parameters": dict(self.parameters), "batch": dict(self.batch), "values": dict(self.values)}
 
 
 def describe_tensor(tensor: torch.Tensor) -> str:

@@ -34,7 +34,7 @@ import autoplan.planned.wrappers as wrappers  # noqa: E402
 from autoplan.plan import Choice, OutsideUnits  # noqa: E402
 from autoplan.planned.wrappers import PlannedForward
 from autoplan.planned.forwards import PlannedSequential, apply_choices, planned_units, remove_plan
-from autoplan.trace.units import find_units
+from autoplan.trace.discovery import find_units
 from autoplan.units import ModuleUnit, SequentialRun, Unit
 from tests.models import ALL_MODELS, make_mlp, make_small_resnet, make_tiny_gpt, make_tiny_gpt_dropout  # noqa: E402
 

@@ -18,6 +18,7 @@ from autoplan.cli.app import JSON_SCHEMA, app
 from autoplan.cli.exits import ExitCode
 from autoplan.inputs.devices import DEVICES
 from autoplan.memory.model import sharded_peak
+from autoplan.mesh import Mesh
 from tests.cli_factories import tiny_gpt, wide_gpt_on_meta
 
 FACTORY = "tests/cli_factories.py:tiny_gpt"
@@ -285,8 +286,8 @@ def test_wide_model_on_meta_recommends_the_smallest_fsdp_size(tmp_path) -> None:
     autoplan.plan(model, "8GB", example_inputs=inputs, device="rtx-4090", on_profile=profiles.append)
     least = least_activation_choices(profiles[0])
     n = fsdp["world_size"]
-    assert sharded_peak(profiles[0], least, n).total == fsdp["total"] <= usable
-    assert sharded_peak(profiles[0], least, n - 1).total > usable
+    assert sharded_peak(profiles[0], least, Mesh.fsdp(n)).total == fsdp["total"] <= usable
+    assert sharded_peak(profiles[0], least, Mesh.fsdp(n - 1)).total > usable
     assert f"{n} × rtx-4090: per GPU {format_bytes(fsdp['total'])}" in words(result.stdout)
 
 
@@ -359,7 +360,7 @@ def test_debug_shows_the_traceback() -> None:
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file every write to fails (ENOSPC)")
 def test_unwritable_json() -> None:
     """A write that fails after planning (a full disk): exit 8. A folder that does not exist is exit 2 before
-    planning (tests/cli/test_options.py)."""
+    planning (tests/cli/test_flags.py)."""
     result = run("plan", FACTORY, "--budget", "1GB", "--json", "/dev/full")
     assert result.exit_code == ExitCode.OUTPUT_FAILED and "cannot write /dev/full: No space left on device" in result.stderr
 

@@ -241,14 +241,14 @@ def test_apply_snippet_reproduces_the_plan(tmp_path, options) -> None:
 def test_solver_time_out_is_not_infeasible() -> None:
     from autoplan.errors import SolverTimeoutError
     from autoplan.solve.ilp import minimum_peak, solve
-    from tests.solve.test_ilp import keep_peak, random_chain
+    from tests.solve.test_ilp import asked, keep_peak, random_chain
 
     profile = random_chain(1, 200, three_modes=True, passed=True)  # CBC needs seconds for this one
     with pytest.raises(SolverTimeoutError, match="ran out of time") as raised:
-        solve(profile, int(keep_peak(profile) * 0.7), time_limit_s=0.001)
+        solve(profile, asked(int(keep_peak(profile) * 0.7), time_limit_s=0.001))
     assert raised.value.time_limit_s == 0.001 and "time_limit_s" in str(raised.value)
     with pytest.raises(SolverTimeoutError):
-        minimum_peak(profile, time_limit_s=0.001)
+        minimum_peak(profile, asked(time_limit_s=0.001))
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -257,8 +257,8 @@ def test_time_out_of_the_fastest_plan_falls_back_to_a_plan_that_fits(monkeypatch
     import autoplan.solve.search as search
     from autoplan.errors import SolverTimeoutError
 
-    def out_of_time(*args, time_limit_s, **kwargs):
-        raise SolverTimeoutError(time_limit_s)
+    def out_of_time(profile, request, margin_bytes=0):
+        raise SolverTimeoutError(request.time_limit_s)
 
     monkeypatch.setattr(search, "solve", out_of_time)
     model, inputs = tiny_gpt()

@@ -77,8 +77,8 @@ MISTAKES = {
     "loss: loop says the model computes it": (lambda: autoplan_loss(True)(torch.randn(2)), LossError, ValueError, "no .loss"),
     "precision: unknown": (lambda: _precision("int8", "h100"), OptionError, ValueError, "'int8'"),
     "precision: bf16 on a t4": (lambda: _precision("bf16", "t4"), OptionError, ValueError, "no bf16"),
-    "profile: not a trace": (_call("autoplan.profile.units", "profile", object(), None), OptionTypeError, TypeError, "Traced"),
-    "world size 0": (_call("autoplan.inputs.options", "check_world_size", 0), OptionError, ValueError, "world_size"),
+    "profile: not a trace": (_call("autoplan.profile.profiler", "profile", object(), None), OptionTypeError, TypeError, "Traced"),
+    "world size 0": (_call("autoplan.inputs.settings", "check_world_size", 0), OptionError, ValueError, "world_size"),
     "plan: a misspelled option": (_call("autoplan", "plan", _mlp(), "1GB", exmaple_inputs=(torch.randn(2, 4),)), OptionTypeError,
                                   TypeError, "did you mean 'example_inputs'"),
     "optimize: an unknown option": (_call("autoplan", "optimize", _mlp(), "1GB", zzz=1), OptionTypeError, TypeError,
@@ -88,7 +88,7 @@ MISTAKES = {
     "verify: not a plan": (_call("autoplan", "verify", _mlp(), None, example_inputs=(torch.randn(2, 4),)),
                            OptionTypeError, TypeError, "verify() takes a Plan"),
     "advise: not a plan": (_call("autoplan.report.advice", "advise", None, None), OptionTypeError, TypeError, "advise()"),
-    "fsdp of a graph unit": (_call("autoplan.apply.fsdp", "_unit_modules", _mlp(), GraphRun("a", "b")), OptionError, ValueError,
+    "fsdp of a graph unit": (_call("autoplan.apply.sharding", "_unit_modules", _mlp(), GraphRun("a", "b")), OptionError, ValueError,
                              "units=["),
     "graph unit of another model": (_call("autoplan.planned.graph", "split_by_units", _mlp(), [GraphRun("x", "y")]),
                                     PlanMismatchError, ValueError, "'graph[x:y]'"),
@@ -111,9 +111,9 @@ def autoplan_loss(loss_in_model: bool):
 
 def _precision(precision: str, device: str):
     from autoplan.inputs.devices import get_device
-    from autoplan.profile.units import precision_options
+    from autoplan.axes.precision import choices_for
 
-    return precision_options(precision, get_device(device))
+    return choices_for(precision, get_device(device))
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES))

@@ -6,7 +6,7 @@ import pytest
 import typer
 
 from autoplan.cli.exits import LONGEST_ERROR_LINE, CliError, ExitCode, fail_with
-from tests.cli.test_options import autoplan
+from tests.cli.test_flags import autoplan
 
 
 def test_a_message_of_kilobytes_is_cut_to_one_line_that_says_how_much_was_left_out(capsys) -> None:

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 import autoplan
 from autoplan.planned.forwards import apply_choices, planned_choices
 from autoplan.trace.tracer import trace
-from autoplan.trace.units import unit_levels
+from autoplan.trace.discovery import unit_levels
 from tests.generated import module_trees, structure_of
 from autoplan.instruments.fake import ROUTING_NOTE
 from autoplan.units import CallSite, ModuleUnit, Unit

@@ -189,7 +189,7 @@ def test_default_reserve_formula() -> None:
 
 def test_make_budget_default_reserve() -> None:
     budget = make_budget("20GB", H100)
-    assert budget == Budget(20 * 10**9, default_reserve(20 * 10**9, H100), "20GB")
+    assert budget == Budget(20 * 10**9, default_reserve(20 * 10**9, H100), "20GB", reserve_is_default=True, given="20GB")
     assert budget.usable_bytes == budget.total_bytes - budget.reserve_bytes
 
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from autoplan.cli.app import app
 from autoplan.cli.exits import ExitCode
 from autoplan.instruments.attention import AttentionKernel, TargetAttention, choose_kernel
-from autoplan.profile.units import profile
+from autoplan.profile.profiler import profile
 from autoplan.trace.tracer import trace
 from examples.gpt import build as build_gpt
 from tests.cli_factories import mha_dropout

@@ -211,7 +211,7 @@ def test_selective_rule_keeps_the_4bit_matmul_outputs():
     """The fixed selective rule keeps matmul outputs; a 4-bit base's matmuls are one fused op of their own."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from autoplan.planned.wrappers import OccurrencePolicy
+    from autoplan.axes.checkpoint import OccurrencePolicy
 
     seen = []
     policy = OccurrencePolicy(None, observer=lambda occurrence, func, *rest: seen.append(func))

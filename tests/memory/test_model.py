@@ -10,10 +10,10 @@ import torch
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import predict_peak
 from autoplan.plan import Choice
-from autoplan.profile.units import profile
+from autoplan.profile.profiler import profile
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
-from autoplan.memory.segments import choices_by_unit
+from autoplan.memory.segment_terms import choices_by_unit
 from tests.models import ALL_MODELS
 
 DEVICE = get_device("h100-80gb")

@@ -27,10 +27,10 @@ import autoplan  # noqa: E402
 from autoplan.inputs.devices import get_device  # noqa: E402
 from autoplan.plan import Choice  # noqa: E402
 from autoplan.profile.menu import OpRecord, describe, menu_points, record_ops, summarize  # noqa: E402
-from autoplan.profile.units import profile  # noqa: E402
+from autoplan.profile.profiler import profile  # noqa: E402
 from autoplan.planned.forwards import apply_choices  # noqa: E402
 from autoplan.trace.tracer import trace  # noqa: E402
-from autoplan.trace.units import find_units  # noqa: E402
+from autoplan.trace.discovery import find_units  # noqa: E402
 from tests.models import make_small_resnet, make_tiny_gpt, make_tiny_gpt_dropout  # noqa: E402
 
 CPU = get_device("cpu")

@@ -15,7 +15,7 @@ from autoplan.errors import OptionError
 from autoplan.inputs.devices import get_device
 from autoplan.planned.forwards import planned_choices
 from autoplan.profile.timing import measure_times
-from autoplan.profile.units import profile
+from autoplan.profile.profiler import profile
 from autoplan.trace.tracer import trace
 from tests.models import make_residual_mlp
 

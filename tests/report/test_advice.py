@@ -12,6 +12,7 @@ import autoplan
 from autoplan.report.advice import Advice, advise, least_activation_choices, smallest_world_size
 from autoplan.report.batch_steps import held_attention
 from autoplan.memory.model import phase_bytes, predict_peak, sharded_peak, unit_windows
+from autoplan.mesh import Mesh
 from autoplan.plan import Choice, UnitDecision
 from autoplan.errors import PlotUnavailable
 from autoplan.report.plot import memory_curves, plot_memory
@@ -70,7 +71,7 @@ def test_unit_parameter_bytes(loose) -> None:
 @pytest.mark.slow  # the whole pipeline
 def test_sharded_peak_on_one_gpu_is_the_single_gpu_prediction(loose, tight) -> None:
     for _, plan, profile in (loose, tight):
-        assert sharded_peak(profile, plan.decisions.choices(), 1).total == predict_peak(profile, plan.decisions.choices()).bytes
+        assert sharded_peak(profile, plan.decisions.choices(), Mesh.fsdp(1)).total == predict_peak(profile, plan.decisions.choices()).bytes
 
 
 def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
@@ -80,9 +81,9 @@ def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
     static = profile.timeline.static
     # FSDP pads dim 0 to a multiple of N, so only divisors of the row counts shrink cleanly; from one
     # GPU to two the gathered root and buffers can outweigh halving the state of a model this small
-    totals = [sharded_peak(profile, plan.decisions.choices(), n).total for n in (2, 4, 8)]
+    totals = [sharded_peak(profile, plan.decisions.choices(), Mesh.fsdp(n)).total for n in (2, 4, 8)]
     assert all(later < earlier for earlier, later in zip(totals, totals[1:]))
-    four = sharded_peak(profile, plan.decisions.choices(), 4)
+    four = sharded_peak(profile, plan.decisions.choices(), Mesh.fsdp(4))
     layouts = [u.param_layout for u in profile.units] + [profile.rest_param_layout]
     groups = [GroupBytes.of(layout, 4) for layout in layouts]
     assert four.parameters == sum(g.sharded for g in groups) + profile.buffer_bytes
@@ -94,7 +95,7 @@ def test_sharded_peak_shards_state_and_adds_gathered_units(loose) -> None:
     root, largest_unit = groups[-1].unsharded, max(g.unsharded for g in groups[:-1])
     assert root <= four.gathered_parameters <= root + 2 * largest_unit
     with pytest.raises(ValueError):
-        sharded_peak(profile, plan.decisions.choices(), 0)
+        sharded_peak(profile, plan.decisions.choices(), Mesh.fsdp(0))
 
 
 def test_smallest_world_size_is_the_smallest(tight) -> None:
@@ -102,7 +103,7 @@ def test_smallest_world_size_is_the_smallest(tight) -> None:
     least = least_activation_choices(profile)
     found = smallest_world_size(profile, least, plan.request.usable_bytes)
     assert found.world_size >= 2 and found.total <= plan.request.usable_bytes
-    assert sharded_peak(profile, least, found.world_size - 1).total > plan.request.usable_bytes
+    assert sharded_peak(profile, least, Mesh.fsdp(found.world_size - 1)).total > plan.request.usable_bytes
     assert advise(plan, profile).fsdp == found  # what the advice recommends
 
 
@@ -249,8 +250,8 @@ def test_advise_wants_a_plan_and_its_profile(loose) -> None:
 
 def test_requested_world_size(loose) -> None:
     _, plan, profile = loose
-    advice = advise(plan, profile, world_size=3)
-    assert isinstance(advice, Advice) and advice.requested == sharded_peak(profile, plan.decisions.choices(), 3)
+    advice = advise(plan, profile, mesh=Mesh.fsdp(3))
+    assert isinstance(advice, Advice) and advice.requested == sharded_peak(profile, plan.decisions.choices(), Mesh.fsdp(3))
     assert "FSDP estimate on 3 GPUs" in " ".join(format_report(plan, advice).split())
 
 
@@ -334,7 +335,7 @@ def test_least_activation_choices_put_kept_bytes_first():
     # kept bytes add up over every unit, so full must win though keep is faster.
     from types import SimpleNamespace
 
-    from autoplan.profile.units import UnitCost, UnitProfile
+    from autoplan.profile.profiler import UnitCost, UnitProfile
 
     def cost(held, bwd, time_s):
         return UnitCost(fwd_peak_bytes=0, held_bytes=held, bwd_peak_bytes=bwd, fwd_time_s=time_s, bwd_time_s=0.0,

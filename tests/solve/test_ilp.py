@@ -16,17 +16,24 @@ from typing import Sequence
 
 import pytest
 
+from autoplan.inputs.budget import Budget
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import live_bytes, points, predict_peak, predict_step_time
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GRAD, Phase, Choice
-from autoplan.profile.units import Profile, UnitCost, UnitProfile
+from autoplan.profile.profiler import Profile, UnitCost, UnitProfile
 from autoplan.solve.ilp import Solution, allowed_choices, check, fastest, minimum_peak, solve
+from autoplan.solve.request import SolveRequest
 from autoplan.profile.recorder import Boundary
 from autoplan.profile.timeline import PhaseSample, StaticBytes, Timeline
 from autoplan.units import ModuleUnit
 
 MIB = 2**20
 HALF = MIB // 2
+
+
+def asked(usable_bytes: int = 10**15, **rules) -> SolveRequest:
+    """A solve request for `usable_bytes` (no reserve), with the rules given (pins, time limit, mesh, host memory)."""
+    return SolveRequest(Budget(usable_bytes, 0, f"{usable_bytes}B"), **rules)
 KEEP, SEL, FULL = Choice("keep", "fp32"), Choice("selective", "fp32"), Choice("full", "fp32")
 
 
@@ -213,7 +220,7 @@ def test_memory_model_arithmetic_on_the_chain() -> None:
 def test_generous_budget_keeps_everything() -> None:
     profile = synthetic_chain(8)
     for usable in (keep_peak(profile), keep_peak(profile) + HALF, 10**12):
-        solution = solve(profile, usable)
+        solution = solve(profile, asked(usable))
         assert isinstance(solution, Solution)
         assert solution.feasible and solution.status == "Optimal"
         assert dict(solution.choices) == {f"u{i}": KEEP for i in range(8)}
@@ -226,7 +233,7 @@ def test_tight_budget_checkpoints_the_least_number_of_units(k: int) -> None:
     n = 8
     profile = synthetic_chain(n, keep_held=10, full_held=1, keep_time=1.0, full_time=1.3)
     usable = keep_peak(profile) - k * 9 * MIB + HALF
-    solution = solve(profile, usable)
+    solution = solve(profile, asked(usable))
     assert solution.feasible
     choices = solution.choices
     assert set(choices) == {f"u{i}" for i in range(n)}
@@ -242,8 +249,8 @@ def test_budget_below_the_lowest_peak_is_infeasible() -> None:
     n = 8
     profile = synthetic_chain(n)
     lowest = (100 + 2 + 10 + (n - 1) * 1) * MIB  # all but the last unit full
-    assert solve(profile, lowest + HALF).feasible
-    solution = solve(profile, lowest - HALF)
+    assert solve(profile, asked(lowest + HALF)).feasible
+    solution = solve(profile, asked(lowest - HALF))
     assert solution.feasible is False
     assert solution.choices == {}
     assert solution.status != "Optimal"
@@ -251,7 +258,7 @@ def test_budget_below_the_lowest_peak_is_infeasible() -> None:
 
 
 def test_budget_below_static_memory_is_infeasible() -> None:
-    solution = solve(synthetic_chain(4), 50 * MIB)
+    solution = solve(synthetic_chain(4), asked(50 * MIB))
     assert not solution.feasible and solution.choices == {}
 
 
@@ -286,7 +293,7 @@ def _assert_solver_matches_brute_force(profile: Profile, fractions=(0.0, 0.2, 0.
     for fraction in fractions:
         usable = (lowest + int(fraction * (top - lowest))) // MIB * MIB + HALF
         best, _ = brute_force(profile, usable, pins)
-        solution = solve(profile, usable, pins=pins)
+        solution = solve(profile, asked(usable, pins=pins))
         if best is None:
             assert not solution.feasible, fraction
             continue
@@ -294,7 +301,7 @@ def _assert_solver_matches_brute_force(profile: Profile, fractions=(0.0, 0.2, 0.
         assert predict_peak(profile, solution.choices).bytes <= usable
         assert step_time(profile, solution.choices) == pytest.approx(best, abs=1e-9), fraction
     # just under the lowest peak nothing fits
-    assert not solve(profile, lowest - HALF, pins=pins).feasible
+    assert not solve(profile, asked(lowest - HALF, pins=pins)).feasible
 
 
 @pytest.mark.slow  # hundreds of solves against brute force
@@ -327,7 +334,7 @@ def test_solver_is_optimal_where_cbc_preprocessing_was_not(seed, n, three_modes,
     _, lowest = brute_force(profile, 0)
     usable = (lowest + int(fraction * (keep_peak(profile) - lowest))) // MIB * MIB + HALF
     assert brute_force(profile, usable)[0] == pytest.approx(best)
-    solution = solve(profile, usable)
+    solution = solve(profile, asked(usable))
     assert solution.feasible
     assert step_time(profile, solution.choices) == pytest.approx(best, abs=1e-9)
     assert step_time(profile, solution.choices) < cbc_answered
@@ -360,7 +367,7 @@ def test_highs_is_the_solver_when_highspy_imports(monkeypatch) -> None:
     used = []
     monkeypatch.setattr(pulp.HiGHS, "actualSolve", _recording(pulp.HiGHS.actualSolve, used))
     profile = random_chain(3, 6, three_modes=True)
-    assert solve(profile, keep_peak(profile)).feasible and used == ["HiGHS"]
+    assert solve(profile, asked(keep_peak(profile))).feasible and used == ["HiGHS"]
 
 
 @pytest.mark.parametrize(("seed", "n"), [(6, 5), (7, 7), (8, 8)])
@@ -376,7 +383,7 @@ def test_solver_matches_brute_force_under_pins() -> None:
 
 def test_low_precision_options_are_picked_when_faster() -> None:
     profile = synthetic_chain(6, low_precision=True)
-    solution = solve(profile, 10**12)
+    solution = solve(profile, asked(10**12))
     assert solution.feasible
     assert all(c == Choice("keep", "bf16") for c in solution.choices.values())
     assert fastest(profile) == dict(solution.choices)
@@ -388,7 +395,7 @@ def test_low_precision_options_are_picked_when_faster() -> None:
 def test_minimum_peak_is_all_full_when_full_always_saves_memory() -> None:
     # recomputation does not raise the backward transient: every full unit lowers every peak
     profile = synthetic_chain(6, full_bwd=2)
-    lowest = minimum_peak(profile)
+    lowest = minimum_peak(profile, asked())
     choices, seconds = lowest.choices, lowest.solve_time_s
     assert choices == {f"u{i}": FULL for i in range(6)} and lowest.proven
     assert seconds >= 0
@@ -397,7 +404,7 @@ def test_minimum_peak_is_all_full_when_full_always_saves_memory() -> None:
 
 def test_minimum_peak_keeps_the_unit_whose_recompute_sits_at_the_peak() -> None:
     profile = synthetic_chain(6)
-    choices = minimum_peak(profile).choices
+    choices = minimum_peak(profile, asked()).choices
     assert choices == {**{f"u{i}": FULL for i in range(5)}, "u5": KEEP}
 
 
@@ -405,7 +412,7 @@ def test_minimum_peak_keeps_the_unit_whose_recompute_sits_at_the_peak() -> None:
 def test_minimum_peak_matches_brute_force(seed: int) -> None:
     profile = random_chain(seed, 7, passed=seed == 12)
     _, lowest = brute_force(profile, 0)
-    choices = minimum_peak(profile).choices
+    choices = minimum_peak(profile, asked()).choices
     assert predict_peak(profile, choices).bytes == lowest
 
 
@@ -413,7 +420,7 @@ def test_minimum_peak_prefers_the_fastest_among_equal_peaks() -> None:
     # the last unit is never at the peak when full_bwd is small and the others are full;
     # making u0 full or keep both leave the peak where it is only if its held bytes do not matter.
     profile = synthetic_chain(3, keep_held=[10, 10, 10], full_held=[1, 1, 1], full_bwd=[2, 2, 30])
-    choices = minimum_peak(profile).choices
+    choices = minimum_peak(profile, asked()).choices
     peak = predict_peak(profile, choices).bytes
     # every alternative with the same peak is no faster
     for combo in itertools.product([KEEP, FULL], repeat=3):
@@ -429,12 +436,12 @@ def test_pinned_keep_stays_keep_and_others_go_full() -> None:
     n, k = 8, 3
     profile = synthetic_chain(n)
     usable = keep_peak(profile) - k * 9 * MIB + HALF
-    free = solve(profile, usable)
+    free = solve(profile, asked(usable))
     assert free.feasible
     # pin keep on units the free solution checkpointed: others must take their place
     pinned_units = [name for name, c in free.choices.items() if c == FULL][:2]
     pins = {name: (KEEP,) for name in pinned_units}
-    solution = solve(profile, usable, pins=pins)
+    solution = solve(profile, asked(usable, pins=pins))
     assert solution.feasible
     for name in pinned_units:
         assert solution.choices[name] == KEEP
@@ -447,18 +454,18 @@ def test_pins_that_cannot_fit_are_infeasible() -> None:
     n = 6
     profile = synthetic_chain(n)
     usable = keep_peak(profile) - 2 * 9 * MIB + HALF
-    assert solve(profile, usable).feasible
+    assert solve(profile, asked(usable)).feasible
     # u0..u4 pinned keep: only u5 could go full, and that never helps
     pins = {f"u{i}": (KEEP,) for i in range(n - 1)}
-    assert not solve(profile, usable, pins=pins).feasible
+    assert not solve(profile, asked(usable, pins=pins)).feasible
 
 
 def test_pinned_full_is_full_even_when_memory_is_plentiful() -> None:
     profile = synthetic_chain(5)
-    solution = solve(profile, 10**12, pins={"u3": (FULL,)})
+    solution = solve(profile, asked(10**12, pins={"u3": (FULL,)}))
     assert solution.choices == {"u0": KEEP, "u1": KEEP, "u2": KEEP, "u3": FULL, "u4": KEEP}
     assert fastest(profile, {"u3": (FULL,)})["u3"] == FULL
-    choices = minimum_peak(profile, pins={"u0": (KEEP,)}).choices
+    choices = minimum_peak(profile, asked(pins={"u0": (KEEP,)})).choices
     assert choices["u0"] == KEEP
 
 
@@ -468,9 +475,9 @@ def test_pins_leaving_no_option_raise_value_error() -> None:
     with pytest.raises(ValueError, match="u1"):
         allowed_choices(profile, pins)
     with pytest.raises(ValueError, match="u1"):
-        solve(profile, 10**12, pins=pins)
+        solve(profile, asked(10**12, pins=pins))
     with pytest.raises(ValueError, match="u1"):
-        minimum_peak(profile, pins=pins)
+        minimum_peak(profile, asked(pins=pins))
     with pytest.raises(ValueError, match="u1"):
         fastest(profile, pins)
     with pytest.raises(ValueError):
@@ -497,7 +504,7 @@ def test_fastest_ignores_memory() -> None:
 
 def test_equal_times_prefer_less_rewriting() -> None:
     profile = synthetic_chain(4, keep_time=1.0, full_time=1.0)
-    solution = solve(profile, 10**12)
+    solution = solve(profile, asked(10**12))
     assert all(c == KEEP for c in solution.choices.values())
 
 
@@ -506,8 +513,8 @@ def test_solver_uses_the_current_pulp_api() -> None:
     profile = synthetic_chain(4, selective=(5, 7, 1.1))
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        assert solve(profile, keep_peak(profile) - 9 * MIB).feasible
-        minimum_peak(profile)
+        assert solve(profile, asked(keep_peak(profile) - 9 * MIB)).feasible
+        minimum_peak(profile, asked())
 
 
 # -- solve time -------------------------------------------------------------------------------
@@ -527,11 +534,11 @@ def test_solve_time_96_unit_chain_under_5_seconds() -> None:
     )
     top = keep_peak(profile)
     started = time.perf_counter()
-    solution = solve(profile, top - (top - 100 * MIB) // 2, time_limit_s=10)
+    solution = solve(profile, asked(top - (top - 100 * MIB) // 2, time_limit_s=10))
     elapsed = time.perf_counter() - started
     assert solution.feasible
     assert predict_peak(profile, solution.choices).bytes <= top - (top - 100 * MIB) // 2
     assert elapsed < 5.0, f"96-unit solve took {elapsed:.2f}s"
     started = time.perf_counter()
-    minimum_peak(profile)
+    minimum_peak(profile, asked())
     assert time.perf_counter() - started < 5.0

@@ -14,7 +14,7 @@ nothing repeating inside stay whole, so a level can mix stages and blocks), and 
 of every repeated block however deep it sits. Each level is a complete, non-overlapping set of
 units; `api.plan` plans every level and keeps the best, so the plan space always holds
 "checkpoint every block by hand". Within a level, runs of consecutive blocks the model calls back
-to back are segments the same program may choose (`memory.segments`): a stage's blocks as one,
+to back are segments the same program may choose (`memory.segment_terms`): a stage's blocks as one,
 or √n-long runs of them.
 
 Found in this order (`unit_levels`):

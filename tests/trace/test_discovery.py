@@ -14,7 +14,7 @@ from autoplan.errors import TraceError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.trace.tracer import Traced, trace
 import autoplan
-from autoplan.trace.units import find_units, unit_levels
+from autoplan.trace.discovery import find_units, unit_levels
 from autoplan.units import GraphRun, SequentialRun, Unit
 from autoplan.vocabulary.names import unit_endpoints, unit_module
 from tests.cli_factories import convmixer
@@ -475,7 +475,7 @@ def test_untraceable_model_with_units_raises_naming_the_line_and_each_tracer() -
         trace(_DataDependent(), (torch.randn(3, 8),), units=["blocks.*"])
     message = str(info.value)
     assert "symbolic_trace" in message and "torch.export" in message and "fake tensors" in message
-    assert "test_units.py" in message and "if self.blocks[0](x).sum() > 0" in message
+    assert "test_discovery.py" in message and "if self.blocks[0](x).sum() > 0" in message
     assert "torch.where" in message and "units=" in message
 
 

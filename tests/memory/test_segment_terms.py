@@ -21,7 +21,7 @@ from autoplan.errors import SegmentError
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.devices import get_device
 from autoplan.memory.model import predict_peak
-from autoplan.memory.segments import chains, choices_by_unit, segment_candidates
+from autoplan.memory.segment_terms import chains, choices_by_unit, segment_candidates
 from autoplan.plan import Choice
 from autoplan.planned.forwards import apply_choices, planned_choices, remove_plan
 from autoplan.trace.tracer import trace
@@ -216,7 +216,7 @@ def test_llama_layers_form_segments_priced_and_trained_exactly():
 @pytest.mark.slow  # the whole pipeline
 def test_the_plan_is_never_worse_than_any_single_level_of_stages_of_blocks():
     from tests.structures import by_name
-    from autoplan.trace.units import unit_levels
+    from autoplan.trace.discovery import unit_levels
 
     model, inputs = by_name("stages of blocks (stages[i].blocks[j])").build()
     options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0, menu_size=0)

@@ -29,7 +29,7 @@ from typing import Mapping
 
 from autoplan.errors import OptionError
 from autoplan.plan import OPTIMIZER_STEP, Choice, Phase
-from autoplan.profile.units import Profile
+from autoplan.profile.profiler import Profile
 from autoplan.units import ModuleUnit, Segment, Unit
 
 SEGMENT_LENGTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

@@ -1,4 +1,4 @@
-"""cli.options and the option checks of cli.app, through `autoplan` in a subprocess (real stdout, stderr, exit code).
+"""cli.flags and the option checks of cli.app, through `autoplan` in a subprocess (real stdout, stderr, exit code).
 
 Each case is one a newcomer hit (issue 27): a repeated option that click would have settled silently
 by keeping the last, a world size no FSDP job runs, a --json file in a folder that does not exist.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.cli.options import repeated_option
+from autoplan.cli.flags import repeated_option
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = "tests/cli_factories.py:tiny_mlp"

@@ -21,6 +21,7 @@ from torch import nn
 
 import autoplan
 import autoplan.inputs.batch
+from autoplan.axes.placement import HostMemory
 from autoplan.errors import OptionError
 from autoplan.instruments.host import on_host
 from autoplan.instruments.tracker import LiveBytesTracker
@@ -29,12 +30,13 @@ from autoplan.memory.model import host_peak, predict_peak
 from autoplan.plan import Choice
 from autoplan.planned.forwards import apply_choices, remove_plan
 from autoplan.planned.wrappers import PlannedForward
-from autoplan.profile.units import profile
+from autoplan.profile.profiler import profile
 from autoplan.solve.search import offloaded_by_hand
 from autoplan.trace.tracer import trace
 from autoplan.verify.simulate import simulate_plan
 from autoplan.units import ModuleUnit
-from autoplan.memory.segments import choices_by_unit
+from autoplan.memory.segment_terms import choices_by_unit
+from tests.solve.test_ilp import asked
 
 CARD = "custom:memory=24GiB,fp32_tflops=82.6,bf16_tflops=165.2,bandwidth=1008GB/s,capability=8.9,host_bandwidth="
 
@@ -179,7 +181,8 @@ def test_compiled_offloaded_units_run_eagerly_and_match(mode):
 def measured():
     model, x = _net()
     traced = trace(model, ((x,), {}))
-    return traced, profile(traced, autoplan.get_device("rtx-4090"), precisions=("fp32", "bf16"), offload=True)
+    card = autoplan.get_device("rtx-4090")
+    return traced, profile(traced, card, precisions=("fp32", "bf16"), host=HostMemory(2**40, card.host_bandwidth))
 
 
 @pytest.mark.slow  # the whole pipeline
@@ -272,7 +275,7 @@ def test_report_json_and_advice_say_where_saved_bytes_live():
 def test_command_line_turns_offload_off(tmp_path):
     factory = tmp_path / "net.py"
     factory.write_text(f"import sys\nsys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2])!r})\n"
-                       "from tests.planned.test_offload import _net\n\ndef build():\n    model, x = _net()\n    return model, (x,)\n")
+                       "from tests.axes.test_placement import _net\n\ndef build():\n    model, x = _net()\n    return model, (x,)\n")
     base = [sys.executable, "-P", "-c", "from autoplan.cli.app import app; app()", "plan", f"{factory}:build", "--budget", "100MB", "--device", "rtx-4090",
             "--precision", "fp32", "--reserve", "0", "--json", "-"]
     on = json.loads(subprocess.run(base, capture_output=True, text=True, check=True).stdout)
@@ -285,10 +288,12 @@ def test_command_line_turns_offload_off(tmp_path):
 
 def test_by_hand_offload_is_a_floor_candidate(measured):
     traced, measured = measured
-    hand = offloaded_by_hand(measured, None, None)
+    link = measured.device.host_bandwidth
+    hand = offloaded_by_hand(measured, asked(host=HostMemory(2**40, link)))  # host memory for every unit
     assert all(c.mode == "full" and c.offloaded for c in hand.values())
     one = measured.units[0].options[hand[measured.units[0].name]].host_bytes
-    partial = offloaded_by_hand(measured, None, 2 * one)  # room for two units' inputs
+    partial = offloaded_by_hand(measured, asked(host=HostMemory(2 * one, link)))  # room for two units' inputs
+    assert all(not c.offloaded for c in offloaded_by_hand(measured, asked()).values())  # no host memory: no offload
     assert [c.offloaded for c in partial.values()] == [True, True, False, False]
 
 

@@ -17,19 +17,21 @@ import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping, cast
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
-from autoplan.errors import OptionError, OptionTypeError
+from autoplan.errors import OptionTypeError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop, check_loop
-from autoplan.plan import DTYPES, MODES, Choice, Precision
+from autoplan.axes.checkpoint import MODES
+from autoplan.axes.placement import HostMemory, measure_host_twins
+from autoplan.axes.precision import kind
+from autoplan.plan import Choice, Precision
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, measure_or_refuse, menu_points, record_ops
-from autoplan.profile.offload import measure_host_twins
 from autoplan.profile.recorder import TensorSpec, UnitCall, materialize_inputs
 from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
@@ -95,6 +97,10 @@ class UnitProfile:
 
 @dataclass(frozen=True)
 class Profile:
+    """What was measured of one model for one device and step: the simulated step (timelines) and every unit
+    under every choice it was measured in. What the solver may then choose among is the request's
+    (`solve.request.SolveRequest`: pins, segments, offload), not the profile's."""
+
     model_name: str
     device: Device
     optimizer: str
@@ -112,25 +118,12 @@ class Profile:
     routing: str = ""  # how data-dependent expert routing was profiled ("" when the model routes nothing)
     routing_assumed: str = ""  # in a word (Plan.moe_routing): "worst case", "capacity 1.25", "any", ""
     loop: TrainingLoop = TrainingLoop()  # the training loop the timelines simulate
-    segments: bool = True  # whether the plan may checkpoint runs of consecutive units as one (memory.segments)
     alternative: Timeline | None = None  # the step with the loss head the other way (fused or as written), where it can be fused
-    offload: bool = False  # its units' options include host twins (profile.offload)
     batch_reads: tuple[str, ...] = ()  # batch inputs whose values the forward read (image grids, labels): planned for those values
     random_reads: int = 0  # values computed from random draws the forward read (LayerDrop): planned at the worst case
 
     def unit(self, name: str) -> UnitProfile:
         return next(u for u in self.units if u.name == name)
-
-
-def precision_options(precision: str, device: Device) -> tuple[Precision, ...]:
-    """The precisions the solver may choose from: "auto" means fp32 or the device's autocast dtype."""
-    if precision == "auto":
-        return ("fp32", device.low_precision_name)
-    if precision not in DTYPES:
-        raise OptionError(f"precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got {precision!r}")
-    if precision == "bf16" and not device.supports_bf16:
-        raise OptionError(f"{device.name} has no bf16 support; use precision='fp16' (with a GradScaler) or 'auto'")
-    return (cast(Precision, precision),)  # one of DTYPES, checked above
 
 
 def _signature(module: torch.nn.Module, call: UnitCall) -> tuple:
@@ -199,7 +192,7 @@ def _measure_unit(
 ) -> UnitCost:
     tracker = LiveBytesTracker(device)
     planned = PlannedForward(module, choice)
-    outer = torch.autocast("cpu", dtype=DTYPES[rest], cache_enabled=False) if rest != "fp32" else contextlib.nullcontext()
+    outer = kind(rest).running(module, "cpu")  # fake CPU tensors stand in for the target's
     for param in module.parameters():
         param.grad = None
     with fake_mode, as_the_target_runs(device), tracker:
@@ -256,12 +249,12 @@ def _measure_unit(
 
 
 def _measure_options(module, call: UnitCall, precisions, rest: Precision, device: Device, fake_mode: FakeTensorMode, menu_size: int,
-                     host_bandwidth: float = 0.0):
-    """Every choice of one unit measured: the three modes × precisions, their host twins when a host link is
-    given (`profile.offload`), then its menu points (with their policies in words)."""
+                     host: HostMemory | None = None):
+    """Every choice of one unit measured: the three modes × precisions, their host twins when offload is
+    allowed (`axes.placement`), then its menu points (with their policies in words)."""
     costs, refused = measure_or_refuse(unit_choices(precisions), lambda choice: _measure_unit(module, call, choice, rest, device, fake_mode))
-    if host_bandwidth > 0:
-        costs |= measure_host_twins(costs, lambda twin: _measure_unit(module, call, twin, rest, device, fake_mode), host_bandwidth)
+    if host is not None:
+        costs |= measure_host_twins(costs, lambda twin: _measure_unit(module, call, twin, rest, device, fake_mode), host.bandwidth)
     points = {}
     for precision in precisions if menu_size > 0 and not refused else ():
         for point in _menu(module, call, precision, device, fake_mode, menu_size):
@@ -293,7 +286,8 @@ def unit_choices(precisions: tuple[Precision, ...]) -> list[Choice]:
     return [Choice(mode, precision) for precision in precisions for mode in MODES]
 
 
-def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth=0.0) -> list[UnitProfile]:
+def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say,
+                   host: HostMemory | None = None) -> list[UnitProfile]:
     """Every unit alone under every choice; identical units (class, parameter and input shapes) measured once."""
     measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, PolicyWords], str]] = {}
     units_by_name = {unit.name: unit for unit in base}
@@ -304,7 +298,7 @@ def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fak
         key = _signature(module, call)
         if key not in measured:
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
-            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size, host_bandwidth)
+            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size, host)
         params = list(module.parameters())
         costs, policies, refused = measured[key]
         units.append(UnitProfile(unit, costs, base[unit], unique_storage_bytes(params), layout_of(params), policies, refused))
@@ -324,7 +318,7 @@ def profile(
     compile: bool = False,
     loop: TrainingLoop | None = None,
     fuse_loss: bool = True,
-    offload: bool = False,
+    host: HostMemory | None = None,
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
@@ -336,8 +330,8 @@ def profile(
     `loop` is the training loop the timeline simulates (default: the common loop); a unit alone
     costs the same in any loop. `fuse_loss`: the output head's cross-entropy may be fused;
     `alternative` is then the step the other way, for the solve to plan too (`profile.simulation`).
-    `offload`: keep and full may also hold their saved tensors in host memory, priced by the device's
-    host link (`profile.offload`); ignored for a device without one (the CPU).
+    `host`: offload allowed: keep and full may also hold their saved tensors in host memory, priced by
+    its host link (`axes.placement`).
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
@@ -349,34 +343,21 @@ def profile(
     timeline_mode = new_fake_mode(traced.routing, traced.draws)
     timelines = base_timelines(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
                                fake_mode=timeline_mode, loop=loop, fuse_loss=fuse_loss)
-    timeline, reference = timelines.timeline, timelines.reference
-
     fake_mode = new_fake_mode(traced.routing, traced.draws)
     model = simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(device) if compile else device
-    host_bandwidth = device.host_bandwidth if offload else 0.0
-    units = _profile_units(model, timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host_bandwidth)
+    units = _profile_units(model, timelines.timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host)
     in_units = {id(p) for unit in units for p in unit_module(model, unit.unit).parameters()}
     return Profile(
-        model_name=type(traced.model).__name__,
-        device=device,
-        optimizer=optimizer_name(optimizer),
-        rest_precision=rest,
-        timeline=timeline,
-        reference=reference,
-        alternative=timelines.alternative,
-        units=tuple(units),
-        trace_method=traced.method,
-        skip_edges=traced.skip_edges,
+        model_name=type(traced.model).__name__, device=device, optimizer=optimizer_name(optimizer), rest_precision=rest,
+        timeline=timelines.timeline, reference=timelines.reference, alternative=timelines.alternative, units=tuple(units),
+        trace_method=traced.method, skip_edges=traced.skip_edges,
         time_source="roofline, compiled (elementwise fused)" if compile else "roofline",
         rest_param_layout=layout_of(p for p in model.parameters() if id(p) not in in_units),
         buffer_bytes=unique_storage_bytes(list(model.buffers())),
         routing="; ".join(filter(None, (timeline_mode.routing_note(), timeline_mode.unused_capacity_note(traced.routing)))),
-        routing_assumed=timeline_mode.routing_assumed(),
-        loop=loop,
-        offload=host_bandwidth > 0,
-        batch_reads=timeline_mode.values.batch_reads(),
-        random_reads=timeline_mode.values.random_reads,
+        routing_assumed=timeline_mode.routing_assumed(), loop=loop,
+        batch_reads=timeline_mode.values.batch_reads(), random_reads=timeline_mode.values.random_reads,
     )
 
 

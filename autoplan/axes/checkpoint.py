@@ -1,0 +1,138 @@
+"""The checkpoint axis: what a unit keeps from its forward for its backward.
+
+- `keep`: everything its ops save (no checkpointing);
+- `selective`: some op outputs, recomputing the rest in backward: by the fixed rule every matmul,
+  convolution and attention output (and bitsandbytes' fused 4-bit matmul), or the op occurrences a
+  menu point names (`Choice.saves`, `profile.menu`);
+- `full`: only its inputs, recomputing its whole forward in backward.
+
+Any device runs every mode. A unit is checkpointed with `torch.utils.checkpoint` (non-reentrant;
+`planned.wrappers.PlannedForward` calls it), selective mode through torch's selective-checkpoint
+contexts with `OccurrencePolicy`. Recomputation is priced by measuring it (`profile.profiler`): the
+extra FLOPs and bytes of each mode's backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Literal
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from autoplan.axes import DeviceLike
+from autoplan.errors import OptionError
+from autoplan.instruments.quantized import is_quantized_matmul
+
+Mode = Literal["keep", "selective", "full"]
+
+MODES: tuple[Mode, ...] = ("keep", "selective", "full")  # the order of rewriting: keep changes nothing
+CHECKPOINTED: frozenset[str] = frozenset({"selective", "full"})  # the modes that recompute in backward
+
+
+class CheckpointAxis:
+    """The `ChoiceAxis` of checkpoint modes (`Choice.mode`)."""
+
+    field = "mode"
+
+    def values(self) -> tuple[Mode, ...]:
+        return MODES
+
+    def check(self, value: object) -> Mode:
+        if value not in MODES:
+            raise OptionError(f"unknown checkpoint mode {value!r}; expected one of {MODES}")
+        return MODES[MODES.index(value)]  # the member, as its Literal type
+
+    def unsupported(self, value: str, device: DeviceLike) -> str:
+        return ""  # checkpointing is torch's own, on any device
+
+    def rewriting(self, value: str) -> int:
+        return MODES.index(self.check(value))
+
+    def words(self, value: str) -> str:
+        return value
+
+
+CHECKPOINT = CheckpointAxis()
+
+
+def checkpointed(mode: str) -> bool:
+    """Whether `mode` recomputes in backward."""
+    return mode in CHECKPOINTED
+
+
+# Selective mode keeps the outputs of these (expensive to recompute, cheap to store relative to
+# their cost) and recomputes everything else: norms, activations, dropout, casts, adds. bitsandbytes'
+# fused 4-bit matmul is one of them too (instruments.quantized.is_quantized_matmul), and the fused attention kernels.
+_SAVED_IN_SELECTIVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.convolution.default,
+}
+
+
+# The fused attention kernels, one name for a policy: a plan made for a GPU (flash or efficient
+# kernel) names the same op as the CPU's flash kernel when it is applied and run on the CPU.
+_FUSED_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def op_name(func) -> str:
+    """How a menu names an aten op: its overload packet, "aten.mm" (occurrences add "#0", "#1", ...);
+    "aten.sdpa" for any fused attention kernel."""
+    return "aten.sdpa" if func in _FUSED_ATTENTION else str(func.overloadpacket)
+
+
+def can_save(func) -> bool:
+    """Whether a policy may keep this op's output: not an in-place op or a view (their outputs alias
+    an input, which recomputation restores for free and which a later in-place op may change)."""
+    schema = func._schema
+    return not schema.is_mutable and all(ret.alias_info is None for ret in schema.returns)
+
+
+class OccurrencePolicy:
+    """A selective-checkpoint policy that tells ops apart by type and occurrence.
+
+    torch's selective checkpointing asks the policy once per op of the forward (the recomputation
+    replays the cached outputs by the same per-op count), so one counter per op type numbers
+    the ops exactly as a profiled forward of the unit numbered them. `saves` None is the fixed
+    rule (every matmul/conv/attention output). `observer`, if given, sees every op with its name
+    and output (the menu builder records a unit's ops through it).
+    """
+
+    def __init__(self, saves: tuple[str, ...] | None, observer=None) -> None:
+        self.saves = None if saves is None else frozenset(saves)
+        self.observer = observer
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        name = op_name(func)
+        index = self.counts.get(name, 0)
+        self.counts[name] = index + 1
+        occurrence = f"{name}#{index}"
+        if self.observer is not None:
+            self.observer(occurrence, func, args, kwargs, ctx.op_output)
+        saved = (func in _SAVED_IN_SELECTIVE or func in _FUSED_ATTENTION or is_quantized_matmul(func)) if self.saves is None else occurrence in self.saves and can_save(func)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts(saves: tuple[str, ...] | None, observer=None) -> Callable[[], tuple]:
+    """The `context_fn` that makes `torch.utils.checkpoint` selective: a fresh policy per checkpointed call,
+    whose counters number this forward's ops from 0 (the fixed rule's is one function, whoever asks)."""
+    if saves is None and observer is None:
+        return _fixed_rule_contexts
+    return functools.partial(_occurrence_contexts, saves, observer)
+
+
+def _fixed_rule_contexts():
+    return create_selective_checkpoint_contexts(OccurrencePolicy(None))
+
+
+def _occurrence_contexts(saves, observer):
+    return create_selective_checkpoint_contexts(OccurrencePolicy(saves, observer))

@@ -1,0 +1,175 @@
+"""plan()'s options (`inputs.options.PlanOptions`) checked into the values the stages take: `settle`.
+
+- `StepOptions`: the training step the peak is for: the optimizer whose state is counted, the
+  loss, the loop, and how data-dependent expert routing is profiled;
+- `SearchSpace`: which choices the solver may make: precisions, pins, each unit's menu of
+  selective policies, segments, compile pricing, the fused loss head, and offload (`HostMemory`:
+  the host link and how much pinned host memory it may use, or None);
+- `Settings`: those two, the device, and how the search runs (GPUs, where times come from, the
+  solver's time limit, the reserve read once).
+
+Settled once when a Planner is made, every option checked there with an `OptionError` that names
+the option and what it takes, and passed down whole instead of a list of keywords; what the solve
+stage needs for one budget is its `SolveRequest`. No torch at import: the command line checks some
+options here before it loads torch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+
+from autoplan.axes.precision import check_setting
+from autoplan.errors import OptionError
+from autoplan.inputs.budget import read_reserve
+from autoplan.inputs.devices import Device, get_device
+from autoplan.inputs.loop import TrainingLoop, check_loop
+from autoplan.inputs.options import PlanOptions
+from autoplan.mesh import MAX_RANKS
+from autoplan.vocabulary.sizes import Size, parse_size
+
+if TYPE_CHECKING:  # annotations only: the command line checks its options here before torch is imported
+    import torch
+
+    from autoplan.axes.placement import HostMemory
+
+    from autoplan.instruments.routing import MoeRoutingBound
+
+PROFILE_SOURCES = ("auto", "measure", "roofline")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The training step the peak is for."""
+
+    optimizer: str | torch.optim.Optimizer
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    loop: TrainingLoop
+    routing: MoeRoutingBound  # how experts whose routing decides shapes are profiled
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which choices the solver may make."""
+
+    precision: str  # "auto" (per unit) or one for every unit
+    keep_fp32: list[str] | None  # unit patterns pinned to fp32
+    checkpoint: list[str] | Mapping[str, str] | None  # unit patterns pinned to a checkpoint mode
+    menu_size: int  # selective policies of each unit's own, per precision
+    segments: bool  # runs of consecutive blocks as one region; off with compile
+    compile: bool  # recomputing FLOP-free ops priced as free (Inductor fuses them)
+    fuse_loss: bool  # the output head's cross-entropy fused; off with compile and with FSDP
+    host: HostMemory | None = None  # offload: keep/full units may hold what they save in this pinned host memory
+
+
+def flag(name: str, value: Any) -> bool:
+    """A yes/no option, which must be a bool: `fuse_loss="no"` would otherwise read as True."""
+    if not isinstance(value, bool):
+        raise OptionError(f"{name} takes True or False; got {value!r}")
+    return value
+
+
+def check_time_limit(time_limit_s: float) -> float:
+    if not (isinstance(time_limit_s, numbers.Real) and not isinstance(time_limit_s, bool) and 0 < time_limit_s < math.inf):
+        raise OptionError(f"time_limit_s (--time-limit on the command line) must be a positive number of seconds; got {time_limit_s!r}")
+    return float(time_limit_s)
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        listed = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+        raise OptionError(f"{name} must be {listed}; got {value!r}")
+    return value
+
+
+def check_menu_size(menu_size: Any) -> int:
+    if isinstance(menu_size, bool) or not isinstance(menu_size, numbers.Integral) or menu_size < 0:
+        raise OptionError(f"menu_size takes a whole number ≥ 0 (0: keep/selective/full only); got {menu_size!r}")
+    return int(menu_size)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """plan()'s options, checked, in the holders the stages take."""
+
+    device: Device
+    step: StepOptions
+    space: SearchSpace
+    ranks: int | Literal["auto"]  # GPUs under FSDP2, or "auto": the fewest that fit
+    profile: str  # where unit times come from: "auto", "measure" or "roofline"
+    time_limit_s: float  # per solve
+    reserve: Size | None  # as given, read once (None: the default reserve); taken in bytes with each budget
+    allow_over_device: bool
+
+
+def settle(options: PlanOptions) -> Settings:
+    """Every option checked, before minutes of tracing and profiling; the budget is checked by each plan()."""
+    from autoplan.instruments.routing import check_moe_capacity  # torch: not for the command line's early checks
+
+    check_optimizer(options.optimizer)
+    step = StepOptions(options.optimizer, options.loss_fn, check_loop(options.loop), check_moe_capacity(options.moe_capacity))
+    device = get_device(options.device)
+    space = search_space(options, device)
+    ranks: int | Literal["auto"] = "auto" if options.world_size == "auto" else check_world_size(options.world_size)
+    return Settings(device, step, space, ranks, check_choice("profile", options.profile, PROFILE_SOURCES),
+                    check_time_limit(options.time_limit_s), read_reserve(options.reserve),
+                    flag("allow_over_device", options.allow_over_device))
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """An optimizer whose state plan() can count: a name it knows, or a torch.optim.Optimizer."""
+    from autoplan.training.step_parts import optimizer_name  # torch
+
+    try:
+        optimizer_name(optimizer)
+    except ValueError as error:
+        raise OptionError(f"optimizer (--optimizer on the command line): {error}") from None
+
+
+def search_space(options: PlanOptions, device: Device) -> SearchSpace:
+    """The checked search space; segments, the fused head and offload off where they cannot apply."""
+    compile = flag("compile", options.compile)
+    return SearchSpace(
+        precision=check_setting(options.precision, device),  # a precision this device runs
+        keep_fp32=options.keep_fp32,
+        checkpoint=options.checkpoint,
+        menu_size=check_menu_size(options.menu_size),
+        segments=flag("segments", options.segments) and not compile,  # a segment's region runs eagerly between compiled graphs
+        compile=compile,
+        fuse_loss=flag("fuse_loss", options.fuse_loss) and not compile and options.world_size == 1,
+        host=_host_memory(options.offload, host_budget_bytes(options.host_budget), device, sharded=options.world_size != 1),
+    )
+
+
+def _host_memory(offload: bool | None, budget_bytes: int, device: Device, *, sharded: bool) -> HostMemory | None:
+    """Offload as one value: the host link and the memory it may fill, where it is allowed (`axes.placement`)."""
+    from autoplan.axes.placement import HostMemory, offload_allowed  # torch: the offload hooks live there too
+
+    return HostMemory(budget_bytes, device.host_bandwidth) if offload_allowed(offload, device, sharded) else None
+
+
+HOST_BUDGET_SHARE = 0.5  # default host budget: this share of this machine's RAM
+
+
+def host_budget_bytes(host_budget: str | int | None) -> int:
+    """The pinned host memory offloading may use: a size, a share of this machine's RAM ("40%"), or by
+    default half of it (pinned memory cannot be swapped, and the data loader and the OS need the rest)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host_budget is None:
+        return int(ram * HOST_BUDGET_SHARE)
+    return parse_size(host_budget, ram, allow_zero=True, what="host budget (--host-budget)",
+                      fail=lambda reason: OptionError(f"host_budget: {reason}; e.g. '64GB' or '50%' of this machine's RAM"))
+
+
+def check_world_size(world_size: object, option: str = "world_size") -> int:
+    """`option`: the name the person gave it by, "--world-size" on the command line (where auto is unquoted)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise OptionError(f"world_size must be a whole number of GPUs, at least 1 (or \"auto\"); got {world_size!r}")
+    if world_size > MAX_RANKS:
+        auto = "auto" if option.startswith("--") else '"auto"'
+        raise OptionError(f"{option} {world_size:,} is more GPUs than FSDP shards over (at most {MAX_RANKS:,}): give the "
+                          f"number of GPUs you will train on, or {auto} for the fewest that fit")
+    return world_size

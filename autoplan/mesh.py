@@ -1,0 +1,80 @@
+"""Parallelism as a mesh: the devices one plan is for, a dimension per way the work is split across them.
+
+A `Mesh` is a tuple of dimensions, each a number of ranks and a `Strategy` that says what each rank
+holds along it: its share of the parameters, gradients and optimizer state, and of the batch. One
+device is the empty mesh. Today there is one strategy, FSDP's full sharding (`FSDP`, the `world_size`
+option: parameters, gradients and optimizer state 1/N each, rows padded to a multiple of N; each rank
+trains its own batch); the memory model prices it (`memory.sharded`) and the world-size search walks
+its dimension (`solve.worlds`). Tensor parallelism would be a second dimension with a strategy of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from autoplan.errors import OptionError
+
+Share = Literal["shard", "whole"]  # a rank's part along a dimension: 1/N (rows padded to a multiple of N), or all of it
+Batch = Literal["own", "same"]  # each rank trains a batch of its own (data parallel), or every rank the same one
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What each rank of a dimension holds."""
+
+    name: str  # "fsdp"
+    state: Share  # parameters, gradients and optimizer state
+    batch: Batch  # the batch, and so the activations
+
+
+FSDP = Strategy("fsdp", state="shard", batch="own")  # torch's fully_shard (FSDP2): every dimension of N ranks shards the state
+
+MAX_RANKS = 65_536  # above any FSDP job run so far; a larger number is a typo, and the search would plan for it
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    """One dimension of the mesh: `size` ranks, each holding what `strategy` says."""
+
+    size: int
+    strategy: Strategy
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or not 1 <= self.size <= MAX_RANKS:
+            raise OptionError(f"a mesh dimension is a whole number of ranks from 1 to {MAX_RANKS:,}; got {self.size!r}")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The devices a plan is for; `Mesh()` is one device, `Mesh.fsdp(8)` FSDP over 8."""
+
+    dims: tuple[MeshDim, ...] = ()
+
+    @staticmethod
+    def fsdp(ranks: int) -> Mesh:
+        """FSDP over `ranks` devices (one device: no FSDP, the empty mesh)."""
+        return Mesh() if ranks == 1 else Mesh((MeshDim(ranks, FSDP),))
+
+    @property
+    def size(self) -> int:
+        """Devices in all: what `world_size` counts."""
+        return math.prod(dim.size for dim in self.dims)
+
+    @property
+    def shards(self) -> int:
+        """Into how many parts each rank's parameters, gradients and optimizer state are split (1: whole on each)."""
+        return math.prod(dim.size for dim in self.dims if dim.strategy.state == "shard")
+
+    def along(self, strategy: Strategy) -> int:
+        """Ranks along `strategy`'s dimension (1 where the mesh has none)."""
+        return math.prod(dim.size for dim in self.dims if dim.strategy == strategy)
+
+    def resized(self, strategy: Strategy, size: int) -> Mesh:
+        """This mesh with `strategy`'s dimension at `size` ranks (added, or dropped at 1): a step of the world-size search."""
+        kept = tuple(dim for dim in self.dims if dim.strategy != strategy)
+        return Mesh(kept + ((MeshDim(size, strategy),) if size > 1 else ()))
+
+    def __str__(self) -> str:
+        return " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims) or "one device"

@@ -1,0 +1,185 @@
+"""The same inputs give the same plans: the zoo planned now equals the zoo planned before a refactoring.
+
+`tests/end_to_end/plans_before.json` holds, for every model of `tests/models.py` (ALL_MODELS) and
+every structure of `tests/structures.py`, the plans made at commit 88cb73e (before the options
+schema, the request value and the choice-axis modules): on the CPU at a budget halfway between
+the lowest peak and no plan and below the lowest peak, and for a GPU target (a100-80gb, offload
+allowed, bf16 per unit); a few models also under FSDP (world_size 2 and "auto"), with pins, a
+forced precision, compile pricing and the loss as written. Each plan is held as a digest of
+`plan.to_dict()` less its wall times (every field counts), beside what a failure names first: whether
+it fits, its peaks and step time, and each unit's choice. A change that means to change plans records
+the fixture again and says why:
+
+    python -m tests.end_to_end.test_same_plans   # rewrites plans_before.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import autoplan
+from autoplan.errors import ProfileError, TraceError
+from tests.models import ALL_MODELS
+from tests.structures import STRUCTURES
+
+FIXTURE = Path(__file__).with_name("plans_before.json")
+ROOT = Path(__file__).resolve().parents[2]
+WALL_TIMES = ("solve_time_s",)  # the only fields a second run on the same machine may change
+HOST_BUDGET = "1GB"  # given, not this machine's RAM: the fixture holds on any machine
+GPU = "a100-80gb"
+THREADS = 1  # as every test under pytest-xdist runs (tests/conftest.py)
+
+Build = Callable[[], tuple[Any, Any]]
+
+
+def _zoo() -> dict[str, Build]:
+    zoo: dict[str, Build] = {f"models:{name}": build for name, build in sorted(ALL_MODELS.items())}
+    zoo |= {f"structures:{s.name}": s.build for s in STRUCTURES}
+    return zoo
+
+
+def _inputs(example: Any) -> dict[str, Any]:
+    """A builder's inputs as plan()'s example_inputs (a dict of keyword arguments stays one)."""
+    return {"example_inputs": example}
+
+
+def _comparable(plan: autoplan.Plan) -> dict[str, Any]:
+    """The plan's digest (its whole JSON document but the wall times), and the figures a failure names."""
+    document = plan.to_dict()
+    for key in WALL_TIMES:
+        document.pop(key)
+    digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+    return {"digest": digest, "feasible": plan.feasible, "peaks": [document[key] for key in PEAKS],
+            "step_time_s": document["predicted_step_time_s"], "world_size": document["world_size"],
+            "choices": [f"{unit['name']}: {_choice(unit)}" for unit in document["units"]]}
+
+
+PEAKS = ("predicted_peak_bytes", "simulated_peak_bytes", "minimum_peak_bytes", "baseline_peak_bytes")
+
+
+def _choice(unit: dict[str, Any]) -> str:
+    saves = "" if unit["saves"] is None else f"[{len(unit['saves'])} saved]"
+    return f"{unit['mode']}{saves}/{unit['precision']}/{unit['placement']}"
+
+
+def _sweep(build: Build, **options: Any) -> dict[str, Any]:
+    """Plans at three budgets from one profile: no limit, halfway between the floor and no plan, under the floor;
+    or the class of the error planning raised (the same inputs raise the same)."""
+    try:
+        return _three_budgets(build, **options)
+    except (ProfileError, TraceError) as error:
+        return {"budgets": [], "plans": [], "error": type(error).__name__}
+
+
+def _three_budgets(build: Build, **options: Any) -> dict[str, Any]:
+    model, example = build()
+    planner = autoplan.Planner(model, **_inputs(example), reserve=0, **options)
+    loose = planner.plan(2**30 if options.get("device") == "cpu" else "100%")  # not this machine's RAM: any machine
+    floor, baseline = loose.prediction.minimum_peak_bytes, loose.prediction.baseline_peak_bytes
+    halfway = floor + (baseline - floor) // 2
+    under = max(1, floor - max(1, floor // 50))
+    return {"budgets": [halfway, under],
+            "plans": [_comparable(loose), _comparable(planner.plan(halfway)), _comparable(planner.plan(under))]}
+
+
+def _variants() -> dict[str, Callable[[], dict[str, Any]]]:
+    """Each case: a name and the plans it makes."""
+    cases: dict[str, Callable[[], dict[str, Any]]] = {}
+    for name, build in _zoo().items():
+        # the structures as tests/handmade.py plans them (fp32: oneDNN's LSTM has no bf16 kernel on every CPU)
+        cpu = {"precision": "fp32"} if name.startswith("structures:") else {}
+        cases[f"{name} | cpu"] = lambda build=build, cpu=cpu: _sweep(build, device="cpu", **cpu)
+        cases[f"{name} | {GPU}"] = lambda build=build: _sweep(build, device=GPU, host_budget=HOST_BUDGET)
+    tiny_gpt, residual = ALL_MODELS["tiny_gpt"], ALL_MODELS["residual_mlp"]
+    cases["models:tiny_gpt | fsdp 2"] = lambda: _sweep(tiny_gpt, device=GPU, world_size=2)
+    cases["models:residual_mlp | fsdp auto"] = lambda: _fsdp_auto(residual)
+    cases["models:tiny_gpt | pins"] = lambda: _sweep(tiny_gpt, device=GPU, host_budget=HOST_BUDGET,
+                                                      checkpoint={"transformer.h.0": "full"}, keep_fp32=["transformer.h.1"])
+    cases["models:tiny_gpt | fp16 on t4"] = lambda: _sweep(tiny_gpt, device="t4", precision="fp16", host_budget=HOST_BUDGET)
+    cases["models:tiny_gpt | compile"] = lambda: _sweep(tiny_gpt, device=GPU, compile=True, offload=False)
+    cases["models:tiny_gpt | loss as written"] = lambda: _sweep(tiny_gpt, device="cpu", fuse_loss=False, segments=False,
+                                                               menu_size=0, optimizer="sgd")
+    return cases
+
+
+def _fsdp_auto(build: Build) -> dict[str, Any]:
+    """world_size="auto" under a budget one GPU cannot meet: the fewest GPUs, and the curve on the way."""
+    model, example = build()
+    one = autoplan.plan(model, "100%", **_inputs(example), device=GPU, reserve=0, offload=False)
+    budget = int(one.prediction.minimum_peak_bytes * 0.8)
+    model, example = build()
+    plan = autoplan.plan(model, budget, **_inputs(example), device=GPU, reserve=0, world_size="auto")
+    return {"budgets": [budget], "plans": [_comparable(plan)]}
+
+
+# Planned in a process of their own: the stacked LSTM's plans depend on what the process ran before (a second plan of
+# the same model in one process peaks 256 bytes apart; oneDNN's kernel is run for real, `instruments.rnn`)
+FRESH_PROCESS = ("structures:stacked nn.LSTM with residuals",)
+
+
+def _planned(case: str) -> dict[str, Any]:
+    if not case.startswith(FRESH_PROCESS):
+        return _variants()[case]()
+    code = (f"import json, torch; torch.set_num_threads({THREADS}); from tests.end_to_end import test_same_plans as t; "
+            f"print(json.dumps(t._variants()[{case!r}]()))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1200, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def record() -> None:
+    torch.set_num_threads(THREADS)
+    plans = {name: _planned(name) for name in _variants()}
+    FIXTURE.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
+
+
+def _recorded() -> dict[str, Any]:
+    return json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """oneDNN's LSTM workspace (`instruments.rnn`, read off a real call) depends on the thread count: plan with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case", sorted(_variants()))
+def test_the_same_inputs_give_the_same_plans(case):
+    if "transformers" in case:
+        pytest.importorskip("transformers")
+    before = _recorded()[case]
+    now = _planned(case)
+    assert now.get("error") == before.get("error"), case
+    assert now["budgets"] == before["budgets"], case
+    for index, (was, is_now) in enumerate(zip(before["plans"], now["plans"])):
+        summary = {key: value for key, value in is_now.items() if key != "digest"}
+        assert summary == {key: value for key, value in was.items() if key != "digest"}, \
+            f"{case}: plan {index} changed: {_first_change(was, is_now)}"
+        assert is_now["digest"] == was["digest"], f"{case}: plan {index} changed in a field of to_dict() the summary leaves out"
+
+
+def _first_change(was: Any, now: Any, path: str = "") -> str:
+    """Where two plan documents first differ, for the failure message."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        for key in sorted(set(was) | set(now)):
+            if was.get(key, "<absent>") != now.get(key, "<absent>"):
+                return _first_change(was.get(key, "<absent>"), now.get(key, "<absent>"), f"{path}.{key}")
+    if isinstance(was, list) and isinstance(now, list) and len(was) == len(now):
+        for index, (a, b) in enumerate(zip(was, now)):
+            if a != b:
+                return _first_change(a, b, f"{path}[{index}]")
+    return f"{path or 'the plan'}: {was!r} then, {now!r} now"
+
+
+if __name__ == "__main__":
+    sys.exit(record())

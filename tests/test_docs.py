@@ -1,0 +1,65 @@
+"""The options tables in the docs are the schema's: docs/api.md's from `PlanOptions`, docs/command-line.md's
+from the flags `autoplan plan` takes. Each table stands between a `<!-- table: ... -->` line and
+`<!-- end of table -->`; an option added, renamed or re-documented in `autoplan/inputs/options.py`
+changes the table, and this test fails until the docs are written again:
+
+    python -m tests.test_docs   # rewrites both tables
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from autoplan.cli.app import plan_command
+from autoplan.cli.flags import options_table
+from autoplan.inputs.options import api_table
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+_TABLE = re.compile(r"(<!-- table: [^\n]*-->\n)(.*?)(<!-- end of table -->)", re.S)
+
+TABLES: dict[str, Callable[[], str]] = {
+    "api.md": api_table,
+    "command-line.md": lambda: options_table(plan_command),
+}
+
+
+def written_table(text: str, name: str) -> str:
+    """The one generated table of a docs page."""
+    found = _TABLE.findall(text)
+    assert len(found) == 1, f"docs/{name} should hold one '<!-- table: ... -->' block, holds {len(found)}"
+    return found[0][1]
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_the_docs_table_is_the_schemas(name):
+    assert written_table((DOCS / name).read_text(), name) == TABLES[name](), (
+        f"docs/{name}'s options table differs from the schema's: run `python -m tests.test_docs`")
+
+
+def test_the_tables_name_every_option():
+    # the check above would pass on two empty tables: the schema's own names must be rows of them
+    from dataclasses import fields
+
+    from autoplan.inputs.options import PlanOptions
+
+    api = api_table()
+    assert all(f"| `{option.name}` |" in api for option in fields(PlanOptions))
+    command_line = options_table(plan_command)
+    for flag in ("`--budget`", "`--world-size N`", "`--offload` / `--no-offload`", "`--host-budget SIZE`"):
+        assert flag in command_line
+
+
+def write_tables() -> None:
+    for name, table in TABLES.items():
+        path = DOCS / name
+        text = path.read_text()
+        written_table(text, name)
+        path.write_text(_TABLE.sub(lambda match: match.group(1) + table() + match.group(3), text))
+
+
+if __name__ == "__main__":
+    write_tables()
