@@ -68,13 +68,15 @@ class AllocatorCount:
     """
 
     def __init__(self, resident: Any = ()) -> None:
-        self.resident_bytes = resident_bytes(resident)
+        self._resident_blocks = resident_blocks(resident)
+        self.resident_bytes = sum(self._resident_blocks.values())
         self._resident_storages = _storage_refs(resident)
         self._profile: torch.profiler.profile | None = None
         self._stretches: list[CountedStretch] | None = None
         self._marks = 0
         self.host_peak_bytes = 0  # most bytes of offloaded activations' host copies held at once
         self.host_bytes = 0  # those held when counting ended
+        self.late_frees = 0  # blocks whose free went unreported, found when their address was handed out again
 
     def __enter__(self) -> "AllocatorCount":
         self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
@@ -121,6 +123,7 @@ class AllocatorCount:
         in_use = self.resident_bytes
         labels, starts, peaks = ["start"], [in_use], [in_use]
         counted: dict[int, int] = {}  # address of a block in use -> the bytes it counts
+        resident = dict(self._resident_blocks)  # blocks from before counting: their frees are never reported
         host: dict[int, int] = {}  # the same for offloaded activations' host copies
         host_in_use = 0
         for node in _in_time_order(roots):
@@ -135,6 +138,11 @@ class AllocatorCount:
                 host_in_use += host[address]
                 self.host_peak_bytes = max(self.host_peak_bytes, host_in_use)
             elif size > 0:
+                # an address made again while its block still counts: that block was freed where the profiler does
+                # not listen (another thread: gloo's collectives drop their buffers in theirs)
+                # (or freed, made before counting, where the allocator reports no free: FSDP2's resized storages)
+                self.late_frees += address in counted or address in resident
+                in_use -= counted.pop(address, 0) + resident.pop(address, 0)
                 counted[address] = 0 if _host_only(node) else _rounded(size)
                 in_use += counted[address]
                 peaks[-1] = max(peaks[-1], in_use)
@@ -230,13 +238,18 @@ def _in_time_order(roots) -> list:
 def resident_bytes(roots: Any) -> int:
     """Bytes of the distinct storages reachable from `roots` (a model, a batch, an optimizer), each rounded
     up to 512 B: parameters, buffers, and any tensor an attribute holds (a quantized layer's state)."""
-    seen: dict[tuple[int, int], int] = {}
+    return sum(resident_blocks(roots).values())
+
+
+def resident_blocks(roots: Any) -> dict[int, int]:
+    """The CPU blocks behind the storages reachable from `roots`: address -> rounded bytes."""
+    seen: dict[int, int] = {}
     for tensor in _reachable_tensors(roots):
         storage = tensor.untyped_storage()
         if storage.device.type != "cpu" or storage.nbytes() == 0:
             continue
-        seen[(storage.data_ptr(), storage.nbytes())] = _rounded(storage.nbytes())
-    return sum(seen.values())
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), _rounded(storage.nbytes()))
+    return seen
 
 
 def _storage_refs(roots: Any) -> list[weakref.ref]:

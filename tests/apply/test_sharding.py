@@ -191,13 +191,14 @@ def test_call_sites_of_one_module_are_one_fsdp_group_in_the_plan(shared_two_rank
 
 
 @distributed
-def test_fsdp_with_call_sites_trains_like_one_process_and_fits_its_prediction(shared_two_ranks) -> None:
+def test_fsdp_with_call_sites_trains_like_one_process_and_meets_its_prediction(shared_two_ranks) -> None:
     _, ranks = shared_two_ranks
     plan = ranks[0]["plan"]
     modes = {unit["name"]: unit["mode"] for unit in plan["units"]}
     assert "keep" in modes.values() and set(modes.values()) - {"keep"}  # FSDP composed with per-call checkpointing
-    for rank in ranks:
-        assert rank["plan"]["feasible"] and rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"], rank["peak_bytes"]
+    for rank in ranks:  # within 5%, not at most: on gloo the allocator's count is an upper bound (verify/fsdp.py)
+        predicted = rank["plan"]["predicted_peak_bytes"]
+        assert rank["plan"]["feasible"] and abs(rank["peak_bytes"] - predicted) <= 0.05 * predicted, (rank["peak_bytes"], predicted)
     model = apply_choices(shared_block(), {Unit.from_name(name): Choice(mode, "fp32") for name, mode in modes.items()})
     batch = torch.cat([shared_batch(rank)[0] for rank in (0, 1)])
     reference = one_process_losses(model, lambda: model(batch).sum() / 2)  # FSDP averages the ranks' gradients of their sums
