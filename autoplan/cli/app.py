@@ -209,7 +209,7 @@ def verify_command(target: str = VERIFY_TARGET, cli: CommandLine = None) -> None
     """Plan TARGET, then train real steps of the planned model and measure whether the plan held.
 
     On a GPU the budget is enforced and the peak is torch.cuda.max_memory_allocated; on the CPU it is
-    the live tensor bytes of the real run. Exit code 0 when it held, 9 when it did not.
+    the real run as the CPU allocator counts it (verify/allocator.py). Exit code 0 when it held, 9 when it did not.
     """
     out, err = Console(highlight=False), Console(file=sys.stderr)
     with reported(cli.debug):
