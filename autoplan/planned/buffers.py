@@ -8,12 +8,16 @@ activations, and the gradients, differ from the forward's.
 
 `BufferWrites` keeps a unit's buffers as if it ran once. Before each forward that may be recomputed it
 copies the buffers the unit writes (which ones, it learns on the unit's first forward, when it copies
-them all once: those whose version counter moved, and a BatchNorm's running statistics, which its
-kernel writes without moving it); the recomputation then runs on those copies, the
+them all once: those whose version counter moved); the recomputation then runs on those copies, the
 values the forward saw, and its writes land in them, which are dropped after: the module's own buffers
 end the step updated once. The copies are made outside the checkpointed function, so they are
 ordinary tensors of the step (the simulation counts them as the real step holds them) and selective
 checkpointing sees no extra op when it replays the forward.
+
+A BatchNorm (or InstanceNorm) in training is known, not copied: its outputs do not read its running
+statistics, so its recomputation runs with momentum 0 (the kernel then writes each statistic back
+unchanged) and its `num_batches_tracked` is stepped back after. Nothing is held from forward to
+backward for it, as nothing is when a person checkpoints it by hand.
 
 Not covered: a Python attribute that is not a registered buffer (`self.calls: int`), a buffer that
 the first forward leaves alone and a later one writes, and a native kernel other than BatchNorm's
@@ -28,6 +32,7 @@ from typing import Iterator
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 @dataclass
@@ -66,7 +71,8 @@ class BufferWrites:
         """Copy what this forward may write; None when it writes nothing (known from an earlier forward)."""
         if self.written == ():
             return None
-        buffers = self._buffers(self.written)
+        known = self._running_statistics()
+        buffers = self._buffers(None if self.written is None else [key for key in self.written if key not in known])
         with torch.no_grad():
             return BufferSnapshot({key: buffer.detach().clone() for key, buffer in buffers.items()},
                                   {key: buffer._version for key, buffer in buffers.items()})
@@ -79,26 +85,36 @@ class BufferWrites:
         # not by value: the simulation's buffers are fake tensors, and both must copy the same buffers
         self.written = tuple(key for key, buffer in buffers.items()
                              if buffer._version != snapshot.versions[key] or key in self._running_statistics())
-        for key in set(snapshot.copies) - set(self.written):
+        for key in set(snapshot.copies) - (set(self.written) - self._running_statistics()):
             del snapshot.copies[key]
 
     @contextlib.contextmanager
     def recomputing(self, snapshot: BufferSnapshot | None) -> Iterator[None]:
-        """Run the recomputation on the forward's copies; the module's buffers are left as they are."""
-        if snapshot is None or not snapshot.copies:
+        """Run the recomputation on the forward's copies, BatchNorms with momentum 0; the module's buffers are
+        left as they are."""
+        if snapshot is None:
             yield
             return
-        swapped = {}
+        norms = [self.owners[key] for key, name in self.written or () if name == "num_batches_tracked"
+                 and (key, name) in self._running_statistics()]
+        swapped, momenta = {}, [norm.momentum for norm in norms]
         for (key, name), copy in snapshot.copies.items():
             owner = self.owners[key]
             swapped[(key, name)] = owner._buffers[name]
             owner._buffers[name] = copy
+        for norm in norms:
+            norm.momentum = 0.0  # None (a cumulative average) would read num_batches_tracked: 0 writes nothing either
         try:
             yield
         finally:
             for (key, name), buffer in swapped.items():
                 self.owners[key]._buffers[name] = buffer
             snapshot.copies.clear()  # a recomputation runs once; the copies go now, not with the graph
+            for norm, momentum in zip(norms, momenta):
+                norm.momentum = momentum
+                # outside every mode: selective checkpointing replays only the forward's ops, and this allocates nothing
+                with _disable_current_modes(), torch.no_grad():
+                    norm.num_batches_tracked.sub_(1)
 
 
 def has_buffers(module: torch.nn.Module) -> bool:

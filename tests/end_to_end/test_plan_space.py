@@ -52,34 +52,22 @@ def check_structure(structure: Structure) -> None:
         assert any(f"the best of {len(levels)} levels" in note for note in row.plan.notes)
 
 
-# Found by the allocator's count (issue 36), open: on these the memory model ranks checkpointing every unit below
-# the by-hand choice (U-Net: all eight units full measures 2,121,216 B, exactly as predicted, while the five blocks
-# by hand, upsamplers and head kept, measure 2,115,072 B), so the floor misses a lower plan the space holds.
-FLOOR_MISSED = pytest.mark.xfail(strict=True, reason="the floor's search misses the by-hand choice (issue 36, open)")
-_MISSED = {"U-Net with skips", "transformers ResNet"}
-
-
-def _params(structures: list[Structure]) -> list:
-    return [pytest.param(s, id=s.name, marks=[FLOOR_MISSED] if s.name in _MISSED else []) for s in structures]
-
-
 PLAIN = [s for s in STRUCTURES if not s.needs_transformers]
 MOE = [s for s in STRUCTURES if "moe" in s.tags]
 HF = [s for s in STRUCTURES if s.needs_transformers]
 
 
-@pytest.mark.parametrize("structure", _params(PLAIN))
+@pytest.mark.parametrize("structure", PLAIN, ids=lambda s: s.name)
 def test_never_worse_than_checkpointing_every_block_by_hand_and_trains_the_same(structure):
     check_structure(structure)
 
 
-@pytest.mark.parametrize("structure", _params(HF))
+@pytest.mark.parametrize("structure", HF, ids=lambda s: s.name)
 def test_transformers_models_never_worse_than_by_hand(structure):
     pytest.importorskip("transformers")
     assert_never_worse_than_by_hand(compare_with_plan(structure))
 
 
-@FLOOR_MISSED  # the second generated tree: floor 183,296 B, by hand 181,760 B
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True, phases=[Phase.explicit, Phase.generate])
 @given(module_trees())
 def test_generated_trees_never_worse_than_by_hand_and_train_the_same(spec):
