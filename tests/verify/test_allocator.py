@@ -75,3 +75,28 @@ def test_mark_outside_the_block_is_an_error():
         count.mark("x")
     with pytest.raises(RuntimeError, match="read after"):
         count.stretches()
+
+
+def _freed_in_another_thread(tensor_list: list) -> None:
+    # the profiler listens on the threads it was started in: a free in a thread of one's own is not reported
+    # (gloo drops FSDP2's buffers so)
+    import threading
+
+    worker = threading.Thread(target=tensor_list.clear)
+    worker.start()
+    worker.join()
+
+
+def test_a_mark_that_says_what_is_held_drops_frees_the_allocator_never_reported():
+    counts = []
+    for held in (None, 0):
+        with AllocatorCount() as count:
+            holder = [torch.empty(2**18)]  # 1 MiB
+            _freed_in_another_thread(holder)
+            count.mark("after", held_bytes=held)
+            small = torch.empty(256)  # 1 KiB
+            del small
+        counts.append(count.stretches()[-1])
+    unsaid, said = counts
+    assert unsaid.start_bytes >= 2**20  # the free went unreported: the block still counts
+    assert said.start_bytes == 0 and said.peak_bytes == 1024
