@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
@@ -95,9 +95,10 @@ class BufferWrites:
         if snapshot is None:
             yield
             return
-        norms = [self.owners[key] for key, name in self.written or () if name == "num_batches_tracked"
+        norms = [cast(_NormBase, self.owners[key]) for key, name in self.written or () if name == "num_batches_tracked"
                  and (key, name) in self._running_statistics()]
-        swapped, momenta = {}, [norm.momentum for norm in norms]
+        swapped: dict[tuple[int, str], torch.Tensor | None] = {}
+        momenta = [norm.momentum for norm in norms]
         for (key, name), copy in snapshot.copies.items():
             owner = self.owners[key]
             swapped[(key, name)] = owner._buffers[name]
@@ -114,7 +115,7 @@ class BufferWrites:
                 norm.momentum = momentum
                 # outside every mode: selective checkpointing replays only the forward's ops, and this allocates nothing
                 with _disable_current_modes(), torch.no_grad():
-                    norm.num_batches_tracked.sub_(1)
+                    cast(torch.Tensor, norm.num_batches_tracked).sub_(1)
 
 
 def has_buffers(module: torch.nn.Module) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from autoplan.memory.model import predict_peak
 from autoplan.solve.ilp import minimum_peak
 from autoplan.solve.search import resolve_slack, search
-from tests.solve.test_ilp import synthetic_chain
+from tests.solve.test_ilp import asked, synthetic_chain
 
 MIB = 2**20
 
@@ -22,14 +22,14 @@ def test_feasibility_is_monotonic_when_the_simulation_rejects_every_solve():
     """The 8-bit LoRA base's sweep: at a budget above the floor every solved plan simulated over it, the re-solves
     ran out, and the plan said DOES NOT FIT, while the lowest-peak choices (which fit a smaller budget) fit here too."""
     profile = synthetic_chain(6)
-    floor = minimum_peak(profile).choices
+    floor = minimum_peak(profile, asked()).choices
     floor_peak = predict_peak(profile, floor).bytes
     simulate = _simulation_erring_above_the_model_except_at_the_floor(profile, floor, error=40 * MIB)
     keep_peak = predict_peak(profile, {u.name: u.base for u in profile.units}).bytes
     feasible = []
     for step in range(10):
         budget = floor_peak + (keep_peak - floor_peak) * step // 9
-        result = search(profile, budget, simulate=simulate)
+        result = search(profile, asked(budget), simulate=simulate)
         feasible.append(result.feasible)
         assert not result.feasible or result.simulated_peak_bytes <= budget
     assert all(feasible), feasible  # the floor fits every budget from the floor up
@@ -37,10 +37,10 @@ def test_feasibility_is_monotonic_when_the_simulation_rejects_every_solve():
 
 def test_a_resolve_lands_below_the_last_plan_by_what_the_model_missed():
     profile = synthetic_chain(6)
-    floor = minimum_peak(profile).choices
+    floor = minimum_peak(profile, asked()).choices
     keep_peak = predict_peak(profile, {u.name: u.base for u in profile.units}).bytes
     error = 3 * MIB
-    result = search(profile, keep_peak, simulate=_simulation_erring_above_the_model_except_at_the_floor(profile, floor, error))
+    result = search(profile, asked(keep_peak), simulate=_simulation_erring_above_the_model_except_at_the_floor(profile, floor, error))
     assert result.feasible and result.simulated_peak_bytes <= keep_peak
     assert result.choices != dict(floor)  # a plan between the floor and no plan, found by tightening by the error
 
