@@ -16,14 +16,14 @@ inside, cuBLAS and cuDNN workspaces, is not modelled; docs/how-it-works.md).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 from typing import Any, NamedTuple
 
 import torch
 import torch.profiler
 from torch.utils._python_dispatch import _disable_current_modes
+
+from autoplan.vocabulary.descriptors import silenced
 
 GRANULE = 512  # blocks count as the CUDA allocator rounds them, as every byte of the simulation does
 
@@ -93,7 +93,7 @@ def _measured(func, signature: tuple, threads: int) -> int:
     with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
         args = tuple(_real(value) for value in positional)
         kwargs = {name: _real(value[0]) for name, value in keywords}
-        with _quiet_stderr():
+        with silenced(2):
             profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
             with profile:
                 out = func(*args, **kwargs)
@@ -121,14 +121,3 @@ def _block_sizes(profile) -> list[int]:
 _SCALAR_BYTES = 16
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """kineto prints its start and stop lines to the process's file descriptor 2."""
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

@@ -13,10 +13,7 @@ peak instead; an infeasible budget is reported with it, never raised.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -24,6 +21,7 @@ from typing import Callable, Mapping
 import pulp
 
 from autoplan.errors import OptionError, SolverTimeoutError
+from autoplan.vocabulary.descriptors import silenced
 from autoplan.memory.model import (
     HOLDING,
     Point,
@@ -214,13 +212,14 @@ def _run(problem: pulp.LpProblem, time_limit_s: float) -> bool:
     """Solve; True when the solver holds a feasible answer. Running out of time without one is an error."""
     solver = _solver(time_limit_s)
     try:
-        with _silent_stdout():
+        # highspy prints its banner from C++ to fd 1 whatever msg=False says: `autoplan plan --json -` stays JSON
+        with silenced(1):
             problem.solve(solver)
     except pulp.PulpSolverError:
         if isinstance(solver, pulp.HiGHS):
             raise
         # CBC without preprocessing has crashed on some infeasible programs: ask again with defaults
-        with _silent_stdout():
+        with silenced(1):
             problem.solve(_solver(time_limit_s, preprocess=True))
     if isinstance(solver, pulp.HiGHS) and problem.status == pulp.LpStatusOptimal and not _highs_holds_solution(problem):
         # pulp reads HiGHS's "time limit" as integer-feasible even when it found no solution at all
@@ -228,28 +227,6 @@ def _run(problem: pulp.LpProblem, time_limit_s: float) -> bool:
     if problem.status == pulp.LpStatusNotSolved:
         raise SolverTimeoutError(time_limit_s)
     return problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-
-
-@contextlib.contextmanager
-def _silent_stdout():
-    """File descriptor 1 on the null device while the solver runs.
-
-    highspy (1.16) prints its banner from C++ straight to fd 1 whatever `msg=False` says, so
-    `autoplan plan --json -` would not be JSON; redirecting `sys.stdout` would not reach it.
-    """
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no fd 1 (a detached process): nothing to keep clean
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _highs_holds_solution(problem: pulp.LpProblem) -> bool:

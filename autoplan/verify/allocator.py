@@ -28,11 +28,8 @@ malloc), and an allocation on a thread the profiler does not follow.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import re
-import sys
 import types
 import weakref
 from dataclasses import dataclass
@@ -43,6 +40,7 @@ import torch.profiler
 from torch._C._profiler import RecordScope
 
 from autoplan.instruments.host import HOST_ALLOCATIONS
+from autoplan.vocabulary.descriptors import silenced
 
 GRANULE = 512  # the CUDA caching allocator's smallest block: max_memory_allocated counts blocks of 512 B
 
@@ -82,7 +80,7 @@ class AllocatorCount:
     def __enter__(self) -> "AllocatorCount":
         self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         made_before = torch.empty(1)
-        with _quiet_stderr():  # kineto prints its start and stop lines to the process's stderr
+        with silenced(2):  # kineto prints its start and stop lines to the process's stderr
             self._profile.__enter__()
             # c10 warns once a process when a block made before counting is freed; have it warn here, unheard
             del made_before
@@ -90,7 +88,7 @@ class AllocatorCount:
 
     def __exit__(self, *exc: Any) -> None:
         assert self._profile is not None
-        with _quiet_stderr():
+        with silenced(2):
             self._profile.__exit__(*exc)
         recorded = self._profile.profiler
         results = recorded.kineto_results if recorded is not None else None
@@ -309,19 +307,3 @@ def _tensor_attributes(tensor: torch.Tensor) -> list[Any]:
     return list(held.values()) if held else []
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Send what C++ writes to file descriptor 2 nowhere for a moment; Python's own stderr is untouched."""
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    try:
-        sys.stderr.flush()
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
