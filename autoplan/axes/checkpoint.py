@@ -14,10 +14,12 @@ extra FLOPs and bytes of each mode's backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Literal
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autoplan.axes import DeviceLike
@@ -103,21 +105,22 @@ class OccurrencePolicy:
     replays the cached outputs by the same per-op count), so one counter per op type numbers
     the ops exactly as a profiled forward of the unit numbered them. `saves` None is the fixed
     rule (every matmul/conv/attention output). `observer`, if given, sees every op with its name
-    and output (the menu builder records a unit's ops through it).
+    and output (the menu builder records a unit's ops through it), through `_ObservedOps`: torch
+    before 2.12 asks the policy before the op runs, with no output to show.
     """
 
     def __init__(self, saves: tuple[str, ...] | None, observer=None) -> None:
         self.saves = None if saves is None else frozenset(saves)
         self.observer = observer
         self.counts: dict[str, int] = {}
+        self.asked: tuple[str, object] | None = None  # the occurrence the policy was last asked about, and its op
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         name = op_name(func)
         index = self.counts.get(name, 0)
         self.counts[name] = index + 1
         occurrence = f"{name}#{index}"
-        if self.observer is not None:
-            self.observer(occurrence, func, args, kwargs, ctx.op_output)
+        self.asked = (occurrence, func)
         saved = (func in _SAVED_IN_SELECTIVE or func in _FUSED_ATTENTION or is_quantized_matmul(func)) if self.saves is None else occurrence in self.saves and can_save(func)
         return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -135,4 +138,31 @@ def _fixed_rule_contexts():
 
 
 def _occurrence_contexts(saves, observer):
-    return create_selective_checkpoint_contexts(OccurrencePolicy(saves, observer))
+    policy = OccurrencePolicy(saves, observer)
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if observer is None:
+        return forward, recompute
+    return _observed(forward, policy), recompute
+
+
+@contextlib.contextmanager
+def _observed(forward: contextlib.AbstractContextManager, policy: OccurrencePolicy):
+    with forward, _ObservedOps(policy):  # entered last, so it sees each op first and its output last
+        yield
+
+
+class _ObservedOps(TorchDispatchMode):
+    """Shows the policy's observer each op it was asked about, with the op's output."""
+
+    def __init__(self, policy: OccurrencePolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.policy.asked = None
+        out = func(*args, **kwargs)
+        asked = self.policy.asked
+        if asked is not None and asked[1] is func:
+            self.policy.observer(asked[0], func, args, kwargs, out)
+        return out

@@ -19,19 +19,20 @@ import math
 from typing import Any, Callable
 
 import torch
-from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+import torch.utils.flop_counter as flop_counter
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 aten = torch.ops.aten
 
 
 def _sdpa_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
     """Kernels whose schema starts (query, key, value), all [batch, heads, tokens, head_dim]."""
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
 
 
 def _sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
     """Backward kernels whose schema starts (grad_out, query, key, value)."""
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
 def _cudnn_forward(query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, *args, out_val=None, **kwargs) -> int:
@@ -61,7 +62,7 @@ def _multi_head_attention(query, key, value, embed_dim, num_head, *args, out_val
     head_dim = embed_dim // num_head
     projections = 2 * batch * (2 * q_tokens + 2 * k_tokens) * embed_dim * embed_dim  # q and output: Tq rows; k and v: Tk rows
     q_shape, kv_shape = (batch, num_head, q_tokens, head_dim), (batch, num_head, k_tokens, head_dim)
-    return projections + sdpa_flop_count(q_shape, kv_shape, kv_shape)
+    return projections + flop_counter.sdpa_flop_count(q_shape, kv_shape, kv_shape)
 
 
 def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps,
@@ -89,8 +90,34 @@ def _formulas() -> dict[str, Callable[..., int]]:
     }
 
 
+def _with_key_value_heads_of_the_query(count: Callable[..., int]) -> Callable[..., int]:
+    """torch's count over shapes (..., query, key, value) with key and value given the query's heads: the
+    same FLOPs torch 2.12+ counts for grouped-query attention (every query head multiplies)."""
+    def counted(*shapes):
+        *before, query, key, value = shapes
+        key, value = ((s[0], query[1], *s[2:]) for s in (key, value))
+        return count(*before, query, key, value)
+    counted.grouped_query = True  # type: ignore[attr-defined]
+    return counted
+
+
+def _count_grouped_query_attention() -> None:
+    """torch before 2.12 asserts that key/value have the query's heads, so a transformers model with
+    grouped-query attention (which calls SDPA with enable_gqa) fails to profile on a CUDA target; there the
+    counter's two shape functions, which its registered kernels' formulas call by name, are given the key
+    and value heads of the query. Newer torch counts such shapes itself and is left alone."""
+    if getattr(flop_counter.sdpa_flop_count, "grouped_query", False):
+        return
+    try:
+        flop_counter.sdpa_flop_count((1, 2, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1))
+    except AssertionError:
+        flop_counter.sdpa_flop_count = _with_key_value_heads_of_the_query(flop_counter.sdpa_flop_count)
+        flop_counter.sdpa_backward_flop_count = _with_key_value_heads_of_the_query(flop_counter.sdpa_backward_flop_count)
+
+
 def register_attention_flops() -> None:
     """Add the formulas above to torch's flop registry; an op torch counts already (or lacks) is left alone."""
+    _count_grouped_query_attention()
     for name, formula in _formulas().items():
         packet: Any = getattr(aten, name, None)
         if packet is not None and packet not in flop_registry:

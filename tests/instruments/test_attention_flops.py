@@ -187,3 +187,25 @@ def test_training_flex_attention_on_cpu_fakes_is_a_clean_error_naming_the_cause(
     with warnings.catch_warnings(), pytest.raises(autoplan.errors.ProfileError, match="FlexAttention does not support backward on CPU"):
         warnings.simplefilter("ignore")
         autoplan.plan(_AttentionStack(_FlexBlock), "1GB", example_inputs=(torch.randn(2, 64, 64),), device="h100-80gb")
+
+
+def test_a_torch_whose_counter_rejects_grouped_query_shapes_counts_them_as_every_query_head(monkeypatch):
+    """torch before 2.12 asserts key/value have the query's heads (seen on torch 2.11 on an H100: a transformers
+    Llama with 8 key/value heads for 16 query heads failed to profile); the counter is given the query's heads."""
+    import torch.utils.flop_counter as flop_counter
+    from autoplan.instruments import attention_flops
+
+    def strict(count):
+        def checked(*shapes):
+            *_, query, key, value = shapes
+            assert query[1] == key[1] == value[1], "sdpa_flop_count: query/key/value shapes are incompatible"
+            return count(*shapes)
+        return checked
+
+    whole = flop_counter.sdpa_flop_count((2, 8, 64, 16), (2, 8, 64, 16), (2, 8, 64, 16))
+    whole_backward = flop_counter.sdpa_backward_flop_count((2, 8, 64, 16), (2, 8, 64, 16), (2, 8, 64, 16), (2, 8, 64, 16))
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(flop_counter.sdpa_flop_count))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(flop_counter.sdpa_backward_flop_count))
+    attention_flops._count_grouped_query_attention()
+    assert flop_counter.sdpa_flop_count((2, 8, 64, 16), (2, 2, 64, 16), (2, 2, 64, 16)) == whole
+    assert flop_counter.sdpa_backward_flop_count((2, 8, 64, 16), (2, 8, 64, 16), (2, 2, 64, 16), (2, 2, 64, 16)) == whole_backward
