@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = {"context": 40, "saved": 60, "bert": 100, "verify": 220, "tests": 50, "bert_expandable": 40}  # seconds each may take
+PARTS = {"context": 40, "saved": 60, "bert": 100, "verify": 220, "tests": 50, "bert_expandable": 40, "blame": 240}  # seconds each may take
 PART_ENV = {"bert_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 
 
