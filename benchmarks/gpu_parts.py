@@ -67,13 +67,13 @@ def part_context(out: Path, smoke: bool) -> None:
 
 def saved_by(run: Callable[[], object], known: list[torch.Tensor]) -> dict:
     """The storages autograd saves while `run()` runs, less the inputs' and parameters' own."""
-    skip = {t.untyped_storage().data_ptr() for t in known}
+    skip = {t.untyped_storage()._cdata for t in known}  # the storage itself: fake tensors' data pointers are all 0
     seen: dict[int, tuple[str, list[int], int]] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip and storage.data_ptr() not in seen:
-            seen[storage.data_ptr()] = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), storage.nbytes())
+        if storage._cdata not in skip and storage._cdata not in seen:
+            seen[storage._cdata] = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), storage.nbytes())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -97,7 +97,8 @@ def op_cases(device: torch.device, smoke: bool) -> dict[str, Callable[[], tuple[
 
     def module(make: Callable[[], nn.Module], *shape: int):
         def build():
-            layer, x = make().to(device), leaf(*shape)
+            layer, x = make(), leaf(*shape)
+            layer = layer if device.type == "cpu" else layer.to(device)
             return (lambda: layer(x)), [x, *layer.parameters(), *layer.buffers()]
         return build
 
@@ -117,7 +118,7 @@ def op_cases(device: torch.device, smoke: bool) -> dict[str, Callable[[], tuple[
         return (lambda: F.cross_entropy(logits, target)), [logits]
 
     def embedding():
-        table = nn.Embedding(vocab, d).to(device)
+        table = nn.Embedding(vocab, d, device=device)
         ids = torch.randint(0, vocab, (b, t), device=device)
         return (lambda: table(ids)), [*table.parameters()]
 
@@ -158,7 +159,8 @@ def _bert_layer(device: torch.device, smoke: bool, dropout: float, attention: st
         size = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64) if smoke else {}
         config = BertConfig(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **size)
         config._attn_implementation = attention
-        layer = BertLayer(config).to(device).train()
+        layer = BertLayer(config)
+        layer = (layer if device.type == "cpu" else layer.to(device)).train()
         x = torch.randn(2 if smoke else 4, 16 if smoke else 512, config.hidden_size, device=device, requires_grad=True)
 
         def run():

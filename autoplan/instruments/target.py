@@ -2,8 +2,8 @@
 
 A plan for a GPU is simulated on fake CPU tensors (fake `device="cuda"` tensors abort a CPU-only
 torch in autograd), so where the CPU would pick other kernels than the card, the card's are
-stood in for: SDPA's kernel (`instruments.attention`) and CUDA autocast's fp32 ops
-(`instruments.cuda_autocast`). The optimizer's implementation is the target's already
+stood in for: SDPA's kernel (`instruments.attention`), CUDA autocast's fp32 ops
+(`instruments.cuda_autocast`) and the fused dropout with its 1-byte mask (`instruments.cuda_dropout`). The optimizer's implementation is the target's already
 (`TrainingLoop.optimizer_implementation`).
 """
 
@@ -14,6 +14,7 @@ from typing import Iterator
 
 from autoplan.instruments.attention import TargetAttention
 from autoplan.instruments.cuda_autocast import CudaAutocastRules
+from autoplan.instruments.cuda_dropout import CudaDropout
 
 
 class TargetKernels:
@@ -27,7 +28,7 @@ class TargetKernels:
         kernels = " and ".join(kernel.value for kernel in self.attention.kernels)
         attention = f"attention by the {kernels} kernel{'s' if len(self.attention.kernels) > 1 else ''}, " if kernels else ""
         return (f"simulated as a CUDA card of compute capability {major}.{minor} runs the step: {attention}autocast with "
-                "CUDA's fp32 ops (layer_norm, softmax, ...), on CPU tensors standing in for the card's")
+                "CUDA's fp32 ops (layer_norm, softmax, ...), dropout's 1-byte masks, on CPU tensors standing in for the card's")
 
 
 @contextlib.contextmanager
@@ -37,5 +38,5 @@ def as_the_target_runs(device) -> Iterator[TargetKernels | None]:
     if capability is None:
         yield None
         return
-    with TargetAttention(capability) as attention, CudaAutocastRules():
+    with TargetAttention(capability) as attention, CudaAutocastRules(), CudaDropout():
         yield TargetKernels(attention)
