@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.gpu_training import part_bert, part_bert_expandable, part_blame, part_verify  # noqa: F401  (found by name)
 
 CONTEXT_PROBE = r"""
 import json, torch, torch.nn.functional as F, pynvml

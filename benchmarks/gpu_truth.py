@@ -16,9 +16,16 @@ one part is written down and does not stop the others:
   floor and no plan, and the unconstrained plan's step beside the planned one.
 - ``tests``: the tests that need CUDA.
 - ``bert_expandable``: three of bert's configurations with ``expandable_segments:True``.
+- ``blame``: for each verify model, allocated memory phase by phase of a real step and the blocks alive at
+  its peak with the Python line that allocated them, next to the plan's own JSON.
 
     python benchmarks/gpu_truth.py --out DIR [--parts context,saved,...] [--budget-s 420]
     python benchmarks/gpu_truth.py --smoke --out DIR   # the same code on this CPU, tiny sizes
+    python benchmarks/gpu_truth.py --tables benchmarks/results/h100_2026-11-27   # the tables of a run kept here
+
+On a lent GPU the device tool's command was (pulp, highspy and bitsandbytes carried as unpacked wheels
+in `.site`, which `.git/info/exclude` ignores):
+``export PYTHONPATH=$PWD/.site:$PWD; python3 benchmarks/gpu_truth.py --out /tmp/gt --budget-s 500``.
 
 Nothing is downloaded: every model is built from a config with random weights.
 """
@@ -44,13 +51,19 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--budget-s", type=float, default=440.0, help="all parts together")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the code runs")
+    parser.add_argument("--tables", help="print the tables of a folder of results (benchmarks/results/...) and stop")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # a child process runs one part
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part:
+        from benchmarks import gpu_blame, gpu_parts, gpu_training
+        module = next(m for m in (gpu_parts, gpu_training, gpu_blame) if hasattr(m, f"part_{args.part}"))
+        getattr(module, f"part_{args.part}")(out, args.smoke)
+        return
+    if args.tables:
         from benchmarks import gpu_parts
-        getattr(gpu_parts, f"part_{args.part}")(out, args.smoke)
+        print(gpu_parts.tables(Path(args.tables)))
         return
     start = time.monotonic()
     for part in args.parts.split(","):

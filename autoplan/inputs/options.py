@@ -164,7 +164,8 @@ class PlanOptions:
     checkpoint: list[str] | Mapping[str, str] | None = _option(None, "pins: unit patterns that must be checkpointed (`full`), or "
                                                                "`{pattern: \"selective\"}`.")
     reserve: str | int | None = _option(None, "bytes held back from the budget. Default: 512 MiB CUDA context + 5% of the rest for "
-                                        "allocator fragmentation — **estimates, not yet calibrated on a GPU** (issue #5). `reserve=0` plans "
+                                        "allocator fragmentation — **estimates, too small on the one GPU measured** (an H100: CUDA context 764 MiB "
+                                        "once cuBLAS, cuDNN and attention ran; reserved up to 19% above allocated; docs/BENCHMARKS.md). `reserve=0` plans "
                                         "the peak right up to the budget; a reserve as large as the budget is a `ValueError`.", Flag(
         ("--reserve",), 'Bytes held back from the budget, e.g. "1GB" or 0. Default: CUDA context + 5% fragmentation.',
         "bytes held back from the budget (`1GB`, `0`); default CUDA context + 5%", metavar="SIZE"))
