@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.gpu_training import MODELS, _device, _write
 
+
 def _phase_peaks(model: Any, batch: Any, plan: Any, device: torch.device, steps: int = 3) -> list[dict]:
     """Per step: allocated before the forward, the forward's peak, after it, the backward's peak, the step's."""
     import autoplan
