@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -160,7 +161,6 @@ def part_bert(out: Path, smoke: bool) -> None:
 
 def part_bert_expandable(out: Path, smoke: bool) -> None:
     """Three of the configurations again with `expandable_segments` (set before CUDA starts)."""
-    import os
     assert "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "run with expandable_segments"
     _bert_configs(out, smoke, "bert_expandable", ("batch 4", "batch 4, checkpointing, fp16", "batch 4, Adafactor"))
 
@@ -261,8 +261,9 @@ def part_verify(out: Path, smoke: bool) -> None:
     device = _device(smoke)
     rows: dict[str, Any] = {}
     traces: dict[str, list] = {}
+    only = [name for name in os.environ.get("GPU_TRUTH_MODELS", "").split(",") if name]  # name prefixes, to rerun a few
     for name, build in MODELS.items():
-        if smoke and name.startswith("4-bit"):
+        if (smoke and name.startswith("4-bit")) or (only and not any(name.startswith(prefix) for prefix in only)):
             continue  # bitsandbytes 4-bit on a CPU target is planned by the CPU suite; here only CUDA's
         gc.collect()
         if device.type == "cuda":

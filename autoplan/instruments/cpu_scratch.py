@@ -10,8 +10,9 @@ every mode, on zeros with the call's shapes, strides and dtypes, under torch's p
 memory reports on, and the most bytes the op held above what it returned are its scratch. Cached per
 signature; ops that draw random numbers or whose work depends on the values are never run.
 
-For a GPU target the CPU's kernels are not the card's: there this is not asked (what CUDA kernels hold
-inside, cuBLAS and cuDNN workspaces, is not modelled; docs/how-it-works.md).
+For a GPU target the CPU's kernels are not the card's: there this is not asked. What a CUDA matmul copies
+of an operand cuBLAS cannot read in place is counted by `instruments.cuda_matmul`; cuBLAS's and cuDNN's
+workspaces are not modelled (docs/how-it-works.md).
 """
 
 from __future__ import annotations

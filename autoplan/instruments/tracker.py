@@ -21,6 +21,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoplan.instruments.attention_flops import register_attention_flops
 from autoplan.instruments.cpu_scratch import scratch_bytes
+from autoplan.instruments.cuda_matmul import operand_copy_bytes
 from autoplan.instruments.rnn import register_rnn_flops
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
 from autoplan.instruments.quantized import hidden_temporary_bytes, load_bitsandbytes_backends, register_quantized_flops
@@ -73,6 +74,7 @@ class LiveBytesTracker(TorchDispatchMode):
         register_rnn_flops()
         self.device = device
         self.cpu_kernels = runs_cpu_kernels(device)  # the target is this CPU: its kernels' scratch counts
+        self.cuda_kernels = _device_kind(device) == "cuda"  # a GPU target: its matmuls' operand copies count
         self.allow_tf32 = allow_tf32
         self.live_bytes = 0
         self.host_bytes = 0  # pinned host copies of offloaded activations alive now
@@ -130,6 +132,8 @@ class LiveBytesTracker(TorchDispatchMode):
         hidden = hidden_temporary_bytes(func, args, kwargs)
         if self.cpu_kernels and not moving_over_the_link():
             hidden += scratch_bytes(func, args, kwargs)
+        elif self.cuda_kernels:
+            hidden += operand_copy_bytes(func, args, kwargs)  # the card copies what cuBLAS cannot read in place
         current = self._phases[-1]
         current.peak_bytes = max(current.peak_bytes, (live_before if in_place else self.live_bytes) + hidden)
         if (created or flop_key(func) in flop_registry) and not moving_over_the_link():
@@ -219,8 +223,11 @@ def is_gradient_sum(func, args, kwargs, out) -> bool:
 
 def runs_cpu_kernels(device) -> bool:
     """Whether the rates are a CPU's (a Device of kind "cpu", or one wrapped as FusedElementwiseRates)."""
-    kind = getattr(device, "kind", None) or getattr(getattr(device, "device", None), "kind", None)
-    return kind == "cpu"
+    return _device_kind(device) == "cpu"
+
+
+def _device_kind(device) -> str | None:
+    return getattr(device, "kind", None) or getattr(getattr(device, "device", None), "kind", None)
 
 
 def flop_key(func):
