@@ -187,6 +187,8 @@ def _run_steps(model, batch: tuple[tuple, dict], optimizer, loss_fn, steps: int,
     timer = Timer(device)
     # on the CPU, counted from before the first step: the allocator reports only what it allocates while counted
     count = None if cuda else AllocatorCount(resident=(model, batch, opt))
+    if cuda:  # what planning's own measurements left cached is not the step's: reserved is the step's alone
+        torch.cuda.empty_cache()
     times: list[float] = []
     step = 0
     try:
