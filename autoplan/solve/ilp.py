@@ -14,11 +14,34 @@ peak instead; an infeasible budget is reported with it, never raised.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-import pulp
+
+def _import_on_a_thread_of_its_own(name: str) -> None:
+    """Import `name` from a fresh thread's stack. pulp's solver modules (copt_api, cplex_api) keep the
+    exceptions of their failed library loads at import, tracebacks and all, and a traceback keeps every
+    frame of the stack that first imported pulp: imported from the caller's stack, the caller's locals
+    (a model, its batch, on a GPU too) were never freed. Seen on an H100: a first model's 610 MiB of
+    parameters stayed allocated through the next models' steps. A failed import is left to the import
+    below, which raises it where it is read."""
+    thread = threading.Thread(target=lambda: _quietly_import(name), daemon=True)
+    thread.start()
+    thread.join()
+
+
+def _quietly_import(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+
+
+_import_on_a_thread_of_its_own("pulp")
+import pulp  # noqa: E402  (imported above on a thread of its own; this binds it)
 
 from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.vocabulary.descriptors import silenced
