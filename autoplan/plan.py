@@ -148,10 +148,11 @@ class MemoryBreakdown:
     optimizer: int  # optimizer state (AdamW: two fp32 tensors per trainable parameter)
     activations: int  # tensors saved for backward and live inputs/outputs at the start of that phase
     transient: int  # what the running op sequence allocates on top, up to the peak
+    workspaces: int = 0  # what cuBLAS holds on a CUDA target from the first matmul on
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.transient
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.transient + self.workspaces
 
 
 @dataclass(frozen=True)

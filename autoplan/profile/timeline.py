@@ -24,6 +24,7 @@ from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GR
 from autoplan.units import Unit
 from autoplan.profile.recorder import Boundary, UnitCall, UnitRecorder
 from autoplan.instruments.target import as_the_target_runs
+from autoplan.instruments.cuda_workspaces import held_workspaces
 from autoplan.instruments.fake import FakeGradScaler, fake_tree
 from autoplan.training.runner import LoopRunner, StepHooks
 from autoplan.instruments.quantized import resident_tensors
@@ -66,6 +67,7 @@ class StaticBytes:
     gradients: int  # one gradient per trainable parameter
     optimizer: int  # optimizer state after a step
     inputs: int  # the example batch
+    workspaces: int = 0  # what cuBLAS holds on a CUDA target from the first matmul on (instruments.cuda_workspaces)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,8 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
         # transformers' mask shortcuts are decided on the real batch, before it is faked
         with real_mask_decisions(example_inputs), fake_mode, as_the_target_runs(device) as target, tracker:
             tracker.adopt(resident_tensors(model))
+            workspaces = held_workspaces(device)  # alive through the step, as the card's are
+            tracker.adopt(workspaces)
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = tensors_of((args, kwargs))
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
@@ -161,6 +165,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
                 gradients=unique_storage_bytes(graded),
                 optimizer=unique_storage_bytes(optimizer_state_tensors(opt)),
                 inputs=unique_storage_bytes(batch),
+                workspaces=unique_storage_bytes(workspaces),
             )
             # what the loop's variables still hold when the next step's forward runs
             alive = tracker.live_bytes

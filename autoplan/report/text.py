@@ -119,6 +119,8 @@ def _breakdown(plan: "Plan") -> Table:
         ("activations", b.activations),
         ("transient", b.transient),
     ]
+    if b.workspaces:
+        rows.append(("cuBLAS workspaces", b.workspaces))
     above = plan.prediction.peak_bytes - b.total
     if above > 0:
         rows.append(("simulated step above the memory model", above))

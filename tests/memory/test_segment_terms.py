@@ -113,7 +113,8 @@ def test_candidates_are_runs_the_model_calls_back_to_back():
 @pytest.mark.parametrize("fraction", [0.0, 0.3])
 def test_predicted_peak_of_mixed_plans_is_the_simulated_one(fraction):
     model, inputs = _chain(norm=True)
-    floor, _ = _floor(model, inputs)
+    # the target's own floor: a GPU target also holds cuBLAS's workspaces, which the CPU does not
+    floor = autoplan.plan(model, "10GB", example_inputs=inputs, device="a100-80gb", reserve=0, menu_size=0)
     budget = int(floor.prediction.minimum_peak_bytes + fraction * (floor.prediction.baseline_peak_bytes - floor.prediction.minimum_peak_bytes)) + 1
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="a100-80gb", reserve=0, menu_size=0)
     assert plan.outcome.feasible
