@@ -227,8 +227,8 @@ def test_slack_budget_offloads_nothing():
 
 @pytest.mark.slow  # the whole pipeline
 def test_offload_reaches_below_the_on_device_floor():
-    without = _plan("100MB", offload=False)
-    plan = _plan("100MB")
+    without = _plan("108MB", offload=False)
+    plan = _plan("108MB")
     assert not without.outcome.feasible and plan.outcome.feasible
     assert plan.prediction.minimum_peak_bytes < without.prediction.minimum_peak_bytes
     assert _offloaded(plan) and plan.prediction.host_peak_bytes == plan.prediction.simulated_host_peak_bytes > 0
@@ -237,8 +237,8 @@ def test_offload_reaches_below_the_on_device_floor():
 
 @pytest.mark.slow  # the whole pipeline
 def test_host_budget_binds():
-    assert not _plan("100MB", host_budget=0).outcome.feasible
-    plan = _plan("100MB", host_budget="5MB")
+    assert not _plan("108MB", host_budget=0).outcome.feasible
+    plan = _plan("108MB", host_budget="5MB")
     assert plan.outcome.feasible and 0 < plan.prediction.host_peak_bytes <= 5_000_000
 
 
@@ -262,7 +262,7 @@ def test_offload_is_refused_where_it_cannot_be():
 
 
 def test_report_json_and_advice_say_where_saved_bytes_live():
-    plan = _plan("100MB")
+    plan = _plan("108MB")
     text = plan.report()
     assert "in host memory" in text and "pinned host memory" in text
     data = plan.to_dict()
@@ -276,7 +276,7 @@ def test_command_line_turns_offload_off(tmp_path):
     factory = tmp_path / "net.py"
     factory.write_text(f"import sys\nsys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2])!r})\n"
                        "from tests.axes.test_placement import _net\n\ndef build():\n    model, x = _net()\n    return model, (x,)\n")
-    base = [sys.executable, "-P", "-c", "from autoplan.cli.app import app; app()", "plan", f"{factory}:build", "--budget", "100MB", "--device", "rtx-4090",
+    base = [sys.executable, "-P", "-c", "from autoplan.cli.app import app; app()", "plan", f"{factory}:build", "--budget", "108MB", "--device", "rtx-4090",
             "--precision", "fp32", "--reserve", "0", "--json", "-"]
     on = json.loads(subprocess.run(base, capture_output=True, text=True, check=True).stdout)
     off = subprocess.run([*base, "--no-offload"], capture_output=True, text=True)
