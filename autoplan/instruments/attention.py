@@ -20,12 +20,14 @@ internal workspaces are not counted.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
+
+from autoplan.instruments.dispatcher import composite_overridden
 
 _aten = torch.ops.aten
 
@@ -129,27 +131,24 @@ class TargetAttention:
 
     SDPA is a composite op: its CPU decomposition runs above the fake-tensor and tracker modes,
     and nested calls (nn.MultiheadAttention's) pass no Python hook a mode could see. So, while
-    entered, a Python kernel is registered over the composite one in torch's dispatcher (forward
-    and checkpoint recomputation alike run it); on exit it is removed and the op is as it was.
-    The override is process-wide for that time: plan one model at a time per process.
+    entered, a Python kernel is registered over the composite one in torch's dispatcher
+    (`instruments.dispatcher`; forward and checkpoint recomputation alike run it); on exit the op is as it was.
     """
 
     def __init__(self, capability: tuple[int, int]) -> None:
         self.capability = capability
         self.kernels: dict[AttentionKernel, None] = {}  # the kernels run, in the order first seen
-        self._library: torch.library.Library | None = None
+        self._override: contextlib.AbstractContextManager | None = None
 
     def __enter__(self) -> "TargetAttention":
-        with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
-            warnings.simplefilter("ignore")
-            self._library = torch.library.Library("aten", "IMPL")
-            self._library.impl("scaled_dot_product_attention", self.attention, "CompositeImplicitAutograd")
+        self._override = composite_overridden("scaled_dot_product_attention", self.attention)
+        self._override.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._library is not None:  # entered
-            self._library._destroy()  # the composite kernel registered before is the op's again
-        self._library = None
+        if self._override is not None:  # entered
+            self._override.__exit__(*exc)
+        self._override = None
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         kernel = choose_kernel(self.capability, query, key, value, attn_mask, is_causal)

@@ -4,15 +4,17 @@
 which saves a bool mask (1 byte an element) for backward; on a CPU tensor it runs bernoulli and a
 multiply, which save a mask in the input's dtype (4 bytes an element in fp32). Measured on an H100
 (benchmarks/results/h100_2026-11-27/saved.json): 2 MiB saved for a 4×512×1024 fp32 input on CUDA,
-8 MiB on the CPU. While `CudaDropout` is entered, the composite runs as CUDA's does, so the plan counts
-the card's mask. The override is process-wide for that time, as `instruments.attention`'s is.
+8 MiB on the CPU. While `cuda_dropout()` is entered, the composite runs as CUDA's does, so the plan counts
+the card's mask. The override is process-wide for that time (`instruments.dispatcher`).
 """
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 
 import torch
+
+from autoplan.instruments.dispatcher import composite_overridden
 
 
 def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
@@ -24,20 +26,6 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     return input.mul(torch.zeros((), dtype=input.dtype, device=input.device))  # p == 1: everything dropped
 
 
-class CudaDropout:
-    """Registers CUDA's dropout over the composite one in torch's dispatcher while entered."""
-
-    def __init__(self) -> None:
-        self._library: torch.library.Library | None = None
-
-    def __enter__(self) -> "CudaDropout":
-        with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
-            warnings.simplefilter("ignore")
-            self._library = torch.library.Library("aten", "IMPL")
-            self._library.impl("dropout", _dropout, "CompositeImplicitAutograd")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._library is not None:
-            self._library._destroy()
-        self._library = None
+def cuda_dropout() -> contextlib.AbstractContextManager:
+    """CUDA's dropout over the composite one in torch's dispatcher while entered."""
+    return composite_overridden("dropout", _dropout)

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from autoplan.instruments.attention import TargetAttention
 from autoplan.instruments.cuda_autocast import CudaAutocastRules
-from autoplan.instruments.cuda_dropout import CudaDropout
+from autoplan.instruments.cuda_dropout import cuda_dropout
 
 
 class TargetKernels:
@@ -38,5 +38,5 @@ def as_the_target_runs(device) -> Iterator[TargetKernels | None]:
     if capability is None:
         yield None
         return
-    with TargetAttention(capability) as attention, CudaAutocastRules(), CudaDropout():
+    with TargetAttention(capability) as attention, CudaAutocastRules(), cuda_dropout():
         yield TargetKernels(attention)

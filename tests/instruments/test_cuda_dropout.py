@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoplan.inputs.devices import get_device
-from autoplan.instruments.cuda_dropout import CudaDropout
+from autoplan.instruments.cuda_dropout import cuda_dropout
 from autoplan.instruments.target import as_the_target_runs
 from benchmarks.gpu_parts import op_cases, saved_by
 
@@ -45,7 +45,7 @@ def test_dropout_on_a_gpu_target_saves_a_bool_mask_and_on_the_cpu_one_in_the_inp
 def test_cuda_dropout_trains_as_dropout_does():
     torch.manual_seed(0)
     x = torch.randn(200, 50, requires_grad=True)
-    with CudaDropout():
+    with cuda_dropout():
         out = F.dropout(x, 0.25, True)
         assert F.dropout(x, 0.0, True) is x and F.dropout(x, 0.25, False) is x
         assert torch.count_nonzero(F.dropout(x, 1.0, True)) == 0
