@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_training import MODELS, _device, _write
+from benchmarks.gpu_training import MODELS, _device, write_json
 
 
 def _phase_peaks(model: Any, batch: Any, plan: Any, device: torch.device, steps: int = 3) -> list[dict]:
@@ -97,7 +97,7 @@ def part_blame(out: Path, smoke: bool) -> None:
             roomy = planner.plan("90%")
             plan = planner.plan((roomy.prediction.minimum_peak_bytes + roomy.prediction.baseline_peak_bytes) // 2)
             rows[name] = {"plan": json.loads(plan.to_json()), "phases": _phase_peaks(model, batch, plan, device)}
-            _write(out, "blame", rows)
+            write_json(out, "blame", rows)
             if device.type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="alloc", stacks="python")
                 _phase_peaks(model, batch, plan, device, steps=2)
@@ -109,5 +109,5 @@ def part_blame(out: Path, smoke: bool) -> None:
         except Exception as error:
             import traceback
             rows[name] = {**rows.get(name, {}), "error": f"{type(error).__name__}: {error}"[:600], "where": traceback.format_exc()[-1500:]}
-        _write(out, "blame", rows)
+        write_json(out, "blame", rows)
         del model

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from benchmarks.gpu_training import mib, training_tables, write_json
+
 
 CONTEXT_PROBE = r"""
 import json, torch, torch.nn.functional as F, pynvml
@@ -44,14 +46,10 @@ print(json.dumps({"stages": stages, "total": total, "nvml_total": pynvml.nvmlDev
 """
 
 
-def write(out: Path, name: str, data: object) -> None:
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
-
-
 def part_context(out: Path, smoke: bool) -> None:
     """NVML's used memory less torch's reserved, at each first use of a library, lazy and eager loading."""
     if not torch.cuda.is_available():
-        write(out, "context", {"skipped": "no CUDA device"})
+        write_json(out, "context", {"skipped": "no CUDA device"})
         return
     rows = {}
     for loading in ("LAZY", "EAGER"):
@@ -59,7 +57,7 @@ def part_context(out: Path, smoke: bool) -> None:
                               env={**os.environ, "CUDA_MODULE_LOADING": loading})
         lines = done.stdout.strip().splitlines()
         rows[loading] = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr[-2000:]}
-        write(out, "context", rows)
+        write_json(out, "context", rows)
 
 
 # --- what each kernel saves for backward -----------------------------------------------------------------
@@ -185,7 +183,7 @@ def part_saved(out: Path, smoke: bool) -> None:
                         rows[name][key] = saved_by(run, known)
                 except Exception as error:  # one op failing on one device is a finding, not the end of the part
                     rows[name][key] = {"error": f"{type(error).__name__}: {error}"[:300]}
-        write(out, "saved", rows)
+        write_json(out, "saved", rows)
         del build
 
 
@@ -194,7 +192,7 @@ def part_tests(out: Path, smoke: bool) -> None:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", "-rA", "-n", "0",
                            "tests/verify/test_real.py", "tests/inputs/test_devices.py", "-k", "cuda"],
                           capture_output=True, text=True, timeout=48)
-    write(out, "tests", {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]})
+    write_json(out, "tests", {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]})
 
 
 # --- the tables printed at the end ------------------------------------------------------------------------
@@ -202,10 +200,6 @@ def part_tests(out: Path, smoke: bool) -> None:
 def _load(out: Path, name: str) -> object:
     path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def _mib(value: object) -> str:
-    return f"{value / 2**20:,.1f}" if isinstance(value, (int, float)) else str(value)
 
 
 def tables(out: Path) -> str:
@@ -221,17 +215,16 @@ def tables(out: Path) -> str:
                       f"torch {probe['torch']}", "| stage | NVML used MiB | reserved MiB | used − reserved − before MiB |", "|---|---|---|---|"]
             before = probe["stages"][0]["nvml_used"]
             for stage in probe["stages"]:
-                lines.append(f"| {stage['stage']} | {_mib(stage['nvml_used'])} | {_mib(stage['reserved'])} | "
-                             f"{_mib(stage['nvml_used'] - stage['reserved'] - before)} |")
+                lines.append(f"| {stage['stage']} | {mib(stage['nvml_used'])} | {mib(stage['reserved'])} | "
+                             f"{mib(stage['nvml_used'] - stage['reserved'] - before)} |")
     saved = _load(out, "saved")
     if isinstance(saved, dict):
         keys = sorted({key for row in saved.values() for key in row})
         lines += ["\n### Saved for backward, MiB (storages, less inputs and parameters)", "| op | " + " | ".join(keys) + " |",
                   "|---|" + "---|" * len(keys)]
         for name, row in saved.items():
-            cells = [_mib(row[key]["bytes"]) if "bytes" in row.get(key, {}) else "err" for key in keys]
+            cells = [mib(row[key]["bytes"]) if "bytes" in row.get(key, {}) else "err" for key in keys]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    from benchmarks.gpu_training import training_tables
     lines += training_tables(out)
     tests = _load(out, "tests")
     if isinstance(tests, dict):

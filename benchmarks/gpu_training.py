@@ -35,7 +35,8 @@ BERT_CONFIGS = {
 }
 
 
-def _write(out: Path, name: str, data: object) -> None:
+def write_json(out: Path, name: str, data: object) -> None:
+    """`<out>/<name>.json`: every part's figures, written as they come so a part cut off keeps what it had."""
     (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
 
 
@@ -150,7 +151,7 @@ def _bert_configs(out: Path, smoke: bool, name: str, only: tuple[str, ...] | Non
             traces[label] = trace.events
         except Exception as error:  # 8-bit AdamW without bitsandbytes, say: written down, the rest goes on
             rows[label] = {"error": f"{type(error).__name__}: {error}"[:400]}
-        _write(out, name, rows)
+        write_json(out, name, rows)
     with gzip.open(out / f"{name}_traces.json.gz", "wt") as file:
         json.dump(traces, file)
 
@@ -273,14 +274,15 @@ def part_verify(out: Path, smoke: bool) -> None:
         except Exception as error:
             import traceback
             rows[name] = {"error": f"{type(error).__name__}: {error}"[:600], "where": traceback.format_exc()[-1500:]}
-        _write(out, "verify", rows)
+        write_json(out, "verify", rows)
         with gzip.open(out / "verify_traces.json.gz", "wt") as file:
             json.dump(traces, file)
 
 
 # --- tables -----------------------------------------------------------------------------------------------
 
-def _mib(value: object) -> str:
+def mib(value: object) -> str:
+    """Bytes in MiB for a table; '-' where there is no figure."""
     return f"{value / 2**20:,.1f}" if isinstance(value, (int, float)) else "-"
 
 
@@ -291,7 +293,7 @@ def training_tables(out: Path) -> list[str]:
         if not path.exists():
             continue
         rows = json.loads(path.read_text())
-        lines += [f"\n### {name}: bert-large, seq 512 (MiB; NVML used at start {_mib(rows.get('nvml_used_start'))})",
+        lines += [f"\n### {name}: bert-large, seq 512 (MiB; NVML used at start {mib(rows.get('nvml_used_start'))})",
                   "| configuration | allocated step 1 | allocated steps 2–3 | reserved | NVML used after | step s |",
                   "|---|---|---|---|---|---|"]
         for label, row in rows.items():
@@ -301,9 +303,9 @@ def training_tables(out: Path) -> list[str]:
                 lines.append(f"| {label} | {row['error'][:120]} |")
                 continue
             alloc = row["allocated_by_step"] or [None]
-            lines.append(f"| {label} | {_mib(alloc[0])} | {_mib(max(alloc[1:] or [None], key=lambda v: v or 0))} | "
-                         f"{_mib(max(row['reserved_by_step'] or [None], key=lambda v: v or 0))} | "
-                         f"{_mib(row['nvml_used_after'])} | {row['step_s'][-1]:.3f} |")
+            lines.append(f"| {label} | {mib(alloc[0])} | {mib(max(alloc[1:] or [None], key=lambda v: v or 0))} | "
+                         f"{mib(max(row['reserved_by_step'] or [None], key=lambda v: v or 0))} | "
+                         f"{mib(row['nvml_used_after'])} | {row['step_s'][-1]:.3f} |")
     path = out / "verify.json"
     if path.exists():
         lines += ["\n### autoplan.verify on this device (MiB, reserve=0, budget halfway floor–no plan)",
@@ -316,6 +318,6 @@ def training_tables(out: Path) -> list[str]:
             for which in ("halfway", "roomy"):
                 r = row[which]
                 error = f"{(r['measured'] - r['predicted']) / r['predicted']:+.2%}" if r["measured"] else "-"
-                lines.append(f"| {name} | {which} | {_mib(r['predicted'])} | {_mib(r['measured'])} | {error} | "
-                             f"{_mib(r['reserved'])} | {r['predicted_step_s']:.4f} | {r['measured_step_s'] or 0:.4f} | {r['modes']} |")
+                lines.append(f"| {name} | {which} | {mib(r['predicted'])} | {mib(r['measured'])} | {error} | "
+                             f"{mib(r['reserved'])} | {r['predicted_step_s']:.4f} | {r['measured_step_s'] or 0:.4f} | {r['modes']} |")
     return lines

@@ -33,7 +33,6 @@ Nothing is downloaded: every model is built from a config with random weights.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -70,7 +69,8 @@ def main() -> None:
         left = args.budget_s - (time.monotonic() - start)
         limit = min(PARTS[part], left)
         if limit < 10:
-            _write(out / f"{part}.error.json", {"error": f"skipped: {left:.0f} s left of the call's budget"})
+            from benchmarks.gpu_training import write_json
+            write_json(out, f"{part}.error", {"error": f"skipped: {left:.0f} s left of the call's budget"})
             continue
         command = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--out", str(out)]
         command += ["--smoke"] if args.smoke else []
@@ -93,10 +93,6 @@ def main() -> None:
 
 def _text(value: bytes | str | None) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
-
-
-def _write(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data, indent=1, default=str))
 
 
 if __name__ == "__main__":
