@@ -105,6 +105,7 @@ class StateBound:
 
     state_bytes: int  # parameters (and buffers), gradients and optimizer state
     step_bytes: int  # what optimizer.step() allocates on top at the peak (0: the state alone is over the budget)
+    workspace_bytes: int = 0  # cuBLAS's workspaces at that peak (a GPU target), held whatever the units do
 
 
 def state_bound(plan: "Plan") -> StateBound | None:
@@ -122,7 +123,7 @@ def state_bound(plan: "Plan") -> StateBound | None:
         return StateBound(state, 0)
     if plan.prediction.peak_phase.kind == "step":
         state = b.parameters + b.gradients + b.optimizer
-        return StateBound(state, b.total - state)
+        return StateBound(state, b.total - state - b.workspaces, b.workspaces)
     return None
 
 

@@ -81,7 +81,9 @@ def _verdict(plan: "Plan") -> Text:
         state = f"parameters, gradients and {plan.request.optimizer} state"
         why = (f"{state} alone are {format_bytes(bound.state_bytes)}, {over}" if not bound.step_bytes else
                f"{state} ({format_bytes(bound.state_bytes)}) with optimizer.step()'s temporaries "
-               f"({format_bytes(bound.step_bytes)}) peak at {format_bytes(plan.prediction.minimum_peak_bytes)}, {over}")
+               f"({format_bytes(bound.step_bytes)})" + (f" and cuBLAS's workspaces ({format_bytes(bound.workspace_bytes)})"
+                                                        if bound.workspace_bytes else "")
+               + f" peak at {format_bytes(plan.prediction.minimum_peak_bytes)}, {over}")
         text = Text("DOES NOT FIT", style="bold red")
         text.append(f"  {plan.model.name} on {on}: {why}: no checkpointing or precision choice changes that", style="bold")
         text.append(f"\nit needs a {format_bytes(plan.prediction.minimum_budget_bytes)} budget; simulated training step: "

@@ -84,9 +84,11 @@ def test_a_peak_in_optimizer_step_says_its_temporaries_are_why() -> None:
                          reserve=0, on_profile=profiles.append)  # the state fits, its optimizer step does not
     assert not plan.outcome.feasible and plan.prediction.peak_phase.kind == "step"
     bound = state_bound(plan)
-    assert bound.state_bytes + bound.step_bytes == plan.prediction.breakdown.total
+    assert bound.state_bytes + bound.step_bytes + bound.workspace_bytes == plan.prediction.breakdown.total
+    assert bound.workspace_bytes == plan.prediction.breakdown.workspaces > 0  # an H100 target: cuBLAS's, named apart
     first = format_report(plan, width=400).splitlines()[0]
     assert "optimizer.step()'s temporaries" in first and "no checkpointing or precision choice changes that" in first
+    assert "cuBLAS's workspaces" in first
     assert not UNIT_TABLE.search(format_report(plan))
     # the advice does not advise on the units' choices either, but on the state
     advice = advise(plan, profiles[0])
