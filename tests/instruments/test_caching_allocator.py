@@ -1,0 +1,166 @@
+"""The caching allocator model: PyTorch's documented rules case by case, an H100's own traces replayed, and
+the steady-state replay of a simulated step's log."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from autoplan.instruments.caching_allocator import (
+    CARRIED,
+    WARM_UP,
+    CachingAllocatorModel,
+    expandable_from_environment,
+    rounded,
+    segment_size,
+    steady_reserved_bytes,
+)
+from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP
+
+MiB = 2**20
+TRACES = Path(__file__).resolve().parents[2] / "benchmarks/results/h100_2026-11-27"
+
+
+def test_requests_round_to_512_bytes_and_segments_by_size_class():
+    assert rounded(1) == 512 and rounded(512) == 512 and rounded(513) == 1024
+    assert segment_size(1 * MiB) == 2 * MiB  # small: packed in 2 MiB
+    assert segment_size(1 * MiB + 512) == 20 * MiB  # 1–10 MiB: a 20 MiB segment to split
+    assert segment_size(10 * MiB) == 10 * MiB and segment_size(11 * MiB - 512) == 12 * MiB  # rounded to 2 MiB
+
+
+def test_small_requests_share_a_2_mib_segment():
+    allocator = CachingAllocatorModel()
+    blocks = [allocator.malloc(100) for _ in range(4096)]  # 4096 × 512 B = 2 MiB exactly
+    assert allocator.reserved_bytes == 2 * MiB and allocator.allocated_bytes == 2 * MiB
+    allocator.malloc(100)
+    assert allocator.reserved_bytes == 4 * MiB
+    for block in blocks:
+        allocator.free(block)
+    assert allocator.reserved_bytes == 4 * MiB  # cached, not given back
+
+
+def test_mid_sized_requests_split_one_20_mib_segment_and_merge_back_when_freed():
+    allocator = CachingAllocatorModel()
+    a, b, c = (allocator.malloc(6 * MiB) for _ in range(3))
+    assert allocator.reserved_bytes == 20 * MiB  # 18 MiB of one segment, 2 MiB left free
+    allocator.free(a)
+    allocator.free(b)
+    allocator.malloc(12 * MiB)  # a and b merged into one 12 MiB block: no new segment
+    assert allocator.reserved_bytes == 20 * MiB
+    allocator.free(c)
+
+
+def test_a_free_block_too_small_for_the_request_leaves_it_unused():
+    allocator = CachingAllocatorModel()
+    a = allocator.malloc(12 * MiB)
+    keep = allocator.malloc(12 * MiB)
+    allocator.free(a)  # a 12 MiB hole
+    allocator.malloc(14 * MiB)  # does not fit the hole: a new 14 MiB segment
+    assert allocator.reserved_bytes == 12 * MiB + 12 * MiB + 14 * MiB
+    assert allocator.allocated_bytes == 26 * MiB
+    allocator.free(keep)
+
+
+def test_best_fit_takes_the_smallest_free_block_that_holds_the_request():
+    allocator = CachingAllocatorModel()
+    big, small = allocator.malloc(40 * MiB), allocator.malloc(12 * MiB)
+    allocator.free(big)
+    allocator.free(small)
+    allocator.malloc(12 * MiB)  # takes the 12 MiB block, so the 40 MiB one still holds 40
+    allocator.malloc(40 * MiB)
+    assert allocator.reserved_bytes == 52 * MiB
+
+
+def test_large_blocks_split_only_when_more_than_1_mib_remains():
+    allocator = CachingAllocatorModel()
+    block = allocator.malloc(19 * MiB)  # rounded to a 20 MiB segment: 1 MiB remains, not split off
+    assert block.size == 20 * MiB and allocator.allocated_bytes == 20 * MiB
+
+
+def test_empty_cache_gives_back_only_wholly_free_segments():
+    allocator = CachingAllocatorModel()
+    a, b = allocator.malloc(6 * MiB), allocator.malloc(30 * MiB)
+    allocator.free(b)
+    allocator.empty_cache()
+    assert allocator.reserved_bytes == 20 * MiB  # a's segment stays
+    allocator.free(a)
+    allocator.empty_cache()
+    assert allocator.reserved_bytes == 0
+
+
+def test_expandable_segments_grow_by_pages_at_the_end():
+    allocator = CachingAllocatorModel(expandable_segments=True)
+    a = allocator.malloc(30 * MiB)
+    assert allocator.reserved_bytes == 40 * MiB  # two 20 MiB pages
+    allocator.malloc(30 * MiB)  # the 10 MiB free at the end and one more page
+    assert allocator.reserved_bytes == 60 * MiB
+    allocator.free(a)
+    allocator.malloc(25 * MiB)  # fits the freed block at the start
+    assert allocator.reserved_bytes == 60 * MiB
+
+
+def test_expandable_segments_are_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
+    assert expandable_from_environment()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert not expandable_from_environment()
+
+
+def _replay_trace(events: list, *, expandable: bool) -> tuple[int, int]:
+    """The trace's reserved peak and the model's, replaying the trace's allocations and frees."""
+    allocator = CachingAllocatorModel(expandable_segments=expandable)
+    blocks, reserved, peak = {}, 0, 0
+    for action, address, size, _stream in events:
+        if action == "alloc":
+            blocks[address] = allocator.malloc(size)
+        elif action == "free_requested":
+            allocator.free(blocks.pop(address))
+        elif action in ("segment_alloc", "segment_map"):
+            reserved += size
+            peak = max(peak, reserved)
+        elif action in ("segment_free", "segment_unmap"):
+            reserved -= size
+    return peak, allocator.peak_reserved_bytes
+
+
+@pytest.mark.parametrize("name, expandable", [("bert", False), ("bert_expandable", True)])
+def test_an_h100s_own_allocator_traces_replay_to_its_reserved_peak(name, expandable):
+    # bert-large training steps recorded on an H100 from an empty cache (benchmarks/gpu_truth.py, part bert):
+    # every allocation and free in order, and every segment the allocator took
+    traces = json.load(gzip.open(TRACES / f"{name}_traces.json.gz", "rt"))
+    for run in ("batch 4", "batch 4, checkpointing, fp16"):
+        measured, modelled = _replay_trace(traces[run], expandable=expandable)
+        assert abs(modelled - measured) <= 0.005 * measured, (run, measured / MiB, modelled / MiB)
+
+
+def _log(*parts: list) -> list:
+    return [entry for part in parts for entry in part]
+
+
+def test_the_optimizer_state_of_a_real_first_step_lands_in_the_activations_freed_blocks():
+    # parameters 30 MiB; each step saves two 100 MiB activations; AdamW's state: two 30 MiB tensors
+    start = [("alloc", "param", 30 * MiB)]
+    warm_up = [("phase", WARM_UP, 0), ("alloc", "grad0", 30 * MiB), ("alloc", "m", 30 * MiB), ("alloc", "v", 30 * MiB),
+               ("free", "grad0", 0)]
+    forward = [("phase", FORWARD_START, 0), ("alloc", "act1", 100 * MiB), ("alloc", "act2", 100 * MiB)]
+    backward = [("phase", BACKWARD_START, 0), ("free", "act2", 0), ("free", "act1", 0), ("alloc", "grad", 30 * MiB)]
+    step = [("phase", OPTIMIZER_STEP, 0), ("free", "grad", 0)]
+    reserved = steady_reserved_bytes(_log(start, warm_up, forward, backward, step))
+    # step 1: grad, m and v split the first activation's freed 100 MiB segment, so step 2's second activation
+    # finds no 100 MiB block and takes a third segment; state made before step 1 would need 290 MiB
+    assert reserved == 30 * MiB + 3 * 100 * MiB
+
+
+def test_outputs_the_loop_carries_are_freed_when_the_next_forward_returns():
+    start = [("alloc", "param", 10 * MiB)]
+    warm_up = [("phase", WARM_UP, 0)]
+    forward = [("phase", FORWARD_START, 0), ("alloc", "logits", 50 * MiB)]
+    backward = [("phase", BACKWARD_START, 0)]
+    carried = [("phase", OPTIMIZER_STEP, 0), ("phase", CARRIED, 0), ("free", "logits", 0)]
+    reserved = steady_reserved_bytes(_log(start, warm_up, forward, backward, carried))
+    # step 2's logits are made while step 1's are alive: a second segment (freed at the end of step 1, one would do)
+    assert reserved == 10 * MiB + 2 * 50 * MiB
