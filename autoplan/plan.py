@@ -304,6 +304,9 @@ class Prediction:
     world_size_curve: tuple[WorldSizePoint, ...] = ()  # per-rank peak against N (world_size="auto" searched it)
     host_peak_bytes: int = 0  # what the offloaded units hold in host memory at once (before the first backward)
     simulated_host_peak_bytes: int = 0  # the same, from the whole-step simulation
+    # one GPU: what torch's caching allocator is predicted to hold reserved (max_memory_reserved) in steady state,
+    # segments whose free space the step could not use included (instruments.caching_allocator); 0: not predicted
+    reserved_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -363,6 +366,7 @@ class Plan:
             "loop": None if asked.loop is None else dataclasses.asdict(asked.loop), "moe_routing": model.moe_routing,
             "request": dict(asked.arguments), "offload": asked.offload, "host_budget_bytes": asked.host_budget_bytes,
             "host_peak_bytes": predicted.host_peak_bytes, "simulated_host_peak_bytes": predicted.simulated_host_peak_bytes,
+            "reserved_peak_bytes": predicted.reserved_peak_bytes,
             "fingerprint": None if model.fingerprint is None else model.fingerprint.to_dict(),
             "batch_values": list(model.batch_values), "random_control_flow": model.random_control_flow,
         }

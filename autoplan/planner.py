@@ -27,7 +27,7 @@ from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
 from autoplan.inputs.settings import SearchSpace, StepOptions, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
-from autoplan.memory.model import rank_offsets
+from autoplan.memory.model import predict_peak, rank_offsets
 from autoplan.memory.segment_terms import choices_by_unit
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
@@ -42,7 +42,7 @@ from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.training.step_parts import model_device
-from autoplan.verify.simulate import simulate_plan
+from autoplan.verify.simulate import counted_against_budget, reserved_peak, simulate_plan
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.vocabulary.sizes import Size
@@ -171,6 +171,8 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
     offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, request.mesh)))
 
     host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
+    reserved: dict[frozenset, int] = {}  # what each simulated step left the caching allocator holding
+    allocated: dict[frozenset, int] = {}  # each simulated step's allocated peak (the search sees what counts against the budget)
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         simulated = simulate_plan(
@@ -178,12 +180,19 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
         )
         host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
-        return simulated.peak_bytes
+        reserved[frozenset(choices.items())] = simulated.reserved_bytes
+        allocated[frozenset(choices.items())] = simulated.peak_bytes
+        return counted_against_budget(simulated, request.budget.reserve_bytes, measured.device.context_bytes)
 
     found = search(measured, request, simulate=simulate, progress=say)
     decided = assemble_plan(measured, traced, found, request)
-    simulated = dataclasses.replace(decided.prediction, world_size_curve=curve,
-                                    simulated_host_peak_bytes=host_peaks.get(frozenset(found.choices.items()), 0))
+    chosen = frozenset(found.choices.items())
+    simulated_peak = allocated.get(chosen, decided.prediction.simulated_peak_bytes)
+    linear_peak = predict_peak(measured, found.choices, request.mesh).bytes
+    peak = max(linear_peak, simulated_peak)  # as assemble_plan takes it, from the allocated peak alone
+    simulated = dataclasses.replace(decided.prediction, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(chosen, 0),
+                                    peak_bytes=peak, simulated_peak_bytes=simulated_peak,
+                                    reserved_peak_bytes=reserved_peak(peak, simulated_peak, reserved.get(chosen, 0)))
     return dataclasses.replace(decided, prediction=simulated)
 
 

@@ -10,6 +10,7 @@ real memory; over real CPU tensors it measures a real run.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Hashable, Protocol
@@ -85,11 +86,23 @@ class LiveBytesTracker(TorchDispatchMode):
         self.last_use: dict[int, int] = {}  # caller's key -> index of the last phase an op read it in
         self.engine_accumulates = False  # the autograd engine is adding gradients now (instruments.accumulation)
         self._pending: _PendingSum | None = None
+        # a GPU target's device allocations and frees in order, with the phases' labels, for the caching
+        # allocator's model (instruments.caching_allocator.steady_reserved_bytes): ("alloc", handle, bytes),
+        # ("free", handle, 0), ("phase", label, 0)
+        self.allocation_log: list[tuple[str, Hashable, int]] | None = [] if self.cuda_kernels else None
+        self._handles = itertools.count()
 
     # -- phases ---------------------------------------------------------------------------
     def begin_phase(self, label: Hashable) -> None:
         self._settle()
         self._phases.append(_PhaseRecord(label, self.live_bytes, self.live_bytes))
+        if self.allocation_log is not None:
+            self.allocation_log.append(("phase", label, 0))
+
+    def mark(self, label: Hashable) -> None:
+        """A mark in the allocation log alone (not a phase): where the caller's next stretch begins."""
+        if self.allocation_log is not None:
+            self.allocation_log.append(("phase", label, 0))
 
     def phases(self, since: int = 0) -> list[TrackedPhase]:
         return [TrackedPhase(p.label, p.start_bytes, p.peak_bytes, p.time_s, p.flops) for p in self._phases[since:]]
@@ -134,6 +147,9 @@ class LiveBytesTracker(TorchDispatchMode):
             hidden += scratch_bytes(func, args, kwargs)
         elif self.cuda_kernels:
             hidden += operand_copy_bytes(func, args, kwargs)  # the card copies what cuBLAS cannot read in place
+        if hidden and self.allocation_log is not None:  # allocated and freed inside the op
+            handle = next(self._handles)
+            self.allocation_log += [("alloc", handle, hidden), ("free", handle, 0)]
         current = self._phases[-1]
         current.peak_bytes = max(current.peak_bytes, (live_before if in_place else self.live_bytes) + hidden)
         if (created or flop_key(func) in flop_registry) and not moving_over_the_link():
@@ -185,11 +201,16 @@ class LiveBytesTracker(TorchDispatchMode):
         if raise_peak:
             current = self._phases[-1]
             current.peak_bytes = max(current.peak_bytes, self.live_bytes)
-        self._finalizers[key] = weakref.finalize(storage, self._release, key, nbytes)
+        handle = next(self._handles)
+        if self.allocation_log is not None:
+            self.allocation_log.append(("alloc", handle, storage.nbytes()))
+        self._finalizers[key] = weakref.finalize(storage, self._release, key, nbytes, handle)
 
-    def _release(self, key: int, nbytes: int) -> None:
+    def _release(self, key: int, nbytes: int, handle: int) -> None:
         self.live_bytes -= nbytes
         self._finalizers.pop(key, None)
+        if self.allocation_log is not None:
+            self.allocation_log.append(("free", handle, 0))
 
     def _release_host(self, key: int, nbytes: int) -> None:
         self.host_bytes -= nbytes

@@ -24,6 +24,7 @@ from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GR
 from autoplan.units import Unit
 from autoplan.profile.recorder import Boundary, UnitCall, UnitRecorder
 from autoplan.instruments.target import as_the_target_runs
+from autoplan.instruments.caching_allocator import CARRIED, WARM_UP, expandable_from_environment, steady_reserved_bytes
 from autoplan.instruments.cuda_workspaces import held_workspaces
 from autoplan.instruments.fake import FakeGradScaler, fake_tree
 from autoplan.training.runner import LoopRunner, StepHooks
@@ -81,6 +82,7 @@ class Timeline:
     fused_logits: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
     target_kernels: str = ""  # what was stood in for the GPU target's kernels (instruments.target), "" for a CPU target
     host_peak_bytes: int = 0  # pinned host memory of offloaded units' saved tensors, at its most (axes.placement)
+    reserved_bytes: int = 0  # a GPU target: what the caching allocator holds after a few such steps (0 on a CPU target)
 
     @property
     def step_time_s(self) -> float:
@@ -150,6 +152,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
             # looked up when called, so that the module's default_loss is the one used
             runner.loss_of = loss_function(loss_fn, loop.loss_in_model, default=lambda output: default_loss(output))
             graded = [p for p in trainable if id(p) not in gradless]
+            tracker.begin_phase(WARM_UP)
             _warm_up(runner, graded)
             first_phase = tracker.phase_count
             hooks = _RecordingHooks(recorder, model, (args, kwargs), loop.keep_outputs)
@@ -169,8 +172,11 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
             )
             # what the loop's variables still hold when the next step's forward runs
             alive = tracker.live_bytes
+            tracker.mark(CARRIED)
             runner.outputs = runner.loss = None
             carried = alive - tracker.live_bytes
+            reserved = 0 if tracker.allocation_log is None else steady_reserved_bytes(
+                tracker.allocation_log, expandable_segments=expandable_from_environment())
     finally:
         recorder.remove()
     phases = tuple(
@@ -180,7 +186,8 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
     if missing:
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
     timeline = Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried,
-                        target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes)
+                        target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes,
+                        reserved_bytes=reserved)
     return timeline, frozenset(id(p) for p in trainable) - reached.ids
 
 

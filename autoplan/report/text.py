@@ -95,6 +95,9 @@ def _verdict(plan: "Plan") -> Text:
                     f"{format_bytes(plan.prediction.minimum_peak_bytes)}, {over} by "
                     f"{format_bytes(plan.prediction.minimum_peak_bytes - plan.request.usable_bytes)}; it needs a "
                     f"{format_bytes(plan.prediction.minimum_budget_bytes)} budget", style="bold")
+        if plan.prediction.reserved_peak_bytes:
+            text.append("\n(on one GPU a step counts the higher of its allocated peak and the caching allocator's predicted "
+                        "reserved memory less the reserve's share for fragmentation)")
     text.append(f"\nsimulated training step: {format_bytes(plan.prediction.simulated_peak_bytes)}; no plan (all keep/fp32): "
                 f"{format_bytes(plan.prediction.baseline_peak_bytes)}")
     if plan.request.loop is not None:  # every peak above is for this loop (docs/loops.md)
@@ -130,6 +133,9 @@ def _breakdown(plan: "Plan") -> Table:
     for name, nbytes in rows:
         table.add_row(name, format_bytes(nbytes), f"{nbytes / max(1, total):.0%}")
     table.add_row("= predicted peak", format_bytes(total), "", style="bold")
+    reserved = plan.prediction.reserved_peak_bytes
+    if reserved:  # one GPU: the segments the caching allocator holds, their free space included (instruments.caching_allocator)
+        table.add_row("caching allocator's reserved memory", format_bytes(reserved), f"{reserved / max(1, total) - 1:+.0%}")
     table.add_row("reserve (CUDA context, fragmentation)", format_bytes(plan.request.budget_bytes - plan.request.usable_bytes), "")
     table.add_row("budget", format_bytes(plan.request.budget_bytes), "")
     return table

@@ -27,6 +27,7 @@ class Simulation:
     peak_phase: Phase  # the phase where it happened
     step_time_s: float  # roofline time of the whole step
     host_peak_bytes: int = 0  # pinned host memory the offloaded units hold at most (not device memory)
+    reserved_bytes: int = 0  # one GPU: what the caching allocator holds reserved in steady state (0: not predicted)
 
 
 def simulate_plan(
@@ -53,4 +54,26 @@ def simulate_plan(
     )
     offsets = rank_offsets or {}
     peak = max(timeline.phases, key=lambda sample: sample.peak_bytes + offsets.get(sample.phase, 0))
-    return Simulation(peak.peak_bytes + offsets.get(peak.phase, 0), peak.phase, timeline.step_time_s, timeline.host_peak_bytes)
+    reserved = 0 if any(offsets.values()) else timeline.reserved_bytes  # FSDP's gathers and frees are not in the log
+    return Simulation(peak.peak_bytes + offsets.get(peak.phase, 0), peak.phase, timeline.step_time_s, timeline.host_peak_bytes,
+                      reserved)
+
+
+def reserved_peak(peak_bytes: int, simulated_peak_bytes: int, simulated_reserved_bytes: int) -> int:
+    """The predicted reserved peak: the simulated step's, raised by what the predicted (allocated) peak lies
+    above the simulated one (the linear model's sum can be the higher); 0 where none was simulated."""
+    if not simulated_reserved_bytes:
+        return 0
+    return max(peak_bytes, simulated_reserved_bytes + max(0, peak_bytes - simulated_peak_bytes))
+
+
+def counted_against_budget(simulated: Simulation, reserve_bytes: int, context_bytes: int) -> int:
+    """What a simulated step puts against the budget's usable bytes: its allocated peak, or on one GPU its
+    predicted reserved memory less the part of the reserve meant for fragmentation, whichever is higher.
+
+    The reserve covers the CUDA context first (`context_bytes`) and the caching allocator's unusable free
+    space with the rest; where the allocator is predicted to hold more than that rest above the peak, the
+    excess counts. So a plan fits when peak + reserve <= budget and reserved + min(reserve, context) <= budget.
+    """
+    fragmentation_allowance = max(0, reserve_bytes - context_bytes)
+    return max(simulated.peak_bytes, simulated.reserved_bytes - fragmentation_allowance)
