@@ -7,7 +7,10 @@ and the prediction next to the steps' own bytes plus the parameters and batch (w
 before). The parameters come from the blame part's plan of the same model; the batches are the
 builders' shapes.
 
-    python benchmarks/gpu_attribution.py [benchmarks/results/h100_2026-11-27]
+    python benchmarks/gpu_attribution.py [benchmarks/results/h100_2026-11-27] [RUN]
+
+RUN names a later verify run kept beside the first (``after_fixes`` reads ``verify_after_fixes.json`` and
+``verify_after_fixes_traces.json.gz``); the parameters are read from the first run's blame part either way.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ def steps_peak(events: list) -> int:
     return best
 
 
-def main(folder: Path) -> None:
-    verify = json.loads((folder / "verify.json").read_text())
+def main(folder: Path, run: str = "") -> None:
+    stem = f"verify_{run}" if run else "verify"
+    verify = json.loads((folder / f"{stem}.json").read_text())
     blame = json.loads((folder / "blame.json").read_text())
-    traces = json.load(gzip.open(folder / "verify_traces.json.gz", "rt"))
-    print(f"results: {folder} (halfway plans; MiB)")
+    traces = json.load(gzip.open(folder / f"{stem}_traces.json.gz", "rt"))
+    print(f"results: {folder}, {stem} (halfway plans; MiB)")
     print("| model (order run) | measured | steps' own | held before | of it: parameters + batch | predicted | steps' own + parameters + batch | difference |")
     print("|---|---|---|---|---|---|---|---|")
     for order, (name, row) in enumerate(verify.items(), 1):
@@ -53,4 +57,5 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results/h100_2026-11-27"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results/h100_2026-11-27"),
+         sys.argv[2] if len(sys.argv) > 2 else "")

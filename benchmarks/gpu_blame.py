@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_training import MODELS, _device, write_json
+from benchmarks.gpu_training import _device, chosen_models, write_json
 
 
 def _phase_peaks(model: Any, batch: Any, plan: Any, device: torch.device, steps: int = 3) -> list[dict]:
@@ -84,9 +84,7 @@ def part_blame(out: Path, smoke: bool) -> None:
     import autoplan
     device = _device(smoke)
     rows: dict[str, Any] = {}
-    for name, build in MODELS.items():
-        if smoke and name.startswith("4-bit"):
-            continue
+    for name, build in chosen_models(smoke).items():
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -227,6 +227,14 @@ MODELS: dict[str, Callable] = {"transformers Llama 2×2048 bf16": _llama, "examp
                                "4-bit QLoRA Llama 2×2048": _qlora, "ResNet-50 batch 64": _resnet}
 
 
+def chosen_models(smoke: bool) -> dict[str, Callable]:
+    """MODELS less those GPU_TRUTH_MODELS (name prefixes, comma-separated) leaves out, to rerun a few;
+    the smoke run leaves out 4-bit, which bitsandbytes plans on a CPU target only in the CPU suite."""
+    only = [name for name in os.environ.get("GPU_TRUTH_MODELS", "").split(",") if name]
+    return {name: build for name, build in MODELS.items()
+            if not (smoke and name.startswith("4-bit")) and (not only or any(name.startswith(p) for p in only))}
+
+
 def _verify_one(build: Callable, device: torch.device, smoke: bool) -> dict:
     import autoplan
     model, batch, options = build(device, smoke)
@@ -245,6 +253,7 @@ def _verify_one(build: Callable, device: torch.device, smoke: bool) -> dict:
     for name, plan, result in (("halfway", halfway, held), ("roomy", roomy, free)):
         row[name] = {"predicted": plan.prediction.peak_bytes, "simulated": result.simulated_peak_bytes,
                      "measured": result.measured_peak_bytes, "reserved": result.measured_reserved_bytes,
+                     "predicted_reserved": plan.prediction.reserved_peak_bytes,
                      "predicted_step_s": result.predicted_step_time_s, "measured_step_s": result.measured_step_time_s,
                      "time_source": result.predicted_time_source, "modes": _modes(plan)}
     return row, trace.events
@@ -258,25 +267,27 @@ def _modes(plan: Any) -> str:
     return ", ".join(f"{n}× {key}" for key, n in sorted(counts.items()))
 
 
-def part_verify(out: Path, smoke: bool) -> None:
+def part_verify(out: Path, smoke: bool, name: str = "verify") -> None:
     device = _device(smoke)
     rows: dict[str, Any] = {}
     traces: dict[str, list] = {}
-    only = [name for name in os.environ.get("GPU_TRUTH_MODELS", "").split(",") if name]  # name prefixes, to rerun a few
-    for name, build in MODELS.items():
-        if (smoke and name.startswith("4-bit")) or (only and not any(name.startswith(prefix) for prefix in only)):
-            continue  # bitsandbytes 4-bit on a CPU target is planned by the CPU suite; here only CUDA's
+    for model_name, build in chosen_models(smoke).items():
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            rows[name], traces[name] = _verify_one(build, device, smoke)
+            rows[model_name], traces[model_name] = _verify_one(build, device, smoke)
         except Exception as error:
             import traceback
-            rows[name] = {"error": f"{type(error).__name__}: {error}"[:600], "where": traceback.format_exc()[-1500:]}
-        write_json(out, "verify", rows)
-        with gzip.open(out / "verify_traces.json.gz", "wt") as file:
+            rows[model_name] = {"error": f"{type(error).__name__}: {error}"[:600], "where": traceback.format_exc()[-1500:]}
+        write_json(out, name, rows)
+        with gzip.open(out / f"{name}_traces.json.gz", "wt") as file:
             json.dump(traces, file)
+
+
+def part_verify_expandable(out: Path, smoke: bool) -> None:
+    """The verify part again with expandable segments (gpu_truth sets PYTORCH_CUDA_ALLOC_CONF for it)."""
+    part_verify(out, smoke, name="verify_expandable")
 
 
 # --- tables -----------------------------------------------------------------------------------------------
@@ -306,11 +317,18 @@ def training_tables(out: Path) -> list[str]:
             lines.append(f"| {label} | {mib(alloc[0])} | {mib(max(alloc[1:] or [None], key=lambda v: v or 0))} | "
                          f"{mib(max(row['reserved_by_step'] or [None], key=lambda v: v or 0))} | "
                          f"{mib(row['nvml_used_after'])} | {row['step_s'][-1]:.3f} |")
-    path = out / "verify.json"
+    for verify in ("verify", "verify_expandable"):
+        lines += _verify_table(out, verify)
+    return lines
+
+
+def _verify_table(out: Path, verify: str) -> list[str]:
+    lines: list[str] = []
+    path = out / f"{verify}.json"
     if path.exists():
-        lines += ["\n### autoplan.verify on this device (MiB, reserve=0, budget halfway floor–no plan)",
-                  "| model | plan | predicted | measured allocated | error | reserved | predicted s | measured s | modes |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"\n### autoplan.verify on this device, {verify} (MiB, reserve=0, budget halfway floor–no plan)",
+                  "| model | plan | predicted | measured allocated | error | predicted reserved | reserved | error | predicted s | measured s | modes |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, row in json.loads(path.read_text()).items():
             if "error" in row:
                 lines.append(f"| {name} | error: {row['error'][:200]} |")
@@ -318,6 +336,8 @@ def training_tables(out: Path) -> list[str]:
             for which in ("halfway", "roomy"):
                 r = row[which]
                 error = f"{(r['measured'] - r['predicted']) / r['predicted']:+.2%}" if r["measured"] else "-"
-                lines.append(f"| {name} | {which} | {mib(r['predicted'])} | {mib(r['measured'])} | {error} | "
-                             f"{mib(r['reserved'])} | {r['predicted_step_s']:.4f} | {r['measured_step_s'] or 0:.4f} | {r['modes']} |")
+                guess = r.get("predicted_reserved")  # runs before the allocator model have none
+                missed = f"{(r['reserved'] - guess) / guess:+.2%}" if guess and r["reserved"] else "-"
+                lines.append(f"| {name} | {which} | {mib(r['predicted'])} | {mib(r['measured'])} | {error} | {mib(guess)} | "
+                             f"{mib(r['reserved'])} | {missed} | {r['predicted_step_s']:.4f} | {r['measured_step_s'] or 0:.4f} | {r['modes']} |")
     return lines
