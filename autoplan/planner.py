@@ -27,7 +27,7 @@ from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
 from autoplan.inputs.settings import SearchSpace, StepOptions, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
-from autoplan.memory.model import predict_peak, rank_offsets
+from autoplan.memory.model import rank_offsets
 from autoplan.memory.segment_terms import choices_by_unit
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
@@ -42,9 +42,9 @@ from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.training.step_parts import model_device
-from autoplan.verify.simulate import counted_against_budget, reserved_peak, simulate_plan
+from autoplan.verify.simulate import reserved_peak, simulate_plan
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
-from autoplan.vocabulary.formatting import first_line, where_in_user_code
+from autoplan.vocabulary.formatting import first_line, format_bytes, where_in_user_code
 from autoplan.vocabulary.sizes import Size
 
 
@@ -172,7 +172,6 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
 
     host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
     reserved: dict[frozenset, int] = {}  # what each simulated step left the caching allocator holding
-    allocated: dict[frozenset, int] = {}  # each simulated step's allocated peak (the search sees what counts against the budget)
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         simulated = simulate_plan(
@@ -181,19 +180,29 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
         )
         host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
         reserved[frozenset(choices.items())] = simulated.reserved_bytes
-        allocated[frozenset(choices.items())] = simulated.peak_bytes
-        return counted_against_budget(simulated, request.budget.reserve_bytes, measured.device.context_bytes)
+        return simulated.peak_bytes
 
     found = search(measured, request, simulate=simulate, progress=say)
     decided = assemble_plan(measured, traced, found, request)
-    chosen = frozenset(found.choices.items())
-    simulated_peak = allocated.get(chosen, decided.prediction.simulated_peak_bytes)
-    linear_peak = predict_peak(measured, found.choices, request.mesh).bytes
-    peak = max(linear_peak, simulated_peak)  # as assemble_plan takes it, from the allocated peak alone
-    simulated = dataclasses.replace(decided.prediction, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(chosen, 0),
-                                    peak_bytes=peak, simulated_peak_bytes=simulated_peak,
-                                    reserved_peak_bytes=reserved_peak(peak, simulated_peak, reserved.get(chosen, 0)))
-    return dataclasses.replace(decided, prediction=simulated)
+    chosen, predicted = frozenset(found.choices.items()), decided.prediction
+    simulated = dataclasses.replace(predicted, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(chosen, 0),
+                                    reserved_peak_bytes=reserved_peak(predicted.peak_bytes, predicted.simulated_peak_bytes,
+                                                                      reserved.get(chosen, 0)))
+    return dataclasses.replace(decided, prediction=simulated, notes=decided.notes + reserved_note(simulated, request, measured.device))
+
+
+def reserved_note(prediction, request: SolveRequest, device: Device) -> tuple[str, ...]:
+    """A note where the caching allocator is predicted to hold more than the budget leaves it (the budget less
+    the part of the reserve that is the CUDA context): the plan fits by allocated bytes, and the allocator
+    would have to give cached segments back to stay within the card (cudaFree, a synchronisation each)."""
+    budget = request.budget
+    room = budget.total_bytes - min(budget.reserve_bytes, device.context_bytes)
+    if prediction.reserved_peak_bytes <= room:
+        return ()
+    return (f"the caching allocator is predicted to reserve {format_bytes(prediction.reserved_peak_bytes)} (its segments' free "
+            f"space included), above the {format_bytes(room)} the budget leaves it: near the card's limit it gives cached "
+            "segments back and retries (slower), and its free space may be too scattered for a large request (out of "
+            "memory); a larger reserve, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, leaves it room",)
 
 
 def _decide_loss_head(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say) -> tuple[Plan, Profile]:

@@ -95,9 +95,6 @@ def _verdict(plan: "Plan") -> Text:
                     f"{format_bytes(plan.prediction.minimum_peak_bytes)}, {over} by "
                     f"{format_bytes(plan.prediction.minimum_peak_bytes - plan.request.usable_bytes)}; it needs a "
                     f"{format_bytes(plan.prediction.minimum_budget_bytes)} budget", style="bold")
-        if plan.prediction.reserved_peak_bytes:
-            text.append("\n(on one GPU a step counts the higher of its allocated peak and the caching allocator's predicted "
-                        "reserved memory less the reserve's share for fragmentation)")
     text.append(f"\nsimulated training step: {format_bytes(plan.prediction.simulated_peak_bytes)}; no plan (all keep/fp32): "
                 f"{format_bytes(plan.prediction.baseline_peak_bytes)}")
     if plan.request.loop is not None:  # every peak above is for this loop (docs/loops.md)

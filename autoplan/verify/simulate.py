@@ -66,14 +66,3 @@ def reserved_peak(peak_bytes: int, simulated_peak_bytes: int, simulated_reserved
         return 0
     return max(peak_bytes, simulated_reserved_bytes + max(0, peak_bytes - simulated_peak_bytes))
 
-
-def counted_against_budget(simulated: Simulation, reserve_bytes: int, context_bytes: int) -> int:
-    """What a simulated step puts against the budget's usable bytes: its allocated peak, or on one GPU its
-    predicted reserved memory less the part of the reserve meant for fragmentation, whichever is higher.
-
-    The reserve covers the CUDA context first (`context_bytes`) and the caching allocator's unusable free
-    space with the rest; where the allocator is predicted to hold more than that rest above the peak, the
-    excess counts. So a plan fits when peak + reserve <= budget and reserved + min(reserve, context) <= budget.
-    """
-    fragmentation_allowance = max(0, reserve_bytes - context_bytes)
-    return max(simulated.peak_bytes, simulated.reserved_bytes - fragmentation_allowance)

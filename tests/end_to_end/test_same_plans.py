@@ -1,7 +1,9 @@
 """The same inputs give the same plans: the zoo planned now equals the zoo planned before a refactoring.
 
 `tests/end_to_end/plans_before.json` holds, for every model of `tests/models.py` (ALL_MODELS) and
-every structure of `tests/structures.py`, the plans made at commit e857b23 (GPU targets hold cuBLAS's workspaces, 8.5 MB on the a100-80gb: every GPU
+every structure of `tests/structures.py`, the plans made after commit cf7e053 (the JSON's reserved_peak_bytes, GPU plans'
+note where the caching allocator's predicted reserved memory is above the budget; no choice, peak or time changed); before
+that at e857b23 (GPU targets hold cuBLAS's workspaces, 8.5 MB on the a100-80gb: every GPU
 peak that much higher, budgets made from them too, and the FSDP "auto" case's 7.1 MB per rank no longer fits them
 at any world size; at 1b25ad1 dropout's 1-byte mask and matmul operand copies; before that at 56dc43f;
 first recorded at b821f0e, before the options schema, the request value and the choice-axis modules): on the CPU at a budget halfway between
