@@ -188,7 +188,9 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
     simulated = dataclasses.replace(predicted, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(chosen, 0),
                                     reserved_peak_bytes=reserved_peak(predicted.peak_bytes, predicted.simulated_peak_bytes,
                                                                       reserved.get(chosen, 0)))
-    return dataclasses.replace(decided, prediction=simulated, notes=decided.notes + reserved_note(simulated, request, measured.device))
+    # a plan that does not fit says so in its verdict; the note is for one that fits by its allocated bytes
+    note = reserved_note(simulated, request, measured.device) if decided.outcome.feasible else ()
+    return dataclasses.replace(decided, prediction=simulated, notes=decided.notes + note)
 
 
 def reserved_note(prediction, request: SolveRequest, device: Device) -> tuple[str, ...]:

@@ -2,7 +2,8 @@
 
 `tests/end_to_end/plans_before.json` holds, for every model of `tests/models.py` (ALL_MODELS) and
 every structure of `tests/structures.py`, the plans made after commit cf7e053 (the JSON's reserved_peak_bytes, GPU plans'
-note where the caching allocator's predicted reserved memory is above the budget; no choice, peak or time changed); before
+note where the caching allocator's predicted reserved memory is above the budget, and again after 8ebb2bb as that note
+left infeasible plans; no choice, peak or time changed); before
 that at e857b23 (GPU targets hold cuBLAS's workspaces, 8.5 MB on the a100-80gb: every GPU
 peak that much higher, budgets made from them too, and the FSDP "auto" case's 7.1 MB per rank no longer fits them
 at any world size; at 1b25ad1 dropout's 1-byte mask and matmul operand copies; before that at 56dc43f;

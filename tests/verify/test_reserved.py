@@ -24,6 +24,9 @@ def test_a_gpu_plan_predicts_reserved_memory_and_fits_it_under_the_budget():
     tight = autoplan.plan(model, budget, example_inputs=inputs, device="h100-80gb", reserve=0)
     assert tight.feasible and tight.prediction.reserved_peak_bytes > budget
     assert any("caching allocator is predicted to reserve" in note for note in tight.notes)
+    # a plan that does not fit says so in its verdict, not in this note
+    under = autoplan.plan(model, peak // 4, example_inputs=inputs, device="h100-80gb", reserve=0)
+    assert not under.feasible and not any("caching allocator is predicted to reserve" in note for note in under.notes)
 
 
 @pytest.mark.slow  # the whole pipeline
