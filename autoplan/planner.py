@@ -42,7 +42,7 @@ from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.training.step_parts import model_device
-from autoplan.verify.simulate import reserved_peak, simulate_plan
+from autoplan.verify.simulate import Simulation, reserved_peak, simulate_plan
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, format_bytes, where_in_user_code
 from autoplan.vocabulary.sizes import Size
@@ -171,7 +171,7 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
     offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, request.mesh)))
 
     host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
-    reserved: dict[frozenset, int] = {}  # what each simulated step left the caching allocator holding
+    simulations: dict[frozenset, Simulation] = {}  # each simulated step, its reserved memory replayed for the chosen one only
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         simulated = simulate_plan(
@@ -179,7 +179,7 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
         )
         host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
-        reserved[frozenset(choices.items())] = simulated.reserved_bytes
+        simulations[frozenset(choices.items())] = simulated
         return simulated.peak_bytes
 
     found = search(measured, request, simulate=simulate, progress=say)
@@ -187,7 +187,7 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
     chosen, predicted = frozenset(found.choices.items()), decided.prediction
     simulated = dataclasses.replace(predicted, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(chosen, 0),
                                     reserved_peak_bytes=reserved_peak(predicted.peak_bytes, predicted.simulated_peak_bytes,
-                                                                      reserved.get(chosen, 0)))
+                                                                      simulations[chosen].reserved_bytes if chosen in simulations else 0))
     # a plan that does not fit says so in its verdict; the note is for one that fits by its allocated bytes
     note = reserved_note(simulated, request, measured.device) if decided.outcome.feasible else ()
     return dataclasses.replace(decided, prediction=simulated, notes=decided.notes + note)

@@ -34,7 +34,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-MIN_BLOCK = 512  # kMinBlockSize: every request rounds up to a multiple
+from autoplan.vocabulary.tensors import ALLOCATION_GRANULE, rounded_bytes
+
+MIN_BLOCK = ALLOCATION_GRANULE  # kMinBlockSize (512): every request rounds up to a multiple
 SMALL_REQUEST = 1 << 20  # kSmallSize: the largest request the small pool serves
 SMALL_SEGMENT = 2 << 20  # kSmallBuffer: a small pool's segment (and its expandable page)
 LARGE_SEGMENT = 20 << 20  # kLargeBuffer: a 1–10 MiB request's segment (and the large pool's expandable page)
@@ -43,8 +45,8 @@ LARGE_ROUNDING = 2 << 20  # kRoundLarge
 
 
 def rounded(nbytes: int) -> int:
-    """A request's size as the allocator hands it out (what `max_memory_allocated` counts)."""
-    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+    """A request's size as the allocator hands it out (what `max_memory_allocated` counts): even 0 bytes take a block."""
+    return max(MIN_BLOCK, rounded_bytes(nbytes))
 
 
 def segment_size(size: int) -> int:
@@ -131,7 +133,7 @@ class CachingAllocatorModel:
         pool.insert(block)
 
     def empty_cache(self) -> None:
-        """Give back every segment none of whose bytes are allocated (expandable: the free pages)."""
+        """Give back every segment none of whose bytes are allocated (expandable: only a wholly free one)."""
         for pool in self.pools.values():
             for size, address, block in list(pool.free):
                 if block.prev is None and block.next is None:
@@ -139,10 +141,6 @@ class CachingAllocatorModel:
                     self.reserved_bytes -= block.size
                     if self.expandable:
                         pool.tail, pool.mapped_end = None, 0
-
-    def reset_peaks(self) -> None:
-        """What `torch.cuda.reset_peak_memory_stats` does: the peaks start again from the current figures."""
-        self.peak_reserved_bytes, self.peak_allocated_bytes = self.reserved_bytes, self.allocated_bytes
 
     # -- the rules -----------------------------------------------------------------------------------
     def _best_fit(self, pool: _Pool, size: int) -> _Block | None:

@@ -11,7 +11,7 @@ so a unit can later be profiled on its own.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence, cast
 
 import torch
@@ -24,7 +24,7 @@ from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP, ZERO_GR
 from autoplan.units import Unit
 from autoplan.profile.recorder import Boundary, UnitCall, UnitRecorder
 from autoplan.instruments.target import as_the_target_runs
-from autoplan.instruments.caching_allocator import CARRIED, WARM_UP, expandable_from_environment, steady_reserved_bytes
+from autoplan.instruments.caching_allocator import CARRIED, WARM_UP
 from autoplan.instruments.cuda_workspaces import held_workspaces
 from autoplan.instruments.fake import FakeGradScaler, fake_tree
 from autoplan.training.runner import LoopRunner, StepHooks
@@ -82,7 +82,9 @@ class Timeline:
     fused_logits: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
     target_kernels: str = ""  # what was stood in for the GPU target's kernels (instruments.target), "" for a CPU target
     host_peak_bytes: int = 0  # pinned host memory of offloaded units' saved tensors, at its most (axes.placement)
-    reserved_bytes: int = 0  # a GPU target: what the caching allocator holds after a few such steps (0 on a CPU target)
+    # a GPU target: the step's device allocations and frees in order, for the caching allocator's model
+    # (instruments.caching_allocator.steady_reserved_bytes, replayed only for the plan chosen); () on a CPU target
+    allocation_log: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def step_time_s(self) -> float:
@@ -175,8 +177,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
             tracker.mark(CARRIED)
             runner.outputs = runner.loss = None
             carried = alive - tracker.live_bytes
-            reserved = 0 if tracker.allocation_log is None else steady_reserved_bytes(
-                tracker.allocation_log, expandable_segments=expandable_from_environment())
+            log = tuple(tracker.allocation_log or ())  # taken here: frees after the step are not the step's
     finally:
         recorder.remove()
     phases = tuple(
@@ -187,7 +188,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
     timeline = Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried,
                         target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes,
-                        reserved_bytes=reserved)
+                        allocation_log=log)
     return timeline, frozenset(id(p) for p in trainable) - reached.ids
 
 

@@ -8,12 +8,13 @@ real steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
 from autoplan.inputs.devices import Device
+from autoplan.instruments.caching_allocator import expandable_from_environment, steady_reserved_bytes
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, Phase, Precision
 from autoplan.profile.simulation import run_timeline
@@ -27,7 +28,15 @@ class Simulation:
     peak_phase: Phase  # the phase where it happened
     step_time_s: float  # roofline time of the whole step
     host_peak_bytes: int = 0  # pinned host memory the offloaded units hold at most (not device memory)
-    reserved_bytes: int = 0  # one GPU: what the caching allocator holds reserved in steady state (0: not predicted)
+    allocation_log: tuple = field(default=(), compare=False, repr=False)  # one GPU: the step's allocations in order
+
+    @property
+    def reserved_bytes(self) -> int:
+        """One GPU: what the caching allocator holds reserved in steady state (0: not predicted). Replayed on
+        demand: the search simulates many choices and wants the figure for the chosen ones only."""
+        if not self.allocation_log:
+            return 0
+        return steady_reserved_bytes(self.allocation_log, expandable_segments=expandable_from_environment())
 
 
 def simulate_plan(
@@ -54,9 +63,9 @@ def simulate_plan(
     )
     offsets = rank_offsets or {}
     peak = max(timeline.phases, key=lambda sample: sample.peak_bytes + offsets.get(sample.phase, 0))
-    reserved = 0 if any(offsets.values()) else timeline.reserved_bytes  # FSDP's gathers and frees are not in the log
+    log = () if any(offsets.values()) else timeline.allocation_log  # FSDP's gathers and frees are not in the log
     return Simulation(peak.peak_bytes + offsets.get(peak.phase, 0), peak.phase, timeline.step_time_s, timeline.host_peak_bytes,
-                      reserved)
+                      log)
 
 
 def reserved_peak(peak_bytes: int, simulated_peak_bytes: int, simulated_reserved_bytes: int) -> int:
