@@ -19,6 +19,7 @@ from autoplan.instruments.caching_allocator import (
     steady_reserved_bytes,
 )
 from autoplan.plan import BACKWARD_START, FORWARD_START, OPTIMIZER_STEP
+from benchmarks.allocator_replay import replay
 
 MiB = 2**20
 TRACES = Path(__file__).resolve().parents[2] / "benchmarks/results/h100_2026-11-27"
@@ -110,30 +111,14 @@ def test_expandable_segments_are_read_from_the_environment(monkeypatch):
     assert not expandable_from_environment()
 
 
-def _replay_trace(events: list, *, expandable: bool) -> tuple[int, int]:
-    """The trace's reserved peak and the model's, replaying the trace's allocations and frees."""
-    allocator = CachingAllocatorModel(expandable_segments=expandable)
-    blocks, reserved, peak = {}, 0, 0
-    for action, address, size, _stream in events:
-        if action == "alloc":
-            blocks[address] = allocator.malloc(size)
-        elif action == "free_requested":
-            allocator.free(blocks.pop(address))
-        elif action in ("segment_alloc", "segment_map"):
-            reserved += size
-            peak = max(peak, reserved)
-        elif action in ("segment_free", "segment_unmap"):
-            reserved -= size
-    return peak, allocator.peak_reserved_bytes
-
-
 @pytest.mark.parametrize("name, expandable", [("bert", False), ("bert_expandable", True)])
 def test_an_h100s_own_allocator_traces_replay_to_its_reserved_peak(name, expandable):
     # bert-large training steps recorded on an H100 from an empty cache (benchmarks/gpu_truth.py, part bert):
     # every allocation and free in order, and every segment the allocator took
     traces = json.load(gzip.open(TRACES / f"{name}_traces.json.gz", "rt"))
     for run in ("batch 4", "batch 4, checkpointing, fp16"):
-        measured, modelled = _replay_trace(traces[run], expandable=expandable)
+        replayed = replay(traces[run], expandable=expandable)  # benchmarks/allocator_replay.py's table
+        measured, modelled = replayed["trace_peak"], replayed["model_peak"]
         assert abs(modelled - measured) <= 0.005 * measured, (run, measured / MiB, modelled / MiB)
 
 
