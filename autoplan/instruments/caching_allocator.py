@@ -21,9 +21,15 @@ fit, the one at the segment's growing end is taken last.
 
 What it leaves out, each rare in a training step: other streams (a block freed while another stream
 uses it waits for an event), `max_split_size_mb`, `roundup_power2_divisions`, the garbage collection
-threshold, and the retry after a failed cudaMalloc (the model assumes the card has room: it answers
-how much is reserved, not whether it runs out). `benchmarks/allocator_replay.py` replays the caching
-allocator's own traces from an H100 through this model and prints where they disagree.
+threshold, and a card shared with other processes. With a limit (``limit_bytes``, what
+`torch.cuda.set_per_process_memory_fraction` or the card itself allows) a request that would take the
+reserved memory past it is retried as the allocator retries a failed cudaMalloc: every cached segment
+none of whose bytes are allocated is given back, then the segment is asked for again; if it still does
+not fit, the request is out of memory (`AllocatorOutOfMemory`). With expandable segments only wholly
+free segments are given back here, where torch also unmaps the free pages inside a segment: the model
+runs out of memory sooner, never later. `least_limit_bytes` searches the smallest limit a step runs
+under. `benchmarks/allocator_replay.py` replays the caching allocator's own traces from an H100
+through this model and prints where they disagree.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ def segment_size(size: int) -> int:
     if size < LARGE_ROUNDED_FROM:
         return LARGE_SEGMENT
     return -(-size // LARGE_ROUNDING) * LARGE_ROUNDING
+
+
+class AllocatorOutOfMemory(Exception):
+    """A request the allocator cannot serve within its limit, even after giving its cached segments back."""
 
 
 def expandable_from_environment() -> bool:
@@ -99,8 +109,9 @@ class _Pool:
 class CachingAllocatorModel:
     """Reserved and allocated bytes of a sequence of `malloc`/`free` calls, as torch's CUDA allocator keeps them."""
 
-    def __init__(self, *, expandable_segments: bool = False) -> None:
+    def __init__(self, *, expandable_segments: bool = False, limit_bytes: int | None = None) -> None:
         self.expandable = expandable_segments
+        self.limit_bytes = limit_bytes
         self.pools = {True: _Pool(True), False: _Pool(False)}
         self.reserved_bytes = self.peak_reserved_bytes = 0
         self.allocated_bytes = self.peak_allocated_bytes = 0
@@ -112,6 +123,11 @@ class CachingAllocatorModel:
         size = rounded(nbytes)
         pool = self.pools[size <= SMALL_REQUEST]
         block = self._best_fit(pool, size) or self._grow(pool, size)
+        if block is None:  # over the limit: give the cache back and ask again, as alloc_block's retry does
+            self.empty_cache()
+            block = self._grow(pool, size)
+        if block is None:
+            raise AllocatorOutOfMemory(f"{size} bytes requested with {self.reserved_bytes} of {self.limit_bytes} reserved")
         if self._should_split(block, size):
             block = self._split(pool, block, size)
         block.allocated = True
@@ -154,7 +170,9 @@ class CachingAllocatorModel:
         pool.remove(block)
         return block
 
-    def _grow(self, pool: _Pool, size: int) -> _Block:
+    def _grow(self, pool: _Pool, size: int) -> _Block | None:
+        if self.limit_bytes is not None and self.reserved_bytes + segment_size(size) > self.limit_bytes:
+            return None  # alloc_block checks the request's segment size against the limit, expandable or not
         if not self.expandable:
             grown = segment_size(size)
             block = _Block(next(self._addresses), grown, pool.small)
@@ -221,7 +239,7 @@ CARRIED = "carried"  # the log's mark before the loop lets go of what it carried
 
 
 def steady_reserved_bytes(log: Sequence[tuple[str, Hashable, int]], *, expandable_segments: bool = False,
-                          steps: int = 3) -> int:
+                          steps: int = 3, limit_bytes: int | None = None) -> int:
     """What the caching allocator holds reserved after `steps` real training steps, from one simulated step's log.
 
     The log (`LiveBytesTracker.allocation_log`) holds, in order: what exists before training (parameters,
@@ -234,12 +252,41 @@ def steady_reserved_bytes(log: Sequence[tuple[str, Hashable, int]], *, expandabl
     frees), the recorded optimizer phase; then the recorded step again, each step letting go of the
     previous one's outputs when its forward returns (where the loop reassigns them). What the recorded
     step allocates and never frees is made once, in step 1. Without `empty_cache` reserved memory never
-    shrinks, so its figure at the end is the peak.
+    shrinks, so its figure at the end is the peak. With `limit_bytes` the replay runs as under that limit
+    (AllocatorOutOfMemory where the steps would not run) and the figure is its reserved peak.
     """
-    start, warm_up, forward, backward, optimizer, carried = _split_log(log)
+    return _replayed(log, expandable_segments, steps, limit_bytes).peak_reserved_bytes
+
+
+def least_limit_bytes(log: Sequence[tuple[str, Hashable, int]], *, expandable_segments: bool = False, steps: int = 3,
+                      resolution: int = SMALL_SEGMENT) -> int:
+    """The smallest memory limit (to `resolution`) under which the caching allocator runs `steps` steps of the log.
+
+    Between the allocated peak and the reserved peak: under a lower limit the allocator gives its cached
+    segments back when a request would pass it and asks again, so a step can run in less than it reserves
+    when free, until the free space left inside segments still in use is too scattered for a request.
+    Searched by halving, as `benchmarks/gpu_capped.py` searches it on a GPU with
+    `torch.cuda.set_per_process_memory_fraction`.
+    """
+    free = _replayed(log, expandable_segments, steps, None)
+    low, high = free.peak_allocated_bytes - 1, free.peak_reserved_bytes  # low fails (reserved >= allocated), high runs
+    while high - low > resolution:
+        middle = (low + high) // 2
+        try:
+            _replayed(log, expandable_segments, steps, middle)
+            high = middle
+        except AllocatorOutOfMemory:
+            low = middle
+    return high
+
+
+def _replayed(log: Sequence[tuple[str, Hashable, int]], expandable_segments: bool, steps: int,
+              limit_bytes: int | None) -> CachingAllocatorModel:
+    """The allocator after the replay `steady_reserved_bytes` describes."""
     freed = {handle for action, handle, _ in log if action == "free"}
+    start, warm_up, forward, backward, optimizer, carried = _split_log(log)
     state = [entry for entry in warm_up if entry[0] == "alloc" and entry[1] not in freed]
-    model = CachingAllocatorModel(expandable_segments=expandable_segments)
+    model = CachingAllocatorModel(expandable_segments=expandable_segments, limit_bytes=limit_bytes)
     blocks: dict[Hashable, _Block] = {}
     _replay(model, start, blocks)
     previous: list[_Block] = []  # what the previous step's loop variables still hold
@@ -253,7 +300,7 @@ def steady_reserved_bytes(log: Sequence[tuple[str, Hashable, int]], *, expandabl
             _replay(model, state, blocks)
         _replay(model, optimizer, blocks, renamed=renamed, once=step == 0, freed=freed)
         previous = [renamed.pop(handle) for action, handle, _ in carried if action == "free" and handle in renamed]
-    return model.reserved_bytes
+    return model
 
 
 def _split_log(log: Sequence[tuple[str, Hashable, int]]) -> list[list]:

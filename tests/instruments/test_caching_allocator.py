@@ -12,8 +12,10 @@ import pytest
 from autoplan.instruments.caching_allocator import (
     CARRIED,
     WARM_UP,
+    AllocatorOutOfMemory,
     CachingAllocatorModel,
     expandable_from_environment,
+    least_limit_bytes,
     rounded,
     segment_size,
     steady_reserved_bytes,
@@ -149,3 +151,52 @@ def test_outputs_the_loop_carries_are_freed_when_the_next_forward_returns():
     reserved = steady_reserved_bytes(_log(start, warm_up, forward, backward, carried))
     # step 2's logits are made while step 1's are alive: a second segment (freed at the end of step 1, one would do)
     assert reserved == 10 * MiB + 2 * 50 * MiB
+
+
+def test_at_its_limit_the_allocator_gives_back_wholly_free_segments_and_asks_again():
+    allocator = CachingAllocatorModel(limit_bytes=40 * MiB)
+    held = allocator.malloc(9 * MiB)  # a 20 MiB segment that stays in use, 11 MiB of it free
+    allocator.free(allocator.malloc(15 * MiB))  # a 16 MiB segment, cached
+    other = allocator.malloc(18 * MiB)  # 16 + 20 + 18 > 40: the cached 16 MiB segment goes back first
+    assert allocator.reserved_bytes == 38 * MiB and allocator.peak_reserved_bytes == 38 * MiB
+    allocator.free(other)
+    allocator.malloc(19 * MiB)  # a 20 MiB segment: 38 + 20 > 40, so the free 18 MiB one goes back
+    assert allocator.reserved_bytes == 40 * MiB
+    with pytest.raises(AllocatorOutOfMemory):
+        allocator.malloc(19 * MiB)  # nothing wholly free to give back: `held`'s segment has 11 MiB free, but is in use
+    assert held.allocated
+
+
+def test_without_a_limit_the_same_requests_reserve_beyond_it():
+    allocator = CachingAllocatorModel()
+    allocator.free(allocator.malloc(18 * MiB))
+    allocator.malloc(19 * MiB)
+    assert allocator.reserved_bytes == 18 * MiB + 20 * MiB  # the cached segment is kept, a new one taken
+
+
+def _freed_cache_log() -> list:
+    """Parameters of 12 MiB; each step a 15 MiB activation (a 16 MiB segment) freed in backward, then an 18 MiB
+    gradient buffer no free block holds: reserved grows to 46 MiB, though at most 30 MiB is alive at once."""
+    return _log([("alloc", "param", 12 * MiB)], [("phase", WARM_UP, 0)],
+                [("phase", FORWARD_START, 0), ("alloc", "act", 15 * MiB)],
+                [("phase", BACKWARD_START, 0), ("free", "act", 0), ("alloc", "buffer", 18 * MiB)],
+                [("phase", OPTIMIZER_STEP, 0), ("free", "buffer", 0)])
+
+
+def test_the_least_limit_lies_below_the_free_running_reserved_peak_where_giving_back_the_cache_helps():
+    log = _freed_cache_log()
+    assert steady_reserved_bytes(log) == 12 * MiB + 16 * MiB + 18 * MiB
+    least = least_limit_bytes(log)
+    # at 30 MiB the activation's wholly free segment goes back before the buffer's is taken; later steps reuse it
+    assert 30 * MiB <= least <= 32 * MiB
+    assert steady_reserved_bytes(log, limit_bytes=least) <= least  # runs at the least limit, within it
+    with pytest.raises(AllocatorOutOfMemory):
+        steady_reserved_bytes(log, limit_bytes=30 * MiB - 512)  # below what is alive at once
+
+
+def test_the_limit_is_checked_against_the_segment_a_request_asks_for_not_the_request():
+    allocator = CachingAllocatorModel(limit_bytes=10 * MiB)
+    with pytest.raises(AllocatorOutOfMemory):
+        allocator.malloc(6 * MiB)  # its segment is 20 MiB, over the limit, and nothing is cached to give back
+    allocator.malloc(10 * MiB)  # from 10 MiB a segment is the request's size: it fits exactly
+    assert allocator.reserved_bytes == 10 * MiB
