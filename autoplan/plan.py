@@ -307,6 +307,9 @@ class Prediction:
     # one GPU: what torch's caching allocator is predicted to hold reserved (max_memory_reserved) in steady state,
     # segments whose free space the step could not use included (instruments.caching_allocator); 0: not predicted
     reserved_peak_bytes: int = 0
+    # one GPU: the smallest memory limit the step runs under, the allocator giving its cached segments back and
+    # retrying when a request would pass it (instruments.caching_allocator.least_limit_bytes); 0: not predicted
+    least_limit_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -366,7 +369,7 @@ class Plan:
             "loop": None if asked.loop is None else dataclasses.asdict(asked.loop), "moe_routing": model.moe_routing,
             "request": dict(asked.arguments), "offload": asked.offload, "host_budget_bytes": asked.host_budget_bytes,
             "host_peak_bytes": predicted.host_peak_bytes, "simulated_host_peak_bytes": predicted.simulated_host_peak_bytes,
-            "reserved_peak_bytes": predicted.reserved_peak_bytes,
+            "reserved_peak_bytes": predicted.reserved_peak_bytes, "least_limit_bytes": predicted.least_limit_bytes,
             "fingerprint": None if model.fingerprint is None else model.fingerprint.to_dict(),
             "batch_values": list(model.batch_values), "random_control_flow": model.random_control_flow,
         }

@@ -11,6 +11,7 @@ between the lowest peak and no plan) so profiles once. Each `plan(budget)` retur
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -27,7 +28,7 @@ from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
 from autoplan.inputs.settings import SearchSpace, StepOptions, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
-from autoplan.memory.model import rank_offsets
+from autoplan.memory.model import predict_peak, rank_offsets
 from autoplan.memory.segment_terms import choices_by_unit
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
@@ -35,6 +36,7 @@ from autoplan.profile.profiler import Profile
 from autoplan.profile.profiler import profile as profile_units
 from autoplan.profile.timing import measure_times
 from autoplan.report.reported import ReportedPlan, reported
+from autoplan.solve.allocator_fit import allocator_floor, allocator_room, fit_allocator
 from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
 from autoplan.solve.request import SolveRequest
 from autoplan.solve.search import pinned_choices, search
@@ -174,6 +176,8 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
     simulations: dict[frozenset, Simulation] = {}  # each simulated step, its reserved memory replayed for the chosen one only
 
     def simulate(choices: Mapping[str, Choice]) -> int:
+        if frozenset(choices.items()) in simulations:  # the same choices simulate the same step
+            return simulations[frozenset(choices.items())].peak_bytes
         simulated = simulate_plan(
             traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
@@ -182,29 +186,61 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
         simulations[frozenset(choices.items())] = simulated
         return simulated.peak_bytes
 
-    found = search(measured, request, simulate=simulate, progress=say)
+    least_of = _least_limits(measured, request, simulations, simulate, on_one_gpu=not any(offsets.values()))
+    fit = fit_allocator(search(measured, request, simulate=simulate, progress=say), request, measured.device, least_of=least_of,
+                        simulate=simulate, search_again=lambda tighter: search(measured, tighter, simulate=simulate, progress=say))
+    found = fit.found
     decided = assemble_plan(measured, traced, found, request)
     chosen, predicted = frozenset(found.choices.items()), decided.prediction
+    simulation = simulations.get(chosen)
+    raised = functools.partial(reserved_peak, predicted.peak_bytes, predicted.simulated_peak_bytes)
+    floor = max(predicted.minimum_budget_bytes, allocator_floor(found, request.budget, measured.device, least_of))
     simulated = dataclasses.replace(predicted, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(chosen, 0),
-                                    reserved_peak_bytes=reserved_peak(predicted.peak_bytes, predicted.simulated_peak_bytes,
-                                                                      simulations[chosen].reserved_bytes if chosen in simulations else 0))
-    # a plan that does not fit says so in its verdict; the note is for one that fits by its allocated bytes
-    note = reserved_note(simulated, request, measured.device) if decided.outcome.feasible else ()
-    return dataclasses.replace(decided, prediction=simulated, notes=decided.notes + note)
+                                    reserved_peak_bytes=raised(simulation.reserved_bytes if simulation else 0),
+                                    least_limit_bytes=fit.least_limit_bytes, minimum_budget_bytes=floor)
+    # a plan that does not fit says so in its verdict; the notes are for one that fits by its allocated bytes
+    notes = reserved_notes(simulated, request, measured.device, fit.passed_over_least_bytes) if decided.outcome.feasible else ()
+    return dataclasses.replace(decided, prediction=simulated, notes=decided.notes + notes)
 
 
-def reserved_note(prediction, request: SolveRequest, device: Device) -> tuple[str, ...]:
-    """A note where the caching allocator is predicted to hold more than the budget leaves it (the budget less
-    the part of the reserve that is the CUDA context): the plan fits by allocated bytes, and the allocator
-    would have to give cached segments back to stay within the card (cudaFree, a synchronisation each)."""
-    budget = request.budget
-    room = budget.total_bytes - min(budget.reserve_bytes, device.context_bytes)
-    if prediction.reserved_peak_bytes <= room:
-        return ()
-    return (f"the caching allocator is predicted to reserve {format_bytes(prediction.reserved_peak_bytes)} (its segments' free "
-            f"space included), above the {format_bytes(room)} the budget leaves it: near the card's limit it gives cached "
-            "segments back and retries (slower), and its free space may be too scattered for a large request (out of "
-            "memory); a larger reserve, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, leaves it room",)
+def _least_limits(measured: Profile, request: SolveRequest, simulations: dict[frozenset, Simulation], simulate,
+                  on_one_gpu: bool):
+    """choices -> their least limit (`Simulation.least_limit_bytes`, raised as `reserved_peak` raises the reserved
+    peak), each replayed once; 0 on a CPU target or across ranks, where the allocator is not modelled."""
+    leasts: dict[frozenset, int] = {}
+
+    def least_of(choices: Mapping[str, Choice]) -> int:
+        if measured.device.kind != "cuda" or not on_one_gpu:
+            return 0
+        key = frozenset(choices.items())
+        if key not in leasts:
+            if key not in simulations:
+                simulate(choices)
+            simulation = simulations[key]
+            predicted = max(predict_peak(measured, choices, request.mesh).bytes, simulation.peak_bytes)
+            leasts[key] = reserved_peak(predicted, simulation.peak_bytes, simulation.least_limit_bytes)
+        return leasts[key]
+
+    return least_of
+
+
+def reserved_notes(prediction, request: SolveRequest, device: Device, passed_over_least_bytes: int) -> tuple[str, ...]:
+    """Notes on the caching allocator for a plan that fits: where a faster plan that fits by its allocated peak was
+    passed over because the allocator could not run it in the budget, and where the chosen one reserves more than
+    the budget leaves it when free (it then gives cached segments back and retries: slower, and the least limit runs)."""
+    room = allocator_room(request.budget, device)
+    notes = []
+    if passed_over_least_bytes:
+        notes.append(f"a faster plan fits by its allocated peak, but the caching allocator needs "
+                     f"{format_bytes(passed_over_least_bytes)} to run its step (free space inside its segments "
+                     f"included), more than the {format_bytes(room)} the budget leaves it (the budget less the CUDA "
+                     f"context); this one needs {format_bytes(prediction.least_limit_bytes)}")
+    if prediction.reserved_peak_bytes > room:
+        notes.append(f"the caching allocator is predicted to reserve {format_bytes(prediction.reserved_peak_bytes)} "
+                     f"(its segments' free space included), above the {format_bytes(room)} the budget leaves it: at that "
+                     "limit it gives cached segments back and retries (cudaFree, a synchronisation each; slower), and "
+                     f"runs the step in {format_bytes(prediction.least_limit_bytes)}")
+    return tuple(notes)
 
 
 def _decide_loss_head(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say) -> tuple[Plan, Profile]:

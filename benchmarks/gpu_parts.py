@@ -226,6 +226,8 @@ def tables(out: Path) -> str:
             cells = [mib(row[key]["bytes"]) if "bytes" in row.get(key, {}) else "err" for key in keys]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += training_tables(out)
+    from benchmarks.gpu_capped import allocator_fit_table, capped_table
+    lines += capped_table(out) + allocator_fit_table(out)
     tests = _load(out, "tests")
     if isinstance(tests, dict):
         lines += [f"\n### CUDA tests: rc {tests['rc']}", tests["tail"][-1200:]]

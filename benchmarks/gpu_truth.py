@@ -17,6 +17,10 @@ one part is written down and does not stop the others:
 - ``tests``: the tests that need CUDA.
 - ``bert_expandable``: three of bert's configurations with ``expandable_segments:True``.
 - ``verify_expandable``: the verify part with ``expandable_segments:True``.
+- ``capped``: the least memory limit (`set_per_process_memory_fraction`) each verify model's planned step
+  runs under, against the plan's `least_limit_bytes` (benchmarks/gpu_capped.py).
+- ``allocator_fit``: at a budget between a plan's allocated peak and its least limit, that plan and the one
+  autoplan makes now, each verified with the budget enforced (benchmarks/gpu_capped.py).
 - ``blame``: for each verify model, allocated memory phase by phase of a real step and the blocks alive at
   its peak with the Python line that allocated them, next to the plan's own JSON.
 
@@ -42,7 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = {"context": 40, "saved": 60, "bert": 100, "verify": 220, "tests": 50, "bert_expandable": 40, "blame": 240,
-         "verify_expandable": 220}  # seconds each may take
+         "verify_expandable": 220, "capped": 300, "capped_trace": 200, "allocator_fit": 240}  # seconds each may take
 PART_ENV = {"bert_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
             "verify_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 
@@ -59,8 +63,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part:
-        from benchmarks import gpu_blame, gpu_parts, gpu_training
-        module = next(m for m in (gpu_parts, gpu_training, gpu_blame) if hasattr(m, f"part_{args.part}"))
+        from benchmarks import gpu_blame, gpu_capped, gpu_parts, gpu_training
+        module = next(m for m in (gpu_parts, gpu_training, gpu_blame, gpu_capped) if hasattr(m, f"part_{args.part}"))
         getattr(module, f"part_{args.part}")(out, args.smoke)
         return
     if args.tables:

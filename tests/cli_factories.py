@@ -25,6 +25,12 @@ def tiny_gpt(batch_size: int = 4, seq_len: int = 32, attention: str = "eager"):
                  batch_size=batch_size, seq_len=seq_len, attention=attention)
 
 
+def small_gpt(batch_size: int = 4, seq_len: int = 128):
+    """Two blocks whose activations (tens of MB) outweigh the caching allocator's 2 MiB and 20 MiB segments."""
+    return build(n_layer=2, n_embd=128, n_head=4, block_size=128, vocab_size=256,
+                 batch_size=batch_size, seq_len=seq_len, attention="eager")
+
+
 def tiny_gpt_sdpa(batch_size: int = 4, seq_len: int = 32):
     return tiny_gpt(batch_size, seq_len, attention="sdpa")
 

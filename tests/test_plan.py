@@ -54,6 +54,7 @@ JSON_KEYS = {
     ("prediction", "time_source"): "time_source", ("prediction", "fsdp"): "fsdp", ("prediction", "world_size_curve"): "world_size_curve",
     ("prediction", "host_peak_bytes"): "host_peak_bytes", ("prediction", "simulated_host_peak_bytes"): "simulated_host_peak_bytes",
     ("prediction", "reserved_peak_bytes"): "reserved_peak_bytes",
+    ("prediction", "least_limit_bytes"): "least_limit_bytes",
     ("outcome", "feasible"): "feasible", ("outcome", "solver_status"): "solver_status", ("outcome", "solve_time_s"): "solve_time_s",
     ("outcome", "resolves"): "resolves",
 }
@@ -78,7 +79,7 @@ def by_hand(fused: bool = True) -> Plan:
             breakdown=MemoryBreakdown(100, 200, 300, 250, 150), peak_phase=FORWARD_START, step_time_s=1.5,
             baseline_step_time_s=1.0, fastest_step_time_s=0.9, time_source="roofline",
             world_size_curve=(WorldSizePoint(2, 700, 1800, True),), host_peak_bytes=32, simulated_host_peak_bytes=33,
-            reserved_peak_bytes=1100,
+            reserved_peak_bytes=1100, least_limit_bytes=1050,
         ),
         outcome=Outcome(True, "Optimal", 0.25, resolves=2),
         notes=("a note",),

@@ -12,7 +12,7 @@ import autoplan
 from autoplan import planner as planner_module
 from autoplan.errors import BudgetError, OptionError, PlanMismatchError
 from autoplan.trace.discovery import unit_levels
-from tests.cli_factories import tiny_gpt
+from tests.cli_factories import small_gpt, tiny_gpt
 from tests.structures import by_name
 
 OPTIONS: dict[str, Any] = dict(device="h100", reserve=0)
@@ -28,14 +28,15 @@ def _without_solve_times(value: Any) -> Any:
 
 
 def _budgets(plan: autoplan.Plan) -> list[int]:
-    """The lowest peak, a budget between it and no plan, and no plan: three different plans."""
-    low, high = plan.prediction.minimum_peak_bytes, plan.prediction.baseline_peak_bytes
+    """The floor, a budget between it and what no plan needs, and that: three different plans (reserve=0 on a GPU
+    target: the caching allocator's least limit where it is above the peak)."""
+    low, high = plan.prediction.minimum_budget_bytes, max(plan.prediction.baseline_peak_bytes, plan.prediction.least_limit_bytes)
     return [low, (low + high) // 2, high]
 
 
 @pytest.mark.slow  # the whole pipeline, several times
 @pytest.mark.parametrize("build", [
-    lambda: tiny_gpt(batch_size=4, seq_len=32),  # the loss head planned fused and as written
+    lambda: small_gpt(batch_size=4, seq_len=128),  # the loss head planned fused and as written
     lambda: by_name("stages of blocks (stages[i].blocks[j])").build(),  # two levels of units, the best kept
 ], ids=["tiny GPT", "stages of blocks"])
 def test_each_plan_is_autoplans_plan_for_that_budget(build, monkeypatch) -> None:

@@ -166,10 +166,10 @@ class PlanOptions:
     reserve: str | int | None = _option(None, "bytes held back from the budget. Default: 512 MiB CUDA context + 5% of the rest for "
                                         "allocator fragmentation. The context part is an estimate, **too small on the one GPU measured** (an "
                                         "H100: 764 MiB once cuBLAS, cuDNN and attention ran; docs/BENCHMARKS.md). On one GPU the plan also "
-                                        "predicts the caching allocator's reserved memory (`plan.prediction.reserved_peak_bytes`), and a plan "
-                                        "note says where it is above the budget less the reserve's context part "
+                                        "predicts the caching allocator's reserved memory and the least limit it runs the step in "
+                                        "(`plan.prediction.least_limit_bytes`); that must fit the budget less the reserve's context part "
                                         "([how](how-it-works.md#reserved-memory-the-caching-allocator-replayed)). `reserve=0` plans the peak "
-                                        "right up to the budget; a reserve as large as the budget is a `ValueError`.", Flag(
+                                        "right up to the budget, the allocator's included; a reserve as large as the budget is a `ValueError`.", Flag(
         ("--reserve",), 'Bytes held back from the budget, e.g. "1GB" or 0. Default: CUDA context + 5% fragmentation.',
         "bytes held back from the budget (`1GB`, `0`); default CUDA context + 5%", metavar="SIZE"))
     loss_fn: Callable[[Any], torch.Tensor] | None = _option(None, "`output -> scalar` for profiling. Default: the output's `.loss` (or "

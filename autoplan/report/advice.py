@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from autoplan.errors import OptionTypeError
+from autoplan.errors import DeviceError, OptionTypeError
+from autoplan.inputs.devices import get_device
 from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
@@ -329,6 +330,22 @@ def least_activation_choices(profile: Profile) -> dict[str, Choice]:
     }
 
 
+def _allocator_view(plan: Plan) -> Plan:
+    """The plan with its usable bytes lowered by what the caching allocator needs beyond its allocated peak and the
+    budget leaves it (solve.allocator_fit): every estimate below is of allocated peaks, and the allocator's need
+    above them comes along with them, so that is what they must fit under. Unchanged where it has room."""
+    reserve = plan.request.budget_bytes - plan.request.usable_bytes
+    try:
+        context = get_device(plan.target.device).context_bytes
+    except DeviceError:  # a card named as this machine's driver names it: its whole reserve counts as context
+        context = reserve
+    room = plan.request.budget_bytes - min(reserve, context)
+    excess = plan.prediction.least_limit_bytes - plan.prediction.peak_bytes  # 0 where not predicted (no allocator)
+    if not plan.prediction.least_limit_bytes or room - excess >= plan.request.usable_bytes:
+        return plan
+    return dataclasses.replace(plan, request=dataclasses.replace(plan.request, usable_bytes=room - max(0, excess)))
+
+
 def advise(
     plan: Plan,
     profile: Profile,
@@ -351,6 +368,7 @@ def advise(
     """
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise OptionTypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
+    plan = _allocator_view(plan)
     order = [sample.phase for sample in profile.timeline.phases]
     peak_index = order.index(plan.prediction.peak_phase) if plan.prediction.peak_phase in order else 0
     # A plan that fits is the starting point; one that does not, the choices that keep least.

@@ -133,6 +133,9 @@ def _breakdown(plan: "Plan") -> Table:
     reserved = plan.prediction.reserved_peak_bytes
     if reserved:  # one GPU: the segments the caching allocator holds, their free space included (instruments.caching_allocator)
         table.add_row("caching allocator's reserved memory", format_bytes(reserved), f"{reserved / max(1, total) - 1:+.0%}")
+    least = plan.prediction.least_limit_bytes
+    if least:  # the limit it runs the step under, giving its cache back at the limit (solve.allocator_fit)
+        table.add_row("least limit the allocator runs it in", format_bytes(least), f"{least / max(1, total) - 1:+.0%}")
     table.add_row("reserve (CUDA context, fragmentation)", format_bytes(plan.request.budget_bytes - plan.request.usable_bytes), "")
     table.add_row("budget", format_bytes(plan.request.budget_bytes), "")
     return table

@@ -41,6 +41,7 @@ class SearchResult:
     solve_time_s: float  # every solve together
     resolves: int  # how often the budget was tightened and the program solved again
     timed_out: bool = False  # the solver stopped at its time limit: the plan fits but may not be the fastest
+    lowest_choices: Mapping[str, Choice] = dataclasses.field(default_factory=dict)  # the lowest-peak choices
 
 
 def pinned_choices(
@@ -185,4 +186,5 @@ def search(profile: Profile, request: SolveRequest, *, simulate: Callable[[Mappi
     if simulated is None:  # nothing fitted after all: report the lowest-peak choices as simulated
         simulated = lowest_simulated if lowest_simulated is not None else simulate(lowest.choices)
         lowest_peak = max(lowest_peak, simulated)
-    return SearchResult(dict(chosen), feasible, simulated, lowest_peak, status, solve_time, resolves, timed_out)
+    return SearchResult(dict(chosen), feasible, simulated, lowest_peak, status, solve_time, resolves, timed_out,
+                        dict(lowest.choices))

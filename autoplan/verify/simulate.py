@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 import torch
 
 from autoplan.inputs.devices import Device
-from autoplan.instruments.caching_allocator import expandable_from_environment, steady_reserved_bytes
+from autoplan.instruments.caching_allocator import expandable_from_environment, least_limit_bytes, steady_reserved_bytes
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, Phase, Precision
 from autoplan.profile.simulation import run_timeline
@@ -37,6 +37,13 @@ class Simulation:
         if not self.allocation_log:
             return 0
         return steady_reserved_bytes(self.allocation_log, expandable_segments=expandable_from_environment())
+
+    @property
+    def least_limit_bytes(self) -> int:
+        """One GPU: the smallest memory limit the steps run under, the allocator giving its cache back (0: not predicted)."""
+        if not self.allocation_log:
+            return 0
+        return least_limit_bytes(self.allocation_log, expandable_segments=expandable_from_environment())
 
 
 def simulate_plan(

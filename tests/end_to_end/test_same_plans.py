@@ -1,7 +1,11 @@
 """The same inputs give the same plans: the zoo planned now equals the zoo planned before a refactoring.
 
 `tests/end_to_end/plans_before.json` holds, for every model of `tests/models.py` (ALL_MODELS) and
-every structure of `tests/structures.py`, the plans made after commit cf7e053 (the JSON's reserved_peak_bytes, GPU plans'
+every structure of `tests/structures.py`, the plans made after the commit that fits GPU plans to the caching
+allocator's least limit (the JSON's least_limit_bytes; a GPU plan whose allocator needs more than the budget less the
+context is solved again, and the floor counts it; the halfway and under-the-floor budgets are taken from the
+floor budget and, on a GPU, what the roomy plan's allocator needs (tests/halfway.py), as CPU budgets always were);
+before that after commit cf7e053 (the JSON's reserved_peak_bytes, GPU plans'
 note where the caching allocator's predicted reserved memory is above the budget, and again after 8ebb2bb as that note
 left infeasible plans; no choice, peak or time changed); before
 that at e857b23 (GPU targets hold cuBLAS's workspaces, 8.5 MB on the a100-80gb: every GPU
@@ -32,6 +36,7 @@ import torch
 
 import autoplan
 from autoplan.errors import ProfileError, TraceError
+from tests.halfway import halfway_budget
 from tests.models import ALL_MODELS
 from tests.structures import STRUCTURES
 
@@ -88,8 +93,8 @@ def _three_budgets(build: Build, **options: Any) -> dict[str, Any]:
     model, example = build()
     planner = autoplan.Planner(model, **_inputs(example), reserve=0, **options)
     loose = planner.plan(2**30 if options.get("device") == "cpu" else "100%")  # not this machine's RAM: any machine
-    floor, baseline = loose.prediction.minimum_peak_bytes, loose.prediction.baseline_peak_bytes
-    halfway = floor + (baseline - floor) // 2
+    floor = loose.prediction.minimum_budget_bytes  # reserve=0: the lowest peak, or its allocator's least limit on a GPU
+    halfway = halfway_budget(loose)
     under = max(1, floor - max(1, floor // 50))
     return {"budgets": [halfway, under],
             "plans": [_comparable(loose), _comparable(planner.plan(halfway)), _comparable(planner.plan(under))]}

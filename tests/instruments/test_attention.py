@@ -174,8 +174,8 @@ def test_multihead_attention_with_dropout_checkpointed_trains_like_the_original(
 @pytest.mark.slow  # the whole pipeline
 def test_multihead_attention_with_dropout_plans_from_the_command_line() -> None:
     model, inputs = mha_dropout()
-    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).prediction.minimum_peak_bytes
-    # the lowest peak: every block recomputes something, attention with its dropout included
+    lowest = autoplan.plan(model, "1GB", example_inputs=inputs, device="h100", reserve=0).prediction.minimum_budget_bytes
+    # the floor budget: every block recomputes something, attention with its dropout included
     result = CliRunner().invoke(app, ["plan", "tests/cli_factories.py:mha_dropout", "--budget", f"{lowest}B",
                                       "--device", "h100", "--reserve", "0"])
     assert result.exit_code == ExitCode.FITS, result.output

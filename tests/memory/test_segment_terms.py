@@ -115,7 +115,9 @@ def test_predicted_peak_of_mixed_plans_is_the_simulated_one(fraction):
     model, inputs = _chain(norm=True)
     # the target's own floor: a GPU target also holds cuBLAS's workspaces, which the CPU does not
     floor = autoplan.plan(model, "10GB", example_inputs=inputs, device="a100-80gb", reserve=0, menu_size=0)
-    budget = int(floor.prediction.minimum_peak_bytes + fraction * (floor.prediction.baseline_peak_bytes - floor.prediction.minimum_peak_bytes)) + 1
+    # in budget terms: the floor budget, and what the roomy plan's caching allocator needs (reserve=0)
+    low, high = floor.prediction.minimum_budget_bytes, max(floor.prediction.baseline_peak_bytes, floor.prediction.least_limit_bytes)
+    budget = int(low + fraction * (high - low)) + 1
     plan = autoplan.plan(model, budget, example_inputs=inputs, device="a100-80gb", reserve=0, menu_size=0)
     assert plan.outcome.feasible
     assert abs(plan.prediction.peak_bytes - plan.prediction.simulated_peak_bytes) <= 0.05 * plan.prediction.simulated_peak_bytes
