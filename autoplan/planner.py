@@ -176,14 +176,14 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
     simulations: dict[frozenset, Simulation] = {}  # each simulated step, its reserved memory replayed for the chosen one only
 
     def simulate(choices: Mapping[str, Choice]) -> int:
-        if frozenset(choices.items()) in simulations:  # the same choices simulate the same step
-            return simulations[frozenset(choices.items())].peak_bytes
+        key = frozenset(choices.items())
+        if key in simulations:  # the same choices simulate the same step
+            return simulations[key].peak_bytes
         simulated = simulate_plan(
             traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
         )
-        host_peaks[frozenset(choices.items())] = simulated.host_peak_bytes
-        simulations[frozenset(choices.items())] = simulated
+        host_peaks[key], simulations[key] = simulated.host_peak_bytes, simulated
         return simulated.peak_bytes
 
     least_of = _least_limits(measured, request, simulations, simulate, on_one_gpu=not any(offsets.values()))

@@ -23,6 +23,7 @@ from autoplan.axes.checkpoint import Mode
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision, ShardedPeak
 from autoplan.profile.profiler import Profile
+from autoplan.solve.allocator_fit import allocator_room_bytes
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size
 from autoplan.report.offload_advice import offload_step
 from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
@@ -339,7 +340,7 @@ def _allocator_view(plan: Plan) -> Plan:
         context = get_device(plan.target.device).context_bytes
     except DeviceError:  # a card named as this machine's driver names it: its whole reserve counts as context
         context = reserve
-    room = plan.request.budget_bytes - min(reserve, context)
+    room = allocator_room_bytes(plan.request.budget_bytes, reserve, context)
     excess = plan.prediction.least_limit_bytes - plan.prediction.peak_bytes  # 0 where not predicted (no allocator)
     if not plan.prediction.least_limit_bytes or room - excess >= plan.request.usable_bytes:
         return plan

@@ -28,9 +28,13 @@ from autoplan.solve.search import SearchResult, resolve_slack
 MAX_ALLOCATOR_RESOLVES = 3  # a re-solve's plan lies near the last one, whose least limit the next tightening is sized by
 
 
+def allocator_room_bytes(budget_bytes: int, reserve_bytes: int, context_bytes: int) -> int:
+    """What the caching allocator may reserve in a budget: the budget less the part of its reserve that is the context."""
+    return budget_bytes - min(reserve_bytes, context_bytes)
+
+
 def allocator_room(budget: Budget, device: Device) -> int:
-    """What the caching allocator may reserve in this budget: the budget less the part of its reserve that is the context."""
-    return budget.total_bytes - min(budget.reserve_bytes, device.context_bytes)
+    return allocator_room_bytes(budget.total_bytes, budget.reserve_bytes, device.context_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,4 +80,4 @@ def allocator_floor(found: SearchResult, budget: Budget, device: Device,
                     least_of: Callable[[Mapping[str, Choice]], int]) -> int:
     """The smallest budget whose allocator room holds the lowest-peak choices' least limit (0: not predicted)."""
     least = least_of(found.lowest_choices) if found.lowest_choices else 0
-    return least + min(budget.reserve_bytes, device.context_bytes) if least else 0
+    return least + budget.total_bytes - allocator_room(budget, device) if least else 0
