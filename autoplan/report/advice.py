@@ -331,16 +331,28 @@ def least_activation_choices(profile: Profile) -> dict[str, Choice]:
     }
 
 
+def allocator_room_of(plan: Plan) -> int:
+    """What the plan's budget leaves the caching allocator (solve.allocator_fit.allocator_room_bytes)."""
+    reserve = plan.request.budget_bytes - plan.request.usable_bytes
+    try:
+        context = get_device(plan.target.device).context_bytes
+    except DeviceError:  # a card given by its specification ("custom"): its whole reserve counts as context
+        context = reserve
+    return allocator_room_bytes(plan.request.budget_bytes, reserve, context)
+
+
+def allocator_bound(plan: Plan) -> bool:
+    """`plan` does not fit though its lowest allocated peak does: the caching allocator needs more than the budget leaves it."""
+    least = plan.prediction.least_limit_bytes
+    return (not plan.outcome.feasible and least > 0 and plan.prediction.minimum_peak_bytes <= plan.request.usable_bytes
+            and least > allocator_room_of(plan))
+
+
 def _allocator_view(plan: Plan) -> Plan:
     """The plan with its usable bytes lowered by what the caching allocator needs beyond its allocated peak and the
     budget leaves it (solve.allocator_fit): every estimate below is of allocated peaks, and the allocator's need
     above them comes along with them, so that is what they must fit under. Unchanged where it has room."""
-    reserve = plan.request.budget_bytes - plan.request.usable_bytes
-    try:
-        context = get_device(plan.target.device).context_bytes
-    except DeviceError:  # a card named as this machine's driver names it: its whole reserve counts as context
-        context = reserve
-    room = allocator_room_bytes(plan.request.budget_bytes, reserve, context)
+    room = allocator_room_of(plan)
     excess = plan.prediction.least_limit_bytes - plan.prediction.peak_bytes  # 0 where not predicted (no allocator)
     if not plan.prediction.least_limit_bytes or room - excess >= plan.request.usable_bytes:
         return plan

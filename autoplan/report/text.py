@@ -21,7 +21,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from autoplan.report.advice import state_bound
+from autoplan.report.advice import allocator_bound, allocator_room_of, state_bound
 from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds, rank_noun
 from autoplan.vocabulary.code_lines import wrap_code
 
@@ -77,6 +77,14 @@ def _verdict(plan: "Plan") -> Text:
         text = Text("FITS", style="bold green")
         text.append(f"  {plan.model.name} on {on}: predicted peak {format_bytes(plan.prediction.peak_bytes)} "
                     f"of {usable} usable ({format_bytes(plan.request.budget_bytes)} budget)", style="bold")
+    elif allocator_bound(plan):  # the allocated peak fits; what the allocator needs to run it does not (solve.allocator_fit)
+        least, room = plan.prediction.least_limit_bytes, allocator_room_of(plan)
+        text = Text("DOES NOT FIT", style="bold red")
+        text.append(f"  {plan.model.name} on {on}: the lowest peak autoplan reaches, "
+                    f"{format_bytes(plan.prediction.minimum_peak_bytes)}, fits the {usable} usable, but the caching allocator "
+                    f"needs {format_bytes(least)} to run that step (free space inside its segments included), over the "
+                    f"{format_bytes(room)} the budget leaves it (the budget less the CUDA context) by {format_bytes(least - room)}; "
+                    f"it needs a {format_bytes(plan.prediction.minimum_budget_bytes)} budget", style="bold")
     elif bound is not None:
         state = f"parameters, gradients and {plan.request.optimizer} state"
         why = (f"{state} alone are {format_bytes(bound.state_bytes)}, {over}" if not bound.step_bytes else

@@ -38,6 +38,11 @@ def test_a_budget_the_allocated_peak_fits_but_the_allocator_does_not_is_planned_
     floor = roomy.prediction.minimum_budget_bytes
     at_floor = planner.plan(floor)
     assert at_floor.feasible and at_floor.prediction.least_limit_bytes <= floor
+    # between the lowest peak and the floor the allocated peak fits, the allocator does not: the verdict says which
+    assert floor > roomy.prediction.minimum_peak_bytes
+    short = planner.plan((roomy.prediction.minimum_peak_bytes + floor) // 2)
+    assert not short.feasible
+    assert "fits the" in short.report().splitlines()[0] and "but the caching allocator needs" in " ".join(short.report().split())
     under = planner.plan(roomy.prediction.minimum_peak_bytes // 2)
     assert not under.feasible and under.prediction.minimum_budget_bytes == floor
     assert not any("caching allocator" in note for note in under.notes)  # the verdict says it; no note repeats it
