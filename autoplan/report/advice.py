@@ -13,8 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from autoplan.errors import DeviceError, OptionTypeError
-from autoplan.inputs.devices import get_device
+from autoplan.errors import OptionTypeError
 from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
@@ -23,9 +22,9 @@ from autoplan.axes.checkpoint import Mode
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision, ShardedPeak
 from autoplan.profile.profiler import Profile
-from autoplan.solve.allocator_fit import allocator_room_bytes
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size
 from autoplan.report.offload_advice import offload_step
+from autoplan.report.allocator_advice import allocator_view
 from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
 from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds
 from autoplan.vocabulary.tensors import rounded_bytes
@@ -331,34 +330,6 @@ def least_activation_choices(profile: Profile) -> dict[str, Choice]:
     }
 
 
-def allocator_room_of(plan: Plan) -> int:
-    """What the plan's budget leaves the caching allocator (solve.allocator_fit.allocator_room_bytes)."""
-    reserve = plan.request.budget_bytes - plan.request.usable_bytes
-    try:
-        context = get_device(plan.target.device).context_bytes
-    except DeviceError:  # a card given by its specification ("custom"): its whole reserve counts as context
-        context = reserve
-    return allocator_room_bytes(plan.request.budget_bytes, reserve, context)
-
-
-def allocator_bound(plan: Plan) -> bool:
-    """`plan` does not fit though its lowest allocated peak does: the caching allocator needs more than the budget leaves it."""
-    least = plan.prediction.least_limit_bytes
-    return (not plan.outcome.feasible and least > 0 and plan.prediction.minimum_peak_bytes <= plan.request.usable_bytes
-            and least > allocator_room_of(plan))
-
-
-def _allocator_view(plan: Plan) -> Plan:
-    """The plan with its usable bytes lowered by what the caching allocator needs beyond its allocated peak and the
-    budget leaves it (solve.allocator_fit): every estimate below is of allocated peaks, and the allocator's need
-    above them comes along with them, so that is what they must fit under. Unchanged where it has room."""
-    room = allocator_room_of(plan)
-    excess = plan.prediction.least_limit_bytes - plan.prediction.peak_bytes  # 0 where not predicted (no allocator)
-    if not plan.prediction.least_limit_bytes or room - excess >= plan.request.usable_bytes:
-        return plan
-    return dataclasses.replace(plan, request=dataclasses.replace(plan.request, usable_bytes=room - max(0, excess)))
-
-
 def advise(
     plan: Plan,
     profile: Profile,
@@ -381,7 +352,7 @@ def advise(
     """
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise OptionTypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
-    plan = _allocator_view(plan)
+    plan = allocator_view(plan)
     order = [sample.phase for sample in profile.timeline.phases]
     peak_index = order.index(plan.prediction.peak_phase) if plan.prediction.peak_phase in order else 0
     # A plan that fits is the starting point; one that does not, the choices that keep least.

@@ -32,7 +32,7 @@ from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time
 from autoplan.plan import Plan, Precision
 from autoplan.profile.profiler import Profile
 from autoplan.report.advice import adamw8bit_state_bytes, eight_bit_step_change_s, every_unit
-from autoplan.report.text import apply_code
+from autoplan.report.apply_code import apply_code
 from autoplan.vocabulary.formatting import first_line
 
 PlanModel = Callable[[torch.nn.Module], tuple[Plan, Profile]]  # plans a variant at the ladder's budget and precision
