@@ -64,12 +64,49 @@ def quantization_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
         matmul_state = getattr(module, "state", None)
         if matmul_state is not None and type(matmul_state).__name__ == "MatmulLtState":
             tensors.extend(t for t in (matmul_state.CB, matmul_state.SCB) if isinstance(t, torch.Tensor))
+        # Linear4bit keeps its weight's state as its own attribute too: the same object, unless the model was deep-copied
+        # (Params4bit.__deepcopy__ copies the weight's outside deepcopy's memo, so the layer's copy is a second one)
+        tensors.extend(_quant_state_tensors(_layer_quant_state(module)))
     return tensors
 
 
+def _layer_quant_state(module: torch.nn.Module) -> Any:
+    state = module.__dict__.get("quant_state")
+    return state if type(state).__name__ == "QuantState" else None
+
+
 def resident_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What a model holds on its device whatever the step does: parameters, buffers and quantization state."""
-    return list(model.parameters()) + list(model.buffers()) + quantization_state_tensors(model)
+    """What a model holds on its device whatever the step does: parameters, buffers, quantization state, and the
+    layers outside it that its 4-bit weights keep alive (`stray_quantized_tensors`)."""
+    return list(model.parameters()) + list(model.buffers()) + quantization_state_tensors(model) + stray_quantized_tensors(model)
+
+
+def stray_quantized_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of layers outside `model` that its 4-bit weights keep alive.
+
+    A `Params4bit` points to the layer that holds it (`.module`), and bitsandbytes' `Params4bit.__deepcopy__`
+    (0.50) hands the copy the original's layer there: a `copy.deepcopy` of a 4-bit model keeps every original
+    layer, its packed weight and quant state included, alive for as long as the copy lives. That memory is on the
+    device whatever the step does. A fake twin carries the fakes of these (`_autoplan_stray`, set by
+    `fake_quantized_entries`), so the simulation counts what the real model holds.
+    """
+    owned = {id(module) for module in model.modules()}
+    found: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        carried = getattr(param, "_autoplan_stray", None)
+        layer = None if carried is not None else _stray_layer(param, owned)
+        for tensor in carried or (_layer_tensors(layer) if layer is not None else ()):
+            found.setdefault(id(tensor), tensor)
+    return list(found.values())
+
+
+def _stray_layer(param: torch.Tensor, owned: set[int]) -> torch.nn.Module | None:
+    layer = getattr(param, "__dict__", {}).get("module")
+    return layer if isinstance(layer, torch.nn.Module) and id(layer) not in owned else None
+
+
+def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
+    return list(layer.parameters()) + list(layer.buffers()) + quantization_state_tensors(layer)
 
 
 def has_quantized_base(model: torch.nn.Module) -> bool:
@@ -109,6 +146,7 @@ def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tens
     tensors cannot be re-wrapped in bitsandbytes' parameter subclasses.
     """
     memo: dict[int, Any] = {}
+    owned = {id(module) for module in model.modules()}
 
     def twin(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -138,11 +176,16 @@ def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tens
             for name in ("quant_state", "CB", "SCB"):
                 if hasattr(param, name):
                     setattr(fake, name, twin(getattr(param, name)))
+            stray = _stray_layer(param, owned)
+            if stray is not None:  # the original layer a deep copy's weight keeps alive (stray_quantized_tensors)
+                setattr(fake, "_autoplan_stray", [twin(tensor) for tensor in _layer_tensors(stray)])
             memo[id(param)] = fake
         matmul_state = getattr(module, "state", None)
         if matmul_state is not None and type(matmul_state).__name__ == "MatmulLtState":
             for value in (matmul_state.CB, matmul_state.SCB):
                 twin(value)
+        if _layer_quant_state(module) is not None:
+            twin(_layer_quant_state(module))
     return memo
 
 

@@ -10,6 +10,7 @@ from typing import TypedDict
 from autoplan.axes.precision import kind
 from autoplan.inputs.budget import both_units
 from autoplan.inputs.hf_models import caches_in_training
+from autoplan.instruments.quantized import stray_quantized_tensors
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
 from autoplan.memory.segment_terms import chosen_segments, segment_terms
 from autoplan.mesh import Mesh
@@ -17,6 +18,7 @@ from autoplan.plan import Decisions, DeviceTarget, Outcome, Plan, PlannedModel, 
 from autoplan.profile.menu import PolicyWords
 from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.formatting import format_bytes
+from autoplan.vocabulary.tensors import unique_storage_bytes
 from autoplan.solve.ilp import fastest
 from autoplan.solve.request import SolveRequest
 from autoplan.solve.search import SearchResult
@@ -94,6 +96,11 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, request: 
                      f"refuses {'it' if len(refused) == 1 else 'them'} ({next(iter(refused.values()))}), as it would in the "
                      "real run; keep and full are")
     notes += buffer_notes(measured, found)
+    stray = stray_quantized_tensors(traced.model)
+    if stray:
+        notes.append(f"this model's 4-bit weights keep {format_bytes(unique_storage_bytes(stray))} of layers outside it alive "
+                     "(bitsandbytes' Params4bit.__deepcopy__ keeps the original's layer: a copy.deepcopy of a 4-bit model "
+                     "holds the original's weights too); counted as parameters. Load the model again rather than copy it")
     if traced.example_inputs[1].get("use_cache") is False and caches_in_training(traced.model):
         notes.append("planned without a KV cache, as training reads none back: autoplan.apply sets the model's "
                      "config.use_cache to False, so model(**batch) trains as planned (generate() still caches)")

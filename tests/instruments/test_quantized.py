@@ -142,6 +142,30 @@ def test_fake_twin_keeps_quant_state_and_int8_aliasing(saved_llama):
     assert weight.CB.untyped_storage()._cdata == weight.untyped_storage()._cdata  # one storage, as in the real layer
 
 
+def test_a_deep_copied_4bit_model_counts_the_original_layers_it_keeps_alive(saved_llama):
+    """bitsandbytes' Params4bit.__deepcopy__ points the copy's weight at the original's layer (`.module`) and copies the
+    weight's quant state outside deepcopy's memo: the copy holds the original layers and a second quant state per layer.
+    The CPU allocator's walk (verify.allocator, which shares no code with instruments.quantized) sees that memory;
+    the plan's resident bytes and the fake twin's must too."""
+    from autoplan.verify.allocator import resident_bytes
+    original = quantized(saved_llama, "nf4-double")
+    copied = copy.deepcopy(original)
+    assert unique_storage_bytes(resident_tensors(original)) == resident_bytes(original)
+    assert resident_bytes(copied) > resident_bytes(original)  # the copy keeps the original's 4-bit layers alive
+    assert unique_storage_bytes(resident_tensors(copied)) == resident_bytes(copied)
+    assert unique_storage_bytes(resident_tensors(fake_copy(copied, new_fake_mode()))) == resident_bytes(copied)
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_a_deep_copied_4bit_model_predicts_its_real_steps_and_says_why_it_holds_more(saved_llama):
+    copied = copy.deepcopy(quantized(saved_llama, "nf4-double"))
+    inputs = batch()
+    plan = halfway_plan(copied, inputs)
+    assert any("Params4bit.__deepcopy__" in note for note in plan.notes)
+    run = autoplan.verify(copied, plan, example_inputs=inputs, steps=3)
+    assert run.held and plan.prediction.peak_bytes * 0.99 <= run.measured_peak_bytes <= plan.prediction.peak_bytes
+
+
 def test_4bit_matmul_peaks_like_its_dequantize_then_linear(saved_llama):
     """The tracker's rule for the fused op's hidden temporary equals running its two steps in the open."""
     layer = quantized(saved_llama, "nf4-double", lora=False).model.layers[0].mlp.up_proj
