@@ -93,9 +93,11 @@ def stray_quantized_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     owned = {id(module) for module in model.modules()}
     found: dict[int, torch.Tensor] = {}
     for param in model.parameters():
-        carried = getattr(param, "_autoplan_stray", None)
-        layer = None if carried is not None else _stray_layer(param, owned)
-        for tensor in carried or (_layer_tensors(layer) if layer is not None else ()):
+        tensors = getattr(param, "_autoplan_stray", None)
+        if tensors is None:
+            layer = _stray_layer(param, owned)
+            tensors = _layer_tensors(layer) if layer is not None else []
+        for tensor in tensors:
             found.setdefault(id(tensor), tensor)
     return list(found.values())
 
@@ -184,8 +186,9 @@ def fake_quantized_entries(model: torch.nn.Module, fake_of: Callable[[torch.Tens
         if matmul_state is not None and type(matmul_state).__name__ == "MatmulLtState":
             for value in (matmul_state.CB, matmul_state.SCB):
                 twin(value)
-        if _layer_quant_state(module) is not None:
-            twin(_layer_quant_state(module))
+        layer_state = _layer_quant_state(module)
+        if layer_state is not None:
+            twin(layer_state)
     return memo
 
 
