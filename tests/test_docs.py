@@ -53,6 +53,20 @@ def test_the_tables_name_every_option():
         assert flag in command_line
 
 
+def test_autoplan_devices_says_the_memory_there_is():
+    # the docs send readers to `autoplan devices` to see a profile's memory; its cpu row said 24 GiB on a
+    # machine of 23.5 (rounded to the GiB): a card's whole GiB stays whole, anything else is cut to 0.1 GiB
+    from typer.testing import CliRunner
+
+    from autoplan.cli.app import app, gib_text
+    from autoplan.inputs.devices import get_device
+
+    assert (gib_text(80 * 2**30), gib_text(int(23.54 * 2**30)), gib_text(24 * 2**30 - 1)) == ("80", "23.5", "23.9")
+    cpu = get_device("cpu").memory_bytes
+    row = next(line for line in CliRunner().invoke(app, ["devices"]).output.splitlines() if " cpu " in line)
+    assert f" {gib_text(cpu)} GiB ({cpu / 1e9:.1f} GB) " in row and cpu >= float(gib_text(cpu)) * 2**30
+
+
 def write_tables() -> None:
     for name, table in TABLES.items():
         path = DOCS / name
