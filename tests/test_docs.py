@@ -53,6 +53,29 @@ def test_the_tables_name_every_option():
         assert flag in command_line
 
 
+def table_row(table: str, first_cell: str) -> str:
+    return next(line for line in table.splitlines() if line.startswith(f"| {first_cell} |"))
+
+
+def test_the_accepted_values_are_the_documented_ones():
+    # the rows are written by hand (in options.py's docs lines); the values are what the code accepts
+    from autoplan.inputs import options
+    from autoplan.inputs.devices import CUSTOM_KEYS, DEVICES
+    from autoplan.training.step_parts import OPTIMIZERS
+
+    command_line = written_table((DOCS / "command-line.md").read_text(), "command-line.md")
+    api = written_table((DOCS / "api.md").read_text(), "api.md")
+    assert set(options.OPTIMIZERS) == set(OPTIMIZERS), "--optimizer's choices are not the names the step counts"
+    optimizers = (DOCS / "optimizers.md").read_text()
+    for name in OPTIMIZERS:
+        assert f"`{name}`" in table_row(command_line, "`--optimizer`"), f"--optimizer's row leaves out {name}"
+        assert f"`{name}`" in optimizers, f"docs/optimizers.md leaves out {name}"
+    for key in CUSTOM_KEYS:
+        assert f"`{key}`" in table_row(command_line, "`--device`, `-d`"), f"--device's row leaves out the custom key {key}"
+    for name in DEVICES:
+        assert f"`{name}`" in table_row(api, "`device`"), f"api.md's device row leaves out the profile {name}"
+
+
 def test_autoplan_devices_says_the_memory_there_is():
     # the docs send readers to `autoplan devices` to see a profile's memory; its cpu row said 24 GiB on a
     # machine of 23.5 (rounded to the GiB): a card's whole GiB stays whole, anything else is cut to 0.1 GiB
