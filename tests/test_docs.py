@@ -53,6 +53,13 @@ def test_the_tables_name_every_option():
         assert flag in command_line
 
 
+def section(text: str, heading: str) -> str:
+    """The part of a page under a `## heading`, up to the next one."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
 def table_row(table: str, first_cell: str) -> str:
     return next(line for line in table.splitlines() if line.startswith(f"| {first_cell} |"))
 
@@ -74,6 +81,31 @@ def test_the_accepted_values_are_the_documented_ones():
         assert f"`{key}`" in table_row(command_line, "`--device`, `-d`"), f"--device's row leaves out the custom key {key}"
     for name in DEVICES:
         assert f"`{name}`" in table_row(api, "`device`"), f"api.md's device row leaves out the profile {name}"
+
+
+def exit_code_rows(page: str) -> dict[int, set[str]]:
+    """docs/command-line.md's exit-code table: each code and the names of the classes its "raised as" cell gives."""
+    rows = [line.split("|") for line in section(page, "Exit codes").splitlines() if re.match(r"\| \d+ \|", line)]
+    return {int(cells[1]): set(re.findall(r"`([A-Z]\w*)`", cells[-2])) for cells in rows}
+
+
+def test_the_exit_code_table_is_the_clis():
+    import builtins
+
+    from autoplan import errors
+    from autoplan.cli.exits import EXIT_CODES, ExitCode
+
+    rows = exit_code_rows((DOCS / "command-line.md").read_text())
+    assert set(rows) == {int(code) for code in ExitCode}, "the table's codes are not ExitCode's"
+    for kind, code in EXIT_CODES:
+        assert kind.__name__ in rows[code], f"{kind.__name__} exits {int(code)}; the table's row {int(code)} does not name it"
+    for code, names in rows.items():
+        for name in names:
+            kind = getattr(errors, name, None) or getattr(builtins, name, None)
+            assert isinstance(kind, type) and issubclass(kind, BaseException), f"row {code} names {name}: no error class"
+            if kind.__module__ == errors.__name__:  # a subclass exits as the first class of EXIT_CODES it is one of
+                exits = next((int(c) for parent, c in EXIT_CODES if issubclass(kind, parent)), int(ExitCode.ERROR))
+                assert exits == code, f"{name} exits {exits}, the table says {code}"
 
 
 def test_autoplan_devices_says_the_memory_there_is():
