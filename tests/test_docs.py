@@ -60,6 +60,34 @@ def section(text: str, heading: str) -> str:
     return text[start:end if end != -1 else len(text)]
 
 
+def flags_of(command) -> set[str]:
+    """Every name a click command's options answer to: `--budget`, `-b`, `--no-offload`, ..."""
+    return {name for param in command.params if getattr(param, "param_type_name", "") == "option"
+            for name in (*param.opts, *param.secondary_opts)}
+
+
+def flag_written(flag: str, text: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) is not None
+
+
+def test_every_flag_the_command_line_parses_is_documented():
+    # the table above is made from each command's `.flags`: a flag added to a command another way, or one
+    # `autoplan verify` takes that its paragraph forgets, would be parsed and never documented
+    import typer
+
+    from autoplan.cli.app import app
+
+    page = (DOCS / "command-line.md").read_text()
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    places = {"plan": written_table(page, "command-line.md"), "verify": section(page, "`autoplan verify`"), "devices": page}
+    # the plan table names short flags too (`-b`); elsewhere the long name is enough
+    undocumented = [f"autoplan {name} {flag}" for name, command in commands.items() for flag in sorted(flags_of(command))
+                    if (name == "plan" or flag.startswith("--")) and not flag_written(flag, places[name])]
+    undocumented += [f"autoplan {flag}" for flag in sorted(flags_of(typer.main.get_command(app))) if not flag_written(flag, page)]
+    assert not undocumented, f"flags docs/command-line.md does not name where it documents the command: {undocumented}"
+    assert "--on" in flags_of(commands["verify"]) and "--no-offload" in flags_of(commands["plan"])  # read, not empty
+
+
 def table_row(table: str, first_cell: str) -> str:
     return next(line for line in table.splitlines() if line.startswith(f"| {first_cell} |"))
 
@@ -81,6 +109,20 @@ def test_the_accepted_values_are_the_documented_ones():
         assert f"`{key}`" in table_row(command_line, "`--device`, `-d`"), f"--device's row leaves out the custom key {key}"
     for name in DEVICES:
         assert f"`{name}`" in table_row(api, "`device`"), f"api.md's device row leaves out the profile {name}"
+
+
+def test_every_keyword_of_the_public_functions_is_in_api_md():
+    # PlanOptions' fields are the table's rows (above); these are the other functions' own keywords
+    import inspect
+
+    import autoplan
+
+    api = (DOCS / "api.md").read_text()
+    functions = (autoplan.apply, autoplan.verify, autoplan.format_report, autoplan.Planner)
+    missing = [f"{function.__name__}({name}=)" for function in functions
+               for name, parameter in inspect.signature(function).parameters.items()
+               if parameter.kind == parameter.KEYWORD_ONLY and not re.search(rf"`{name}`|\b{name}=", api)]
+    assert not missing, f"keywords docs/api.md never names: {missing}"
 
 
 def exit_code_rows(page: str) -> dict[int, set[str]]:
