@@ -28,7 +28,7 @@ from autoplan.report.plot import FORMATS, require_pyplot
 from autoplan.vocabulary.sizes import Size
 
 # Everything that imports torch (seconds) is imported inside the commands, after the options are
-# checked: `--help` and a mistyped option are answered at once (tests/test_cli.py checks that
+# checked: `--help` and a mistyped option are answered at once (tests/cli/test_app.py checks that
 # torch stays unimported).
 if TYPE_CHECKING:
     from autoplan.inputs.targets import LoadedTarget
