@@ -125,6 +125,32 @@ def test_every_keyword_of_the_public_functions_is_in_api_md():
     assert not missing, f"keywords docs/api.md never names: {missing}"
 
 
+def plan_reads(text: str) -> set[tuple[str, str]]:
+    """What a page reads off a plan: `plan.decisions.fused_loss` as ("decisions", "fused_loss"), `plan.report()`
+    as ("report", ""); not `autoplan.plan(...)`, `planner.plan(...)` nor the file `plan.py`."""
+    return {(first, second or "") for first, second in re.findall(r"(?<![\w.])plan\.(?!py\b)(\w+)(?:\.(\w+))?", text)}
+
+
+def test_what_the_docs_read_off_a_plan_is_there():
+    # the docs said `plan.choices()`: the Plan has no such method, its `decisions` has
+    import dataclasses
+    import typing
+
+    from autoplan.plan import Plan
+    from autoplan.report.reported import ReportedPlan
+
+    def has(kind: type, name: str) -> bool:
+        return hasattr(kind, name) or (dataclasses.is_dataclass(kind) and name in {f.name for f in dataclasses.fields(kind)})
+
+    parts = typing.get_type_hints(Plan)  # plan.decisions -> Decisions, ...: the second name is read off that part
+    pages = (DOCS.parent / "README.md", *sorted(DOCS.glob("*.md")))
+    wrong = [f"{page.name}: plan.{first}" + (f".{second}" if second else "") for page in pages
+             for first, second in sorted(plan_reads(page.read_text()))
+             if not has(ReportedPlan, first) or (second and first in parts and not has(parts[first], second))]
+    assert not wrong, f"the docs read what a Plan does not have: {wrong}"
+    assert ("decisions", "fused_loss") in plan_reads((DOCS / "api.md").read_text())  # read, not empty
+
+
 def exit_code_rows(page: str) -> dict[int, set[str]]:
     """docs/command-line.md's exit-code table: each code and the names of the classes its "raised as" cell gives."""
     rows = [line.split("|") for line in section(page, "Exit codes").splitlines() if re.match(r"\| \d+ \|", line)]
