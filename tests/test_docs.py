@@ -1,9 +1,16 @@
-"""The options tables in the docs are the schema's: docs/api.md's from `PlanOptions`, docs/command-line.md's
-from the flags `autoplan plan` takes. Each table stands between a `<!-- table: ... -->` line and
+"""The docs say what the code does: the options tables, every flag and keyword, the values accepted, the exit codes.
+
+The options tables are the schema's: docs/api.md's from `PlanOptions`, docs/command-line.md's from the
+flags `autoplan plan` takes. Each table stands between a `<!-- table: ... -->` line and
 `<!-- end of table -->`; an option added, renamed or re-documented in `autoplan/inputs/options.py`
-changes the table, and this test fails until the docs are written again:
+changes the table, and the first test fails until the docs are written again:
 
     python -m tests.test_docs   # rewrites both tables
+
+The others read what is written by hand against the code itself: every flag the command line parses,
+the keywords of the public functions, the optimizer names, custom-device keys and device profiles the
+code accepts, what the docs read off a `Plan`, the exit-code table against `EXIT_CODES`, and the
+memory `autoplan devices` shows. The paths and links the docs name: tests/test_docs_paths.py.
 """
 
 from __future__ import annotations
