@@ -28,7 +28,7 @@ from autoplan.report.plot import FORMATS, require_pyplot
 from autoplan.vocabulary.sizes import Size
 
 # Everything that imports torch (seconds) is imported inside the commands, after the options are
-# checked: `--help` and a mistyped option are answered at once (tests/test_cli.py checks that
+# checked: `--help` and a mistyped option are answered at once (tests/cli/test_app.py checks that
 # torch stays unimported).
 if TYPE_CHECKING:
     from autoplan.inputs.targets import LoadedTarget
@@ -288,11 +288,18 @@ def devices_command() -> None:
         table.add_column(column, justify="right")
     for device in list_devices():
         low = device.peak_flops.get(device.low_precision_name, device.peak_flops["fp32"])
-        memory = f"{device.memory_bytes / 2**30:.0f} GiB ({device.memory_bytes / 1e9:.1f} GB)"
+        memory = f"{gib_text(device.memory_bytes)} GiB ({device.memory_bytes / 1e9:.1f} GB)"
         capability = ".".join(map(str, device.compute_capability)) if device.compute_capability else "-"
         table.add_row(device.name, memory, capability, f"{device.peak_flops['fp32'] / 1e12:g} TF",
                       f"{device.low_precision_name} {low / 1e12:g} TF", f"{device.memory_bandwidth / 1e9:g} GB/s")
     Console(highlight=False).print(table)
+
+
+def gib_text(nbytes: int) -> str:
+    """A memory in GiB as `autoplan devices` shows it: a card's whole GiB ("80"), else cut to one decimal
+    ("23.5" for this machine's 23.54 GiB): rounded to the GiB, the cpu row claimed half a GiB it does not have."""
+    tenths = nbytes * 10 // 2**30
+    return f"{tenths // 10}" if nbytes % 2**30 == 0 else f"{tenths / 10:.1f}"
 
 
 def _print_version(value: bool) -> None:

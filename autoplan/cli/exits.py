@@ -1,9 +1,10 @@
 """How the command line ends: exit codes by error class, one line on stderr, and quiet output.
 
 Errors autoplan raises on purpose are classes (`autoplan.errors`); `EXIT_CODES` maps each to the
-exit code the README's table documents, and anything else is a bug (exit 1, `--debug` for the
-traceback). torch's own logs and prints stay out of the way unless `--debug`, and a reader that
-goes away early (`autoplan plan ... | head -1`) ends nothing badly.
+exit code docs/command-line.md's table documents (tests/test_docs.py holds the two equal), and
+anything else is a bug (exit 1, `--debug` for the traceback). torch's own logs and prints stay out
+of the way unless `--debug`, and a reader that goes away early (`autoplan plan ... | head -1`) ends
+nothing badly.
 """
 
 from __future__ import annotations
