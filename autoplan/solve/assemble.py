@@ -96,6 +96,10 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, request: 
                      f"refuses {'it' if len(refused) == 1 else 'them'} ({next(iter(refused.values()))}), as it would in the "
                      "real run; keep and full are")
     notes += buffer_notes(measured, found)
+    if measured.timeline.loss_summed:
+        notes.append("no loss_fn was given and the model's output holds no loss: planned with the sum of its floating-point "
+                     "outputs as the loss; a loss computed outside the model (a cross-entropy keeps its log-softmax) holds "
+                     "more, so pass loss_fn= (the output -> the loss you train with) to plan that one")
     stray = stray_quantized_tensors(traced.model)
     if stray:
         notes.append(f"this model's 4-bit weights keep {format_bytes(unique_storage_bytes(stray))} of layers outside it alive "
