@@ -81,7 +81,7 @@ class Planner:
         self._batch = training_batch(model, given.example_inputs, given.batch_size, given.seq_len)
         self._fingerprint = fingerprint_of(model, self._batch)  # before planning: what apply and verify check the plan against
         self._parameters = _parameter_states(model)
-        self._say = given.progress or (lambda message: None)
+        self._say = given.progress if given.progress is not None else (lambda message: None)
         self._levels: list[ProfiledLevel] | None = None
         self._tried = 0
 
