@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import autoplan
 import autoplan.planned.forwards as forwards
+from autoplan.apply.transaction import restored_on_failure
 from autoplan.planned.forwards import planned_choices
 
 
@@ -106,3 +107,27 @@ def test_a_failure_halfway_leaves_the_model_as_it_was(planned, monkeypatch, erro
     monkeypatch.undo()
     autoplan.apply(model, plan)
     assert planned_choices(model) == plan.decisions.choices() and model.config.use_cache is False
+
+
+def test_what_a_rewrite_can_change_besides_forwards_is_put_back():
+    """A 4-bit layer's bias cast through `.data` (settle_first_forward), a config's attribute, a hook, a parameter or
+    a submodule replaced, the class swapped and an attribute added (as FSDP2's fully_shard does)."""
+    model = _Net()
+    bias, weight, block = model.blocks[0].up.bias, model.blocks[0].up.weight, model.blocks[2]
+    bias_value, before = bias.detach().clone(), _state(model)
+
+    class Swapped(_Net):
+        pass
+
+    with pytest.raises(KeyboardInterrupt), restored_on_failure(model):
+        bias.data = bias.data.to(torch.bfloat16)
+        model.config.use_cache = False
+        model.blocks[1].register_forward_pre_hook(lambda module, args: None)
+        model.blocks[0].up.weight = nn.Parameter(torch.zeros(32, 16))
+        model.blocks[2] = _Block(16)
+        model.__class__ = Swapped
+        model.added = 1
+        raise KeyboardInterrupt
+    assert type(model) is _Net and _state(model) == before and not hasattr(model, "added")
+    assert model.blocks[0].up.weight is weight and model.blocks[2] is block
+    assert model.blocks[0].up.bias is bias and bias.dtype == torch.float32 and torch.equal(bias, bias_value)
