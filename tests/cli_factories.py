@@ -262,23 +262,8 @@ def mha_dropout(batch_size: int = 4, seq_len: int = 32, d: int = 32, heads: int 
     return _AttentionStack(d, heads, 3), (torch.randn(batch_size, seq_len, d),)
 
 
-class _CompiledBlocks(_TwoBlocks):
-    """tiny_mlp's blocks with a forward of its own: Dynamo marks the forward of a compiled module run under a
-    dispatch mode (as planning runs it) to be skipped for the rest of the process, which no other test's
-    model should inherit."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = torch.relu(block(x))
-        return x
-
-
-def refuse_to_compile(graph_module, example_inputs):
-    """A torch.compile backend for tests that must not compile."""
-    raise AssertionError("torch.compile was asked to compile: the test means to plan and train the module eagerly")
-
-
 def compiled_mlp(batch_size: int = 2):
     """A factory returning `torch.compile(model)`, as a training script does: an OptimizedModule, whose bool()
-    asks the wrapped module for its len(). Its backend refuses to compile: nothing here needs a compiled graph."""
-    return torch.compile(_CompiledBlocks(), backend=refuse_to_compile), (torch.randn(batch_size, 8),)
+    asks the wrapped module for its len(). backend="eager": Dynamo captures the forward and runs it as written,
+    no code generated (verify's real steps call it as a training script would; planning does not)."""
+    return torch.compile(_TwoBlocks(), backend="eager"), (torch.randn(batch_size, 8),)

@@ -19,7 +19,6 @@ from autoplan import Choice, InfeasibleBudgetError, MemoryBreakdown, Plan, UnitD
 from autoplan.planned.forwards import planned_choices
 from autoplan.training.step_parts import default_loss
 from examples.gpt import build as build_gpt
-from tests.cli_factories import refuse_to_compile
 from tests.halfway import halfway_budget
 from tests.models import make_lora, make_small_resnet, make_tiny_gpt
 
@@ -381,6 +380,10 @@ class _SquaredLogits(torch.nn.Module):
         return output.logits.float().pow(2).mean()
 
 
+def _refuse_to_compile(graph_module, example_inputs):
+    raise AssertionError("torch.compile was asked to compile: planning runs the caller's code as written")
+
+
 class _Messages(list):
     """A progress callback that keeps what it is told: falsy while it is empty."""
 
@@ -395,7 +398,7 @@ def test_the_callers_objects_are_used_whatever_their_truth_value() -> None:
     model, inputs = make_tiny_gpt()
     loss, said = _SquaredLogits(), _Messages()
     plan = autoplan.plan(model, "1GB", example_inputs=inputs, device=DEVICE, reserve=0, precision="fp32",
-                         loss_fn=torch.compile(loss, backend=refuse_to_compile), progress=said)
+                         loss_fn=torch.compile(loss, backend=_refuse_to_compile), progress=said)
     assert plan.outcome.feasible
     assert loss.calls > 0 and said, "the loss and the progress callback given were the ones used"
 
