@@ -10,6 +10,7 @@ between the lowest peak and no plan) so profiles once. Each `plan(budget)` retur
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -60,6 +61,21 @@ class ProfiledLevel:
     pins: Mapping[str, tuple[Choice, ...]]
 
 
+def _compiled_code_runs_as_written(method):
+    """`method` with torch.compile'd code run as written (`torch.compiler.set_stance("force_eager")`, torch 2.6+).
+
+    Planning runs the caller's model under dispatch modes (fake tensors, the tracker). Dynamo, called under
+    one, gives up on the frame and marks its code to be skipped for the rest of the process: a torch.compile'd
+    model, once planned, trained without compiling (issue 39). Forced eager, Dynamo is not called at all.
+    """
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
+            return method(*args, **kwargs)
+    return run
+
+
 class Planner:
     """The model and every option of `autoplan.plan` but the budget; `plan(budget)` plans for one.
 
@@ -68,6 +84,7 @@ class Planner:
     parameters change in the meantime (shape, dtype, device, requires_grad) is refused: make a new Planner.
     """
 
+    @_compiled_code_runs_as_written
     @torch.enable_grad()  # a training step is planned: the caller's no_grad (or a factory's) is not the step's
     @with_options
     def __init__(self, model: torch.nn.Module, **options: Unpack[PlanKeywords]) -> None:
@@ -81,10 +98,11 @@ class Planner:
         self._batch = training_batch(model, given.example_inputs, given.batch_size, given.seq_len)
         self._fingerprint = fingerprint_of(model, self._batch)  # before planning: what apply and verify check the plan against
         self._parameters = _parameter_states(model)
-        self._say = given.progress or (lambda message: None)
+        self._say = given.progress if given.progress is not None else (lambda message: None)
         self._levels: list[ProfiledLevel] | None = None
         self._tried = 0
 
+    @_compiled_code_runs_as_written
     @torch.enable_grad()
     def plan(self, budget: str | int | Size) -> ReportedPlan:
         """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest (autoplan.plan's docstring)."""

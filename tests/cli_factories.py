@@ -260,3 +260,10 @@ def mha_dropout(batch_size: int = 4, seq_len: int = 32, d: int = 32, heads: int 
     """Three blocks of nn.MultiheadAttention(dropout=0.1, batch_first=True) on a (batch, seq, d) input."""
     torch.manual_seed(0)
     return _AttentionStack(d, heads, 3), (torch.randn(batch_size, seq_len, d),)
+
+
+def compiled_mlp(batch_size: int = 2):
+    """A factory returning `torch.compile(model)`, as a training script does: an OptimizedModule, whose bool()
+    asks the wrapped module for its len(). backend="eager": Dynamo captures the forward and runs it as written,
+    no code generated (verify's real steps call it as a training script would; planning does not)."""
+    return torch.compile(_TwoBlocks(), backend="eager"), (torch.randn(batch_size, 8),)

@@ -92,8 +92,10 @@ def _plan(target: LoadedTarget, budget: Size, options: dict, progress, inputs=No
 
     profiles: list[Profile] = []
     try:
-        plan = plan_model(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
-                             progress=progress, on_profile=profiles.append, **options)
+        # `model or ...` would call bool() on the user's module: a torch.compile'd one answers with its len()
+        plan = plan_model(target.model if model is None else model, budget,
+                          example_inputs=inputs if inputs is not None else target.example_inputs,
+                          progress=progress, on_profile=profiles.append, **options)
     except Exception as error:
         if exit_code_for(error) != ExitCode.ERROR:
             raise  # autoplan's own errors: mapped by class

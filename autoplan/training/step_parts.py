@@ -53,9 +53,9 @@ def loss_function(
     else `default` (the model's own loss, else the sum).
     """
     if loss_in_model is None:
-        return loss_fn or default
+        return loss_fn if loss_fn is not None else default  # never bool(): a compiled loss module answers with len()
     if loss_in_model is False:
-        return loss_fn or sum_of_outputs
+        return loss_fn if loss_fn is not None else sum_of_outputs
 
     def own_loss(output: Any) -> torch.Tensor:
         loss = model_loss(output)
