@@ -107,7 +107,7 @@ def _verdict(plan: "Plan") -> Text:
     text.append(f"\nsimulated training step: {format_bytes(plan.prediction.simulated_peak_bytes)}; no plan (all keep/fp32): "
                 f"{format_bytes(plan.prediction.baseline_peak_bytes)}")
     if plan.request.loop is not None:  # every peak above is for this loop (docs/loops.md)
-        text.append(f"\ntraining loop: {plan.request.loop.describe()}")
+        text.append(f"\ntraining loop: {plan.request.loop.describe(plan.request.optimizer)}")
     if plan.decisions.fused_loss:  # the one change outside the units: say it, and how to turn it off
         text.append(f"\nloss: the output head's cross-entropy ({plan.decisions.fused_logits}) is fused, its gradients computed "
                     "chunk by chunk in the forward (fuse_loss=False, --loss-as-written, keeps it as written)")
