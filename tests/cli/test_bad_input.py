@@ -110,6 +110,9 @@ CASES = {
                        ["no floating-point tensor", "from forward"]),
     "integer output (verify)": (["verify", "tests/cli_factories.py:integer_output", "--budget", "1GB", "--on", "cpu"],
                                 ExitCode.CANNOT_PLAN, ["no floating-point tensor", "from forward"]),
+    # issue 39: a complex loss was torch's "grad can be implicitly created only for real scalar outputs"
+    "complex loss": (["plan", "tests/cli_factories.py:complex_loss", "--budget", "1GB"], ExitCode.CANNOT_PLAN,
+                     ["the loss must be a real scalar", "complex64 tensor", "from forward", "loss_fn="]),
 }
 HF_CASES = {
     # 2. a sequence longer than the model's positions
