@@ -423,6 +423,23 @@ def test_integer_batch_into_a_float_layer_is_refused_not_planned() -> None:
     assert autoplan.plan(model, "1GB", example_inputs=(batch.float(),), device="cpu").feasible
 
 
+# -- 14. complex values (issue 39) -------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_a_complex_model_is_planned_with_a_real_loss_and_its_complex_loss_is_refused() -> None:
+    """A complex input was torch's "grad can be implicitly created only for real scalar outputs": from autoplan's own
+    per-unit backward (a complex root) when the loss was real, and from the step's when the loss was complex."""
+    from autoplan.errors import LossError
+    from tests.cli_factories import complex_loss
+
+    model, batch = complex_loss()
+    with pytest.raises(LossError, match=r"the loss must be a real scalar .* complex64 tensor .*loss_fn="):
+        autoplan.plan(model, "1GB", example_inputs=batch, device="cpu")
+    plan = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", loss_fn=lambda out: out["signal"].abs().pow(2).mean())
+    assert plan.feasible and plan.prediction.peak_bytes > 0
+
+
 # -- random option values never crash ---------------------------------------------------------------------
 
 SIZE_LIKE = st.from_regex(r"\s?[+-]?\d{0,4}(\.\d{0,2})?\s?(B|KB|MB|GB|TB|GiB|kb|%|e9|)?\s?", fullmatch=True)
