@@ -164,6 +164,26 @@ def complex_loss():
     return _ComplexLoss(), (torch.randn(2, 8, dtype=torch.complex64),)
 
 
+class _SparseEmbedding(nn.Module):
+    """Token ids through an embedding with sparse gradients (for SGD or SparseAdam), then two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(32, 8, sparse=True)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.sum()
+
+
+def sparse_embedding():
+    """Issue 39: nn.Embedding(sparse=True) failed with "Cannot access storage of SparseTensorImpl" and no hint."""
+    return _SparseEmbedding(), (torch.randint(0, 32, (2, 4)),)
+
+
 def unused_block():
     """Three repeated blocks, of which forward runs two: blocks.2 is defined but never called."""
     return _TwoBlocks(n_blocks=3, used=2), (torch.randn(2, 8),)

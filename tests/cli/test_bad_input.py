@@ -113,6 +113,9 @@ CASES = {
     # issue 39: a complex loss was torch's "grad can be implicitly created only for real scalar outputs"
     "complex loss": (["plan", "tests/cli_factories.py:complex_loss", "--budget", "1GB"], ExitCode.CANNOT_PLAN,
                      ["the loss must be a real scalar", "complex64 tensor", "from forward", "loss_fn="]),
+    # issue 39: "Cannot access storage of SparseTensorImpl", with no word of the embedding or what to do
+    "sparse embedding": (["plan", "tests/cli_factories.py:sparse_embedding", "--budget", "1GB"], ExitCode.CANNOT_PLAN,
+                         ["sparse gradients (tokens: sparse=True)", "dense gradients only", "sparse=False"]),
 }
 HF_CASES = {
     # 2. a sequence longer than the model's positions
