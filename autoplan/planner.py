@@ -22,7 +22,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from typing_extensions import Unpack
 
 from autoplan.axes.precision import choices_for
-from autoplan.errors import MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, TraceError
+from autoplan.errors import (
+    MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, SparseGradientError, TraceError,
+)
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import DEVICES, Device, get_device
@@ -167,6 +169,19 @@ def _check_model(model: torch.nn.Module, target: Device) -> None:
         raise OptionError(f"{type(model).__name__} has no trainable parameters (every requires_grad is False): a training "
                           "step would update nothing. Unfreeze what you train (model.requires_grad_(True), or add adapters)")
     _check_int8_target(model, target)
+    _check_dense_gradients(model)
+
+
+def _check_dense_gradients(model: torch.nn.Module) -> None:
+    """Sparse gradients are not planned: the simulation's tracker reads every tensor's storage, which a sparse
+    tensor has none of, and AdamW (the default optimizer) refuses them in the real step too."""
+    sparse = [name or type(model).__name__ for name, module in model.named_modules()
+              if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse]
+    if sparse:
+        raise SparseGradientError(
+            f"{type(model).__name__} has {len(sparse)} embedding layer(s) with sparse gradients ({', '.join(sparse[:3])}"
+            f"{', ...' if len(sparse) > 3 else ''}: sparse=True); autoplan plans dense gradients only: build them with "
+            "sparse=False (the default), whose gradient is the whole table, as the plan counts it")
 
 
 def _check_int8_target(model: torch.nn.Module, target: Device) -> None:

@@ -180,9 +180,11 @@ def write_stdout(text: str) -> None:
 
 def print_report(console: Console, parts) -> None:
     """The report on stdout; a reader that went away (`| head -1`) is not an error: the exit code stands."""
-    from autoplan.report.text import render
+    from autoplan.report.text import render, report_width
 
     setattr(console, "on_broken_pipe", _reader_gone)  # this console's only: rich's own handler exits with 1
+    if not console.is_terminal:  # a file or a pipe: rich would take 80 columns and crush the tables
+        console.width = report_width(console, parts)
     try:
         render(console, parts)
         console.file.flush()

@@ -153,7 +153,8 @@ class _OutputGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, on_backward: Callable[[], None], shapes: tuple, *outputs: torch.Tensor) -> torch.Tensor:
         ctx.on_backward, ctx.shapes = on_backward, shapes
-        return outputs[0].new_zeros(())
+        # a real root even for a complex unit (a filter on complex signals): backward starts only from a real scalar
+        return outputs[0].new_zeros((), dtype=outputs[0].dtype.to_real())
 
     @staticmethod
     def backward(ctx, _unused: torch.Tensor):

@@ -91,6 +91,23 @@ def test_auto_finds_the_fewest_gpus_and_shows_the_curve() -> None:
 
 
 @pytest.mark.slow  # the whole pipeline
+def test_more_ranks_than_a_parameter_has_rows_says_what_the_padding_costs() -> None:
+    """Issue 39: --world-size 65536 on a 135K-parameter model planned 278 MB per GPU without a word: FSDP pads
+    each parameter to a row per rank, and gathers ranks × rows. Three Linear(16, 16): 6 parameters of 16 rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(3)])
+    batch = (torch.randn(4, 16),)
+    notes = {n: [note for note in autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=n,
+                                                 profile="roofline").notes if note.startswith("FSDP pads")] for n in (16, 64)}
+    assert notes[16] == []  # every rank holds a row of every parameter: no note
+    note, = notes[64]
+    # a row per rank of each: 3 × 16 × 4 B of weights and 3 × 4 B of biases, where an even split is 3 × 1088 B / 64
+    assert "6 of 6 parameters have fewer rows (as few as 16)" in note
+    assert "each rank holds 204 B of parameter shards where an even split is 51 B, 153 B of padding" in note
+    assert "with at most 16 ranks every rank holds rows of every parameter" in note
+
+
+@pytest.mark.slow  # the whole pipeline
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "two", True])
 def test_bad_world_size_is_a_clear_error(bad) -> None:
     model, batch = build("tiny", 1, 8)

@@ -116,6 +116,17 @@ def test_measured_peak_line_compares_with_the_prediction() -> None:
     assert "OVER the usable budget" in over
 
 
+def test_a_plain_text_report_is_120_columns_or_what_columns_says(monkeypatch) -> None:
+    # issue 39: a report not written to a terminal was narrower than its tables (80 columns on the command line)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    plan = roomy_plan()
+    widest = max(len(line) for line in format_report(plan).splitlines() if "━" not in line)
+    assert 80 < widest <= 120
+    monkeypatch.setenv("COLUMNS", "70")
+    assert max(len(line) for line in format_report(plan, with_code=False).splitlines()) <= 70
+    assert max(len(line) for line in format_report(plan, width=400).splitlines()) > 120  # a width given is kept
+
+
 def test_the_recompute_column_says_what_is_rerun() -> None:
     """Keep mode reruns nothing; a policy that reruns only norms and casts reruns no FLOPs, not "0 FLOP" of work."""
     plan = roomy_plan()
