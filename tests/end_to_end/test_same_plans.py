@@ -1,7 +1,9 @@
 """The same inputs give the same plans: the zoo planned now equals the zoo planned before a refactoring.
 
 `tests/end_to_end/plans_before.json` holds, for every model of `tests/models.py` (ALL_MODELS) and
-every structure of `tests/structures.py`, the plans made after the commit that fits GPU plans to the caching
+every structure of `tests/structures.py`, the plans made after a unit's profile stopped counting its own backward root
+and gradient seed in its forward (1,024 B on a keep unit; 2026-11-28: 8 plans chose other units at the same feasibility,
+four peaks moved by 1-11 KiB, the notes of issue 39 added); before that after the commit that fits GPU plans to the caching
 allocator's least limit (the JSON's least_limit_bytes; a GPU plan whose allocator needs more than the budget less the
 context is solved again, and the floor counts it; the halfway and under-the-floor budgets are taken from the
 floor budget and, on a GPU, what the roomy plan's allocator needs (tests/halfway.py), as CPU budgets always were);
