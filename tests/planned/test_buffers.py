@@ -148,3 +148,18 @@ def test_a_cumulative_batchnorm_is_planned_and_trains_as_without_a_plan():
     assert int(planned.blocks[3].norm.num_batches_tracked) == 0  # planning ran fakes: the model's counter is untouched
     autoplan.apply(planned, plan)
     _assert_trains_alike(plain, planned)
+
+
+def test_a_cumulative_batchnorm_on_the_meta_device_is_a_clear_error():
+    """The counter a cumulative BatchNorm divides by has no value on the meta device: say so, not "values computed from
+    the weights", and say what to do."""
+    from autoplan.errors import ProfileError
+
+    with torch.device("meta"):
+        model = Stack(cumulative=True)
+    with pytest.raises(ProfileError) as raised:
+        autoplan.plan(model, "1GB", example_inputs=(torch.randn(8, 16),), device="cpu", units=["blocks.*"])
+    message = str(raised.value)
+    assert "blocks.3.norm is a BatchNorm with momentum=None" in message and "num_batches_tracked's value" in message
+    assert "on the meta device the model has none" in message and "plan it with a momentum (e.g. 0.1)" in message
+    assert "computed from the weights" not in message
