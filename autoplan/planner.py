@@ -319,10 +319,23 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Gu
 
 def _profile_failure(model: torch.nn.Module, error: Exception) -> ProfileError:
     """The error of a training step on fake tensors, with the line of the model it happened in."""
-    hint = f" — {FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
+    hint = f" — {_meta_counter_hint(model) or FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
     return ProfileError(
         f"could not profile {type(model).__name__}: {type(error).__name__}: {first_line(error)}{where_in_user_code(error)}{hint}"
     )
+
+
+def _meta_counter_hint(model: torch.nn.Module) -> str:
+    """Why a BatchNorm with momentum=None cannot be simulated on the meta device ("" where the model has none): it
+    divides by num_batches_tracked, whose value the simulation reads off the model, and a meta tensor has none."""
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.modules.batchnorm._NormBase)
+             and module.momentum is None and module.track_running_stats and module.num_batches_tracked is not None
+             and module.num_batches_tracked.device.type == "meta"]
+    if not names:
+        return ""
+    return (f"{names[0] or type(model).__name__} is a BatchNorm with momentum=None (a cumulative average): its forward "
+            "divides by num_batches_tracked's value, and on the meta device the model has none. Build the model with real "
+            "weights, or plan it with a momentum (e.g. 0.1): the memory is the same, a momentum only scales the update")
 
 
 def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:

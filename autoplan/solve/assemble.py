@@ -232,11 +232,16 @@ def _per_rank_peak(timeline, measured: Profile, mesh: Mesh) -> int:
     return max(phase.peak_bytes + offset for phase, offset in zip(timeline.phases, offsets))
 
 
+# Padding worth a note: this share of what a rank holds of the parameters. A head of 10 rows over 16 ranks pads a
+# few bytes of a model's kilobytes; 65,536 ranks over 128-row layers make nearly all of it padding.
+NOTABLE_PADDING = 0.1
+
+
 def padding_notes(measured: Profile, mesh: Mesh) -> list[str]:
     """FSDP over more ranks than some parameter has rows: what its padding costs each rank (a per-GPU peak that
     grows with the world size reads as a mistake without it)."""
     padding = shard_padding(measured, mesh)
-    if padding is None:
+    if padding is None or padding.shard_bytes - padding.even_bytes < NOTABLE_PADDING * padding.shard_bytes:
         return []
     ranks, device = mesh.along(FSDP), measured.device.name
     return [f"FSDP pads each parameter to a multiple of {ranks:,} rows (dim 0), and {padding.short} of {padding.parameters} "
