@@ -13,7 +13,7 @@ import torch
 
 from autoplan.errors import OptionError, OptionTypeError, PlanMismatchError
 from autoplan.apply.sharding import apply_fsdp
-from autoplan.apply.transaction import restored_on_failure
+from autoplan.planned.transaction import restored_on_failure
 from autoplan.plan import Choice, Plan
 from autoplan.vocabulary.fingerprint import check_model
 from autoplan.units import GraphRun, Unit

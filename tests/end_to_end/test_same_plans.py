@@ -21,7 +21,8 @@ forced precision, compile pricing and the loss as written. Each plan is held as 
 it fits, its peaks and step time, and each unit's choice. A change that means to change plans records
 the fixture again and says why:
 
-    python -m tests.end_to_end.test_same_plans   # rewrites plans_before.json
+    python -m tests.end_to_end.test_same_plans            # rewrites plans_before.json
+    python -m tests.end_to_end.test_same_plans "CASE" ...  # those cases only
 """
 
 from __future__ import annotations
@@ -146,9 +147,14 @@ def _planned(case: str) -> dict[str, Any]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def record() -> None:
+def record(cases: list[str]) -> None:
+    """Plan every case (or those named) and write them into the fixture, the others as recorded."""
     torch.set_num_threads(THREADS)
-    plans = {name: _planned(name) for name in _variants()}
+    unknown = sorted(set(cases) - set(_variants()))
+    if unknown:
+        raise SystemExit(f"no such case: {unknown}; the cases: {sorted(_variants())}")
+    plans = _recorded() if cases else {}
+    plans.update({name: _planned(name) for name in (cases or _variants())})
     FIXTURE.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
 
 
@@ -194,4 +200,4 @@ def _first_change(was: Any, now: Any, path: str = "") -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(record())
+    sys.exit(record(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""apply is all or nothing (`apply.transaction`): an interrupt or an error halfway through rewriting
+"""apply (and verify's own rewrite) is all or nothing (`planned.transaction`): an interrupt or an error halfway through rewriting
 leaves the caller's model as it was (no unit's forward wrapped, its attributes, hooks, parameters and
 config's use_cache unchanged) and training it gives what the untouched model gives; applied again, the
 plan then takes whole.
@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import autoplan
 import autoplan.planned.forwards as forwards
-from autoplan.apply.transaction import restored_on_failure
+from autoplan.planned.transaction import restored_on_failure
 from autoplan.planned.forwards import planned_choices
 
 
@@ -85,8 +85,16 @@ def _failing_on_the_second_unit(monkeypatch, error: BaseException) -> list[nn.Mo
     return tried
 
 
+# verify rewrites an unplanned model itself before its steps, and did so outside the transaction (issue 39)
+REWRITERS = {
+    "apply": lambda model, plan, x: autoplan.apply(model, plan),
+    "verify": lambda model, plan, x: autoplan.verify(model, plan, example_inputs=(x,), steps=2),
+}
+
+
+@pytest.mark.parametrize("rewriter", REWRITERS)
 @pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("a unit could not be rewritten")], ids=["interrupt", "error"])
-def test_a_failure_halfway_leaves_the_model_as_it_was(planned, monkeypatch, error):
+def test_a_failure_halfway_leaves_the_model_as_it_was(planned, monkeypatch, error, rewriter):
     model, x, plan = planned
     model = copy.deepcopy(model)
     model.blocks[1].register_forward_hook(lambda module, args, output: None)  # the caller's own hook stays
@@ -94,7 +102,7 @@ def test_a_failure_halfway_leaves_the_model_as_it_was(planned, monkeypatch, erro
     before, parameters = _state(model), dict(model.named_parameters())
     tried = _failing_on_the_second_unit(monkeypatch, error)
     with pytest.raises(type(error)):
-        autoplan.apply(model, plan)
+        REWRITERS[rewriter](model, plan, x)
     assert tried == [model.blocks[0], model.blocks[1]], "the first unit was rewritten before the failure"
     assert _state(model) == before
     assert dict(model.named_parameters()) == parameters  # the same parameter objects
