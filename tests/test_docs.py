@@ -197,6 +197,29 @@ def test_autoplan_devices_says_the_memory_there_is():
     assert f" {gib_text(cpu)} GiB ({cpu / 1e9:.1f} GB) " in row and cpu >= float(gib_text(cpu)) * 2**30
 
 
+def test_the_readme_samples_are_the_commands_output():
+    # the README's sample outputs went stale by hand (a ladder made before its rungs took the plan's options):
+    # each is marked with the sample of tests/readme_samples.py that writes it, and opens with that command
+    from tests.readme_samples import BY_NAME, README, Sample, with_sample, written_samples
+
+    text = README.read_text()
+    written = written_samples(text)
+    assert set(written) == set(BY_NAME), "a sample block of the README is unmarked, or a sample has no block"
+    for name, block in written.items():
+        sample = BY_NAME[name]
+        assert not sample.prompt or block.splitlines()[0] == sample.typed(), f"{name} does not open with its command"
+        assert re.search(rf"<!-- sample: {name} · python -m tests.readme_samples {name} · \d{{4}}-\d\d-\d\d, \d+ s on ", text)
+    unmarked = [b for b in re.findall(r"(?<!-->\n)```\n(\$ autoplan [^\n]*)\n", text)]
+    assert unmarked == [], f"output blocks no sample writes: {unmarked}"
+    # the cut keeps the runs asked for, `...` where lines are left out, and the block replaced is the one named
+    cut = Sample("x", ("autoplan", "plan", "m.py:build"), prompt=True, runs=((r"^b", r"^d"), (r"^e", None)))
+    assert cut.shown("a\nb\nc\nd\ne\nf\n") == "$ autoplan plan m.py:build\n...\nb\nc\n...\ne\nf\n"
+    two = "<!-- sample: x -->\n```\nold\n```\n<!-- sample: y -->\n```\nkept\n```\n"
+    assert written_samples(with_sample(two, "x", "new\n", "note")) == {"x": "new\n", "y": "kept\n"}
+    with pytest.raises(ValueError, match="no line matches"):
+        cut.shown("a\nc\n")
+
+
 def write_tables() -> None:
     for name, table in TABLES.items():
         path = DOCS / name
