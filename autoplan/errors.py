@@ -40,6 +40,10 @@ class LossError(ProfileError):
     or the loop says the model computes its loss and its output has no `.loss`."""
 
 
+class SparseGradientError(ProfileError):
+    """The model has layers with sparse gradients (nn.Embedding(sparse=True)): autoplan plans dense gradients only."""
+
+
 class BudgetError(ValueError):
     """A budget or reserve that is not a size autoplan can plan for (unparsable, negative, too small,
     or a reserve that leaves nothing of the budget)."""

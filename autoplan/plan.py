@@ -201,7 +201,7 @@ class TrainingLoopLike(Protocol):
     """The training loop a plan's peak is for: an `autoplan.TrainingLoop` (`autoplan.inputs.loop`, a frozen
     dataclass). The vocabulary imports no stage, so the plan names it by what is read of it here."""
     __dataclass_fields__: ClassVar[dict[str, Any]]  # to_dict writes its fields; verify and the simulation read them
-    def describe(self) -> str: ...  # the report's line, "outputs kept through backward, ..."
+    def describe(self, optimizer: str = "the") -> str: ...  # the report's line, "outputs kept through backward, ..."
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ between the lowest peak and no plan) so profiles once. Each `plan(budget)` retur
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -21,7 +22,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from typing_extensions import Unpack
 
 from autoplan.axes.precision import choices_for
-from autoplan.errors import MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, TraceError
+from autoplan.errors import (
+    MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, SparseGradientError, TraceError,
+)
 from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import DEVICES, Device, get_device
@@ -60,6 +63,21 @@ class ProfiledLevel:
     pins: Mapping[str, tuple[Choice, ...]]
 
 
+def _compiled_code_runs_as_written(method):
+    """`method` with torch.compile'd code run as written (`torch.compiler.set_stance("force_eager")`, torch 2.6+).
+
+    Planning runs the caller's model under dispatch modes (fake tensors, the tracker). Dynamo, called under
+    one, gives up on the frame and marks its code to be skipped for the rest of the process: a torch.compile'd
+    model, once planned, trained without compiling (issue 39). Forced eager, Dynamo is not called at all.
+    """
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
+            return method(*args, **kwargs)
+    return run
+
+
 class Planner:
     """The model and every option of `autoplan.plan` but the budget; `plan(budget)` plans for one.
 
@@ -68,6 +86,7 @@ class Planner:
     parameters change in the meantime (shape, dtype, device, requires_grad) is refused: make a new Planner.
     """
 
+    @_compiled_code_runs_as_written
     @torch.enable_grad()  # a training step is planned: the caller's no_grad (or a factory's) is not the step's
     @with_options
     def __init__(self, model: torch.nn.Module, **options: Unpack[PlanKeywords]) -> None:
@@ -81,10 +100,11 @@ class Planner:
         self._batch = training_batch(model, given.example_inputs, given.batch_size, given.seq_len)
         self._fingerprint = fingerprint_of(model, self._batch)  # before planning: what apply and verify check the plan against
         self._parameters = _parameter_states(model)
-        self._say = given.progress or (lambda message: None)
+        self._say = given.progress if given.progress is not None else (lambda message: None)
         self._levels: list[ProfiledLevel] | None = None
         self._tried = 0
 
+    @_compiled_code_runs_as_written
     @torch.enable_grad()
     def plan(self, budget: str | int | Size) -> ReportedPlan:
         """Decide, per unit, the checkpoint mode and precision that fit `budget` fastest (autoplan.plan's docstring)."""
@@ -149,6 +169,19 @@ def _check_model(model: torch.nn.Module, target: Device) -> None:
         raise OptionError(f"{type(model).__name__} has no trainable parameters (every requires_grad is False): a training "
                           "step would update nothing. Unfreeze what you train (model.requires_grad_(True), or add adapters)")
     _check_int8_target(model, target)
+    _check_dense_gradients(model)
+
+
+def _check_dense_gradients(model: torch.nn.Module) -> None:
+    """Sparse gradients are not planned: the simulation's tracker reads every tensor's storage, which a sparse
+    tensor has none of, and AdamW (the default optimizer) refuses them in the real step too."""
+    sparse = [name or type(model).__name__ for name, module in model.named_modules()
+              if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse]
+    if sparse:
+        raise SparseGradientError(
+            f"{type(model).__name__} has {len(sparse)} embedding layer(s) with sparse gradients ({', '.join(sparse[:3])}"
+            f"{', ...' if len(sparse) > 3 else ''}: sparse=True); autoplan plans dense gradients only: build them with "
+            "sparse=False (the default), whose gradient is the whole table, as the plan counts it")
 
 
 def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
@@ -286,10 +319,23 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Gu
 
 def _profile_failure(model: torch.nn.Module, error: Exception) -> ProfileError:
     """The error of a training step on fake tensors, with the line of the model it happened in."""
-    hint = f" — {FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
+    hint = f" — {_meta_counter_hint(model) or FAKE_TENSOR_HINT}" if isinstance(error, _DATA_DEPENDENT) else ""
     return ProfileError(
         f"could not profile {type(model).__name__}: {type(error).__name__}: {first_line(error)}{where_in_user_code(error)}{hint}"
     )
+
+
+def _meta_counter_hint(model: torch.nn.Module) -> str:
+    """Why a BatchNorm with momentum=None cannot be simulated on the meta device ("" where the model has none): it
+    divides by num_batches_tracked, whose value the simulation reads off the model, and a meta tensor has none."""
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.modules.batchnorm._NormBase)
+             and module.momentum is None and module.track_running_stats and module.num_batches_tracked is not None
+             and module.num_batches_tracked.device.type == "meta"]
+    if not names:
+        return ""
+    return (f"{names[0] or type(model).__name__} is a BatchNorm with momentum=None (a cumulative average): its forward "
+            "divides by num_batches_tracked's value, and on the meta device the model has none. Build the model with real "
+            "weights, or plan it with a momentum (e.g. 0.1): the memory is the same, a momentum only scales the update")
 
 
 def _should_measure(profile: str, model: torch.nn.Module, target: Device) -> bool:

@@ -146,6 +146,44 @@ def integer_output():
     return _Argmax(), (torch.randn(2, 8),)
 
 
+class _ComplexLoss(nn.Module):
+    """A complex-valued model (a filter on complex signals) whose .loss is complex: torch's backward wants a real scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8, dtype=torch.complex64) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> dict:
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return {"loss": x.sum(), "signal": x}
+
+
+def complex_loss():
+    """Issue 39: a complex input (and loss) gave torch's "grad can be implicitly created only for real scalar outputs"."""
+    return _ComplexLoss(), (torch.randn(2, 8, dtype=torch.complex64),)
+
+
+class _SparseEmbedding(nn.Module):
+    """Token ids through an embedding with sparse gradients (for SGD or SparseAdam), then two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(32, 8, sparse=True)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.sum()
+
+
+def sparse_embedding():
+    """Issue 39: nn.Embedding(sparse=True) failed with "Cannot access storage of SparseTensorImpl" and no hint."""
+    return _SparseEmbedding(), (torch.randint(0, 32, (2, 4)),)
+
+
 def unused_block():
     """Three repeated blocks, of which forward runs two: blocks.2 is defined but never called."""
     return _TwoBlocks(n_blocks=3, used=2), (torch.randn(2, 8),)
@@ -260,3 +298,10 @@ def mha_dropout(batch_size: int = 4, seq_len: int = 32, d: int = 32, heads: int 
     """Three blocks of nn.MultiheadAttention(dropout=0.1, batch_first=True) on a (batch, seq, d) input."""
     torch.manual_seed(0)
     return _AttentionStack(d, heads, 3), (torch.randn(batch_size, seq_len, d),)
+
+
+def compiled_mlp(batch_size: int = 2):
+    """A factory returning `torch.compile(model)`, as a training script does: an OptimizedModule, whose bool()
+    asks the wrapped module for its len(). backend="eager": Dynamo captures the forward and runs it as written,
+    no code generated (verify's real steps call it as a training script would; planning does not)."""
+    return torch.compile(_TwoBlocks(), backend="eager"), (torch.randn(batch_size, 8),)

@@ -1,6 +1,8 @@
 """Test session settings: under pytest-xdist each worker runs torch on one thread, so the workers
 (one per core) do not oversubscribe the machine; and `--dist loadfile` runs the files that share a
-per-process cache on one worker, so the cache is filled once per run instead of once per worker."""
+per-process cache on one worker, so the cache is filled once per run instead of once per worker; and
+a report is rendered at its own width (COLUMNS unset), as in a plain `python` process: xdist's workers
+inherit COLUMNS=80, which wrapped `plan.report()` where `-n 0` did not."""
 
 import os
 
@@ -9,6 +11,7 @@ import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+os.environ.pop("COLUMNS", None)  # a test that reads a width sets its own (monkeypatch.setenv)
 
 # Files that read one per-process cache: each group runs on one worker. tests/families.py's
 # `planned` (a dozen Hugging Face plans, minutes of CPU) serves both of these.

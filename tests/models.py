@@ -236,7 +236,7 @@ def make_lora() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 
 # --- A flat model: distinct layers, no repeated block, no Sequential -----------
-# Its units are runs of graph nodes between articulation points (autoplan/partition.py); it
+# Its units are runs of graph nodes between articulation points (autoplan/planned/graph.py); it
 # uses a parameter directly in forward and has a residual inside one run.
 
 

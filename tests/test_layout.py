@@ -3,8 +3,8 @@
 Every `import` in every module counts, those inside functions and under TYPE_CHECKING too, with no
 exception. A module of stage k may import the first words (errors, units), the shared packages
 (vocabulary helpers, instruments, the choice axes, the plan, the training step, the planned forwards,
-in that order), and stages before k; never a later stage, never its own stage's sibling in a circle. The limits of DESIGN.md's style section are
-checked here too, so they stay true.
+in that order), and stages before k; never a later stage, never its own stage's sibling in a circle. The
+house style's limits (a module under ~400 lines, a function under ~60) are checked here too, so they stay true.
 """
 
 from __future__ import annotations

@@ -88,3 +88,23 @@ def test_a_model_changed_after_profiling_is_refused(change, named) -> None:
     with pytest.raises(PlanMismatchError, match="changed since this Planner was made.*make a new Planner") as refused:
         planner.plan("1GB")
     assert re.search(named, str(refused.value)), str(refused.value)
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch.compiler.set_stance is torch 2.6+")
+def test_planning_a_compiled_model_leaves_it_to_compile():
+    """Issue 39: Dynamo, called under planning's dispatch modes, gave up on the model's forward and marked its code
+    to be skipped for the rest of the process, so a torch.compile'd model, once planned, trained without compiling."""
+    from tests.cli_factories import tiny_mlp
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph_module, example_inputs):  # records what Dynamo captured, and runs it as written
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    model, inputs = tiny_mlp()
+    compiled = torch.compile(model, backend=backend)
+    plan = autoplan.plan(compiled, "1GB", example_inputs=inputs, device="cpu")
+    assert plan.outcome.feasible and graphs == [], "planning ran the model as written"
+    compiled(*inputs)
+    assert len(graphs) == 1, "the caller's next call compiles it"

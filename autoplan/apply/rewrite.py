@@ -13,9 +13,10 @@ import torch
 
 from autoplan.errors import OptionError, OptionTypeError, PlanMismatchError
 from autoplan.apply.sharding import apply_fsdp
-from autoplan.plan import Plan
+from autoplan.planned.transaction import restored_on_failure
+from autoplan.plan import Choice, Plan
 from autoplan.vocabulary.fingerprint import check_model
-from autoplan.units import GraphRun
+from autoplan.units import GraphRun, Unit
 from autoplan.vocabulary.names import unit_endpoints
 from autoplan.planned.forwards import apply_choices
 from autoplan.instruments.quantized import settle_first_forward
@@ -40,6 +41,11 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
         raise OptionTypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
     choices = plan.decisions.choices_by_unit()
     refuse_meta(model)
+    with restored_on_failure(model):  # an error or a Ctrl-C halfway leaves the model as it was, not half planned
+        return _rewrite(model, plan, choices, check=check)
+
+
+def _rewrite(model: torch.nn.Module, plan: Plan, choices: dict[Unit, Choice], *, check: bool) -> torch.nn.Module:
     settle_first_forward(model)  # a 4-bit layer's first forward must run the ops its recompute runs
     if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
         warnings.warn(
@@ -47,7 +53,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
             "is ignored on the planned layers: the plan decides which layers recompute, never twice. "
             "autoplan.remove_plan(model) gives it back.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,  # as before: apply_plan's caller
         )
     for unit in choices:
         if isinstance(unit, GraphRun):

@@ -28,7 +28,7 @@ from autoplan.report.plot import FORMATS, require_pyplot
 from autoplan.vocabulary.sizes import Size
 
 # Everything that imports torch (seconds) is imported inside the commands, after the options are
-# checked: `--help` and a mistyped option are answered at once (tests/test_cli.py checks that
+# checked: `--help` and a mistyped option are answered at once (tests/cli/test_app.py checks that
 # torch stays unimported).
 if TYPE_CHECKING:
     from autoplan.inputs.targets import LoadedTarget
@@ -92,8 +92,10 @@ def _plan(target: LoadedTarget, budget: Size, options: dict, progress, inputs=No
 
     profiles: list[Profile] = []
     try:
-        plan = plan_model(model or target.model, budget, example_inputs=inputs if inputs is not None else target.example_inputs,
-                             progress=progress, on_profile=profiles.append, **options)
+        # `model or ...` would call bool() on the user's module: a torch.compile'd one answers with its len()
+        plan = plan_model(target.model if model is None else model, budget,
+                          example_inputs=inputs if inputs is not None else target.example_inputs,
+                          progress=progress, on_profile=profiles.append, **options)
     except Exception as error:
         if exit_code_for(error) != ExitCode.ERROR:
             raise  # autoplan's own errors: mapped by class
@@ -146,8 +148,9 @@ def plan_command(target: str = TARGET, cli: CommandLine = None) -> None:  # type
 
         with progress, quiet(cli.debug), prints_to_stderr(err.file, when=_is_stdout(cli.json_path)):
             loaded = load_target(target, batch_size=cli.batch_size, seq_len=cli.seq_len)
+            base = ladder_base(loaded.model, loaded.spec) if cli.ladder else None  # what the ladder needs, said before planning
             plan, profile = _plan(loaded, budget, options, progress)
-            ladder = _ladder(loaded, budget, options, cli.device, progress) if cli.ladder else None
+            ladder = _ladder(loaded, base, budget, options, progress) if base is not None else None
             advice = _advise(loaded, plan, profile, budget, options, progress, world_size=cli.world_size, ladder=ladder)
         _write_files(cli.json_path, cli.plot, json_document(loaded, plan, advice, cli.budget), plan, profile, err)
         renderables = report_renderables(plan, advice, budget_text=cli.budget, verbose=cli.verbose)
@@ -172,21 +175,40 @@ def _advise(loaded: LoadedTarget, plan, profile, budget: Size, options: dict, pr
                   parameter_count=loaded.parameter_count, replan=replan if rebuild else None, ladder=ladder)
 
 
-def _ladder(loaded: LoadedTarget, budget: Size, options: dict, device: Optional[str], progress):
-    """The toolbox ladder of a Hugging Face target: its variants planned with every block in the device's low precision."""
-    from autoplan.inputs.hf_models import is_hf_model
+def _ladder(loaded: LoadedTarget, base, budget: Size, options: dict, progress):
+    """The toolbox ladder of a Hugging Face target: its variants planned with the plan's own options."""
     from autoplan.report.ladder import plan_ladder
 
-    if not is_hf_model(loaded.model):
-        raise CliError(ExitCode.USAGE, f"--ladder takes a Hugging Face model (hf:CONFIG, or a factory returning a transformers "
-                       f"model); {loaded.spec} gives a {type(loaded.model).__name__}")
-    low = get_device(device).low_precision_name
-    variant_options = {name: value for name, value in options.items() if name != "world_size"} | {"precision": low}  # one GPU
+    # the plan's own options (one GPU): the rung that adds autoplan's checkpointing is the plan printed above the ladder
+    variant_options = {name: value for name, value in options.items() if name != "world_size"}
 
     def plan_variant(model):
         return _plan(loaded, budget, variant_options, progress, model=model)
 
-    return plan_ladder(loaded.model, plan_variant, budget_text=str(budget.given), say=progress)
+    return plan_ladder(base, plan_variant, budget_text=str(budget.given), say=progress)
+
+
+def ladder_base(model, spec: str):
+    """The full-precision transformers model the ladder starts from, on the meta device (its variants cost no memory):
+    a model with real weights is rebuilt there from its config; one that is already peft or quantized is refused in
+    one line, since the ladder adds 4-bit QLoRA itself."""
+    import torch
+
+    from autoplan.inputs.hf_models import is_hf_model
+    from autoplan.instruments.quantized import has_quantized_base
+
+    name = type(model).__name__
+    if hasattr(model, "peft_config") or has_quantized_base(model):
+        raise CliError(ExitCode.USAGE, f"--ladder starts from the full-precision model and adds 4-bit QLoRA itself; {spec} gives "
+                       f"a {name} that already has {'adapters' if hasattr(model, 'peft_config') else 'a quantized base'}: give "
+                       "the base model (hf:CONFIG, or a factory returning the transformers model)")
+    if not is_hf_model(model):
+        raise CliError(ExitCode.USAGE, f"--ladder takes a Hugging Face model (hf:CONFIG, or a factory returning a transformers "
+                       f"model); {spec} gives a {name}")
+    if all(p.is_meta for p in model.parameters()):
+        return model
+    with torch.device("meta"):
+        return type(model)(model.config)
 
 
 def _write_files(json_path: Optional[Path], plot: Optional[Path], document: dict, plan, profile, err: Console) -> None:
@@ -288,11 +310,18 @@ def devices_command() -> None:
         table.add_column(column, justify="right")
     for device in list_devices():
         low = device.peak_flops.get(device.low_precision_name, device.peak_flops["fp32"])
-        memory = f"{device.memory_bytes / 2**30:.0f} GiB ({device.memory_bytes / 1e9:.1f} GB)"
+        memory = f"{gib_text(device.memory_bytes)} GiB ({device.memory_bytes / 1e9:.1f} GB)"
         capability = ".".join(map(str, device.compute_capability)) if device.compute_capability else "-"
         table.add_row(device.name, memory, capability, f"{device.peak_flops['fp32'] / 1e12:g} TF",
                       f"{device.low_precision_name} {low / 1e12:g} TF", f"{device.memory_bandwidth / 1e9:g} GB/s")
     Console(highlight=False).print(table)
+
+
+def gib_text(nbytes: int) -> str:
+    """A memory in GiB as `autoplan devices` shows it: a card's whole GiB ("80"), else cut to one decimal
+    ("23.5" for this machine's 23.54 GiB): rounded to the GiB, the cpu row claimed half a GiB it does not have."""
+    tenths = nbytes * 10 // 2**30
+    return f"{tenths // 10}" if nbytes % 2**30 == 0 else f"{tenths / 10:.1f}"
 
 
 def _print_version(value: bool) -> None:

@@ -1,9 +1,10 @@
 """How the command line ends: exit codes by error class, one line on stderr, and quiet output.
 
 Errors autoplan raises on purpose are classes (`autoplan.errors`); `EXIT_CODES` maps each to the
-exit code the README's table documents, and anything else is a bug (exit 1, `--debug` for the
-traceback). torch's own logs and prints stay out of the way unless `--debug`, and a reader that
-goes away early (`autoplan plan ... | head -1`) ends nothing badly.
+exit code docs/command-line.md's table documents (tests/test_docs.py holds the two equal), and
+anything else is a bug (exit 1, `--debug` for the traceback). torch's own logs and prints stay out
+of the way unless `--debug`, and a reader that goes away early (`autoplan plan ... | head -1`) ends
+nothing badly.
 """
 
 from __future__ import annotations
@@ -179,9 +180,11 @@ def write_stdout(text: str) -> None:
 
 def print_report(console: Console, parts) -> None:
     """The report on stdout; a reader that went away (`| head -1`) is not an error: the exit code stands."""
-    from autoplan.report.text import render
+    from autoplan.report.text import render, report_width
 
     setattr(console, "on_broken_pipe", _reader_gone)  # this console's only: rich's own handler exits with 1
+    if not console.is_terminal:  # a file or a pipe: rich would take 80 columns and crush the tables
+        console.width = report_width(console, parts)
     try:
         render(console, parts)
         console.file.flush()

@@ -58,8 +58,9 @@ LADDER = Flag(("--ladder",), "Also plan the toolbox ladder of a Hugging Face mod
               "plans; needs the qlora extra).", "also plan the toolbox ladder of a Hugging Face model: baseline (fp32, eager "
               "attention) → + bf16 → + checkpointing (autoplan's plan) → + fused attention (SDPA) → + 4-bit QLoRA → + 8-bit "
               "optimizer, each with its predicted peak and step time, the first that fits marked, and the transformers/peft/"
-              "bitsandbytes lines that apply it (three more plans; needs `pip install -e \".[qlora]\"`, exit 7 without it; a model "
-              "that is not a transformers one: exit 2)", bool, verify=False)
+              "bitsandbytes lines that apply it (three more plans, with the plan's own options; needs `pip install -e \".[qlora]\"`, "
+              "exit 7 without it; a model that is not a transformers one, or is already peft or quantized: exit 2, before planning)",
+              bool, verify=False)
 VERBOSE = Flag(("--verbose", "-v"), "Name what the selective units save op by op (aten ops by submodule), not only by kind "
                "(matmuls, attention, norms, ...).", "name what the selective units save op by op (aten ops by submodule), not only "
                "by kind (matmuls, attention, norms, ...); `plan.report(verbose=True)` in Python", bool)

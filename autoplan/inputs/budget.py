@@ -51,7 +51,7 @@ class Budget:
 def parse_bytes(value: object, *, device_memory_bytes: int | None = None) -> int:
     """Parse a budget ("20GB", "20 GiB", "80%", or an int of bytes) to bytes > 0.
 
-    KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2; a percentage
+    KB/MB/GB/TB/PB are powers of 10, KiB/MiB/GiB/TiB/PiB powers of 2; a percentage
     is of ``device_memory_bytes``. Fractional bytes are floored.
     """
     return _bytes(read_budget(value), device_memory_bytes, allow_zero=False, what="budget")

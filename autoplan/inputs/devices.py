@@ -16,7 +16,7 @@ import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from autoplan.axes.precision import PRECISION, dtype_of, flops_for, low_precision
 from autoplan.errors import DeviceError
@@ -292,13 +292,24 @@ def _key_values(text: str) -> dict[str, str]:
     if any(not sep or not value.strip() for _, sep, value in pairs):
         raise DeviceError(f"a custom device is key=value pairs separated by commas (custom:memory=48GiB,fp32_tflops=91.6,"
                           f"bandwidth=864GB/s); got {text!r}")
-    return {key.strip().lower(): value.strip() for key, _, value in pairs}
+    return _unique([(key.strip().lower(), value.strip()) for key, _, value in pairs], f"the custom device {text!r}")
+
+
+def _unique(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
+    """The pairs as a dict; a key given twice is refused (a dict would keep the last, silently)."""
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise DeviceError(f"{where} gives {twice!r} twice: give each key once")
+    return dict(pairs)
 
 
 def _json_object(path: str) -> dict[str, object]:
     try:
         with open(path, encoding="utf-8") as file:
-            values = json.load(file)
+            values = json.load(file, object_pairs_hook=lambda pairs: _unique(pairs, f"the device file {path!r}"))
+    except DeviceError:
+        raise
     except (OSError, ValueError) as error:
         raise DeviceError(f"cannot read the device file {path!r}: {error}") from error
     if not isinstance(values, dict):

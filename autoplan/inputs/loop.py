@@ -75,13 +75,15 @@ class TrainingLoop:
             return self.optimizer_impl
         return "foreach" if device_kind == "cuda" else "for-loop"
 
-    def describe(self) -> str:
-        """One line for the report: the loop as its code would say it."""
+    def describe(self, optimizer: str = "the") -> str:
+        """One line for the report: the loop as its code would say it; `optimizer`: the one planned for ("adamw")."""
         parts = ["outputs kept through backward" if self.keep_outputs else "outputs dropped before backward"]
         if self.accumulation_steps > 1:
             parts.append(f"{self.accumulation_steps} micro-batches per optimizer step")
         parts.append("zero_grad(set_to_none=True)" if self.zero_grad_set_to_none else "zero_grad(set_to_none=False)")
-        parts.append(f"{self.optimizer_impl} optimizer")
+        # the implementation, not the optimizer: "auto optimizer" read as if the optimizer had been chosen for the person
+        implementation = "torch's default" if self.optimizer_impl == "auto" else self.optimizer_impl
+        parts.append(f"{optimizer} optimizer, {implementation} implementation")
         if self.grad_scaler:
             parts.append("GradScaler")
         if self.loss_in_model is not None:

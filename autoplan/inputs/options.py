@@ -60,7 +60,7 @@ BUDGET_DOC = (
 )
 DEVICE_DOC = (
     '`"cuda"`/`"cuda:N"` (this machine\'s GPU, as torch names it), a profile name (`a100-40gb`, `a100-80gb`, `a10g`, '
-    '`h100-80gb`, `h200`, `l4`, `l40s`, `rtx-3090`, `rtx-4090`, `rtx-a6000`, `t4`, `v100-16gb`, `v100-32gb`, `cpu`; aliases '
+    '`gh200`, `h100-80gb`, `h200`, `l4`, `l40s`, `rtx-3090`, `rtx-4090`, `rtx-a6000`, `t4`, `v100-16gb`, `v100-32gb`, `cpu`; aliases '
     'like `h100`, `4090`, `a6000`; `a100` and `v100` must say their memory size), a card of your own '
     '(`"custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,..."` or a `.json` file: '
     '[command-line.md](command-line.md)), or a `torch.device` (`cpu`, or a CUDA device of this machine). **`None` = the '
@@ -142,7 +142,8 @@ class PlanOptions:
         "device profile (`autoplan devices`); default this machine's GPU, else the `cpu` profile. A card of your own: "
         "`custom:memory=48GiB,fp32_tflops=91.6,bf16_tflops=362,bandwidth=864GB/s,capability=8.9` (required: `memory`, `fp32_tflops`, "
         "`bandwidth`; optional: `bf16_tflops` (none: an fp16 card), `fp16_tflops`, `tf32_tflops`, `capability` (default 8.0 with bf16, "
-        "else 7.0), `name`, `description`), or a `.json` file holding the same keys", verify=False))
+        "else 7.0), `host_bandwidth` (the host link per direction, which prices offload; default 32GB/s), `name`, `description`), "
+        "or a `.json` file holding the same keys", verify=False))
     optimizer: str | torch.optim.Optimizer = _option("adamw", "`\"adamw\"` (default), `\"adam\"`, `\"sgd\"`, `\"sgd-momentum\"`, or an "
                                                      "optimizer instance (its class and defaults are used); bitsandbytes' by name "
                                                      "([optimizers.md](optimizers.md)). On CUDA targets the optimizer is simulated with "

@@ -11,7 +11,7 @@ libraries on the meta device; only the packing is not real: `bitsandbytes.functi
 on a meta weight, which gives the tensors a real load holds — the packed weight (numel/2 bytes of uint8),
 the quant state (absmax per 64-weight block: fp32, or with double quantization uint8 plus an fp32 absmax
 per 256 blocks, a 256-entry fp32 code and an offset; the 16-entry fp32 NF4/FP4 map) — with shapes and
-no values. `tests/test_report_ladder.py` checks that the twin plans to the byte as a real small 4-bit load.
+no values. `tests/report/test_ladder.py` checks that the twin plans to the byte as a real small 4-bit load.
 
 bitsandbytes, peft and transformers are optional (`pip install -e ".[qlora]"`): without them
 `require_qlora` raises `MissingExtraError` with that line.

@@ -5,8 +5,8 @@ efficient, cuDNN) and FlexAttention, but not the CPU flash kernel the simulation
 (`_scaled_dot_product_flash_attention_for_cpu` and its backward), nor the out-of-tree backends'
 `_scaled_dot_product_fused_attention_overrideable`, nor the fused inference kernels. Uncounted,
 attention costs 0 FLOP: recomputing it looks free to the solver and a long-sequence step looks
-faster than its attention alone. `register_attention_flops` adds them to torch's registry (so
-`FlopCounterMode` sees them too), counted with torch's own `sdpa_flop_count` /
+faster than its attention alone. `attention_flop_formulas` gives them to torch's registry while
+autoplan measures (`instruments.flop_formulas`), counted with torch's own `sdpa_flop_count` /
 `sdpa_backward_flop_count` and so by the conventions of the kernels torch already counts: QK^T and
 PV in the forward (4·B·Hq·Tq·Tk·D), the score recomputation and the four gradient matmuls in the
 backward (2.5 times that), every query head counted under grouped-query attention (each one
@@ -15,12 +15,13 @@ multiplies with its shared key/value head), and a causal mask not discounted.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.flop_counter as flop_counter
-from torch.utils.flop_counter import flop_registry, register_flop_formula
+from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
 
@@ -115,10 +116,21 @@ def _count_grouped_query_attention() -> None:
         flop_counter.sdpa_backward_flop_count = _with_key_value_heads_of_the_query(flop_counter.sdpa_backward_flop_count)
 
 
-def register_attention_flops() -> None:
-    """Add the formulas above to torch's flop registry; an op torch counts already (or lacks) is left alone."""
+@contextlib.contextmanager
+def grouped_query_counting() -> Iterator[None]:
+    """torch's two sdpa shape counters take grouped-query shapes while entered (`_count_grouped_query_attention`),
+    and are put back on exit: they are torch's module attributes, every FlopCounterMode in the process reads them."""
+    before = (flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count)
     _count_grouped_query_attention()
-    for name, formula in _formulas().items():
-        packet: Any = getattr(aten, name, None)
-        if packet is not None and packet not in flop_registry:
-            register_flop_formula(packet, get_raw=True)(formula)
+    ours = (flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count)
+    try:
+        yield
+    finally:
+        if (flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count) == ours:  # no one set others since
+            flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count = before
+
+
+def attention_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """The formulas above by op (overload packet), raw (over tensors); an op this torch lacks is left out."""
+    found = ((getattr(aten, name, None), formula) for name, formula in _formulas().items())
+    return {packet: formula for packet, formula in found if packet is not None}

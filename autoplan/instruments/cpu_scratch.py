@@ -28,8 +28,8 @@ from autoplan.vocabulary.descriptors import silenced
 
 GRANULE = 512  # blocks count as the CUDA allocator rounds them, as every byte of the simulation does
 
-# The ops whose CPU kernels allocate inside (found by benchmarks/kernel_scratch.py over the zoo and the
-# transformers families, CPU, torch 2.13): matmuls, convolutions, fused attention, logsumexp; and bitsandbytes'
+# The ops whose CPU kernels allocate inside (found by a one-off scan, its script not kept, over the zoo and
+# the transformers families, CPU, torch 2.13): matmuls, convolutions, fused attention, logsumexp; and bitsandbytes'
 # optimizer updates, whose CPU kernels are written in Python with parameter-sized temporaries. By name: the
 # bitsandbytes ops exist only once it is imported.
 SCRATCH_OPS = frozenset({

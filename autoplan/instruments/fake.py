@@ -15,7 +15,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 from autoplan.instruments.quantized import fake_quantized_entries
 from autoplan.instruments.rnn import MKLDNN_RNN_LAYER, with_real_workspace
 from autoplan.instruments.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
-from autoplan.instruments.values import VALUE_LIMIT, KnownValues, ValuesAsData, for_real, laid_out_like, storage_elements
+from autoplan.instruments.values import BUFFERS, VALUE_LIMIT, KnownValues, ValuesAsData, for_real, laid_out_like, storage_elements
 from autoplan.vocabulary.fingerprint import input_names
 from autoplan.vocabulary.tensors import tensors_of
 
@@ -35,14 +35,27 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     """
     storage_fakes = StorageFakes(fake_mode)
     memo: dict[int, Any] = fake_quantized_entries(model, storage_fakes.fake_of)
+    buffers = {id(buffer) for buffer in model.buffers()}
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) in memo:
             continue
         fake = _fake_like(tensor, fake_mode)
         if isinstance(tensor, torch.nn.Parameter):
             fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+        elif id(tensor) in buffers:
+            _know_counter(tensor, fake, getattr(fake_mode, "values", None))
         memo[id(tensor)] = fake
     return copy.deepcopy(model, memo)
+
+
+def _know_counter(buffer: torch.Tensor, fake: torch.Tensor, values: KnownValues | None) -> None:
+    """An integer buffer's value rides along its fake: a counter the forward reads (BatchNorm's momentum=None divides
+    by `num_batches_tracked`) is not computed from the weights, and the real step reads what the model holds now."""
+    if values is None or not has_values(buffer) or buffer.is_floating_point() or buffer.is_complex() or buffer.numel() > VALUE_LIMIT:
+        return
+    with for_real():  # laid out as its fake (`_fake_like`), so ops that address storage read the same elements
+        value = torch.empty_strided(buffer.shape, buffer.stride(), dtype=buffer.dtype).copy_(buffer.detach())
+    values.know(fake, value, frozenset((BUFFERS,)))
 
 
 class StorageFakes:

@@ -12,7 +12,7 @@ model's resident bytes (the simulation, the real-step measurement, the fake copy
 and on the CPU it dequantizes the weight into a temporary of the weight's full shape in the input's
 dtype (and, with double quantization, the absmax into two fp32 temporaries), then runs `F.linear`.
 The dispatcher shows only its output, so `hidden_temporary_bytes` gives the tracker what it holds
-inside, and its FLOPs are registered with torch's flop counter.
+inside, and `quantized_flop_formulas` gives torch's flop counter its FLOPs (`instruments.flop_formulas`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from autoplan.vocabulary.tensors import rounded_bytes
 
@@ -250,19 +249,19 @@ def load_bitsandbytes_backends() -> None:
                 pass
 
 
-def register_quantized_flops() -> None:
-    """Give torch's flop counter (and so the roofline) the FLOPs of bitsandbytes' fused 4-bit matmul.
+def _gemm_4bit_flops(a, b, shape_b, *args, out_val=None, **kwargs) -> int:
+    """Its matmul work is that of the F.linear it runs: 2·M·N·K."""
+    rows = 1
+    for size in a.shape[:-1]:
+        rows *= size
+    return 2 * rows * int(shape_b[0]) * int(shape_b[1])
 
-    Its matmul work is that of the F.linear it runs: 2·M·N·K. Called once bitsandbytes is loaded
-    (its ops exist only then); the other bitsandbytes matmuls dispatch aten matmuls the counter sees.
+
+def quantized_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """The FLOPs of bitsandbytes' fused 4-bit matmul, by op, for torch's flop counter (raw: over tensors).
+
+    Empty until bitsandbytes is loaded (its ops exist only then); the other bitsandbytes matmuls
+    dispatch aten matmuls the counter sees.
     """
     gemm = _gemm_4bit()
-    if gemm is None or gemm.overloadpacket in flop_registry:
-        return
-
-    @register_flop_formula(gemm.overloadpacket)
-    def _gemm_4bit_flops(a_shape, b_shape, shape_b, *args, out_shape=None, **kwargs) -> int:
-        rows = 1
-        for size in a_shape[:-1]:
-            rows *= size
-        return 2 * rows * int(shape_b[0]) * int(shape_b[1])
+    return {} if gemm is None else {gemm.overloadpacket: _gemm_4bit_flops}

@@ -7,9 +7,9 @@ output. torch's meta kernel returns an empty one, so a simulation would plan tho
 a plan that says it fits would not. The size follows oneDNN's layout, for which torch has no
 formula: it is read off one real call on zeros of the same shapes, outside every mode and once per
 shape, and the fake call returns a workspace of that size. torch's flop counter has no formula for
-the kernel either, so recomputing an LSTM looked free: `register_rnn_flops` adds its matmuls' FLOPs,
-forward and backward. The simulation runs on CPU fakes for a GPU target too, so there this size
-stands in for cuDNN's reserve space (`_cudnn_rnn`'s fake kernel returns an empty one as well), which
+the kernel either, so recomputing an LSTM looked free: `rnn_flop_formulas` gives it its matmuls'
+FLOPs, forward and backward (`instruments.flop_formulas`). The simulation runs on CPU fakes for a GPU
+target too, so there this size stands in for cuDNN's reserve space (`_cudnn_rnn`'s fake kernel returns an empty one as well), which
 no GPU has measured for autoplan yet.
 """
 
@@ -20,7 +20,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 MKLDNN_RNN_LAYER = torch.ops.aten.mkldnn_rnn_layer.default
 MKLDNN_RNN_LAYER_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
@@ -75,8 +74,6 @@ def _backward_flops(input, w0, w1, *args, out_val=None, **kwargs) -> int:
     return 2 * _forward_flops(input, w0, w1)
 
 
-def register_rnn_flops() -> None:
-    """Add oneDNN's recurrent layer, forward and backward, to torch's flop registry (once)."""
-    for op, formula in ((MKLDNN_RNN_LAYER, _forward_flops), (MKLDNN_RNN_LAYER_BACKWARD, _backward_flops)):
-        if op.overloadpacket not in flop_registry:
-            register_flop_formula(op.overloadpacket, get_raw=True)(formula)
+def rnn_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """oneDNN's recurrent layer, forward and backward, by op, for torch's flop counter (raw: over tensors)."""
+    return {MKLDNN_RNN_LAYER.overloadpacket: _forward_flops, MKLDNN_RNN_LAYER_BACKWARD.overloadpacket: _backward_flops}

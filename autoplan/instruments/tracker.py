@@ -10,6 +10,7 @@ real memory; over real CPU tensors it measures a real run.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -20,12 +21,11 @@ from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from autoplan.instruments.attention_flops import register_attention_flops
 from autoplan.instruments.cpu_scratch import scratch_bytes
 from autoplan.instruments.cuda_matmul import operand_copy_bytes
-from autoplan.instruments.rnn import register_rnn_flops
+from autoplan.instruments.flop_formulas import autoplan_flop_formulas
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
-from autoplan.instruments.quantized import hidden_temporary_bytes, load_bitsandbytes_backends, register_quantized_flops
+from autoplan.instruments.quantized import hidden_temporary_bytes, load_bitsandbytes_backends
 from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
 
 
@@ -69,10 +69,8 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __init__(self, device: RooflineRates, allow_tf32: bool = False) -> None:
         super().__init__()
-        register_quantized_flops()
         load_bitsandbytes_backends()  # before any op runs under the tracker
-        register_attention_flops()
-        register_rnn_flops()
+        self._formulas: list[contextlib.AbstractContextManager] = []  # autoplan's FLOP formulas, one per entry
         self.device = device
         self.cpu_kernels = runs_cpu_kernels(device)  # the target is this CPU: its kernels' scratch counts
         self.cuda_kernels = _device_kind(device) == "cuda"  # a GPU target: its matmuls' operand copies count
@@ -184,9 +182,23 @@ class LiveBytesTracker(TorchDispatchMode):
             phase = self._phases[pending.phase]
             phase.peak_bytes = max(phase.peak_bytes, pending.live_bytes)
 
+    def __enter__(self):
+        # autoplan's FLOP formulas are in torch's registry only while a tracker runs (instruments.flop_formulas)
+        formulas = autoplan_flop_formulas()
+        formulas.__enter__()
+        self._formulas.append(formulas)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._formulas.pop().__exit__(None, None, None)
+            raise
+
     def __exit__(self, *exc):
-        self._settle()
-        return super().__exit__(*exc)
+        try:
+            self._settle()
+            return super().__exit__(*exc)
+        finally:
+            self._formulas.pop().__exit__(None, None, None)
 
     def _count(self, storage: torch.UntypedStorage, key: int, *, raise_peak: bool = True) -> None:
         if allocating_on_host():

@@ -18,6 +18,10 @@ only, its real value:
   "low" (the bottom of its range). The trace stage picks the policy under which the most units
   run, the worst case (`trace.tracer`).
 
+- an integer buffer of the model (a counter: BatchNorm's `num_batches_tracked`, which its cumulative
+  average, `momentum=None`, reads every forward; a buffer of position ids) starts with its value, as
+  the real step reads it (`instruments.fake.fake_copy`); its reads are not the batch's.
+
 Values computed from the model's weights are never known (the weights are fakes), so a decision
 on activations still fails with fake tensors' own error. What was read is recorded (`reads`,
 `random_reads`): the plan then says it holds for batches with these values.
@@ -41,6 +45,7 @@ from autoplan.vocabulary.tensors import tensors_of
 
 VALUE_LIMIT = 1 << 20  # elements: a tensor larger than this keeps no value (T×T masks, images)
 RANDOM = "a random draw"  # the source of values the draws policy chose
+BUFFERS = "the model's buffers"  # the source of an integer buffer's value (a counter), read as the real step reads it
 DRAWS = ("high", "low")
 
 _RANDOM_OPS = {
@@ -239,7 +244,7 @@ class KnownValues:
 
     def batch_reads(self) -> tuple[str, ...]:
         """The batch inputs whose values the forward read, in the order first read."""
-        return tuple(source for source in self.reads if source != RANDOM)
+        return tuple(source for source in self.reads if source not in (RANDOM, BUFFERS))
 
 
 @contextlib.contextmanager

@@ -135,6 +135,39 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
     return result
 
 
+@dataclass(frozen=True)
+class ShardPadding:
+    """What FSDP's padding costs rank 0 where some parameters have fewer rows (dim 0) than there are ranks: each
+    rank then holds a whole padded row of such a parameter, and gathering it makes `ranks` rows of it."""
+
+    short: int  # parameters with fewer rows than ranks
+    parameters: int  # every parameter (each FSDP group's once)
+    fewest_rows: int  # the fewest rows of any parameter: at most this many ranks pad no parameter whole rows
+    shard_bytes: int  # rank 0's parameter shards, padded (its gradient and optimizer-state shards are alike)
+    even_bytes: int  # the same parameters split evenly over the ranks
+    gathered_bytes: int  # the largest group's gathered parameters, padded
+    gathered_full_bytes: int  # that group's parameters as one GPU holds them
+
+
+def shard_padding(profile: "Profile", mesh: Mesh) -> ShardPadding | None:
+    """FSDP's padding on rank 0 when some parameter has fewer rows than the mesh has FSDP ranks; None otherwise,
+    where padding is at most a row per parameter."""
+    ranks = mesh.along(FSDP)
+    layouts = list({fsdp_group(unit.unit): unit.param_layout for unit in profile.units}.values()) + [profile.rest_param_layout]
+    shapes = [shape for layout in layouts for shape in layout]
+    short = [shape for shape in shapes if shape.rows < ranks]
+    if ranks <= 1 or not short:
+        return None
+    groups = [GroupBytes.of(layout, ranks) for layout in layouts]
+    largest = max(groups, key=lambda group: group.unsharded)
+    return ShardPadding(
+        short=len(short), parameters=len(shapes), fewest_rows=min(shape.rows for shape in shapes),
+        shard_bytes=sum(shape.shard_bytes(ranks) for shape in shapes),
+        even_bytes=-(-sum(shape.rows * shape.row_numel * shape.itemsize for shape in shapes) // ranks),
+        gathered_bytes=largest.unsharded, gathered_full_bytes=largest.full,
+    )
+
+
 def _optimizer_shard(optimizer: int, full: int, sharded: int) -> int:
     """This rank's optimizer state: state shaped like each parameter (AdamW: two) is sharded, the rest
     (AdamW's step counters) is not."""

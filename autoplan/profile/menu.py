@@ -26,6 +26,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from autoplan.inputs.options import DEFAULT_MENU_SIZE  # menu points per unit and precision, the option's default
 from autoplan.plan import Choice, Precision
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
+from autoplan.instruments.flop_formulas import autoplan_flop_formulas
 from autoplan.instruments.tracker import RooflineRates, op_roofline
 from autoplan.axes.checkpoint import can_save, op_name
 from autoplan.planned.wrappers import PlannedForward
@@ -108,14 +109,15 @@ def record_ops(module: torch.nn.Module, args: tuple, kwargs: dict, precision: Pr
             running.pop()
 
     planned = PlannedForward(module, Choice("selective", precision, saves=()), observer=observe, cast_outputs=False)
-    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
-    try:
-        with torch.enable_grad():
-            output = planned(*args, **kwargs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    recomputed = _recomputed_prefix(output, [op.occurrence for op in records])
+    with autoplan_flop_formulas():  # the roofline prices attention, LSTM layers and 4-bit matmuls by autoplan's formulas
+        hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        try:
+            with torch.enable_grad():
+                output = planned(*args, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        recomputed = _recomputed_prefix(output, [op.occurrence for op in records])
     for param in module.parameters():
         param.grad = None  # the recording's backward leaves gradients behind
     return tuple(

@@ -32,7 +32,7 @@ from autoplan.instruments.quantized import resident_tensors
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.accumulation import accumulating_adds
 from autoplan.instruments.tracker import LiveBytesTracker, TrackedPhase
-from autoplan.training.step_parts import default_loss, loss_function, make_optimizer, optimizer_state_tensors
+from autoplan.training.step_parts import default_loss, loss_function, make_optimizer, model_loss, optimizer_state_tensors
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ class Timeline:
     fused_logits: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
     target_kernels: str = ""  # what was stood in for the GPU target's kernels (instruments.target), "" for a CPU target
     host_peak_bytes: int = 0  # pinned host memory of offloaded units' saved tensors, at its most (axes.placement)
+    loss_summed: bool = False  # no loss_fn and no loss of the model's own: the step backpropagated its outputs' sum
     # a GPU target: the step's device allocations and frees in order, for the caching allocator's model
     # (instruments.caching_allocator.steady_reserved_bytes, replayed only for the plan chosen); () on a CPU target
     allocation_log: tuple = field(default=(), compare=False, repr=False)
@@ -134,6 +135,18 @@ def simulate_training(
     return timeline
 
 
+def _watched_loss(loss_fn, loop: TrainingLoop) -> tuple[Callable, list[bool]]:
+    """The loop's loss function, and a list that says, once it ran, whether it summed the outputs for want of a loss
+    (no loss_fn, and no loss of the model's own): the plan's notes say so, as a loss outside the model holds more."""
+    summed = [loss_fn is None and loop.loss_in_model is False]  # loss_function sums the outputs then
+
+    def guessed(output):
+        summed.append(model_loss(output) is None)
+        return default_loss(output)  # looked up when called, so that the module's default_loss is the one used
+
+    return loss_function(loss_fn, loop.loss_in_model, default=guessed), summed
+
+
 def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, loss_fn, loop: TrainingLoop, *,
                     gradless: frozenset[int]) -> tuple[Timeline, frozenset[int]]:
     """One simulated step (`simulate_training`), the parameters in `gradless` (by id) given no gradient by the
@@ -151,8 +164,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
             opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind), device_kind=device.kind)
             runner = LoopRunner(model, opt, loop, loss_fn, scaler=FakeGradScaler() if loop.grad_scaler else None)
-            # looked up when called, so that the module's default_loss is the one used
-            runner.loss_of = loss_function(loss_fn, loop.loss_in_model, default=lambda output: default_loss(output))
+            runner.loss_of, summed = _watched_loss(loss_fn, loop)
             graded = [p for p in trainable if id(p) not in gradless]
             tracker.begin_phase(WARM_UP)
             _warm_up(runner, graded)
@@ -188,7 +200,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
         raise RuntimeError(f"units {missing} never ran during the forward; they cannot be planned")
     timeline = Timeline(phases, max(p.peak_bytes for p in phases), hooks.calls, static, hooks.boundaries, carried,
                         target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes,
-                        allocation_log=log)
+                        allocation_log=log, loss_summed=any(summed))
     return timeline, frozenset(id(p) for p in trainable) - reached.ids
 
 

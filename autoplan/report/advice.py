@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autoplan.errors import OptionTypeError
-from autoplan.inputs.hf_models import loader_class
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
 from autoplan.axes.precision import kind
@@ -25,42 +24,10 @@ from autoplan.profile.profiler import Profile
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size
 from autoplan.report.offload_advice import offload_step
 from autoplan.report.allocator_advice import allocator_view
+from autoplan.report.optimizer_advice import optimizer_state_steps
 from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
-from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds
-from autoplan.vocabulary.tensors import rounded_bytes
+from autoplan.vocabulary.formatting import format_bytes, format_flops, format_seconds
 
-QLORA_BITS_PER_PARAMETER = 4.127  # NF4 weights + double-quantised block constants (QLoRA paper, §3)
-MIN_8BIT_SIZE = 4096  # bitsandbytes keeps the state of smaller tensors in fp32 (Optimizer8bit's min_8bit_size)
-BLOCK_8BIT = 256  # elements per absmax block of its blockwise-quantized state
-QMAP_BYTES = 2 * 256 * 4  # the two 256-entry fp32 quantization maps the optimizer keeps once
-
-
-def adamw8bit_state_bytes(numels: list[int]) -> int:
-    """Bytes of bitsandbytes AdamW8bit's state for trainable tensors of these sizes (a formula, not a plan).
-
-    Per tensor of n ≥ 4096 elements: two moments of n uint8 each plus an fp32 absmax per 256-element
-    block; smaller tensors keep two fp32 moments (bitsandbytes' min_8bit_size); two 256-entry fp32
-    maps shared by all (the step count is a Python int). Each tensor rounded as the allocator rounds it.
-    """
-    quantized = [n for n in numels if n >= MIN_8BIT_SIZE]
-    total = 2 * rounded_bytes(QMAP_BYTES // 2) if quantized else 0
-    for n in numels:
-        if n >= MIN_8BIT_SIZE:
-            total += 2 * (rounded_bytes(n) + rounded_bytes(4 * -(-n // BLOCK_8BIT)))
-        else:
-            total += 2 * rounded_bytes(4 * n)
-    return total
-
-
-def eight_bit_step_change_s(numels: list[int], bandwidth: float) -> float:
-    """How much AdamW8bit's update changes optimizer.step()'s time against AdamW's, both memory-bound (roofline).
-
-    Per element AdamW reads weight, gradient and two fp32 moments and writes weight and moments: 28 bytes;
-    AdamW8bit moves the fp32 weight and gradient the same way (12 bytes), its two uint8 moments (4) and
-    their fp32 absmax per 256 elements.
-    """
-    eight = sum(16 * n + 16 * -(-n // BLOCK_8BIT) for n in numels)
-    return (eight - 28 * sum(numels)) / bandwidth
 
 
 @dataclass(frozen=True)
@@ -251,43 +218,6 @@ def _checkpointing(plan: Plan, profile: Profile) -> Step:
     return Step("checkpointing", title, status, detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")
 
 
-def _optimizer_state(plan: Plan, profile: Profile, parameter_count: int | None) -> list[Step]:
-    state = profile.timeline.static.optimizer
-    if state == 0:
-        eight_bit = Step("optimizer_8bit", "8-bit optimizer state", "n/a", f"{profile.optimizer} keeps no state")
-    else:
-        # AdamW's 8 bytes a trainable parameter (N = state / 8) become 2 and an fp32 absmax per 256 (adamw8bit_state_bytes)
-        count = state // 8
-        eight = 2 * count + 8 * -(-count // BLOCK_8BIT)
-        change = eight_bit_step_change_s([count], profile.device.memory_bandwidth)
-        eight_bit = Step("optimizer_8bit", "8-bit optimizer state", "try",
-                         f"{profile.optimizer}'s {format_bytes(state)} of fp32 state become {format_bytes(eight)} (2 bytes a "
-                         f"parameter and an fp32 absmax per {BLOCK_8BIT}; tensors under {MIN_8BIT_SIZE} elements stay fp32): saves "
-                         f"{format_bytes(state - eight)}; the update moves 16 bytes a parameter instead of 28 (roofline of both). "
-                         "A formula here: plan with --optimizer adamw8bit (optimizer=\"adamw8bit\") to count it exactly",
-                         state - eight, change, "import bitsandbytes as bnb; optimizer = bnb.optim.AdamW8bit(model.parameters())")
-    static = profile.timeline.static
-    count = parameter_count if parameter_count is not None else static.gradients // 4
-    quantised = int(count * QLORA_BITS_PER_PARAMETER / 8)
-    saves = static.parameters + static.gradients + state - quantised
-    qlora = Step("qlora", "4-bit QLoRA (fine-tuning only)", "try",
-                 f"frozen {format_count(count)} parameters in NF4 take about {format_bytes(quantised)} instead of "
-                 f"{format_bytes(static.parameters)} with {format_bytes(static.gradients + state)} of gradients and optimizer "
-                 f"state: saves about {format_bytes(saves)} before the LoRA adapters (usually under 1% of the parameters). "
-                 "It trains adapters, not the model: for fine-tuning, not pre-training (--ladder plans it)",
-                 saves, None, _qlora_code(plan.model.name))
-    return [eight_bit, qlora]
-
-
-def _qlora_code(model_name: str) -> str:
-    """Loading the planned model's checkpoint in 4 bits with its own auto class; none for a model transformers does not load."""
-    loader = loader_class(model_name)
-    if loader is None:
-        return ""
-    return (f"model = {loader}.from_pretrained(CHECKPOINT, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
-            "bnb_4bit_quant_type=\"nf4\"))\nmodel = peft.prepare_model_for_kbit_training(model)")
-
-
 def _from_ladder(step: Step, plan: Plan, ladder: Any) -> Step:
     """A "try" step the ladder planned: its numbers become the planned ones (the rung against the one below, or this plan)."""
     if ladder is None or step.status != "try":
@@ -302,11 +232,15 @@ def _from_ladder(step: Step, plan: Plan, ladder: Any) -> Step:
         return step
     peak = before.peak_bytes if before else plan.prediction.peak_bytes
     time = before.step_time_s if before else plan.prediction.step_time_s
-    detail = (f"planned (--ladder, {after.title.lstrip('+ ')}): peak {format_bytes(after.peak_bytes)} and step "
-              f"{format_seconds(after.step_time_s)}, against {format_bytes(peak)} and {format_seconds(time)} for {where}. "
-              + step.detail)
+    # two plans that fit both fill the budget for speed: their peaks say nothing, their step times do; a plan that
+    # does not fit is helped by a lower peak only
+    helps = after.fits and after.step_time_s < time if plan.outcome.feasible else after.peak_bytes < peak
+    detail = (f"planned (--ladder, {after.title.lstrip('+ ')}){'' if helps else ', no help here'}: peak "
+              f"{format_bytes(after.peak_bytes)} and step {format_seconds(after.step_time_s)}, against {format_bytes(peak)} "
+              f"and {format_seconds(time)} for {where}" + (f". {step.detail}" if helps else ""))
     code = after.code if step.key == "qlora" else step.code
-    return dataclasses.replace(step, detail=detail, saves_bytes=peak - after.peak_bytes, time_change_s=after.step_time_s - time, code=code)
+    return dataclasses.replace(step, status="try" if helps else "n/a", detail=detail, saves_bytes=peak - after.peak_bytes,
+                               time_change_s=after.step_time_s - time, code=code)
 
 
 ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing", "offload")  # what changes activations or speed
@@ -368,7 +302,7 @@ def advise(
         offload_step(plan, profile),
         grad_accumulation_step(plan, profile, phases, batch_size, replan),
         shorter_sequences_step(plan, profile, phases, seq_len, least),
-        *_optimizer_state(plan, profile, parameter_count),
+        *optimizer_state_steps(plan, profile, parameter_count),
         fsdp_step(plan, profile, found, least),
     ]
     steps = [_from_ladder(step, plan, ladder) for step in steps]

@@ -8,7 +8,8 @@ T×T probabilities, AdamW in fp32), each rung adds one tool to the ones above it
 
 `plan_ladder(model, plan_model)` plans the rungs of a Hugging Face model (on the meta device: no
 weights): three plans — eager attention, SDPA, and the QLoRA twin (`inputs.qlora_twin`) — each at the
-same budget, all blocks in the device's low precision; the baseline and bf16 rungs are read from the
+same budget with the options of the plan the ladder is printed under (its precision per unit, offload),
+so the rung with the model's own attention is that plan; the baseline and bf16 rungs are read from the
 first plan's profile (no plan at all; every block kept in bf16), and the 8-bit optimizer rung from the
 QLoRA plan with the state bytes of bitsandbytes' AdamW8bit in place of AdamW's (`adamw8bit_state_bytes`,
 a formula here; `optimizer="adamw8bit"` plans it exactly). Every rung has a predicted peak and a
@@ -31,11 +32,12 @@ from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora,
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time
 from autoplan.plan import Plan, Precision
 from autoplan.profile.profiler import Profile
-from autoplan.report.advice import adamw8bit_state_bytes, eight_bit_step_change_s, every_unit
+from autoplan.report.advice import every_unit
+from autoplan.report.optimizer_advice import adamw8bit_state_bytes, eight_bit_step_change_s
 from autoplan.report.apply_code import apply_code
 from autoplan.vocabulary.formatting import first_line
 
-PlanModel = Callable[[torch.nn.Module], tuple[Plan, Profile]]  # plans a variant at the ladder's budget and precision
+PlanModel = Callable[[torch.nn.Module], tuple[Plan, Profile]]  # plans a variant at the ladder's budget, with the plan's options
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,8 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
                 settings: QLoraSettings = QLoraSettings(), say: Callable[[str], None] = lambda message: None) -> Ladder:
     """Plan every rung of the ladder for the Hugging Face `model` (built on the meta device).
 
-    plan_model(variant) -> (Plan, Profile): plans a variant at the ladder's budget with every block in the
-    device's low precision. Needs bitsandbytes and peft (MissingExtraError otherwise).
+    plan_model(variant) -> (Plan, Profile): plans a variant at the ladder's budget with the plan's own options.
+    Needs bitsandbytes and peft (MissingExtraError otherwise).
     """
     require_qlora("the ladder's 4-bit QLoRA rung")
     loader = loader_class(type(model).__name__) or type(model).__name__  # what the snippets load CHECKPOINT with
@@ -93,7 +95,7 @@ def plan_ladder(model: torch.nn.Module, plan_model: PlanModel, *, budget_text: s
     rungs = [
         *_precision_rungs(eager_plan, eager_profile, low, loader),
         _planned("checkpointing", "+ checkpointing (autoplan)", eager_plan,
-                 f"autoplan's plan, every block in {low}", apply_code(eager_plan, budget_text)),
+                 "autoplan's plan with eager attention, its options as the plan above", apply_code(eager_plan, budget_text)),
         _planned("sdpa", "+ fused attention (SDPA)", sdpa_plan, "planned again with attn_implementation=\"sdpa\"",
                  f'model = {loader}.from_pretrained(CHECKPOINT, attn_implementation="sdpa")'),
         _planned("qlora", f"+ 4-bit QLoRA ({settings.quant_type.upper()}, r={settings.rank})", qlora_plan,

@@ -22,6 +22,9 @@ def offload_step(plan: Plan, profile: Profile) -> Step:
     chosen = plan.decisions.unit_choices()
     offloaded = [d for d in plan.decisions.units if d.choice.offloaded]
     if not offloaded:
+        blocked = None if plan.outcome.feasible else _blocked_by_host_budget(plan, profile)
+        if blocked is not None:
+            return blocked
         detail = ("allowed, not chosen: the fastest plan that fits keeps every saved tensor on the device" if plan.outcome.feasible
                   else "allowed, not chosen: the lowest peak keeps every saved tensor on the device")
         return Step("offload", TITLE, "n/a", detail)
@@ -34,3 +37,26 @@ def offload_step(plan: Plan, profile: Profile) -> Step:
               f"{format_bytes(saves)} higher. Their copies take {format_seconds(transfer)} over the "
               f"{profile.device.host_bandwidth / 1e9:g} GB/s host link, {format_seconds(exposed)} of it not hidden by compute")
     return Step("offload", TITLE, "chosen", detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")
+
+
+def _blocked_by_host_budget(plan: Plan, profile: Profile) -> Step | None:
+    """Where nothing fits and the host budget is what kept offload out: every unit checkpointed with its inputs in host
+    memory (as transformers' offload=True does by hand), its device peak and the host bytes it needs; None where that
+    would not lower the peak, or the host budget would hold it (then it is not the host budget that blocks)."""
+    choices, host = {}, 0
+    for unit in profile.units:
+        hosted = [c for c in unit.options if c.offloaded and c.mode == "full"]
+        if not hosted:
+            return None
+        choice = min(hosted, key=lambda c: (unit.options[c].held_bytes, unit.options[c].bwd_peak_bytes, unit.options[c].time_s))
+        choices[unit.name], host = choice, host + unit.options[choice].host_bytes
+    peak = predict_peak(profile, choices).bytes
+    if host <= plan.request.host_budget_bytes or peak >= plan.prediction.peak_bytes:
+        return None
+    fits = "fits" if peak <= plan.request.usable_bytes else "is still over"
+    detail = (f"the host budget ({format_bytes(plan.request.host_budget_bytes)}) keeps it out: checkpointing every unit with its "
+              f"inputs in pinned host memory would peak about {format_bytes(peak)} on the device, which {fits} the "
+              f"{format_bytes(plan.request.usable_bytes)} usable, and hold {format_bytes(host)} on the host; allow that much "
+              f"(--host-budget, host_budget=)")
+    return Step("offload", TITLE, "try", detail, plan.prediction.peak_bytes - peak, None,
+                f"model = autoplan.optimize(model, budget, example_inputs=batch, host_budget=\"{format_bytes(host).replace(' ', '')}\")")

@@ -12,10 +12,12 @@ returns. Nothing here prints: the CLI does.
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rich.console import Console, Group, JustifyMethod, RenderableType
+from rich.measure import Measurement
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
@@ -107,7 +109,7 @@ def _verdict(plan: "Plan") -> Text:
     text.append(f"\nsimulated training step: {format_bytes(plan.prediction.simulated_peak_bytes)}; no plan (all keep/fp32): "
                 f"{format_bytes(plan.prediction.baseline_peak_bytes)}")
     if plan.request.loop is not None:  # every peak above is for this loop (docs/loops.md)
-        text.append(f"\ntraining loop: {plan.request.loop.describe()}")
+        text.append(f"\ntraining loop: {plan.request.loop.describe(plan.request.optimizer)}")
     if plan.decisions.fused_loss:  # the one change outside the units: say it, and how to turn it off
         text.append(f"\nloss: the output head's cross-entropy ({plan.decisions.fused_logits}) is fused, its gradients computed "
                     "chunk by chunk in the forward (fuse_loss=False, --loss-as-written, keeps it as written)")
@@ -355,14 +357,32 @@ def render(console: Console, parts: list[RenderableType]) -> None:
         console.print(part, soft_wrap=isinstance(part, Text) and bool(part.no_wrap))
 
 
+# Columns of a report written where no terminal gives a width (a file, a pipe, a log, `plan.report()`): rich's
+# own 80 crushed the units table, wrapping every cell; a table wider than this widens the report, up to the widest.
+REPORT_WIDTH, WIDEST_REPORT = 120, 200
+
+
+def report_width(console: Console, parts: list[RenderableType]) -> int:
+    """The width to render `parts` at where no terminal gives one: COLUMNS when set, else REPORT_WIDTH, or its widest
+    table's own width where that is wider (at most WIDEST_REPORT): a file has no edge to wrap a table's cells at."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    options = console.options.update_width(WIDEST_REPORT)
+    widest = max((Measurement.get(console, options, part).maximum for part in parts if isinstance(part, Table)), default=0)
+    return min(WIDEST_REPORT, max(REPORT_WIDTH, widest))
+
+
 def format_report(
-    plan: "Plan", advice: "Advice | None" = None, *, width: int = 110, budget_text: str | None = None, with_code: bool = True,
+    plan: "Plan", advice: "Advice | None" = None, *, width: int | None = None, budget_text: str | None = None, with_code: bool = True,
     verbose: bool = False,
 ) -> str:
-    """The report as plain text (no colour, no terminal codes)."""
+    """The report as plain text (no colour, no terminal codes); `width` None: `report_width`'s."""
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width, color_system=None, force_terminal=False, highlight=False)
-    render(console, report_renderables(plan, advice, budget_text=budget_text, with_code=with_code, verbose=verbose))
+    console = Console(file=buffer, width=width or REPORT_WIDTH, color_system=None, force_terminal=False, highlight=False)
+    parts = report_renderables(plan, advice, budget_text=budget_text, with_code=with_code, verbose=verbose)
+    console.width = width or report_width(console, parts)
+    render(console, parts)
     return buffer.getvalue().rstrip() + "\n"
 
 

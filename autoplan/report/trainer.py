@@ -21,7 +21,7 @@ from autoplan.errors import OptionError
 from autoplan.inputs.hf_models import require_transformers
 from autoplan.plan import Plan
 from autoplan.report.text import format_report
-from autoplan.vocabulary.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes, format_signed_percent
 
 MEASURE_STEP = 2  # the first optimizer step whose peak is the steady state's
 
@@ -31,7 +31,7 @@ def measured_peak_line(plan: Plan, measured_bytes: int, step: int) -> str:
     error = measured_bytes / plan.prediction.peak_bytes - 1 if plan.prediction.peak_bytes else 0.0
     verdict = "within the usable budget" if measured_bytes <= plan.request.usable_bytes else "OVER the usable budget"
     return (f"autoplan: step {step} peaked at {format_bytes(measured_bytes)} (torch.cuda.max_memory_allocated); "
-            f"predicted {format_bytes(plan.prediction.peak_bytes)} ({error:+.1%}), {verdict} of "
+            f"predicted {format_bytes(plan.prediction.peak_bytes)} ({format_signed_percent(error)}), {verdict} of "
             f"{format_bytes(plan.request.usable_bytes)}")
 
 

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoplan.report.text import plan_summary
-from autoplan.vocabulary.formatting import format_bytes, format_seconds
+from autoplan.vocabulary.formatting import format_bytes, format_seconds, format_signed_percent
 
 if TYPE_CHECKING:
     from autoplan.plan import Plan
@@ -37,7 +37,7 @@ def verification_table(result: "Verification") -> Table:
     for column in ("", "measured", "predicted", "simulated", "error"):
         table.add_column(column, justify="right" if column else "left")
     measured = format_bytes(result.measured_peak_bytes) if result.measured_peak_bytes is not None else "—"
-    error = f"{result.peak_error:+.1%}" if result.peak_error is not None else "—"
+    error = format_signed_percent(result.peak_error) if result.peak_error is not None else "—"
     table.add_row(f"peak ({result.peak_source})", measured, format_bytes(result.predicted_peak_bytes),
                   format_bytes(result.simulated_peak_bytes), error)
     if result.measured_reserved_bytes is not None:
@@ -46,7 +46,7 @@ def verification_table(result: "Verification") -> Table:
     step = format_seconds(result.measured_step_time_s) if result.measured_step_time_s is not None else "—"
     time_error = result.step_time_error
     table.add_row("step time (see below)", step, format_seconds(result.predicted_step_time_s), "",
-                  f"{time_error:+.1%}" if time_error is not None else "n/a")
+                  format_signed_percent(time_error) if time_error is not None else "n/a")
     return table
 
 

@@ -13,11 +13,12 @@ from autoplan.inputs.hf_models import caches_in_training
 from autoplan.instruments.quantized import stray_quantized_tensors
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time, rank_offsets
 from autoplan.memory.segment_terms import chosen_segments, segment_terms
-from autoplan.mesh import Mesh
+from autoplan.memory.sharded import shard_padding
+from autoplan.mesh import FSDP, Mesh
 from autoplan.plan import Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
 from autoplan.profile.menu import PolicyWords
 from autoplan.profile.profiler import Profile
-from autoplan.vocabulary.formatting import format_bytes
+from autoplan.vocabulary.formatting import format_bytes, rank_noun
 from autoplan.vocabulary.tensors import unique_storage_bytes
 from autoplan.solve.ilp import fastest
 from autoplan.solve.request import SolveRequest
@@ -96,6 +97,11 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, request: 
                      f"refuses {'it' if len(refused) == 1 else 'them'} ({next(iter(refused.values()))}), as it would in the "
                      "real run; keep and full are")
     notes += buffer_notes(measured, found)
+    if measured.timeline.loss_summed:
+        notes.append("no loss_fn was given and the model's output holds no loss: planned with the sum of its floating-point "
+                     "outputs as the loss; a loss computed outside the model (a cross-entropy keeps its log-softmax) holds "
+                     "more, so pass loss_fn= (the output -> the loss you train with) to plan that one")
+    notes += padding_notes(measured, request.mesh)
     stray = stray_quantized_tensors(traced.model)
     if stray:
         notes.append(f"this model's 4-bit weights keep {format_bytes(unique_storage_bytes(stray))} of layers outside it alive "
@@ -224,6 +230,27 @@ def _per_rank_peak(timeline, measured: Profile, mesh: Mesh) -> int:
     """A simulated timeline's peak on one rank of `mesh` (its own peak on one GPU)."""
     offsets = rank_offsets(measured, mesh)
     return max(phase.peak_bytes + offset for phase, offset in zip(timeline.phases, offsets))
+
+
+# Padding worth a note: this share of what a rank holds of the parameters. A head of 10 rows over 16 ranks pads a
+# few bytes of a model's kilobytes; 65,536 ranks over 128-row layers make nearly all of it padding.
+NOTABLE_PADDING = 0.1
+
+
+def padding_notes(measured: Profile, mesh: Mesh) -> list[str]:
+    """FSDP over more ranks than some parameter has rows: what its padding costs each rank (a per-GPU peak that
+    grows with the world size reads as a mistake without it)."""
+    padding = shard_padding(measured, mesh)
+    if padding is None or padding.shard_bytes - padding.even_bytes < NOTABLE_PADDING * padding.shard_bytes:
+        return []
+    ranks, device = mesh.along(FSDP), measured.device.name
+    return [f"FSDP pads each parameter to a multiple of {ranks:,} rows (dim 0), and {padding.short} of {padding.parameters} "
+            f"parameters have fewer rows (as few as {padding.fewest_rows:,}): each {rank_noun(device)} holds "
+            f"{format_bytes(padding.shard_bytes)} of parameter shards where an even split is {format_bytes(padding.even_bytes)}, "
+            f"{format_bytes(padding.shard_bytes - padding.even_bytes)} of padding (its gradient and optimizer-state shards are "
+            f"padded alike), and gathering a unit takes up to {format_bytes(padding.gathered_bytes)} for "
+            f"{format_bytes(padding.gathered_full_bytes)} of parameters; with at most {padding.fewest_rows:,} "
+            f"{rank_noun(device, padding.fewest_rows)} every rank holds rows of every parameter"]
 
 
 def buffer_notes(measured: Profile, found: SearchResult) -> list[str]:

@@ -269,7 +269,7 @@ def _solver(time_limit_s: float, preprocess: bool = False) -> pulp.LpSolver:
     lost among the layers' symmetric choices, and HiGHS proves the plan well within it. CBC is the fallback on platforms
     without a highspy wheel: a `cbc` on PATH if there is one, else the binary inside pulp; its
     preprocessing stays off (CBC 2.10's preprocessing fixed variables of these programs wrongly and
-    reported a slower plan as optimal; tests/test_solve_ilp.py checks against brute force).
+    reported a slower plan as optimal; tests/solve/test_ilp.py checks against brute force).
     """
     if pulp.HiGHS().available():
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=1e-4)

@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from autoplan.training.step_parts import loss_function
+from autoplan.training.step_parts import loss_function, real_scalar
 
 
 class StepHooks:
@@ -68,10 +68,10 @@ class LoopRunner:
         with self.hooks.forward_context():
             if self.loop.keep_outputs:
                 self.outputs = output = self.model(*args, **kwargs)  # the previous outputs go only now
-                loss = self.loss_of(output)
+                loss = real_scalar(self.loss_of(output))
             else:
                 output = self.model(*args, **kwargs)  # `loss = loss_fn(model(x))`: the previous loss lives on
-                loss = self.loss_of(output)
+                loss = real_scalar(self.loss_of(output))
             if micro_batches > 1:
                 loss = loss / micro_batches
         self.hooks.forward_finished(output)

@@ -24,13 +24,32 @@ def model_loss(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
+# What to do about a loss that is not one real number, in the words of both ways to pass one.
+_REAL_SCALAR = ("return a real scalar loss from forward (of complex values, e.g. out.abs().pow(2).mean()), or pass loss_fn= "
+                "to compute one from the output")
+
+
 def sum_of_outputs(output: Any) -> torch.Tensor:
     """Every floating-point tensor of the output summed: each output gets a gradient of its size."""
     tensors = [t for t in tensors_of(output) if t.is_floating_point() and t is not model_loss(output)]
     if not tensors:
+        complex_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors_of(output) if t.is_complex()})
+        if complex_dtypes:  # a complex sum has no gradient to start backward from: torch asks for a real scalar
+            raise LossError(f"the model's output is complex ({', '.join(complex_dtypes)}), and the loss must be a real "
+                            f"scalar: {_REAL_SCALAR}")
         raise LossError("the model's output has no floating-point tensor to backpropagate: return the loss (or the logits) from "
                         "forward, or pass loss_fn= to compute the loss from the output")
     return cast(torch.Tensor, sum(t.sum() for t in tensors))  # sum() starts from 0: a tensor after the first add
+
+
+def real_scalar(loss: Any) -> torch.Tensor:
+    """The loss a step backpropagates, checked: one real number (torch's own error, "grad can be implicitly created only
+    for real scalar outputs", names neither the loss nor what to do)."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    what = (f"a {str(loss.dtype).removeprefix('torch.')} tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+            else f"a {type(loss).__name__}")
+    raise LossError(f"the loss must be a real scalar to backpropagate, and it is {what}: {_REAL_SCALAR}")
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -53,9 +72,9 @@ def loss_function(
     else `default` (the model's own loss, else the sum).
     """
     if loss_in_model is None:
-        return loss_fn or default
+        return loss_fn if loss_fn is not None else default  # never bool(): a compiled loss module answers with len()
     if loss_in_model is False:
-        return loss_fn or sum_of_outputs
+        return loss_fn if loss_fn is not None else sum_of_outputs
 
     def own_loss(output: Any) -> torch.Tensor:
         loss = model_loss(output)

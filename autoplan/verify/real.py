@@ -26,6 +26,7 @@ from autoplan.inputs.hf_models import training_inputs
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.plan import Plan
 from autoplan.planned.forwards import apply_choices, has_fused_loss, planned_units
+from autoplan.planned.transaction import restored_on_failure
 from autoplan.instruments.quantized import settle_first_forward
 from autoplan.vocabulary.fingerprint import check_batch, check_model
 from autoplan.verify.allocator import AllocatorCount
@@ -138,7 +139,8 @@ def verify(
         check_model(plan.model.fingerprint, model)
         check_batch(plan.model.fingerprint, normalize_inputs(example_inputs))
     if planned_units(model) != plan.decisions.choices_by_unit() or has_fused_loss(model) != plan.decisions.fused_loss:
-        apply_choices(model, plan.decisions.choices_by_unit(), plan.decisions.outside_units)
+        with restored_on_failure(model):  # as apply: an error or a Ctrl-C halfway leaves the model as it was
+            apply_choices(model, plan.decisions.choices_by_unit(), plan.decisions.outside_units)
     loop = check_loop(loop if loop is not None else plan.request.loop)
     args, kwargs = training_inputs(model, normalize_inputs(example_inputs))  # as planned: no KV cache
     cuda = device.type == "cuda"

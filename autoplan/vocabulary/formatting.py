@@ -74,6 +74,13 @@ def format_signed_seconds(change: float) -> str:
     return ("+" if change > 0 else "−") + format_seconds(abs(change))
 
 
+def format_signed_percent(fraction: float, decimals: int = 1) -> str:
+    """A relative error or change with its sign: "+2.3%", "-1.0%"; one that rounds to nothing is "0.0%", not the
+    "-0.0%" (or "+0.0%") of Python's own `+.1%` for -0.0001."""
+    shown = f"{fraction:+.{decimals}%}"
+    return shown[1:] if float(shown[1:-1]) == 0 else shown
+
+
 def format_flops(flops: float) -> str:
     """A count of floating-point operations: "31.3 TFLOP", "1.10 GFLOP", "512 FLOP"."""
     if flops < 0:

@@ -17,11 +17,15 @@ UNITS = {
     "mb": 10**6,
     "gb": 10**9,
     "tb": 10**12,
+    "pb": 10**15,
     "kib": 2**10,
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    "pib": 2**50,
 }
+# The units as a person writes them, for an error that meets another: "B, KB, ..., PiB, %".
+KNOWN_UNITS = ", ".join([unit.upper() if "i" not in unit else unit[0].upper() + "iB" for unit in UNITS] + ["%"])
 
 # Plain ASCII decimals only: exponents would let "1e999GB" build huge ints.
 # A sign is allowed only so "-1GB" gets a "must be positive" message.
@@ -87,8 +91,8 @@ def read_size(value: object, *, allow_zero: bool, what: str, fail: Callable[[str
     number = Fraction(match["number"])
     unit = match["unit"].lower()
     written = match["unit"]
-    if len(written) == 2 and written[0] in "KMGT" and written[1] == "b":  # "20Gb" is gigabits, not gigabytes
-        raise fail(f"{written} is {dict(K='kilo', M='mega', G='giga', T='tera')[written[0]]}bits; write {written[0]}B for bytes")
+    if len(written) == 2 and written[0] in "KMGTP" and written[1] == "b":  # "20Gb" is gigabits, not gigabytes
+        raise fail(f"{written} is {dict(K='kilo', M='mega', G='giga', T='tera', P='peta')[written[0]]}bits; write {written[0]}B for bytes")
     if unit == "":
         if number == 0 and allow_zero:
             return Size(value, Fraction(0), "b")
@@ -96,7 +100,7 @@ def read_size(value: object, *, allow_zero: bool, what: str, fail: Callable[[str
     if number < 0 or (number == 0 and not allow_zero):
         raise fail(f"a {what} must be {least}")
     if unit != "%" and unit not in UNITS:
-        raise fail(f"unknown unit {written!r}")
+        raise fail(f"unknown unit {written!r} (known: {KNOWN_UNITS})")
     return Size(value, number, unit, match["number"])
 
 

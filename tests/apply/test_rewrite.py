@@ -1,7 +1,7 @@
 """Tests for the apply stage and its runtime wrappers (`autoplan/planned/forwards.py`, `planned/wrappers.py`, `autoplan.apply`).
 
-DESIGN.md, "Rewriting": the rewritten model is the caller's model (same class, parameter objects,
-state_dict keys); with every unit fp32, training it gives the same loss, gradients, parameters and
+The rewrite's promise (README, "What is guaranteed"; docs/api.md, "What the rewrite preserves"): the
+rewritten model is the caller's model (same class, parameter objects, state_dict keys); with every unit fp32, training it gives the same loss, gradients, parameters and
 buffers as the original, step for step (dropout draws the same masks on recompute, BatchNorm's
 running statistics are updated once); it works under torch.compile, eval() and no_grad() (no
 recompute at inference). Checkpointing must actually recompute and actually save memory.

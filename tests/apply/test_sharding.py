@@ -24,6 +24,7 @@ from examples.llama import build
 from autoplan.planned.forwards import apply_choices
 from autoplan.units import Unit
 from tests.fsdp_model import STEPS, rank_batch, shared_batch, shared_block, tiny_llama
+from tests.models import ALL_MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 distributed = pytest.mark.skipif(
@@ -88,6 +89,27 @@ def test_auto_finds_the_fewest_gpus_and_shows_the_curve() -> None:
     report = plan.report()
     assert "per-rank peak against the number of ranks" in report and "← chosen" in report  # the cpu profile: ranks, not GPUs
     assert f"per rank on {plan.request.world_size} ranks" in report
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_more_ranks_than_a_parameter_has_rows_says_what_the_padding_costs() -> None:
+    """Issue 39: --world-size 65536 on a 135K-parameter model planned 278 MB per GPU without a word: FSDP pads
+    each parameter to a row per rank, and gathers ranks × rows. Three Linear(16, 16): 6 parameters of 16 rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(3)])
+    batch = (torch.randn(4, 16),)
+    notes = {n: [note for note in autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=n,
+                                                 profile="roofline").notes if note.startswith("FSDP pads")] for n in (16, 64)}
+    assert notes[16] == []  # every rank holds a row of every parameter: no note
+    note, = notes[64]
+    # a row per rank of each: 3 × 16 × 4 B of weights and 3 × 4 B of biases, where an even split is 3 × 1088 B / 64
+    assert "6 of 6 parameters have fewer rows (as few as 16)" in note
+    assert "each rank holds 204 B of parameter shards where an even split is 51 B, 153 B of padding" in note
+    assert "with at most 16 ranks every rank holds rows of every parameter" in note
+    # a 10-row head over 16 ranks pads a few bytes of kilobytes: not worth a note (1% of the shards)
+    model, batch = ALL_MODELS["residual_mlp"]()
+    plan = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", reserve=0, world_size=16, profile="roofline")
+    assert not any(note.startswith("FSDP pads") for note in plan.notes)
 
 
 @pytest.mark.slow  # the whole pipeline

@@ -23,6 +23,7 @@ from tests.cli_factories import small_gpt, tiny_gpt, wide_gpt_on_meta
 
 FACTORY = "tests/cli_factories.py:tiny_gpt"
 SMALL_FACTORY = "tests/cli_factories.py:small_gpt"  # activations beyond what the caching allocator's segments round away
+COMPILED_FACTORY = "tests/cli_factories.py:compiled_mlp"  # torch.compile(model), never compiled
 STEP_KEYS = ["bf16", "tf32", "sdpa", "compile", "checkpointing", "offload", "grad_accumulation", "shorter_sequences",
              "optimizer_8bit", "qlora", "fsdp"]
 runner = CliRunner()
@@ -461,6 +462,20 @@ def test_verify_runs_the_loss_as_planned_fused_or_as_written(tmp_path):
         measured[flag] = ((document["plan"]["fused_loss"], document["plan"]["fused_loss_logits"]), document["verification"]["measured_peak_bytes"])
     assert measured["--fuse-loss"][0] == (True, "2048×512 logits") and measured["--loss-as-written"][0] == (False, "")
     assert measured["--fuse-loss"][1] < measured["--loss-as-written"][1]
+
+
+@pytest.mark.slow  # the whole pipeline, twice
+def test_verify_takes_a_compiled_model_as_plan_does(tmp_path):
+    """Issue 39: verify of a factory returning torch.compile(Net()) exited 6, "cannot plan OptimizedModule:
+    TypeError: ... does not support len()": it passed on `model or target.model`, and bool() of an
+    OptimizedModule asks the wrapped module for its len(). plan planned it; verify plans and trains the same units."""
+    _, planned = run_json(tmp_path, "plan", COMPILED_FACTORY, "--budget", "1GB", "--device", "cpu")
+    path = tmp_path / "verify.json"
+    result = run("verify", COMPILED_FACTORY, "--budget", "1GB", "--on", "cpu", "--steps", "2", "--json", str(path))
+    assert result.exit_code == ExitCode.FITS, result.output
+    verified = json.loads(path.read_text())
+    assert [unit["name"] for unit in verified["plan"]["units"]] == [unit["name"] for unit in planned["plan"]["units"]]
+    assert verified["verification"]["held"] is True
 
 
 @pytest.mark.slow  # the whole pipeline

@@ -110,6 +110,12 @@ CASES = {
                        ["no floating-point tensor", "from forward"]),
     "integer output (verify)": (["verify", "tests/cli_factories.py:integer_output", "--budget", "1GB", "--on", "cpu"],
                                 ExitCode.CANNOT_PLAN, ["no floating-point tensor", "from forward"]),
+    # issue 39: a complex loss was torch's "grad can be implicitly created only for real scalar outputs"
+    "complex loss": (["plan", "tests/cli_factories.py:complex_loss", "--budget", "1GB"], ExitCode.CANNOT_PLAN,
+                     ["the loss must be a real scalar", "complex64 tensor", "from forward", "loss_fn="]),
+    # issue 39: "Cannot access storage of SparseTensorImpl", with no word of the embedding or what to do
+    "sparse embedding": (["plan", "tests/cli_factories.py:sparse_embedding", "--budget", "1GB"], ExitCode.CANNOT_PLAN,
+                         ["sparse gradients (tokens: sparse=True)", "dense gradients only", "sparse=False"]),
 }
 HF_CASES = {
     # 2. a sequence longer than the model's positions
@@ -418,6 +424,23 @@ def test_integer_batch_into_a_float_layer_is_refused_not_planned() -> None:
     with pytest.raises(ProfileError, match=r"different dtypes, float32 and int64.*\.float\(\)"):
         autoplan.plan(model, "1GB", example_inputs=(batch,), device="cpu")
     assert autoplan.plan(model, "1GB", example_inputs=(batch.float(),), device="cpu").feasible
+
+
+# -- 14. complex values (issue 39) -------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_a_complex_model_is_planned_with_a_real_loss_and_its_complex_loss_is_refused() -> None:
+    """A complex input was torch's "grad can be implicitly created only for real scalar outputs": from autoplan's own
+    per-unit backward (a complex root) when the loss was real, and from the step's when the loss was complex."""
+    from autoplan.errors import LossError
+    from tests.cli_factories import complex_loss
+
+    model, batch = complex_loss()
+    with pytest.raises(LossError, match=r"the loss must be a real scalar .* complex64 tensor .*loss_fn="):
+        autoplan.plan(model, "1GB", example_inputs=batch, device="cpu")
+    plan = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", loss_fn=lambda out: out["signal"].abs().pow(2).mean())
+    assert plan.feasible and plan.prediction.peak_bytes > 0
 
 
 # -- random option values never crash ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import autoplan
 import autoplan.errors as errors
 from autoplan.cli.exits import ExitCode, exit_code_for
-from autoplan.errors import LossError, OptionError, OptionTypeError, PlanMismatchError
+from autoplan.errors import LossError, OptionError, OptionTypeError, PlanMismatchError, SparseGradientError
 from autoplan.units import GraphRun, Segment
 from tests.cli.test_bad_input import CASES, HF_CASES
 
@@ -75,6 +75,15 @@ MISTAKES = {
     "loss: integer output": (_call("autoplan.training.step_parts", "sum_of_outputs", torch.tensor([1, 2])),
                              LossError, ValueError, "no floating-point tensor"),
     "loss: loop says the model computes it": (lambda: autoplan_loss(True)(torch.randn(2)), LossError, ValueError, "no .loss"),
+    # issue 39: torch's "grad can be implicitly created only for real scalar outputs" named neither the loss nor loss_fn=
+    "loss: complex output": (_call("autoplan.training.step_parts", "sum_of_outputs", torch.randn(2, dtype=torch.complex64)),
+                             LossError, ValueError, "output is complex (complex64), and the loss must be a real scalar"),
+    "loss: complex": (_call("autoplan.training.step_parts", "real_scalar", torch.tensor(1 + 1j)), LossError, ValueError,
+                      "the loss must be a real scalar to backpropagate, and it is a complex64 tensor of shape ()"),
+    "loss: not a scalar": (_call("autoplan.training.step_parts", "real_scalar", torch.randn(3)), LossError, ValueError,
+                           "it is a float32 tensor of shape (3,): return a real scalar loss from forward"),
+    "sparse embedding": (_call("autoplan.planner", "_check_dense_gradients", torch.nn.Embedding(4, 2, sparse=True)),
+                         SparseGradientError, ValueError, "Embedding has 1 embedding layer(s) with sparse gradients"),
     "precision: unknown": (lambda: _precision("int8", "h100"), OptionError, ValueError, "'int8'"),
     "precision: bf16 on a t4": (lambda: _precision("bf16", "t4"), OptionError, ValueError, "no bf16"),
     "profile: not a trace": (_call("autoplan.profile.profiler", "profile", object(), None), OptionTypeError, TypeError, "Traced"),

@@ -32,3 +32,37 @@ def test_torch_sized_errors_from_the_model_reach_the_terminal_as_one_short_line(
     line, = result.stderr.splitlines()
     assert line.startswith("autoplan: error: could not profile _LongError: RuntimeError: shapes differ: tensor 0")
     assert len(line) <= LONGEST_ERROR_LINE + 100 and "tests/cli_factories.py:" in line, line
+
+
+def _printed(monkeypatch, columns: str | None, *, terminal: bool = False) -> list[str]:
+    """What print_report writes of a 100-column line and a table to a console that is (not) a terminal."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from autoplan.cli.exits import print_report
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    table = Table()
+    table.add_column("unit")
+    table.add_column("mode")
+    table.add_row("base_model.model.model.layers.2–base_model.model.model.layers.3 (segment) " + "x" * 60, "full")
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=terminal, width=80 if terminal else None, color_system=None)
+    print_report(console, [Text("word " * 20), table])
+    return buffer.getvalue().splitlines()
+
+
+def test_a_report_to_a_file_or_a_pipe_is_as_wide_as_its_tables(monkeypatch) -> None:
+    # issue 39: written to a non-terminal, the report took rich's 80 columns, and wrapped every cell of the units table
+    lines = _printed(monkeypatch, None)
+    assert lines[0].strip() == ("word " * 20).strip()  # 100 columns: on one line under the 120 taken where no width is known
+    row = next(line for line in lines if "layers.3 (segment)" in line)
+    assert "xxxx │ full" in row  # the table widened the report: its row is not wrapped
+    assert max(len(line) for line in _printed(monkeypatch, "90")) <= 90  # COLUMNS, when set, is the width
+    assert max(len(line) for line in _printed(monkeypatch, None, terminal=True)) <= 80  # a terminal's own width stands

@@ -370,6 +370,39 @@ def test_a_custom_loss_fn_is_used() -> None:
     assert calls and set(calls) == {"GPTOutput"}
 
 
+class _SquaredLogits(torch.nn.Module):
+    """A loss written as a module, counting its calls."""
+
+    calls = 0
+
+    def forward(self, output) -> torch.Tensor:
+        self.calls += 1
+        return output.logits.float().pow(2).mean()
+
+
+def _refuse_to_compile(graph_module, example_inputs):
+    raise AssertionError("torch.compile was asked to compile: planning runs the caller's code as written")
+
+
+class _Messages(list):
+    """A progress callback that keeps what it is told: falsy while it is empty."""
+
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_the_callers_objects_are_used_whatever_their_truth_value() -> None:
+    """Issue 39: `loss_fn or default` called bool() on the caller's loss, and a torch.compile'd module answers
+    bool() with its wrapped module's len() (a TypeError); `progress or ...` dropped a callback that was falsy."""
+    model, inputs = make_tiny_gpt()
+    loss, said = _SquaredLogits(), _Messages()
+    plan = autoplan.plan(model, "1GB", example_inputs=inputs, device=DEVICE, reserve=0, precision="fp32",
+                         loss_fn=torch.compile(loss, backend=_refuse_to_compile), progress=said)
+    assert plan.outcome.feasible
+    assert loss.calls > 0 and said, "the loss and the progress callback given were the ones used"
+
+
 @pytest.mark.slow  # the whole pipeline
 def test_bad_example_inputs_raise_type_error() -> None:
     model, _ = make_tiny_gpt()

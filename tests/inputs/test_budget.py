@@ -20,10 +20,12 @@ UNITS = {
     "MB": 10**6,
     "GB": 10**9,
     "TB": 10**12,
+    "PB": 10**15,
     "KiB": 2**10,
     "MiB": 2**20,
     "GiB": 2**30,
     "TiB": 2**40,
+    "PiB": 2**50,
 }
 
 
@@ -43,6 +45,8 @@ UNITS = {
         ("2KiB", 2048),
         ("3 MiB", 3 * 2**20),
         ("1TiB", 2**40),
+        ("1PB", 10**15),  # issue 39: --host-budget 1PB was "unknown unit 'PB'"
+        ("2 PiB", 2 * 2**50),
         ("  20GB  ", 20 * 10**9),
         ("0.5 KiB", 512),
         ("1.0001KB", 1000),  # fractional bytes are floored
@@ -115,6 +119,14 @@ def test_rejected_forms(value: object, reason: str) -> None:
         assert form in message
     # a string came from a person or a command line, which cannot pass an int: only Python values hear of it
     assert ("an int of bytes" in message) == (not isinstance(value, str))
+
+
+def test_an_unknown_unit_lists_the_units_known() -> None:
+    with pytest.raises(BudgetError) as info:
+        parse_bytes("1 EB")
+    assert "unknown unit 'EB' (known: B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB, %)" in str(info.value)
+    with pytest.raises(BudgetError, match="Pb is petabits; write PB for bytes"):
+        parse_bytes("1Pb")
 
 
 def test_bare_number_message_is_as_documented() -> None:

@@ -250,6 +250,15 @@ def test_a_custom_card_from_a_json_file(tmp_path) -> None:
     assert card.name == "a40" and card.memory_bytes == 48 * GiB and card.compute_capability == (8, 0)
 
 
+def test_a_json_device_file_that_gives_a_key_twice_is_refused(tmp_path) -> None:
+    # issue 39: json.load keeps the last of two equal keys, so "memory" was read as 80GiB without a word
+    path = tmp_path / "twice.json"
+    path.write_text('{"memory": "48GiB", "fp32_tflops": 37.4, "bandwidth": "696GB/s", "memory": "80GiB"}')
+    with pytest.raises(DeviceError) as info:
+        get_device(str(path))
+    assert str(info.value) == f"the device file {str(path)!r} gives 'memory' twice: give each key once"
+
+
 @pytest.mark.parametrize(("spec", "says"), [
     ("custom:memory=48GiB", "missing fp32_tflops, bandwidth"),
     ("custom:memory=48GiB,fp32_tflops=91,bandwidth=864GB/s,colour=red", "unknown key(s) colour"),
@@ -258,6 +267,8 @@ def test_a_custom_card_from_a_json_file(tmp_path) -> None:
     ("custom:memory=48GiB,fp32_tflops=91,bandwidth=864GB/s,capability=nine", "capability is major.minor"),
     ("custom:memory", "key=value pairs"),
     ("no/such/card.json", "cannot read the device file"),
+    # issue 39: a key given twice was taken, the last value winning
+    ("custom:memory=48GiB,fp32_tflops=91,bandwidth=864GB/s,Memory=80GiB", "gives 'memory' twice: give each key once"),
 ])
 def test_a_custom_card_that_is_wrong_says_what(spec: str, says: str) -> None:
     with pytest.raises(DeviceError) as info:

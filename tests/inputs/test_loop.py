@@ -139,7 +139,14 @@ def test_the_plan_states_the_loop_it_assumed():
     assert json.loads(plan.to_json())["loop"] == dataclasses.asdict(loop)
     report = plan.report()
     assert "4 micro-batches per optimizer step" in report and "outputs dropped before backward" in report
+    assert "adamw optimizer, fused implementation" in " ".join(report.split())
     assert autoplan.plan(model, "4GB", example_inputs=inputs, device="cpu").request.loop == TrainingLoop()  # the common loop
+
+
+def test_the_loop_line_says_the_optimizer_and_its_implementation_apart():
+    # issue 39: "auto optimizer" read as if autoplan had chosen the optimizer; auto is the implementation (foreach/fused)
+    assert TrainingLoop().describe("adamw").endswith(", adamw optimizer, torch's default implementation")
+    assert TrainingLoop(optimizer_impl="foreach").describe("sgd").endswith(", sgd optimizer, foreach implementation")
 
 
 @pytest.mark.slow  # the whole pipeline

@@ -73,11 +73,10 @@ def test_an_lstm_layers_flops_are_its_matmuls_forward_and_twice_that_backward() 
     """torch's flop counter had no formula for the kernel: recomputing an LSTM was priced as free."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from autoplan.instruments.rnn import register_rnn_flops
+    from autoplan.instruments.flop_formulas import autoplan_flop_formulas
 
-    register_rnn_flops()
     layer, x = nn.LSTM(32, 64, batch_first=True), torch.randn(4, 48, 32)
-    with FlopCounterMode(display=False) as counter:
+    with autoplan_flop_formulas(), FlopCounterMode(display=False) as counter:
         layer(x)[0].sum().backward()
     counts = counter.get_flop_counts()["Global"]
     forward = 2 * (4 * 48) * (4 * 64) * (32 + 64)  # every step: 4 gates' input and recurrent projections

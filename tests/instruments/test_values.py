@@ -28,3 +28,19 @@ def test_slices_of_a_label_view_read_its_own_elements(copied_whole, monkeypatch)
     assert torch.equal(known_value(tail), labels.flatten()[2:5])
     assert torch.equal(known_value(middle), labels.flatten()[1:3])
     assert torch.equal(known_value(fake), labels)
+
+
+def test_an_integer_buffer_keeps_its_value_and_its_reads_are_not_the_batchs() -> None:
+    """Issue 39: BatchNorm(momentum=None) divides by float(num_batches_tracked), which fake tensors cannot answer;
+    the counter's value rides along its fake, while a float buffer (running_mean) keeps none."""
+    from autoplan.instruments.fake import fake_copy
+
+    norm = torch.nn.BatchNorm1d(4, momentum=None)
+    norm.num_batches_tracked.fill_(6)
+    mode = new_fake_mode()
+    twin = fake_copy(norm, mode)
+    assert int(known_value(twin.num_batches_tracked)) == 6 and known_value(twin.running_mean) is None
+    with mode:
+        twin(torch.randn(3, 4))  # adds 1, then reads the count
+    assert int(known_value(twin.num_batches_tracked)) == 7 and int(norm.num_batches_tracked) == 6
+    assert mode.values.reads and mode.values.batch_reads() == ()

@@ -59,7 +59,7 @@ class Normed(nn.Module):
 class Stack(nn.Module):
     def __init__(self, width: int = 16, cumulative: bool = True) -> None:
         super().__init__()
-        # momentum=None reads num_batches_tracked's value in forward, which fake tensors (planning) cannot
+        # momentum=None reads num_batches_tracked's value in forward: planning knows it (instruments.values)
         last = Normed(width, None) if cumulative else Normed(width, 0.2)
         self.blocks = nn.ModuleList([CountsCalls(width), MovingAverage(width), Normed(width, 0.1), last])
         self.head = nn.Linear(width, 1)
@@ -133,3 +133,33 @@ def test_the_plan_names_the_recomputed_units_that_write_buffers():
     kept = autoplan.plan(Stack(cumulative=False), "1GB", example_inputs=(torch.randn(8, 16),), device="cpu", precision="fp32", reserve=0,
                          units=["blocks.*"], checkpoint={"blocks.*": "keep"})
     assert not any("writes buffers" in note for note in kept.notes)  # nothing recomputed, nothing to say
+
+
+def test_a_cumulative_batchnorm_is_planned_and_trains_as_without_a_plan():
+    """Issue 39: BatchNorm1d(momentum=None) divides by num_batches_tracked's value in forward; planning failed (exit 6)
+    blaming "values computed from the weights". The counter's value is known to the simulation now."""
+    torch.manual_seed(0)
+    plain = Stack(cumulative=True)
+    planned = copy.deepcopy(plain)
+    plan = autoplan.plan(planned, "1GB", example_inputs=(torch.randn(8, 16),), device="cpu", precision="fp32", reserve=0,
+                         units=["blocks.*"], checkpoint={"blocks.*": "full"})
+    assert any("blocks.3 (norm.running_mean, norm.running_var, norm.num_batches_tracked)" in note for note in plan.notes)
+    assert plan.model.batch_values == ()  # a buffer's value is not the batch's: verify asks no batch to match it
+    assert int(planned.blocks[3].norm.num_batches_tracked) == 0  # planning ran fakes: the model's counter is untouched
+    autoplan.apply(planned, plan)
+    _assert_trains_alike(plain, planned)
+
+
+def test_a_cumulative_batchnorm_on_the_meta_device_is_a_clear_error():
+    """The counter a cumulative BatchNorm divides by has no value on the meta device: say so, not "values computed from
+    the weights", and say what to do."""
+    from autoplan.errors import ProfileError
+
+    with torch.device("meta"):
+        model = Stack(cumulative=True)
+    with pytest.raises(ProfileError) as raised:
+        autoplan.plan(model, "1GB", example_inputs=(torch.randn(8, 16),), device="cpu", units=["blocks.*"])
+    message = str(raised.value)
+    assert "blocks.3.norm is a BatchNorm with momentum=None" in message and "num_batches_tracked's value" in message
+    assert "on the meta device the model has none" in message and "plan it with a momentum (e.g. 0.1)" in message
+    assert "computed from the weights" not in message

@@ -18,7 +18,7 @@ from autoplan.cli.app import app
 from autoplan.cli.exits import ExitCode
 from autoplan.errors import MissingExtraError
 from autoplan.inputs.qlora_twin import QLoraSettings, qlora_twin, require_qlora
-from autoplan.report.advice import adamw8bit_state_bytes
+from autoplan.report.optimizer_advice import adamw8bit_state_bytes
 from tests.cli.test_app import assert_one_line_error, words
 
 transformers = pytest.importorskip("transformers")

@@ -509,7 +509,7 @@ def test_equal_times_prefer_less_rewriting() -> None:
 
 
 def test_solver_uses_the_current_pulp_api() -> None:
-    """DESIGN.md: PuLP 3.3 warns on old constructors; autoplan uses the current API."""
+    """PuLP 3.3 warns on old constructors; autoplan uses the current API."""
     profile = synthetic_chain(4, selective=(5, 7, 1.1))
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)

@@ -18,6 +18,7 @@ from autoplan.vocabulary.formatting import (
     format_count,
     format_flops,
     format_seconds,
+    format_signed_percent,
     format_signed_seconds,
 )
 
@@ -106,3 +107,10 @@ def test_long_code_lines_wrap_inside_their_brackets_and_stay_the_same_python(cod
         assert len(line) <= width or " for " in line or ("(" not in line.strip()[:-1] and "," not in line), wrapped
     if width == 88 and " for " not in code:
         assert max(map(len, wrapped.split("\n"))) <= 88
+
+
+@pytest.mark.parametrize(("fraction", "text"), [(-0.0001, "0.0%"), (0.0, "0.0%"), (0.0004, "0.0%"), (0.0005, "+0.1%"),
+                                                (0.023, "+2.3%"), (-0.01, "-1.0%"), (1.5, "+150.0%")])
+def test_a_signed_percent_that_rounds_to_nothing_has_no_sign(fraction: float, text: str) -> None:
+    # issue 39: the verify table printed "-0.0%" for a measured peak a few bytes under the prediction
+    assert format_signed_percent(fraction) == text
