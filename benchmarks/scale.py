@@ -2,9 +2,13 @@
 
     python benchmarks/scale.py                 # 1b, 8b and 70b, batch 1 × 8192, 8 × h100-80gb
     python benchmarks/scale.py 70b --world-size auto
+    python benchmarks/scale.py hf:llama-3-70b hf:llama-3-8b --world-size 1 --seq-len 4096   # the command line's presets
 
 Each configuration is planned in a fresh process, timed with /usr/bin/time -v (wall clock and
 maximum resident set size) when it is there, else with the process's own clock and ru_maxrss.
+A bare name is examples/llama.py's plain-PyTorch Llama planned by `autoplan.plan` (its "plan s" is
+that call alone); an `hf:` name is the transformers model `autoplan plan hf:NAME ... --json -` plans,
+the whole command timed as a user waits for it (import, config, planning, report and advice).
 It prints one row per model and the machine it ran on.
 """
 
@@ -36,17 +40,35 @@ print(json.dumps({{"seconds": time.perf_counter() - started, "parameters": plan.
 
 
 def run(preset: str, args) -> dict:
+    if preset.startswith("hf:"):
+        return _timed(_command_line(preset, args), preset)
     world = args.world_size if args.world_size == "auto" else int(args.world_size)
     code = CHILD.format(root=ROOT, preset=preset, batch=args.batch_size, seq=args.seq_len, world=world,
                         budget=args.budget, device=args.device)
-    command = [sys.executable, "-c", code]
+    return _timed([sys.executable, "-c", code], preset)
+
+
+def _command_line(preset: str, args) -> list[str]:
+    return [sys.executable, "-c", "from autoplan.cli.main import main; main()", "plan", preset, "--budget", args.budget, "--device", args.device,
+            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--world-size", str(args.world_size),
+            "--json", "-"]
+
+
+def _row_of_plan(document: dict) -> dict:
+    """The row's fields from `autoplan plan --json -`'s document."""
+    plan = document["plan"]
+    return {"seconds": None, "parameters": plan["parameter_count"], "world_size": plan["world_size"],
+            "feasible": plan["feasible"], "peak": plan["predicted_peak_bytes"]}
+
+
+def _timed(command: list[str], preset: str) -> dict:
     timed = os.path.exists("/usr/bin/time")
     started = time.perf_counter()
     result = subprocess.run((["/usr/bin/time", "-v"] if timed else []) + command, capture_output=True, text=True)
     wall = time.perf_counter() - started
-    if result.returncode != 0:
+    if result.returncode not in (0, 3):  # 3: the command line's "does not fit", a verdict
         raise SystemExit(f"{preset}: planning failed:\n{result.stderr[-3000:]}")
-    row = json.loads(result.stdout.strip().splitlines()[-1])
+    row = _row_of_plan(json.loads(result.stdout)) if preset.startswith("hf:") else json.loads(result.stdout.strip().splitlines()[-1])
     row["wall_s"] = wall
     if timed:
         row["maxrss_kb"] = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)[1])
@@ -71,11 +93,12 @@ def main() -> None:
 
     print(f"machine: {describe_machine()}; planning batch {args.batch_size} × {args.seq_len} for {args.world_size} × {args.device}, "
           f"budget {args.budget} per GPU")
-    print(f"{'model':>6} {'parameters':>11} {'world size':>10} {'fits':>5} {'peak/GPU':>9} {'plan s':>7} {'wall s':>7} {'max RSS':>8}")
+    print(f"{'model':>16} {'parameters':>11} {'world size':>10} {'fits':>5} {'peak/GPU':>9} {'plan s':>7} {'wall s':>7} {'max RSS':>8}")
     for preset in args.presets:
         row = run(preset, args)
-        print(f"{preset:>6} {row['parameters'] / 1e9:>10.2f}B {row['world_size']:>10} {'yes' if row['feasible'] else 'no':>5} "
-              f"{row['peak'] / 1e9:>7.1f}GB {row['seconds']:>7.1f} {row['wall_s']:>7.1f} {row['maxrss_kb'] / 2**20:>6.2f}GiB")
+        planned = "-" if row["seconds"] is None else f"{row['seconds']:.1f}"
+        print(f"{preset:>16} {row['parameters'] / 1e9:>10.2f}B {row['world_size']:>10} {'yes' if row['feasible'] else 'no':>5} "
+              f"{row['peak'] / 1e9:>7.1f}GB {planned:>7} {row['wall_s']:>7.1f} {row['maxrss_kb'] / 2**20:>6.2f}GiB", flush=True)
 
 
 if __name__ == "__main__":
