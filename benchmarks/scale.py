@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,11 +42,11 @@ print(json.dumps({{"seconds": time.perf_counter() - started, "parameters": plan.
 
 def run(preset: str, args) -> dict:
     if preset.startswith("hf:"):
-        return _timed(_command_line(preset, args), preset)
+        return _timed(_command_line(preset, args), preset, lambda stdout: _row_of_plan(json.loads(stdout)))
     world = args.world_size if args.world_size == "auto" else int(args.world_size)
     code = CHILD.format(root=ROOT, preset=preset, batch=args.batch_size, seq=args.seq_len, world=world,
                         budget=args.budget, device=args.device)
-    return _timed([sys.executable, "-c", code], preset)
+    return _timed([sys.executable, "-c", code], preset, lambda stdout: json.loads(stdout.strip().splitlines()[-1]))
 
 
 def _command_line(preset: str, args) -> list[str]:
@@ -61,14 +62,15 @@ def _row_of_plan(document: dict) -> dict:
             "feasible": plan["feasible"], "peak": plan["predicted_peak_bytes"]}
 
 
-def _timed(command: list[str], preset: str) -> dict:
+def _timed(command: list[str], preset: str, read_row: Callable[[str], dict]) -> dict:
+    """`command` run under /usr/bin/time -v where there is one: the row `read_row` makes of its stdout, its wall and RSS."""
     timed = os.path.exists("/usr/bin/time")
     started = time.perf_counter()
     result = subprocess.run((["/usr/bin/time", "-v"] if timed else []) + command, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if result.returncode not in (0, 3):  # 3: the command line's "does not fit", a verdict
         raise SystemExit(f"{preset}: planning failed:\n{result.stderr[-3000:]}")
-    row = _row_of_plan(json.loads(result.stdout)) if preset.startswith("hf:") else json.loads(result.stdout.strip().splitlines()[-1])
+    row = read_row(result.stdout)
     row["wall_s"] = wall
     if timed:
         row["maxrss_kb"] = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)[1])

@@ -16,6 +16,7 @@ and names the run that wrote it (running them is minutes: not a test's job), and
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -94,14 +95,11 @@ def written_samples(text: str) -> dict[str, str]:
 
 def with_sample(text: str, name: str, block: str, note: str) -> str:
     """`text` with sample `name`'s block replaced by `block`, its marker line carrying `note`."""
-    def replace(found: re.Match[str]) -> str:
-        if found["name"] != name:
-            return found[0]
-        return f"<!-- sample: {name} · {note} -->\n```\n{block}```\n"
-    replaced = MARKER.sub(replace, text)
-    if replaced == text and name not in written_samples(text):
+    if name not in written_samples(text):
         raise ValueError(f"README.md has no '<!-- sample: {name} ... -->' block")
-    return replaced
+    def replace(found: re.Match[str]) -> str:
+        return f"<!-- sample: {name} · {note} -->\n```\n{block}```\n" if found["name"] == name else found[0]
+    return MARKER.sub(replace, text)
 
 
 def run_sample(sample: Sample) -> tuple[str, float]:
@@ -119,17 +117,19 @@ def main(arguments: list[str]) -> int:
 
     check = "--check" in arguments
     names = [a for a in arguments if a != "--check"] or list(BY_NAME)
-    machine = describe_machine(libraries=("transformers", "bitsandbytes", "peft"))
-    print(f"# {machine}")
+    unknown = [name for name in names if name not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"no such sample: {', '.join(unknown)}; the samples: {', '.join(BY_NAME)}")
+    print(f"# {describe_machine(libraries=('transformers', 'bitsandbytes', 'peft'))}")
     text = README.read_text()
     for name in names:
-        sample = BY_NAME[name]
-        output, seconds = run_sample(sample)
-        block = sample.shown(output)
-        note = f"python -m tests.readme_samples {name} · {time.strftime('%Y-%m-%d')}, {seconds:.0f} s on {machine.split(' · ')[0]}"
-        print(f"{name}: {seconds:.0f} s, {'unchanged' if written_samples(text).get(name) == block else 'changed'}", flush=True)
-        if check and written_samples(text).get(name) != block:
+        output, seconds = run_sample(BY_NAME[name])
+        block = BY_NAME[name].shown(output)
+        changed = written_samples(text).get(name) != block
+        print(f"{name}: {seconds:.0f} s, {'changed' if changed else 'unchanged'}", flush=True)
+        if check and changed:
             print(block)
+        note = f"python -m tests.readme_samples {name} · {time.strftime('%Y-%m-%d')}, {seconds:.0f} s on {platform.node()}"
         text = with_sample(text, name, block, note)
     if not check:
         README.write_text(text)

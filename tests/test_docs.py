@@ -209,7 +209,7 @@ def test_the_readme_samples_are_the_commands_output():
         sample = BY_NAME[name]
         assert not sample.prompt or block.splitlines()[0] == sample.typed(), f"{name} does not open with its command"
         assert re.search(rf"<!-- sample: {name} · python -m tests.readme_samples {name} · \d{{4}}-\d\d-\d\d, \d+ s on ", text)
-    unmarked = [b for b in re.findall(r"(?<!-->\n)```\n(\$ autoplan [^\n]*)\n", text)]
+    unmarked = re.findall(r"(?<!-->\n)```\n(\$ autoplan [^\n]*)\n", text)
     assert unmarked == [], f"output blocks no sample writes: {unmarked}"
     # the cut keeps the runs asked for, `...` where lines are left out, and the block replaced is the one named
     cut = Sample("x", ("autoplan", "plan", "m.py:build"), prompt=True, runs=((r"^b", r"^d"), (r"^e", None)))
