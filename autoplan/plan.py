@@ -319,6 +319,13 @@ class Outcome:
     solver_status: str  # pulp's status of the final solve, e.g. "Optimal"
     solve_time_s: float  # wall time spent in the ILP solver, all re-solves included
     resolves: int = 0  # how often verification tightened the budget and solved again
+    # "simulation": solved and checked by a simulated step; "state count": the states alone were over the budget,
+    # counted without simulating (solve.states_bound): no unit decisions, the peak a lower bound
+    decided_by: str = "simulation"
+
+    @property
+    def counted_only(self) -> bool:
+        return self.decided_by != "simulation"
 
 
 @dataclass(frozen=True)
@@ -362,6 +369,7 @@ class Plan:
             "time_source": predicted.time_source, "breakdown": dataclasses.asdict(predicted.breakdown) | {"total": predicted.breakdown.total},
             "peak_phase": str(predicted.peak_phase), "units": [_unit_dict(unit) for unit in decisions.units],
             "solver_status": outcome.solver_status, "solve_time_s": outcome.solve_time_s, "resolves": outcome.resolves,
+            "decided_by": outcome.decided_by,
             "trace_method": model.trace_method, "notes": list(self.notes), "world_size": asked.world_size,
             "fsdp": None if predicted.fsdp is None else predicted.fsdp.to_dict(),
             "world_size_curve": [dataclasses.asdict(point) for point in predicted.world_size_curve],

@@ -29,7 +29,7 @@ from autoplan.inputs.batch import training_batch
 from autoplan.inputs.budget import make_budget
 from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
-from autoplan.inputs.settings import SearchSpace, StepOptions, settle
+from autoplan.inputs.settings import SearchSpace, StepOptions, flag, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.memory.model import predict_peak, rank_offsets
 from autoplan.memory.segment_terms import choices_by_unit
@@ -37,16 +37,18 @@ from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
 from autoplan.profile.profiler import Profile
 from autoplan.profile.profiler import profile as profile_units
+from autoplan.profile.states import CountedStates, count_states
 from autoplan.profile.timing import measure_times
 from autoplan.report.reported import ReportedPlan, reported
 from autoplan.solve.allocator_fit import allocator_floor, allocator_room, fit_allocator
 from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
 from autoplan.solve.request import SolveRequest
+from autoplan.solve.states_bound import states_bound_plan, states_over_budget
 from autoplan.solve.search import pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
-from autoplan.training.step_parts import model_device
+from autoplan.training.step_parts import model_device, optimizer_name, parameter_count
 from autoplan.verify.simulate import Simulation, reserved_peak, simulate_plan
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, format_bytes, where_in_user_code
@@ -102,6 +104,9 @@ class Planner:
         self._parameters = _parameter_states(model)
         self._say = given.progress if given.progress is not None else (lambda message: None)
         self._levels: list[ProfiledLevel] | None = None
+        self._counted: CountedStates | None = None  # the states, counted at the first plan()
+        self._every_unit_runs: bool | None = None  # traced where the count alone would decide
+        self._count_first = flag("count_first", given.count_first)
         self._tried = 0
 
     @_compiled_code_runs_as_written
@@ -116,6 +121,9 @@ class Planner:
         arguments = (("budget", asked.budget.given), *self._options.arguments(device.name if device.name in DEVICES else None))
         self._check_unchanged()
         if self._levels is None:
+            counted = self._states_decide(asked)
+            if counted is not None:
+                return reported(self._states_bound(counted, asked, arguments))
             self._levels = self._profile_levels()
         # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
         # within a level, segments of consecutive blocks are candidates of the same program
@@ -128,6 +136,37 @@ class Planner:
         traced_as = dataclasses.replace(chosen.model, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
                                         batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
         return reported(dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=arguments), model=traced_as))
+
+    def _states_decide(self, asked: SolveRequest) -> CountedStates | None:
+        """The counted states, where they alone decide (over the usable budget on one device), else None.
+
+        Counted once per Planner (seconds, no forward). A model whose forward leaves a unit unrun (a tower the batch
+        does not use) is simulated instead: its parameters get no gradient there, and so no state.
+        """
+        settings = self._settings
+        if not self._count_first:
+            return None
+        if self._counted is None:
+            try:
+                self._counted = count_states(self._model, device=settings.device, optimizer=settings.step.optimizer,
+                                             loop=settings.step.loop)
+            except Exception:  # noqa: BLE001 - no shortcut: the whole pipeline runs the same step and says what failed
+                self._count_first = False
+                return None
+        if not states_over_budget(self._counted, asked):
+            return None
+        if self._every_unit_runs is None:
+            self._every_unit_runs = _every_unit_runs(self._model, self._batch, self._options.units, settings.step)
+        return self._counted if self._every_unit_runs else None
+
+    def _states_bound(self, counted: CountedStates, asked: SolveRequest, arguments) -> Plan:
+        """The plan that says, from the count alone, that nothing fits (`solve.states_bound`)."""
+        settings = self._settings
+        decided = states_bound_plan(counted, asked, device=settings.device, model_name=type(self._model).__name__,
+                                    optimizer=optimizer_name(settings.step.optimizer), loop=settings.step.loop,
+                                    parameter_count=parameter_count(self._model))
+        model = dataclasses.replace(decided.model, fingerprint=self._fingerprint)
+        return dataclasses.replace(decided, model=model, request=dataclasses.replace(decided.request, arguments=arguments))
 
     def _profile_levels(self) -> list[ProfiledLevel]:
         """Every level of units traced and profiled; a level whose Sequential run is called twice is skipped."""
@@ -155,6 +194,16 @@ class Planner:
         if difference:
             raise PlanMismatchError(f"the model changed since this Planner was made: {difference}; its profile is of the "
                                     "model as it was: make a new Planner (or call autoplan.plan) for the model as it is")
+
+
+def _every_unit_runs(model: torch.nn.Module, batch, units, step: StepOptions) -> bool:
+    """Whether the forward on `batch` runs every unit of the first level (traced, nothing profiled); False where the
+    trace fails, so the whole pipeline runs and says why."""
+    try:
+        levels = unit_levels(model, units)
+        return not trace(model, batch, unit_names=levels[0].units, routing=step.routing).never_ran
+    except Exception:  # noqa: BLE001 - the full pipeline traces again and reports the failure in its words
+        return False
 
 
 def _parameter_states(model: torch.nn.Module) -> dict[str, str]:

@@ -56,7 +56,7 @@ JSON_KEYS = {
     ("prediction", "reserved_peak_bytes"): "reserved_peak_bytes",
     ("prediction", "least_limit_bytes"): "least_limit_bytes",
     ("outcome", "feasible"): "feasible", ("outcome", "solver_status"): "solver_status", ("outcome", "solve_time_s"): "solve_time_s",
-    ("outcome", "resolves"): "resolves",
+    ("outcome", "resolves"): "resolves", ("outcome", "decided_by"): "decided_by",
 }
 # keys a field fills besides its own: the request's host memory says whether offload was allowed at all
 DERIVED_KEYS = {"offload": ("request", "host")}

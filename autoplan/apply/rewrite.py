@@ -39,6 +39,10 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check: bool = True) -> tor
     """
     if not isinstance(plan, Plan):
         raise OptionTypeError(f"apply() takes a Plan from autoplan.plan(); got {type(plan).__name__}")
+    if plan.outcome.counted_only:  # solve.states_bound: nothing was chosen, and applying nothing must not look planned
+        raise OptionError(f"this plan holds no choices to apply: its parameters, gradients and {plan.request.optimizer} state "
+                          "alone are over the budget (counted, not simulated), so nothing fits it; plan.report() says what "
+                          "shrinks them (8-bit optimizer state, QLoRA, FSDP)")
     choices = plan.decisions.choices_by_unit()
     refuse_meta(model)
     with restored_on_failure(model):  # an error or a Ctrl-C halfway leaves the model as it was, not half planned

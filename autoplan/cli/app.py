@@ -101,7 +101,7 @@ def _plan(target: LoadedTarget, budget: Size, options: dict, progress, inputs=No
             raise  # autoplan's own errors: mapped by class
         # anything else the target's model raised while planning: what it was, not a bug of autoplan
         raise CliError(ExitCode.CANNOT_PLAN, f"cannot plan {type(target.model).__name__}: {type(error).__name__}: {error}") from error
-    return plan, profiles[0]
+    return plan, (profiles[0] if profiles else None)  # none for a plan decided by counting (solve.states_bound)
 
 
 def _is_stdout(path: Optional[Path]) -> bool:
@@ -163,6 +163,11 @@ def _advise(loaded: LoadedTarget, plan, profile, budget: Size, options: dict, pr
     micro-batch is planned again where the factory can rebuild the batch."""
     from autoplan.report.advice import advise
 
+    if profile is None:  # decided by counting the states: advice from the counts alone
+        from autoplan.inputs.devices import get_device
+        from autoplan.report.counted_advice import counted_advice
+
+        return counted_advice(plan, get_device(options.get("device")), parameter_count=loaded.parameter_count)
     rebuild = loaded.rebuild
 
     def replan(micro: int, loop: TrainingLoop):
@@ -180,7 +185,8 @@ def _ladder(loaded: LoadedTarget, base, budget: Size, options: dict, progress):
     from autoplan.report.ladder import plan_ladder
 
     # the plan's own options (one GPU): the rung that adds autoplan's checkpointing is the plan printed above the ladder
-    variant_options = {name: value for name, value in options.items() if name != "world_size"}
+    # simulated even where the states alone are over the budget: a rung is priced from its profile
+    variant_options = {name: value for name, value in options.items() if name != "world_size"} | {"count_first": False}
 
     def plan_variant(model):
         return _plan(loaded, budget, variant_options, progress, model=model)
@@ -215,7 +221,10 @@ def _write_files(json_path: Optional[Path], plot: Optional[Path], document: dict
     """--json and --plot, before the report: a reader that stops early (`| head`) must not cost them."""
     if json_path is not None:
         _write(json_path, json.dumps(document, indent=2) + "\n", err)
-    if plot is not None:
+    if plot is not None and profile is None:
+        err.print(f"no plot written to {plot}: the plan was decided by counting the states, and no step was simulated to "
+                  "draw (--simulate-anyway draws it)", markup=False)
+    elif plot is not None:
         from autoplan.report.plot import plot_memory
 
         try:

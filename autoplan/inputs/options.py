@@ -187,7 +187,7 @@ class PlanOptions:
     progress: Callable[[str], None] | None = _option(None, "called with a short message as each stage starts.", recorded=False)
     on_profile: Callable[[Any], None] | None = _option(None, "called with the `Profile` of the level the plan chose, once per plan (a "
                                                        "Planner calls it at every `plan()`; `autoplan.report.advice` needs it; the CLI uses "
-                                                       "this).", recorded=False)
+                                                       "this); not for a plan decided by counting (`count_first`), which has none.", recorded=False)
     world_size: int | str = _option(1, "GPUs to shard over with FSDP2 (parameters, gradients and optimizer state 1/N each; the plan's "
                                     "`request.mesh`, `autoplan/mesh.py`): every constraint and every byte of the plan is then per rank. "
                                     "`\"auto\"`: the fewest GPUs whose lowest per-rank peak fits, with the curve in "
@@ -238,6 +238,15 @@ class PlanOptions:
         "model's; the loss is kept as written. Compile after applying the plan.", COMPILE_CLI_DOC, bool,
         verify_help="Plan as `autoplan plan --compile` does; the real steps run eagerly (the plan's peaks are the eager model's), so "
         "the measured time is not the compiled model's."))
+    count_first: bool = _option(True, "True (default): where the parameters, gradients and optimizer state alone are over the usable "
+                                "budget on one device, the answer (does not fit) comes from counting them, in seconds, with no step "
+                                "simulated (`plan.outcome.decided_by == \"state count\"`; its peak is the states, a lower bound). False: "
+                                "simulate the step anyway, for the whole report (the budget it needs, activations, FSDP's estimate "
+                                "with them), minutes for a 70B model.", Flag(
+        ("--count-first/--simulate-anyway",), "Where the states alone are over the budget, answer from their count (seconds), or "
+        "simulate the step anyway for the whole report (minutes at 70B).", "where parameters, gradients and optimizer state alone are "
+        "over the budget, answer from counting them in seconds (default), or simulate the step anyway for the whole report", bool,
+        verify=False))
 
     @staticmethod
     def given(options: Mapping[str, Any], called: str) -> PlanOptions:
@@ -317,6 +326,7 @@ class PlanKeywords(TypedDict, total=False):
     offload: bool | None
     host_budget: str | int | None
     compile: bool
+    count_first: bool
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -167,7 +167,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
             runner.loss_of, summed = _watched_loss(loss_fn, loop)
             graded = [p for p in trainable if id(p) not in gradless]
             tracker.begin_phase(WARM_UP)
-            _warm_up(runner, graded)
+            warm_up(runner, graded)
             first_phase = tracker.phase_count
             hooks = _RecordingHooks(recorder, model, (args, kwargs), loop.keep_outputs)
             hooks.sums = lambda: accumulating_adds(tracker, runner.loss)
@@ -263,7 +263,7 @@ class _RecordingHooks(StepHooks):
         self.recorder.begin(ZERO_GRAD)
 
 
-def _warm_up(runner: LoopRunner, trainable: Sequence[torch.Tensor]) -> None:
+def warm_up(runner: LoopRunner, trainable: Sequence[torch.Tensor]) -> None:
     """What the earlier steps leave behind for the recorded one: the optimizer's state, and the gradients.
 
     Under fake tensors the values do not matter, so gradients made here stand in for a forward and

@@ -266,7 +266,7 @@ def least_activation_choices(profile: Profile) -> dict[str, Choice]:
 
 def advise(
     plan: Plan,
-    profile: Profile,
+    profile: Profile | None,
     *,
     batch_size: int | None = None,
     seq_len: int | None = None,
@@ -284,6 +284,11 @@ def advise(
     gradient-accumulation estimate (skipped when None). ladder: the planned toolbox ladder
     (`report.ladder.plan_ladder`); its rungs replace the estimates of the steps it planned (SDPA, QLoRA).
     """
+    if isinstance(plan, Plan) and plan.outcome.counted_only:  # solve.states_bound: no profile was made
+        from autoplan.inputs.devices import get_device
+        from autoplan.report.counted_advice import counted_advice  # it builds on this module
+
+        return counted_advice(plan, get_device(plan.target.device), parameter_count=parameter_count)
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise OptionTypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
     plan = allocator_view(plan)

@@ -7,6 +7,9 @@ that does not apply to this model or optimizer says why rather than offering a f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from autoplan.inputs.devices import Device
 from autoplan.inputs.hf_models import loader_class
 from autoplan.plan import Plan
 from autoplan.profile.profiler import Profile
@@ -50,38 +53,50 @@ def eight_bit_step_change_s(numels: list[int], bandwidth: float) -> float:
 
 
 def optimizer_state_steps(plan: Plan, profile: Profile, parameter_count: int | None) -> list[Step]:
-    return [_eight_bit_step(profile), _qlora_step(plan, profile, parameter_count)]
+    static = profile.timeline.static
+    states = StateParts(static.parameters, static.gradients, static.optimizer)
+    return [eight_bit_step(profile.optimizer, states.optimizer, profile.device),
+            qlora_step(plan, states, parameter_count)]
 
 
-def _eight_bit_step(profile: Profile) -> Step:
+@dataclass(frozen=True)
+class StateParts:
+    """The bytes every step holds whatever the units choose: the simulated step's, or counted (`profile.states`)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+
+
+def eight_bit_step(optimizer: str, state: int, device: Device) -> Step:
     """8-bit state, from the optimizer the plan counted: already 8-bit is chosen; AdamW/Adam's two fp32 moments
     by formula; anything else has no 8-bit twin counted here (a formula for AdamW's state would be wrong for it)."""
-    title, state, name = "8-bit optimizer state", profile.timeline.static.optimizer, profile.optimizer.lower()
+    title, name = "8-bit optimizer state", optimizer.lower()
     if name in EIGHT_BIT_OPTIMIZERS:
         paged = " (paged: on a GPU its state lives in CUDA unified memory, off the card)" if name.startswith("paged") else ""
-        return Step("optimizer_8bit", title, "chosen", f"planned with {profile.optimizer}: its {format_bytes(state)} of state "
+        return Step("optimizer_8bit", title, "chosen", f"planned with {optimizer}: its {format_bytes(state)} of state "
                     f"on the device are counted as bitsandbytes allocates them{paged}")
     if state == 0:
-        return Step("optimizer_8bit", title, "n/a", f"{profile.optimizer} keeps no state")
-    if name.startswith("paged") and profile.device.kind == "cuda":
-        return Step("optimizer_8bit", title, "n/a", f"{profile.optimizer} pages its state to CUDA unified memory: the card "
+        return Step("optimizer_8bit", title, "n/a", f"{optimizer} keeps no state")
+    if name.startswith("paged") and device.kind == "cuda":
+        return Step("optimizer_8bit", title, "n/a", f"{optimizer} pages its state to CUDA unified memory: the card "
                     "holds none of it, and 8 bits would shrink host memory only")
     if name not in ("adamw", "adam"):
-        return Step("optimizer_8bit", title, "n/a", f"{profile.optimizer}'s state has no 8-bit twin planned here (adamw8bit, "
+        return Step("optimizer_8bit", title, "n/a", f"{optimizer}'s state has no 8-bit twin planned here (adamw8bit, "
                     "adam8bit and lion8bit are: plan with --optimizer)")
     # AdamW's 8 bytes a trainable parameter (N = state / 8) become 2 and an fp32 absmax per 256 (adamw8bit_state_bytes)
     count = state // 8
     eight = 2 * count + 8 * -(-count // BLOCK_8BIT)
-    change = eight_bit_step_change_s([count], profile.device.memory_bandwidth)
+    change = eight_bit_step_change_s([count], device.memory_bandwidth)
     return Step("optimizer_8bit", title, "try",
-                f"{profile.optimizer}'s {format_bytes(state)} of fp32 state become {format_bytes(eight)} (2 bytes a "
+                f"{optimizer}'s {format_bytes(state)} of fp32 state become {format_bytes(eight)} (2 bytes a "
                 f"parameter and an fp32 absmax per {BLOCK_8BIT}; tensors under {MIN_8BIT_SIZE} elements stay fp32): saves "
                 f"{format_bytes(state - eight)}; the update moves 16 bytes a parameter instead of 28 (roofline of both). "
                 f"A formula here: plan with --optimizer {name}8bit (optimizer=\"{name}8bit\") to count it exactly",
                 state - eight, change, f"import bitsandbytes as bnb; optimizer = bnb.optim.{'AdamW' if name == 'adamw' else 'Adam'}8bit(model.parameters())")
 
 
-def _qlora_step(plan: Plan, profile: Profile, parameter_count: int | None) -> Step:
+def qlora_step(plan: Plan, states: StateParts, parameter_count: int | None) -> Step:
     """4-bit QLoRA: a transformers checkpoint loaded in 4 bits with LoRA adapters; for any other model it does not apply."""
     title = "4-bit QLoRA (fine-tuning only)"
     if plan.model.name.startswith("PeftModel"):
@@ -91,13 +106,12 @@ def _qlora_step(plan: Plan, profile: Profile, parameter_count: int | None) -> St
     if loader_class(plan.model.name) is None:
         return Step("qlora", title, "n/a", f"QLoRA loads a transformers checkpoint in 4 bits with peft's adapters; "
                     f"{plan.model.name} is not a model transformers loads (8-bit optimizer state and FSDP still apply)")
-    static, state = profile.timeline.static, profile.timeline.static.optimizer
-    count = parameter_count if parameter_count is not None else static.gradients // 4
+    count = parameter_count if parameter_count is not None else states.gradients // 4
     quantised = int(count * QLORA_BITS_PER_PARAMETER / 8)
-    saves = static.parameters + static.gradients + state - quantised
+    saves = states.parameters + states.gradients + states.optimizer - quantised
     return Step("qlora", title, "try" if saves > 0 else "n/a",
                 f"frozen {format_count(count)} parameters in NF4 take about {format_bytes(quantised)} instead of "
-                f"{format_bytes(static.parameters)} with {format_bytes(static.gradients + state)} of gradients and optimizer "
+                f"{format_bytes(states.parameters)} with {format_bytes(states.gradients + states.optimizer)} of gradients and optimizer "
                 f"state: saves about {format_bytes(saves)} before the LoRA adapters (usually under 1% of the parameters). "
                 "It trains adapters, not the model: for fine-tuning, not pre-training (--ladder plans it)",
                 saves, None, _qlora_code(plan.model.name))

@@ -97,6 +97,11 @@ def _verdict(plan: "Plan") -> Text:
                + f" peak at {format_bytes(plan.prediction.minimum_peak_bytes)}, {over}")
         text = Text("DOES NOT FIT", style="bold red")
         text.append(f"  {plan.model.name} on {on}: {why}: no checkpointing or precision choice changes that", style="bold")
+        if plan.outcome.counted_only:  # solve.states_bound: nothing was simulated, the states are a floor
+            text.append(f"\nit needs more than a {format_bytes(plan.prediction.minimum_budget_bytes)} budget: counted, not "
+                        "simulated; activations and optimizer.step()'s temporaries come on top (--simulate-anyway, "
+                        "count_first=False, simulates the step for the whole report)")
+            return text
         text.append(f"\nit needs a {format_bytes(plan.prediction.minimum_budget_bytes)} budget; simulated training step: "
                     f"{format_bytes(plan.prediction.simulated_peak_bytes)}")
         return text
@@ -129,8 +134,7 @@ def _breakdown(plan: "Plan") -> Table:
         ("parameters (and buffers)", b.parameters),
         ("gradients", b.gradients),
         (f"optimizer state ({plan.request.optimizer})", b.optimizer),
-        ("activations", b.activations),
-        ("transient", b.transient),
+        *((("activations", b.activations), ("transient", b.transient)) if not plan.outcome.counted_only else ()),
     ]
     if b.workspaces:
         rows.append(("cuBLAS workspaces", b.workspaces))
@@ -140,7 +144,9 @@ def _breakdown(plan: "Plan") -> Table:
     total = b.total + max(0, above)
     for name, nbytes in rows:
         table.add_row(name, format_bytes(nbytes), f"{nbytes / max(1, total):.0%}")
-    table.add_row("= predicted peak", format_bytes(total), "", style="bold")
+    if plan.outcome.counted_only:  # solve.states_bound: the rows a simulation would give are not known
+        table.add_row("activations, transient", "not simulated", "")
+    table.add_row("= the states, a floor" if plan.outcome.counted_only else "= predicted peak", format_bytes(total), "", style="bold")
     reserved = plan.prediction.reserved_peak_bytes
     if reserved:  # one GPU: the segments the caching allocator holds, their free space included (instruments.caching_allocator)
         table.add_row("caching allocator's reserved memory", format_bytes(reserved), f"{reserved / max(1, total) - 1:+.0%}")

@@ -280,7 +280,9 @@ def test_precision_bf16_puts_every_unit_in_bf16(tmp_path) -> None:
 
 @pytest.mark.slow  # the whole pipeline
 def test_wide_model_on_meta_recommends_the_smallest_fsdp_size(tmp_path) -> None:
-    result, doc = run_json(tmp_path, "plan", "tests/cli_factories.py:wide_gpt_on_meta", "--budget", "8GB", "--device", "rtx-4090")
+    """Its states alone are over 8 GB: simulated anyway, FSDP's fewest GPUs come with the activations counted."""
+    result, doc = run_json(tmp_path, "plan", "tests/cli_factories.py:wide_gpt_on_meta", "--budget", "8GB", "--device", "rtx-4090",
+                           "--simulate-anyway")
     assert result.exit_code == ExitCode.DOES_NOT_FIT, result.output
     fsdp = doc["advice"]["fsdp"]
     usable = doc["advice"]["usable_bytes"]  # the plan's, less what the caching allocator needs beyond the peak
@@ -288,7 +290,7 @@ def test_wide_model_on_meta_recommends_the_smallest_fsdp_size(tmp_path) -> None:
     # Recompute with the API: N fits, N - 1 does not.
     model, inputs = wide_gpt_on_meta()
     profiles = []
-    autoplan.plan(model, "8GB", example_inputs=inputs, device="rtx-4090", on_profile=profiles.append)
+    autoplan.plan(model, "8GB", example_inputs=inputs, device="rtx-4090", on_profile=profiles.append, count_first=False)
     least = least_activation_choices(profiles[0])
     n = fsdp["world_size"]
     assert sharded_peak(profiles[0], least, Mesh.fsdp(n)).total == fsdp["total"] <= usable
@@ -511,3 +513,22 @@ def test_json_to_stdout_is_json_on_the_real_file_descriptor(solver: str) -> None
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["plan"]["feasible"] is True and doc["target"] == FACTORY
+
+
+def test_states_over_the_budget_are_answered_by_counting_and_simulated_on_request(tmp_path) -> None:
+    """The tiny GPT's states at 100 KB on one GPU: the count answers (no plot: nothing was simulated to draw);
+    --simulate-anyway gives the whole report with the same verdict and the same states."""
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "memory.png"
+    counted, document = run_json(tmp_path, "plan", FACTORY, "--budget", "100KB", "--device", "h100", "--reserve", "0",
+                                 "--plot", str(plot))
+    assert counted.exit_code == ExitCode.DOES_NOT_FIT, counted.output
+    assert document["plan"]["decided_by"] == "state count" and document["plan"]["units"] == []
+    assert [step["key"] for step in document["advice"]["steps"]] == STEP_KEYS and document["advice"]["first_fix"] is None
+    assert not plot.exists() and "no plot written" in words(counted.stderr)
+    assert "counted, not simulated" in words(counted.stdout) and "--simulate-anyway" in words(counted.stdout)
+    simulated, whole = run_json(tmp_path, "plan", FACTORY, "--budget", "100KB", "--device", "h100", "--reserve", "0",
+                                "--simulate-anyway")
+    assert simulated.exit_code == ExitCode.DOES_NOT_FIT and whole["plan"]["decided_by"] == "simulation"
+    assert whole["plan"]["state_bytes"] == document["plan"]["state_bytes"] == document["plan"]["predicted_peak_bytes"]
+    assert whole["plan"]["units"] and "simulated training step" in words(simulated.stdout)
