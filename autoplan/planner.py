@@ -43,7 +43,7 @@ from autoplan.report.reported import ReportedPlan, reported
 from autoplan.solve.allocator_fit import allocator_floor, allocator_room, fit_allocator
 from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
 from autoplan.solve.request import SolveRequest
-from autoplan.solve.states_bound import states_bound_plan, states_over_budget
+from autoplan.solve.states_bound import every_unit_runs, states_bound_plan, states_over_budget
 from autoplan.solve.search import pinned_choices, search
 from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.discovery import UnitLevel, unit_levels
@@ -156,7 +156,7 @@ class Planner:
         if not states_over_budget(self._counted, asked):
             return None
         if self._every_unit_runs is None:
-            self._every_unit_runs = _every_unit_runs(self._model, self._batch, self._options.units, settings.step)
+            self._every_unit_runs = every_unit_runs(self._model, self._batch, self._options.units, settings.step.routing)
         return self._counted if self._every_unit_runs else None
 
     def _states_bound(self, counted: CountedStates, asked: SolveRequest, arguments) -> Plan:
@@ -194,16 +194,6 @@ class Planner:
         if difference:
             raise PlanMismatchError(f"the model changed since this Planner was made: {difference}; its profile is of the "
                                     "model as it was: make a new Planner (or call autoplan.plan) for the model as it is")
-
-
-def _every_unit_runs(model: torch.nn.Module, batch, units, step: StepOptions) -> bool:
-    """Whether the forward on `batch` runs every unit of the first level (traced, nothing profiled); False where the
-    trace fails, so the whole pipeline runs and says why."""
-    try:
-        levels = unit_levels(model, units)
-        return not trace(model, batch, unit_names=levels[0].units, routing=step.routing).never_ran
-    except Exception:  # noqa: BLE001 - the full pipeline traces again and reports the failure in its words
-        return False
 
 
 def _parameter_states(model: torch.nn.Module) -> dict[str, str]:

@@ -19,52 +19,17 @@ from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, 
 from autoplan.axes.precision import kind
 from autoplan.axes.checkpoint import Mode
 from autoplan.mesh import Mesh
-from autoplan.plan import Choice, Plan, Precision, ShardedPeak
+from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.profiler import Profile
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size
 from autoplan.report.offload_advice import offload_step
 from autoplan.report.allocator_advice import allocator_view
 from autoplan.report.optimizer_advice import optimizer_state_steps
-from autoplan.report.batch_steps import Step, grad_accumulation_step, held_attention, shorter_sequences_step
+from autoplan.report.batch_steps import (  # noqa: F401 - Advice is read from here too (its home before batch_steps)
+    ACTIVATION_SIDE, Advice, Step, grad_accumulation_step, held_attention, shorter_sequences_step,
+)
 from autoplan.vocabulary.formatting import format_bytes, format_flops, format_seconds
 
-
-
-@dataclass(frozen=True)
-class Advice:
-    """Everything `advise` found, in the order a person should try it."""
-
-    fits: bool
-    peak_bytes: int  # the plan's predicted peak (the lowest reachable one when it does not fit)
-    usable_bytes: int
-    steps: tuple[Step, ...]
-    first_fix: str | None  # key of the first "try" step whose estimate alone fits the budget
-    fsdp: ShardedPeak | None  # per-GPU estimate on the smallest GPU count that fits, if any
-    requested: ShardedPeak | None  # per-GPU estimate for the world size the person asked about
-    ladder: Any = None  # report.ladder.Ladder when the toolbox ladder was planned (--ladder), else None
-
-    @property
-    def over_bytes(self) -> int:
-        return max(0, self.peak_bytes - self.usable_bytes)
-
-    def step(self, key: str) -> Step:
-        return next(s for s in self.steps if s.key == key)
-
-    def to_dict(self) -> dict[str, Any]:
-        def sharded(peak: ShardedPeak | None):
-            return None if peak is None else dataclasses.asdict(peak) | {"total": peak.total}
-
-        return {
-            "fits": self.fits,
-            "peak_bytes": self.peak_bytes,
-            "usable_bytes": self.usable_bytes,
-            "over_bytes": self.over_bytes,
-            "first_fix": self.first_fix,
-            "steps": [dataclasses.asdict(step) for step in self.steps],
-            "fsdp": sharded(self.fsdp),
-            "requested_world_size": sharded(self.requested),
-            "ladder": None if self.ladder is None else self.ladder.to_dict(),
-        }
 
 
 @dataclass(frozen=True)
@@ -243,7 +208,6 @@ def _from_ladder(step: Step, plan: Plan, ladder: Any) -> Step:
                                time_change_s=after.step_time_s - time, code=code)
 
 
-ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing", "offload")  # what changes activations or speed
 
 
 def _no_help(step: Step) -> Step:

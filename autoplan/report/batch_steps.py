@@ -1,16 +1,17 @@
-"""One step of the advice (`Step`), and the steps that change the batch: gradient accumulation and
+"""One step of the advice (`Step`) and the advice they make up (`Advice`), and the steps that change the batch: gradient accumulation and
 shorter sequences, each estimated from this model's profile and the memory model; and the T×T attention
 bytes a plan holds, which the fused-attention and shorter-sequence steps both read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import PhaseBytes, unit_windows
-from autoplan.plan import Choice, Plan
+from autoplan.plan import Choice, Plan, ShardedPeak
 from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.formatting import format_bytes, format_seconds
 
@@ -27,6 +28,46 @@ class Step:
     time_change_s: float | None = None  # estimated change of the step time (positive: slower); None: not predicted
     code: str = ""  # how to do it
 
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Everything `report.advice.advise` found, in the order a person should try it."""
+
+    fits: bool
+    peak_bytes: int  # the plan's predicted peak (the lowest reachable one when it does not fit)
+    usable_bytes: int
+    steps: tuple[Step, ...]
+    first_fix: str | None  # key of the first "try" step whose estimate alone fits the budget
+    fsdp: ShardedPeak | None  # per-GPU estimate on the smallest GPU count that fits, if any
+    requested: ShardedPeak | None  # per-GPU estimate for the world size the person asked about
+    ladder: Any = None  # report.ladder.Ladder when the toolbox ladder was planned (--ladder), else None
+
+    @property
+    def over_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.usable_bytes)
+
+    def step(self, key: str) -> Step:
+        return next(s for s in self.steps if s.key == key)
+
+    def to_dict(self) -> dict[str, Any]:
+        def sharded(peak: ShardedPeak | None):
+            return None if peak is None else dataclasses.asdict(peak) | {"total": peak.total}
+
+        return {
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "usable_bytes": self.usable_bytes,
+            "over_bytes": self.over_bytes,
+            "first_fix": self.first_fix,
+            "steps": [dataclasses.asdict(step) for step in self.steps],
+            "fsdp": sharded(self.fsdp),
+            "requested_world_size": sharded(self.requested),
+            "ladder": None if self.ladder is None else self.ladder.to_dict(),
+        }
+
+
+ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing", "offload")  # what changes activations or speed
 
 
 def scaled_peak(phases: list[PhaseBytes], scale: Callable[[int, PhaseBytes], float]) -> int:

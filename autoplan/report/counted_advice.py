@@ -13,8 +13,7 @@ import math
 from autoplan.axes.precision import kind
 from autoplan.inputs.devices import Device
 from autoplan.plan import Plan
-from autoplan.report.advice import ACTIVATION_SIDE, Advice
-from autoplan.report.batch_steps import Step
+from autoplan.report.batch_steps import ACTIVATION_SIDE, Advice, Step
 from autoplan.report.optimizer_advice import StateParts, eight_bit_step, qlora_step
 from autoplan.vocabulary.formatting import format_bytes, rank_noun
 

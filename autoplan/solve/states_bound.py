@@ -10,6 +10,8 @@ bound: activations and optimizer.step()'s temporaries come on top), it holds no 
 
 from __future__ import annotations
 
+import torch
+
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import (
@@ -17,6 +19,8 @@ from autoplan.plan import (
 )
 from autoplan.profile.states import CountedStates
 from autoplan.solve.request import SolveRequest
+from autoplan.trace.discovery import unit_levels
+from autoplan.trace.tracer import trace
 
 DECIDED_BY_COUNT = "state count"
 NOT_SOLVED = "Not Solved (the states alone are over the budget)"
@@ -25,6 +29,16 @@ NOT_SOLVED = "Not Solved (the states alone are over the budget)"
 def states_over_budget(counted: CountedStates, request: SolveRequest) -> bool:
     """Whether counting alone decides: one device (FSDP shards the states) and the states over its usable bytes."""
     return request.mesh.size == 1 and not request.fewest_ranks and counted.total > request.usable_bytes
+
+
+def every_unit_runs(model: torch.nn.Module, batch, units, routing) -> bool:
+    """Whether the forward on `batch` runs every unit of the first level (traced, nothing profiled): where one never
+    runs, its parameters get no gradient and no state, and the count would say more than the step holds. False where
+    the trace fails, so the whole pipeline runs and says why."""
+    try:
+        return not trace(model, batch, unit_names=unit_levels(model, units)[0].units, routing=routing).never_ran
+    except Exception:  # noqa: BLE001 - the full pipeline traces again and reports the failure in its words
+        return False
 
 
 def states_bound_plan(counted: CountedStates, request: SolveRequest, *, device: Device, model_name: str, optimizer: str,
