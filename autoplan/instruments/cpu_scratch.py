@@ -38,6 +38,7 @@ SCRATCH_OPS = frozenset({
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
     "aten::logsumexp", "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward",
     "bitsandbytes::optimizer_update_32bit", "bitsandbytes::optimizer_update_8bit_blockwise",
+    "bitsandbytes::gemm_4bit",  # dequantizes, then a matmul whose CPU kernel may pack its operands (AVX512-BF16: 4× the weight)
 })
 
 

@@ -25,7 +25,7 @@ from autoplan.instruments.cpu_scratch import scratch_bytes
 from autoplan.instruments.cuda_matmul import operand_copy_bytes
 from autoplan.instruments.flop_formulas import autoplan_flop_formulas
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
-from autoplan.instruments.quantized import hidden_temporary_bytes, load_bitsandbytes_backends
+from autoplan.instruments.quantized import hidden_temporary_bytes, is_quantized_matmul, load_bitsandbytes_backends
 from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
 
 
@@ -142,7 +142,9 @@ class LiveBytesTracker(TorchDispatchMode):
         # scratch) peaks above its output
         hidden = hidden_temporary_bytes(func, args, kwargs)
         if self.cpu_kernels and not moving_over_the_link():
-            hidden += scratch_bytes(func, args, kwargs)
+            # a fused 4-bit matmul's real call holds its dequantized weight too: the rule or the real call, whichever holds more
+            scratch = scratch_bytes(func, args, kwargs)
+            hidden = max(hidden, scratch) if is_quantized_matmul(func) else hidden + scratch
         elif self.cuda_kernels:
             hidden += operand_copy_bytes(func, args, kwargs)  # the card copies what cuBLAS cannot read in place
         if hidden and self.allocation_log is not None:  # allocated and freed inside the op

@@ -23,6 +23,14 @@ the fixture again and says why:
 
     python -m tests.end_to_end.test_same_plans            # rewrites plans_before.json
     python -m tests.end_to_end.test_same_plans "CASE" ...  # those cases only
+
+The CPU cases depend on the CPU too: a CPU target's plans count the scratch its kernels hold, read off real calls
+(`instruments.cpu_scratch`), and an AVX512-BF16 CPU's oneDNN packs bf16 matmul operands where another's does not, which
+moves peaks, times and choices. plans_before.json holds them as the machine that recorded it (and CI) plans them; a
+machine whose CPU kernels differ (`cpu_kernels()`) may hold its own CPU cases beside it, in
+plans_before.cpu-<its kernels' digest>.json, compared instead there:
+
+    python -m tests.end_to_end.test_same_plans --this-cpu  # this machine's CPU cases, recorded from autoplan as it is
 """
 
 from __future__ import annotations
@@ -109,6 +117,30 @@ def _three_budgets(build: Build, **options: Any) -> dict[str, Any]:
             "plans": [_comparable(loose), _comparable(planner.plan(halfway)), _comparable(planner.plan(under))]}
 
 
+def cpu_kernels() -> str:
+    """What the CPU cases' plans depend on of this machine: its vendor, torch's CPU capability and the instruction sets
+    that choose oneDNN's kernels (and so the scratch they hold)."""
+    flags: set[str] = set()
+    vendor = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else []):
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            vendor = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break
+    isa = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile"})
+    return f"{vendor or sys.platform} {torch.backends.cpu.get_cpu_capability()} {' '.join(isa)}"
+
+
+def this_cpus_fixture() -> Path:
+    return FIXTURE.with_name(f"plans_before.cpu-{hashlib.sha256(cpu_kernels().encode()).hexdigest()[:12]}.json")
+
+
+ON_THE_CPU: set[str] = set()  # the cases planned for device="cpu", filled by _variants
+
+
 def _variants() -> dict[str, Callable[[], dict[str, Any]]]:
     """Each case: a name and the plans it makes."""
     cases: dict[str, Callable[[], dict[str, Any]]] = {}
@@ -116,6 +148,7 @@ def _variants() -> dict[str, Callable[[], dict[str, Any]]]:
         # the structures as tests/handmade.py plans them (fp32: oneDNN's LSTM has no bf16 kernel on every CPU)
         cpu = {"precision": "fp32"} if name.startswith("structures:") else {}
         cases[f"{name} | cpu"] = lambda build=build, cpu=cpu: _sweep(build, device="cpu", **cpu)
+        ON_THE_CPU.add(f"{name} | cpu")
         cases[f"{name} | {GPU}"] = lambda build=build: _sweep(build, device=GPU, host_budget=HOST_BUDGET)
     tiny_gpt, residual = ALL_MODELS["tiny_gpt"], ALL_MODELS["residual_mlp"]
     cases["models:tiny_gpt | fsdp 2"] = lambda: _sweep(tiny_gpt, device=GPU, world_size=2)
@@ -126,6 +159,7 @@ def _variants() -> dict[str, Callable[[], dict[str, Any]]]:
     cases["models:tiny_gpt | compile"] = lambda: _sweep(tiny_gpt, device=GPU, compile=True, offload=False)
     cases["models:tiny_gpt | loss as written"] = lambda: _sweep(tiny_gpt, device="cpu", fuse_loss=False, segments=False,
                                                                menu_size=0, optimizer="sgd")
+    ON_THE_CPU.add("models:tiny_gpt | loss as written")
     return cases
 
 
@@ -164,8 +198,24 @@ def record(cases: list[str]) -> None:
     FIXTURE.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
 
 
+def record_this_cpu() -> None:
+    """This machine's CPU cases, in its own fixture (the module docstring says when)."""
+    torch.set_num_threads(THREADS)
+    cases = sorted(case for case in _variants() if case in ON_THE_CPU)
+    plans = {"cpu_kernels": cpu_kernels(), "cases": {name: _planned(name) for name in cases}}
+    this_cpus_fixture().write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
+
+
 def _recorded() -> dict[str, Any]:
     return json.loads(FIXTURE.read_text())
+
+
+def _recorded_case(case: str) -> dict[str, Any]:
+    """The case as recorded: by this machine's CPU where it holds its own CPU cases, else by plans_before.json."""
+    own = this_cpus_fixture()
+    if case in ON_THE_CPU and own.exists():
+        return json.loads(own.read_text())["cases"][case]
+    return _recorded()[case]
 
 
 @pytest.fixture(autouse=True)
@@ -181,7 +231,7 @@ def _one_thread():
 def test_the_same_inputs_give_the_same_plans(case):
     if "transformers" in case:
         pytest.importorskip("transformers")
-    before = _recorded()[case]
+    before = _recorded_case(case)
     now = _planned(case)
     assert now.get("error") == before.get("error"), case
     assert now["budgets"] == before["budgets"], case
@@ -206,4 +256,4 @@ def _first_change(was: Any, now: Any, path: str = "") -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(record(sys.argv[1:]))
+    sys.exit(record_this_cpu() if sys.argv[1:] == ["--this-cpu"] else record(sys.argv[1:]))
