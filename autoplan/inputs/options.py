@@ -245,8 +245,7 @@ class PlanOptions:
                                 "with them), minutes for a 70B model.", Flag(
         ("--count-first/--simulate-anyway",), "Where the states alone are over the budget, answer from their count (seconds), or "
         "simulate the step anyway for the whole report (minutes at 70B).", "where parameters, gradients and optimizer state alone are "
-        "over the budget, answer from counting them in seconds (default), or simulate the step anyway for the whole report", bool,
-        verify=False))
+        "over the budget, answer from counting them in seconds (default), or simulate the step anyway for the whole report", bool))
 
     @staticmethod
     def given(options: Mapping[str, Any], called: str) -> PlanOptions:
