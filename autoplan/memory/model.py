@@ -25,8 +25,9 @@ batch, the rest of the model) is in the timeline exactly as simulated.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Hashable, Literal, Mapping, Sequence, TypeVar
 
 from autoplan.memory.segment_terms import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
 from autoplan.memory.sharded import RankTerms, rank_terms
@@ -36,6 +37,7 @@ from autoplan.profile.profiler import Profile, UnitProfile
 
 Relation = Literal["fwd", "held", "bwd", "spent"]
 HOLDING: tuple[Relation, ...] = ("held", "bwd")  # the relations in which a unit's held bytes are alive
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,27 @@ class Point:
     relations: tuple[tuple[int, Relation], ...]  # (unit index, how that unit's choice reaches this phase)
 
 
+_PER_PROFILE: dict[int, dict] = {}  # what does not depend on the choices, by profile (`_once`)
+
+
+def _once(profile: Profile, key: Hashable, compute: Callable[[], T]) -> T:
+    """`compute()` for this profile object and `key`, made at the first call and dropped with the profile: a solve's
+    tie-break asks for hundreds of predicted peaks of one profile (80 units: ~500), each of which remade these."""
+    entry = _PER_PROFILE.get(id(profile))
+    if entry is None:
+        entry = _PER_PROFILE[id(profile)] = {}
+        weakref.finalize(profile, _PER_PROFILE.pop, id(profile), None)
+    if key not in entry:
+        entry[key] = compute()
+    return entry[key]
+
+
 def points(profile: Profile, mesh: Mesh = Mesh()) -> list[Point]:
     """One constraint per phase; on a mesh of more than one device, rank 0's bytes (see `rank_offsets`)."""
+    return list(_once(profile, ("points", mesh), lambda: _points(profile, mesh)))
+
+
+def _points(profile: Profile, mesh: Mesh) -> list[Point]:
     windows = unit_windows(profile)
     offsets = rank_offsets(profile, mesh)
     spending = {u for u, unit in enumerate(profile.units) if len({cost.spent_bytes for cost in unit.options.values()}) > 1}
@@ -104,6 +125,10 @@ class SharedTensor:
 
 def shared_tensors(profile: Profile) -> list[SharedTensor]:
     """Tensors between units whose lifetime depends on the units' choices (not the batch or output)."""
+    return list(_once(profile, "shared tensors", lambda: _shared_tensors(profile)))
+
+
+def _shared_tensors(profile: Profile) -> list[SharedTensor]:
     index = {unit.name: i for i, unit in enumerate(profile.units)}
     phase_index = {sample.phase: i for i, sample in enumerate(profile.timeline.phases)}
     result = []
@@ -226,15 +251,15 @@ def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
     chosen = _choices_list(profile, choices)
     base = [unit.base for unit in profile.units]
     held = held_changes(profile, choices)
-    live = [
-        point.base_bytes
-        + sum((held[u] if relation in HOLDING else 0) + transient_delta(profile.units[u], relation, chosen[u]) for u, relation in point.relations)
-        for point in points(profile)
-    ]
+    # per phase: the units whose held bytes are alive there, and those whose choice changes its transient ("held": none)
+    terms = _once(profile, "point terms", lambda: [(p.base_bytes, tuple(u for u, r in p.relations if r in HOLDING),
+                                                    tuple((u, r) for u, r in p.relations if r != "held")) for p in points(profile)])
+    live = [base_bytes + sum(held[u] for u in holding) + sum(transient_delta(profile.units[u], r, chosen[u]) for u, r in changing)
+            for base_bytes, holding, changing in terms]
     windows = unit_windows(profile)
-    for tensor in shared_tensors(profile):
+    for tensor, phases in _once(profile, "alive", lambda: [(t, alive_regardless(t, windows)) for t in shared_tensors(profile)]):
         kept, kept_base = kept_flags(profile, tensor, chosen), kept_flags(profile, tensor, base)
-        for index, last in alive_regardless(tensor, windows).items():
+        for index, last in phases.items():
             live[index] += tensor.bytes * (kept_base[last] - kept[last])
     for candidate, choice in chosen_segments(profile, choices):
         for index, nbytes in segment_terms(profile, candidate, choice).phase_bytes.items():
@@ -257,8 +282,8 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], mesh: Mesh = M
     ones, transient includes FSDP's communication buffers.
     """
     # FSDP's terms once: the per-rank constants and the breakdown at the peak both come from them
-    terms = rank_terms(profile, mesh) if mesh.shards > 1 else None
-    offsets = rank_offsets(profile, mesh, terms)
+    terms = _once(profile, ("rank terms", mesh), lambda: rank_terms(profile, mesh)) if mesh.shards > 1 else None
+    offsets = _once(profile, ("rank offsets", mesh), lambda: rank_offsets(profile, mesh, terms))
     live = [single + offset for single, offset in zip(live_bytes(profile, choices), offsets)]
     index = max(range(len(live)), key=live.__getitem__)
     phase = profile.timeline.phases[index]
