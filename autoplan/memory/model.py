@@ -205,7 +205,7 @@ def held_changes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
     chosen = _choices_list(profile, choices)
     base = [unit.base for unit in profile.units]
     tensors = shared_tensors(profile)
-    extra, base_extra = shared_bytes(profile, chosen, tensors), shared_bytes(profile, base, tensors)
+    extra, base_extra = shared_bytes(profile, chosen, tensors), _once(profile, "base shared", lambda: shared_bytes(profile, base, tensors))
     return [_delta_held(profile, u, c) + e - b for u, (c, e, b) in enumerate(zip(chosen, extra, base_extra))]
 
 
@@ -256,9 +256,9 @@ def live_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[int]:
                                                     tuple((u, r) for u, r in p.relations if r != "held")) for p in points(profile)])
     live = [base_bytes + sum(held[u] for u in holding) + sum(transient_delta(profile.units[u], r, chosen[u]) for u, r in changing)
             for base_bytes, holding, changing in terms]
-    windows = unit_windows(profile)
-    for tensor, phases in _once(profile, "alive", lambda: [(t, alive_regardless(t, windows)) for t in shared_tensors(profile)]):
-        kept, kept_base = kept_flags(profile, tensor, chosen), kept_flags(profile, tensor, base)
+    for tensor, phases, kept_base in _once(profile, "alive", lambda: [  # with who keeps each at the base choices
+            (t, alive_regardless(t, unit_windows(profile)), kept_flags(profile, t, base)) for t in shared_tensors(profile)]):
+        kept = kept_flags(profile, tensor, chosen)
         for index, last in phases.items():
             live[index] += tensor.bytes * (kept_base[last] - kept[last])
     for candidate, choice in chosen_segments(profile, choices):

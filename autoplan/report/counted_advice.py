@@ -14,7 +14,7 @@ from autoplan.axes.precision import kind
 from autoplan.inputs.devices import Device
 from autoplan.plan import Plan
 from autoplan.report.batch_steps import ACTIVATION_SIDE, Advice, Step
-from autoplan.report.optimizer_advice import StateParts, eight_bit_step, qlora_step
+from autoplan.report.optimizer_advice import eight_bit_step, qlora_step
 from autoplan.vocabulary.formatting import format_bytes, rank_noun
 
 _NO_HELP = "no help here: the states alone are over the budget, not the activations (counted; no step was simulated)"
@@ -25,8 +25,7 @@ _TITLES = {"tf32": "TF32 matmuls", "sdpa": "fused attention (SDPA / FlashAttenti
 
 def counted_advice(plan: Plan, device: Device, *, parameter_count: int | None = None) -> Advice:
     """The escalation advice of a counted plan, in `report.advice.advise`'s order and keys."""
-    b = plan.prediction.breakdown
-    states = StateParts(b.parameters, b.gradients, b.optimizer)
+    states = plan.prediction.breakdown  # the counted parameters, gradients and optimizer state (solve.states_bound)
     low = plan.target.low_precision
     activation_side = [Step(low, kind(low).words, "n/a", _NO_HELP)]
     activation_side += [Step(key, _TITLES[key], "n/a", _NO_HELP) for key in ACTIVATION_SIDE if key in _TITLES]

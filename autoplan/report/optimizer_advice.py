@@ -7,7 +7,7 @@ that does not apply to this model or optimizer says why rather than offering a f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 from autoplan.inputs.devices import Device
 from autoplan.inputs.hf_models import loader_class
@@ -54,18 +54,21 @@ def eight_bit_step_change_s(numels: list[int], bandwidth: float) -> float:
 
 def optimizer_state_steps(plan: Plan, profile: Profile, parameter_count: int | None) -> list[Step]:
     static = profile.timeline.static
-    states = StateParts(static.parameters, static.gradients, static.optimizer)
-    return [eight_bit_step(profile.optimizer, states.optimizer, profile.device),
-            qlora_step(plan, states, parameter_count)]
+    return [eight_bit_step(profile.optimizer, static.optimizer, profile.device), qlora_step(plan, static, parameter_count)]
 
 
-@dataclass(frozen=True)
-class StateParts:
-    """The bytes every step holds whatever the units choose: the simulated step's, or counted (`profile.states`)."""
+class StateParts(Protocol):
+    """The bytes every step holds whatever the units choose: the simulated step's `StaticBytes`, or a counted plan's
+    breakdown (`solve.states_bound`)."""
 
-    parameters: int
-    gradients: int
-    optimizer: int
+    @property
+    def parameters(self) -> int: ...
+
+    @property
+    def gradients(self) -> int: ...
+
+    @property
+    def optimizer(self) -> int: ...
 
 
 def eight_bit_step(optimizer: str, state: int, device: Device) -> Step:
