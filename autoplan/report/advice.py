@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autoplan.errors import OptionTypeError
+from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.model import phase_bytes, predict_peak, predict_step_time, sharded_peak
 from autoplan.axes.precision import kind
@@ -238,6 +239,7 @@ def advise(
     parameter_count: int | None = None,
     replan: Callable[[int, TrainingLoop], Plan] | None = None,
     ladder: Any = None,
+    device: Device | None = None,
 ) -> Advice:
     """Escalation advice for `plan` (from `profile`), each step with what it saves and costs here.
 
@@ -246,13 +248,14 @@ def advise(
     (default: from the gradients' bytes, assuming fp32). replan(micro_batch, loop) -> Plan: plan again at a
     smaller batch in the planned loop with that many more micro-batches per optimizer step, to verify the
     gradient-accumulation estimate (skipped when None). ladder: the planned toolbox ladder
-    (`report.ladder.plan_ladder`); its rungs replace the estimates of the steps it planned (SDPA, QLoRA).
+    (`report.ladder.plan_ladder`); its rungs replace the estimates of the steps it planned (SDPA, QLoRA). device: the
+    device of a plan decided by counting (profile None), for a custom one (default: the profile named by the plan).
     """
     if isinstance(plan, Plan) and plan.outcome.counted_only:  # solve.states_bound: no profile was made
         from autoplan.inputs.devices import get_device
         from autoplan.report.counted_advice import counted_advice  # it builds on this module
 
-        return counted_advice(plan, get_device(plan.target.device), parameter_count=parameter_count)
+        return counted_advice(plan, device or get_device(plan.target.device), parameter_count=parameter_count)
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise OptionTypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
     plan = allocator_view(plan)

@@ -92,3 +92,11 @@ def test_a_counted_plan_is_advised_from_counts_and_cannot_be_applied() -> None:
     with pytest.raises(OptionError, match="no choices to apply"):
         autoplan.apply(model, counted)
     json.dumps(advice.to_dict())  # the CLI's --json writes it
+
+
+def test_a_counted_plan_for_a_custom_device_is_advised_with_that_device() -> None:
+    custom = autoplan.inputs.devices.get_device("custom:memory=16GB,fp32_tflops=10,bandwidth=500GB")
+    model, inputs = make_residual_mlp()
+    counted = autoplan.plan(model, 10_000, example_inputs=inputs, device=custom, reserve=0)
+    assert counted.outcome.decided_by == "state count"
+    assert advise(counted, None, device=custom).step("optimizer_8bit").status == "try"
