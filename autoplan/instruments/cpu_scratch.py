@@ -39,6 +39,9 @@ SCRATCH_OPS = frozenset({
     "aten::logsumexp", "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward",
     "bitsandbytes::optimizer_update_32bit", "bitsandbytes::optimizer_update_8bit_blockwise",
     "bitsandbytes::gemm_4bit",  # dequantizes, then a matmul whose CPU kernel may pack its operands (AVX512-BF16: 4× the weight)
+    # reduced losses that make the elementwise loss first, then reduce it into a scalar of their own (mse_loss,
+    # smooth_l1_loss and binary_cross_entropy keep theirs in the loss: instruments.loss_storage)
+    "aten::huber_loss", "aten::binary_cross_entropy_with_logits",
 })
 
 

@@ -25,6 +25,7 @@ from autoplan.instruments.cpu_scratch import scratch_bytes
 from autoplan.instruments.cuda_matmul import operand_copy_bytes
 from autoplan.instruments.flop_formulas import autoplan_flop_formulas
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
+from autoplan.instruments.loss_storage import as_the_cpu_kernel_returns
 from autoplan.instruments.quantized import hidden_temporary_bytes, is_quantized_matmul, load_bitsandbytes_backends
 from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
 
@@ -124,6 +125,8 @@ class LiveBytesTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         self._settle()
         out = func(*args, **kwargs)
+        if self.cpu_kernels:
+            out = as_the_cpu_kernel_returns(func, args, kwargs, out)
         inputs = tensors_of((args, kwargs))
         outputs = tensors_of(out)
         input_storages = {id(t.untyped_storage()) for t in inputs}
