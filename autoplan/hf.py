@@ -52,11 +52,13 @@ from autoplan.inputs.hf_trl import (
     is_sft_config,
     sft_batch,
 )
+from autoplan.frameworks import host_batches_ahead
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Plan
 from autoplan.report import trainer as trainer_report
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.vocabulary.signatures import accepts_argument
+from autoplan.vocabulary.tensors import ALLOCATION_GRANULE
 
 
 def __getattr__(name: str) -> Any:
@@ -75,6 +77,7 @@ __all__ = [
 
 # transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name is an alias)
 CHECKPOINTING_ARGUMENTS = ("activation_checkpointing", "gradient_checkpointing")
+TRAINER_SCALARS = 4  # the Trainer's device scalars beside the model: _tr_loss, num_items_in_batch, grad_norm, and the last micro-batch's loss (tr_loss_step, reassigned only after the next backward)
 SCANNED_EXAMPLES = 1024  # the dataset's first examples searched for the longest ones
 
 
@@ -197,9 +200,7 @@ def optimize_for_trainer(
 
     def plan_micro_batch(size: int) -> tuple[Plan, TrainingLoop]:
         inputs = batches.make(size)
-        loop = TrainingLoop(keep_outputs=False, accumulation_steps=accumulation * batch_size // size,
-                            optimizer_impl=counted.implementation, grad_scaler=precision == "fp16",
-                            loss_in_model=True if "labels" in inputs else None)
+        loop = trainer_loop(accumulation * batch_size // size, counted.implementation, precision, "labels" in inputs, device)
         decided = api.plan(model, budget, example_inputs=inputs, device=device, optimizer=counted.optimizer,
                        precision=precision, reserve=reserve, units=units, loop=loop, progress=progress)
         return decided, loop
@@ -219,6 +220,16 @@ def optimize_for_trainer(
     changes = _changes(args, decided, whole, micro)
     training_args = dataclasses.replace(args, **{change.name: change.after for change in changes}) if changes else args
     return TrainerPlan(decided, changes, training_args, loop, micro, tuple(notes), batches.make(micro))
+
+
+def trainer_loop(micro_batches: int, optimizer_impl: str, precision: str, labelled: bool, device: Any = None) -> TrainingLoop:
+    """The Trainer's training step as a TrainingLoop: the loss from the model's labels, its outputs dropped, every
+    micro-batch of an optimizer step fetched before its first forward (get_batch_samples), and the Trainer's device
+    scalars (TRAINER_SCALARS) beside the model. accelerate's data loader reads one batch ahead on the host: on a CPU
+    target that is the device's memory too."""
+    return TrainingLoop(keep_outputs=False, accumulation_steps=micro_batches, optimizer_impl=optimizer_impl,
+                        grad_scaler=precision == "fp16", loss_in_model=True if labelled else None, fetches_whole_step=True,
+                        batches_ahead=host_batches_ahead(device), kept_on_device_bytes=TRAINER_SCALARS * ALLOCATION_GRANULE)
 
 
 @dataclass(frozen=True)

@@ -149,10 +149,12 @@ class MemoryBreakdown:
     activations: int  # tensors saved for backward and live inputs/outputs at the start of that phase
     transient: int  # what the running op sequence allocates on top, up to the peak
     workspaces: int = 0  # what cuBLAS holds on a CUDA target from the first matmul on
+    loop_held: int = 0  # what the loop keeps on the device beside the model: more micro-batches, frozen modules, tensors
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.transient + self.workspaces
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.transient + self.workspaces
+                + self.loop_held)
 
 
 @dataclass(frozen=True)

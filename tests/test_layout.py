@@ -37,7 +37,7 @@ LAYERS = (
     ("report",),
     ("planner",),  # the stages run in order: profile once, solve per budget
     ("api",),
-    ("hf",),
+    ("hf", "frameworks"),  # the frameworks' loops: transformers' Trainer and trl (hf), accelerate and Lightning
     ("cli",),
     ("__init__", "__main__"),  # the package root re-exports the public names; `python -m autoplan` runs the command line
 )

@@ -42,7 +42,27 @@ ACCUMULATION_STEPS = Flag(("--accumulation-steps",), "Micro-batches per optimize
 OPTIMIZER_IMPL = Flag(("--optimizer-impl",), "The optimizer's implementation: auto (torch's default for the device), foreach, "
                       "fused, for-loop.", "`foreach`, `fused` or `for-loop`: the optimizer implementation whose temporaries are "
                       "counted; default torch's for the device", ("auto", "foreach", "fused", "for-loop"))
-LOOP = {"drop_outputs": (DROP_OUTPUTS, False), "accumulation_steps": (ACCUMULATION_STEPS, 1), "optimizer_impl": (OPTIMIZER_IMPL, "auto")}
+ZERO_GRAD_BEFORE_BACKWARD = Flag(("--zero-grad-before-backward",), "zero_grad runs between the forward and backward "
+                                 "(Lightning's automatic optimization), not after optimizer.step().", "the loop zeroes the "
+                                 "gradients between the forward and backward, as Lightning does: the last step's gradients are "
+                                 "alive through the forward ([loops.md](loops.md))", bool)
+FETCHES_WHOLE_STEP = Flag(("--fetches-whole-step",), "Every micro-batch of an optimizer step is on the device before its "
+                          "first forward (the Trainer's get_batch_samples).", "every micro-batch of an optimizer step is on "
+                          "the device before its first forward, as the transformers Trainer fetches them", bool)
+BATCHES_AHEAD = Flag(("--batches-ahead",), "Batches fetched ahead of the one training (nanoGPT's prefetch: 1).", "batches on "
+                     "the device ahead of the one training (nanoGPT fetches the next one during the step: 1); default 0", int,
+                     metavar="N", minimum=0)
+KEPT_ON_DEVICE = Flag(("--kept-on-device",), "Memory the loop keeps on the device beside the model: frozen encoders, an EMA "
+                      "copy, latents (e.g. 1.2GB).", "memory the loop keeps on the device beside the model and its batch "
+                      "(frozen encoders, an EMA copy, latents and noise), e.g. `1.2GB`; in Python "
+                      "`TrainingLoop().keeping(vae, text_encoder, ema)` counts it", metavar="SIZE", unset=True)
+OUTER_AUTOCAST = Flag(("--outer-autocast",), "The loop runs the forward and the loss under its own torch.autocast in this "
+                      "precision (bf16 or fp16); every unit then runs in it.", "`bf16` or `fp16`: the loop's own `with "
+                      "torch.autocast(...)` around the forward and the loss (the PyTorch AMP recipe); every unit runs in it",
+                      ("bf16", "fp16"), unset=True)
+LOOP = {"drop_outputs": (DROP_OUTPUTS, False), "accumulation_steps": (ACCUMULATION_STEPS, 1), "optimizer_impl": (OPTIMIZER_IMPL, "auto"),
+        "zero_grad_before_backward": (ZERO_GRAD_BEFORE_BACKWARD, False), "fetches_whole_step": (FETCHES_WHOLE_STEP, False),
+        "batches_ahead": (BATCHES_AHEAD, 0), "kept_on_device": (KEPT_ON_DEVICE, None), "outer_autocast": (OUTER_AUTOCAST, None)}
 
 # what the commands write and say
 JSON = Flag(("--json",), "Write the plan and advice as JSON to this file (- for stdout; the report then goes to stderr).",
@@ -99,9 +119,24 @@ class CommandLine:
         if self.given.get("world_size") is not None:
             options["world_size"] = parse_world_size(self.given["world_size"])
         options["units"] = split_units(options.get("units"))
+        kept = 0 if self.kept_on_device is None else read_kept_bytes(self.kept_on_device)
         options["loop"] = TrainingLoop(keep_outputs=not self.drop_outputs, accumulation_steps=self.accumulation_steps,
-                                       optimizer_impl=self.optimizer_impl)
+                                       optimizer_impl=self.optimizer_impl, zero_grad_before_backward=self.zero_grad_before_backward,
+                                       fetches_whole_step=self.fetches_whole_step, batches_ahead=self.batches_ahead,
+                                       kept_on_device_bytes=kept, outer_autocast=self.outer_autocast)
         return options
+
+
+def read_kept_bytes(text: str) -> int:
+    """--kept-on-device's size in bytes ("0" is nothing), or exit 2 saying what it takes."""
+    from autoplan.inputs.budget import parse_bytes
+
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise CliError(ExitCode.USAGE, f"--kept-on-device takes a size such as 1.2GB or 800MiB: {error}") from None
 
 
 def with_flags(command: str, own: dict[str, tuple[Flag, Any]]) -> Callable[[Callable[..., None]], Callable[..., None]]:

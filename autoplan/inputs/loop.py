@@ -26,7 +26,20 @@ What each field changes in memory (docs/loops.md has the measurements):
 - grad_scaler: the scaled loss, the scale and the unscale before the step (a few scalars).
 - loss_in_model: True, the loss is the output's `.loss` (an error if there is none); False, it is
   `loss_fn(output)` (default: the sum of the floating-point outputs); None, the output's `.loss`
-  when there is one, else `loss_fn`.
+  when there is one (or the one scalar of a tuple output, nanoGPT's `(logits, loss)`), else `loss_fn`.
+- zero_grad_before_backward: `zero_grad` runs between the forward and backward (Lightning's
+  automatic optimization), not after `optimizer.step()`: the last step's gradients are alive through
+  the forward and the loss, and freed only as backward begins.
+- fetches_whole_step: every micro-batch of an optimizer step is on the device before its first
+  forward (the Trainer's `get_batch_samples`), not one at a time.
+- batches_ahead N: N more batches fetched ahead of the one training (nanoGPT fetches the next batch
+  while the current one trains: 1).
+- kept_on_device_bytes: what the loop keeps on the device beside the model and its batch: frozen
+  encoders (a diffusion loop's VAE and text encoder), an EMA copy, latents and noise.
+  `TrainingLoop().keeping(vae, text_encoder, ema)` counts modules and tensors for it.
+- outer_autocast "bf16"/"fp16": the loop's own `with torch.autocast(...)` around the forward and the
+  loss (the recipe of the PyTorch AMP docs). Every unit then runs in that precision (the plan's
+  precision is it), and the loss is computed under autocast too (a cross-entropy in fp32).
 """
 
 from __future__ import annotations
@@ -36,8 +49,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from autoplan.errors import OptionError, OptionTypeError
+from autoplan.vocabulary.formatting import format_bytes
 
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "foreach", "fused", "for-loop")
+OUTER_AUTOCASTS = (None, "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -48,22 +63,45 @@ class TrainingLoop:
     optimizer_impl: str = "auto"  # "auto" (torch's default for the device), "foreach", "fused", "for-loop"
     grad_scaler: bool = False  # fp16 autocast with torch.amp.GradScaler
     loss_in_model: bool | None = None  # the model computes the loss from labels (None: infer from the batch)
+    zero_grad_before_backward: bool = False  # Lightning: zero_grad between forward and backward, not after the step
+    fetches_whole_step: bool = False  # the Trainer: all of a step's micro-batches on the device before its first forward
+    batches_ahead: int = 0  # batches fetched ahead of the one training (nanoGPT's prefetch: 1)
+    kept_on_device_bytes: int = 0  # the loop's own device memory beside the model: frozen encoders, EMA copy, latents
+    outer_autocast: str | None = None  # "bf16"/"fp16": the loop's own autocast around the forward and the loss
 
     def __post_init__(self) -> None:
-        if not isinstance(self.accumulation_steps, int) or isinstance(self.accumulation_steps, bool) or self.accumulation_steps < 1:
-            raise OptionError(f"accumulation_steps must be a whole number, at least 1; got {self.accumulation_steps!r}")
+        for name, least in (("accumulation_steps", 1), ("batches_ahead", 0), ("kept_on_device_bytes", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise OptionError(f"{name} must be a whole number, at least {least}; got {value!r}")
         if self.optimizer_impl not in OPTIMIZER_IMPLEMENTATIONS:
             raise OptionError(f"optimizer_impl must be one of {OPTIMIZER_IMPLEMENTATIONS}; got {self.optimizer_impl!r}")
-        for name in ("keep_outputs", "zero_grad_set_to_none", "grad_scaler"):
+        for name in ("keep_outputs", "zero_grad_set_to_none", "grad_scaler", "zero_grad_before_backward", "fetches_whole_step"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.outer_autocast not in OUTER_AUTOCASTS:
+            raise OptionError(f"outer_autocast must be one of {OUTER_AUTOCASTS}; got {self.outer_autocast!r}")
         if not (self.loss_in_model is None or isinstance(self.loss_in_model, bool)):
             raise OptionError(f"loss_in_model must be True, False or None; got {self.loss_in_model!r}")
 
     @property
     def gradients_alive_in_forward(self) -> bool:
         """Whether the steady-state forward runs with every gradient already allocated."""
-        return self.accumulation_steps > 1 or not self.zero_grad_set_to_none
+        return self.accumulation_steps > 1 or not self.zero_grad_set_to_none or self.zero_grad_before_backward
+
+    @property
+    def batches_on_device(self) -> int:
+        """Micro-batches on the device through the step: the one training, and those fetched ahead."""
+        return (self.accumulation_steps if self.fetches_whole_step else 1) + self.batches_ahead
+
+    def zeroes_before_backward(self, first_micro_batch: bool) -> bool:
+        """Whether zero_grad runs before this micro-batch's backward: Lightning zeroes at the first of a step's micro-batches."""
+        return self.zero_grad_before_backward and first_micro_batch
+
+    def keeping(self, *held: object) -> TrainingLoop:
+        """This loop, also keeping `held` on the device through the step: modules (their parameters and buffers), tensors,
+        and lists, tuples and dicts of them, each storage once, rounded up as the CUDA caching allocator rounds (512 B)."""
+        return dataclasses.replace(self, kept_on_device_bytes=self.kept_on_device_bytes + device_bytes(*held))
 
     def accumulating(self, micro_batches: int) -> TrainingLoop:
         """This loop with each batch split into `micro_batches` micro-batches (gradient accumulation)."""
@@ -88,7 +126,39 @@ class TrainingLoop:
             parts.append("GradScaler")
         if self.loss_in_model is not None:
             parts.append("loss from the model's labels" if self.loss_in_model else "loss computed outside the model")
+        if self.zero_grad_before_backward:
+            parts.append("zero_grad before backward (last step's gradients alive through the forward)")
+        if self.batches_on_device > 1:
+            ahead = "every micro-batch of the step fetched before its forward" if self.fetches_whole_step else "fetched ahead"
+            parts.append(f"{self.batches_on_device} micro-batches on the device ({ahead})")
+        if self.kept_on_device_bytes:
+            parts.append(f"{format_bytes(self.kept_on_device_bytes)} kept on the device beside the model")
+        if self.outer_autocast:
+            parts.append(f"forward and loss under the loop's autocast ({self.outer_autocast})")
         return ", ".join(parts)
+
+
+def device_bytes(*held: object) -> int:
+    """Bytes that modules (parameters and buffers) and tensors hold, each storage once, rounded up to 512 B blocks."""
+    import torch  # here: the loop's fields are read before torch is loaded (the command line's checks)
+
+    from autoplan.vocabulary.tensors import unique_storage_bytes
+
+    tensors: list = []
+    pending = list(held)
+    while pending:
+        thing = pending.pop()
+        if isinstance(thing, torch.nn.Module):
+            tensors.extend(thing.parameters())
+            tensors.extend(thing.buffers())
+        elif isinstance(thing, torch.Tensor):
+            tensors.append(thing)
+        elif isinstance(thing, (list, tuple, dict)):  # an EMA's shadow_params, a batch
+            pending.extend(thing.values() if isinstance(thing, dict) else thing)
+        else:
+            raise OptionTypeError(f"keeping() counts modules and tensors (and lists, tuples and dicts of them); "
+                                  f"got {type(thing).__name__}")
+    return unique_storage_bytes(tensors)
 
 
 def check_loop(loop: object) -> TrainingLoop:

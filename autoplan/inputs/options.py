@@ -199,10 +199,14 @@ class PlanOptions:
     menu_size: int = _option(DEFAULT_MENU_SIZE, "per unit and precision, up to this many selective policies of its own (which op outputs "
                              "to save, `autoplan.profile.menu`) on top of keep/selective/full; 0: the three only.", recorded=False)
     loop: TrainingLoop | None = _option(None, "the training loop the peak is for, `autoplan.TrainingLoop(...)`: outputs kept or dropped, "
-                                        "accumulation steps, `zero_grad(set_to_none)`, optimizer implementation, GradScaler "
-                                        "([loops.md](loops.md)). Default: outputs kept through backward, one micro-batch, "
-                                        "`set_to_none=True`, torch's default implementation (on the command line: `--drop-outputs`, "
-                                        "`--accumulation-steps`, `--optimizer-impl`).")
+                                        "accumulation steps, `zero_grad(set_to_none)` and where it runs (Lightning: before backward), "
+                                        "optimizer implementation, GradScaler, micro-batches fetched ahead, what the loop keeps on the "
+                                        "device (`TrainingLoop().keeping(vae, ema)`), the loop's own autocast "
+                                        "([loops.md](loops.md); `autoplan.frameworks` reads accelerate's and Lightning's). Default: "
+                                        "outputs kept through backward, one micro-batch, `set_to_none=True`, torch's default "
+                                        "implementation (on the command line: `--drop-outputs`, `--accumulation-steps`, "
+                                        "`--optimizer-impl`, `--zero-grad-before-backward`, `--fetches-whole-step`, `--batches-ahead`, "
+                                        "`--kept-on-device`, `--outer-autocast`).")
     allow_over_device: bool = _option(False, "plan for a budget above the device's memory (default False: a `ValueError`).", Flag(
         ("--allow-over-device",), "Plan for a budget above the device's memory (an error otherwise); the report says it fits the "
         "budget, not the device.", "plan for a budget above the device's memory (exit 2 otherwise); the report notes it fits the "

@@ -129,11 +129,20 @@ def check_optimizer(optimizer: Any) -> None:
         raise OptionError(f"optimizer (--optimizer on the command line): {error}") from None
 
 
+def loop_precision(options: PlanOptions) -> str:
+    """The precision setting: the loop's own autocast decides it where the loop has one (every unit runs in it)."""
+    outer = check_loop(options.loop).outer_autocast
+    if outer is None or options.precision in ("auto", outer):
+        return outer or options.precision
+    raise OptionError(f"precision={options.precision!r} and a loop under its own autocast ({outer}): every unit runs in "
+                      f"{outer} there; pass precision={outer!r} or 'auto', or plan the loop without its autocast")
+
+
 def search_space(options: PlanOptions, device: Device) -> SearchSpace:
     """The checked search space; segments, the fused head and offload off where they cannot apply."""
     compile = flag("compile", options.compile)
     return SearchSpace(
-        precision=check_setting(options.precision, device),  # a precision this device runs
+        precision=check_setting(loop_precision(options), device),  # a precision this device runs
         keep_fp32=options.keep_fp32,
         checkpoint=options.checkpoint,
         menu_size=check_menu_size(options.menu_size),

@@ -290,14 +290,14 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], mesh: Mesh = M
     held = held_changes(profile, choices)
     start = phase.start_bytes + sum(held[u] for u, relation in points(profile)[index].relations if relation in HOLDING)
     static = profile.timeline.static
-    activations = start - static.parameters - static.optimizer - phase.grad_bytes - static.workspaces
+    activations = start - static.parameters - static.optimizer - phase.grad_bytes - static.workspaces - static.loop_held
     breakdown = MemoryBreakdown(
         parameters=static.parameters,
         gradients=phase.grad_bytes,
         optimizer=static.optimizer,
         activations=activations,
         transient=live[index] - offsets[index] - start,  # one GPU's transient
-        workspaces=static.workspaces,
+        workspaces=static.workspaces, loop_held=static.loop_held,
     )
     if terms is None:  # one GPU
         return PeakPrediction(live[index], phase.phase, breakdown)
@@ -308,9 +308,10 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], mesh: Mesh = M
         parameters=rank.parameters + rank.gathered_parameters,
         gradients=rank.gradients,
         optimizer=rank.optimizer,
-        activations=rank.activations - transient - static.workspaces,
+        activations=rank.activations - transient - static.workspaces - static.loop_held,
         transient=rank.communication_buffers + transient,
         workspaces=static.workspaces,  # each rank's own, not sharded
+        loop_held=static.loop_held,  # each rank's loop holds its own
     )
     return PeakPrediction(live[index], phase.phase, sharded, rank)
 
@@ -396,4 +397,4 @@ def sharded_peak(profile: Profile, choices: Mapping[str, Choice], mesh: Mesh) ->
     if prediction.rank is not None:
         return prediction.rank
     b = prediction.breakdown
-    return ShardedPeak(1, prediction.phase, b.parameters, b.gradients, b.optimizer, 0, 0, b.activations + b.transient + b.workspaces)
+    return ShardedPeak(1, prediction.phase, b.parameters, b.gradients, b.optimizer, 0, 0, b.total - b.parameters - b.gradients - b.optimizer)

@@ -93,4 +93,7 @@ def base_timelines(
         timeline, alternative = (timeline, written) if holds_less(timeline, written) else (written, timeline)
     if rest_precision == "fp32":
         return BaseTimelines(timeline, written, alternative)
-    return BaseTimelines(timeline, simulate({unit: Choice("keep", "fp32") for unit in base}, "fp32", False), alternative)
+    # no plan: the model as written; under the loop's own autocast that runs its units in the loop's precision, with
+    # autocast's weight cache (a planned keep/fp32 unit would switch the autocast off for itself)
+    reference = {} if loop.outer_autocast else {unit: Choice("keep", "fp32") for unit in base}
+    return BaseTimelines(timeline, simulate(reference, "fp32", False), alternative)

@@ -69,6 +69,7 @@ class StaticBytes:
     optimizer: int  # optimizer state after a step
     inputs: int  # the example batch
     workspaces: int = 0  # what cuBLAS holds on a CUDA target from the first matmul on (instruments.cuda_workspaces)
+    loop_held: int = 0  # the loop's own device memory: micro-batches beyond the one planned, what it keeps (TrainingLoop)
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,8 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
             tracker.adopt(workspaces)
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = tensors_of((args, kwargs))
+            loop_held = _held_by_loop(loop, example_inputs, fake_mode)  # alive through the step, as the loop holds them
+            tracker.adopt(loop_held)
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
             opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind), device_kind=device.kind)
             runner = LoopRunner(model, opt, loop, loss_fn, scaler=FakeGradScaler() if loop.grad_scaler else None)
@@ -183,6 +186,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
                 optimizer=unique_storage_bytes(optimizer_state_tensors(opt)),
                 inputs=unique_storage_bytes(batch),
                 workspaces=unique_storage_bytes(workspaces),
+                loop_held=unique_storage_bytes(loop_held),
             )
             # what the loop's variables still hold when the next step's forward runs
             alive = tracker.live_bytes
@@ -202,6 +206,15 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
                         target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes,
                         allocation_log=log, loss_summed=any(summed))
     return timeline, frozenset(id(p) for p in trainable) - reached.ids
+
+
+def _held_by_loop(loop: TrainingLoop, example_inputs: tuple[tuple, dict], fake_mode: FakeTensorMode) -> list[torch.Tensor]:
+    """Fake tensors for what the loop holds on the device beside the model and the micro-batch planned: its other
+    micro-batches (`batches_on_device`) and what it keeps (`kept_on_device_bytes`, one block of that size)."""
+    held = [t for _ in range(loop.batches_on_device - 1) for t in tensors_of(fake_tree(example_inputs, fake_mode))]
+    if loop.kept_on_device_bytes:
+        held.append(torch.empty(loop.kept_on_device_bytes, dtype=torch.uint8))
+    return held
 
 
 class _GradientsReached:

@@ -57,7 +57,7 @@ def state_bound(plan: "Plan") -> StateBound | None:
         return StateBound(state, 0)
     if plan.prediction.peak_phase.kind == "step":
         state = b.parameters + b.gradients + b.optimizer
-        return StateBound(state, b.total - state - b.workspaces, b.workspaces)
+        return StateBound(state, b.total - state - b.workspaces - b.loop_held, b.workspaces)
     return None
 
 

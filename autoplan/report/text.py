@@ -111,10 +111,14 @@ def _verdict(plan: "Plan") -> Text:
                     f"{format_bytes(plan.prediction.minimum_peak_bytes)}, {over} by "
                     f"{format_bytes(plan.prediction.minimum_peak_bytes - plan.request.usable_bytes)}; it needs a "
                     f"{format_bytes(plan.prediction.minimum_budget_bytes)} budget", style="bold")
-    text.append(f"\nsimulated training step: {format_bytes(plan.prediction.simulated_peak_bytes)}; no plan (all keep/fp32): "
+    no_plan = "as written, under the loop's autocast" if getattr(plan.request.loop, "outer_autocast", None) else "all keep/fp32"
+    text.append(f"\nsimulated training step: {format_bytes(plan.prediction.simulated_peak_bytes)}; no plan ({no_plan}): "
                 f"{format_bytes(plan.prediction.baseline_peak_bytes)}")
     if plan.request.loop is not None:  # every peak above is for this loop (docs/loops.md)
         text.append(f"\ntraining loop: {plan.request.loop.describe(plan.request.optimizer)}")
+    for note in plan.notes:  # a CPU plan's precision changes the numerics: said here, by the headline (solve.assemble)
+        if note.startswith("precision: "):
+            text.append(f"\n{note}", style="bold yellow")
     if plan.decisions.fused_loss:  # the one change outside the units: say it, and how to turn it off
         text.append(f"\nloss: the output head's cross-entropy ({plan.decisions.fused_logits}) is fused, its gradients computed "
                     "chunk by chunk in the forward (fuse_loss=False, --loss-as-written, keeps it as written)")
@@ -138,6 +142,8 @@ def _breakdown(plan: "Plan") -> Table:
     ]
     if b.workspaces:
         rows.append(("cuBLAS workspaces", b.workspaces))
+    if b.loop_held:
+        rows.append(("held by the loop (micro-batches, kept modules)", b.loop_held))
     above = plan.prediction.peak_bytes - b.total
     if above > 0:
         rows.append(("simulated step above the memory model", above))
@@ -345,7 +351,7 @@ def report_renderables(
             parts.extend([Text(f"{fix.title}:", style="bold"), _code(fix.code)])
         if advice.ladder is not None:
             parts.extend(ladder_renderables(advice.ladder))
-    parts.extend(Text(f"note: {note}", style="italic") for note in plan.notes)
+    parts.extend(Text(f"note: {note}", style="italic") for note in plan.notes if not note.startswith("precision: "))
     return parts
 
 

@@ -117,7 +117,22 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, request: 
     low = target.low_precision_name
     if kind(low).grad_scaler and any(c.precision == low for c in found.choices.values()):
         notes.append(f"{low} units need torch.amp.GradScaler in the training loop")
-    return notes
+    return cpu_precision_notes(measured, found) + notes
+
+
+def cpu_precision_notes(measured: Profile, found: SearchResult) -> list[str]:
+    """On a CPU target, "auto" choosing a low precision changes the numerics of a model a person trains in fp32: said
+    first, with the option that keeps fp32."""
+    if measured.device.kind != "cpu":
+        return []
+    low = [name for name, choice in found.choices.items() if choice.precision != "fp32"]
+    offered_fp32 = any(choice.precision == "fp32" for unit in measured.units for choice in unit.options)
+    if not low or not offered_fp32:  # none chosen, or the person forced a low precision
+        return []
+    precision = found.choices[low[0]].precision
+    return [f"precision: {len(low)} of {len(found.choices)} units run in {precision} (autocast) on this CPU, chosen by "
+            f"precision='auto' for speed or memory: their numerics are {precision}'s, not fp32's; precision='fp32' "
+            "(--precision fp32) keeps fp32"]
 
 
 

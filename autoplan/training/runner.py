@@ -48,7 +48,7 @@ class LoopRunner:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loop: Any, loss_fn=None,
                  device_type: str = "cpu", *, scaler: Any = None, hooks: StepHooks | None = None) -> None:
-        self.model, self.optimizer, self.loop = model, optimizer, loop
+        self.model, self.optimizer, self.loop, self.device_type = model, optimizer, loop, device_type
         self.loss_of = loss_function(loss_fn, loop.loss_in_model)
         self.scaler = scaler if scaler is not None or not loop.grad_scaler else torch.amp.GradScaler(device_type)
         self.hooks = hooks or StepHooks()
@@ -57,15 +57,17 @@ class LoopRunner:
 
     def step(self, args: tuple, kwargs: dict, record_loss: Callable[[float], None] | None = None) -> None:
         """One optimizer step: every micro-batch's forward and backward, optimizer.step(), zero_grad."""
-        for _ in range(self.loop.accumulation_steps):
-            self.micro_batch(args, kwargs, record_loss)
+        for index in range(self.loop.accumulation_steps):
+            self.micro_batch(args, kwargs, record_loss, first=index == 0)
         self.optimizer_step()
 
-    def micro_batch(self, args: tuple, kwargs: dict, record_loss: Callable[[float], None] | None = None) -> None:
-        """One micro-batch: forward, the loss (divided by the micro-batches), backward."""
+    def micro_batch(self, args: tuple, kwargs: dict, record_loss: Callable[[float], None] | None = None, *,
+                    first: bool | None = None) -> None:
+        """One micro-batch: forward, the loss (divided by the micro-batches), backward. `first`: whether it is the first
+        of its optimizer step (default: only when the step has one), where a loop that zeroes before backward zeroes."""
         micro_batches = self.loop.accumulation_steps
         self.hooks.forward_started()
-        with self.hooks.forward_context():
+        with self.hooks.forward_context(), self._outer_autocast():
             if self.loop.keep_outputs:
                 self.outputs = output = self.model(*args, **kwargs)  # the previous outputs go only now
                 loss = real_scalar(self.loss_of(output))
@@ -79,8 +81,16 @@ class LoopRunner:
         del output, loss  # dropped outputs live on only where the loss saved them for backward
         if record_loss is not None:
             record_loss(float(self.loss.detach()))
+        if self.loop.zeroes_before_backward(self.loop.accumulation_steps == 1 if first is None else first):
+            self.optimizer.zero_grad(set_to_none=self.loop.zero_grad_set_to_none)  # Lightning's order: forward, zero_grad, backward
         self.hooks.backward_started()
         (self.scaler.scale(self.loss) if self.scaler is not None else self.loss).backward()
+
+    def _outer_autocast(self) -> ContextManager:
+        """The loop's own `with torch.autocast(...)` around the forward and the loss, where it has one."""
+        if self.loop.outer_autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[self.loop.outer_autocast])
 
     def optimizer_step(self) -> None:
         """optimizer.step() (through the scaler's unscale and update when there is one), then zero_grad."""
@@ -91,7 +101,8 @@ class LoopRunner:
         else:
             self.optimizer.step()
         self.hooks.zero_grad_started()
-        self.optimizer.zero_grad(set_to_none=self.loop.zero_grad_set_to_none)
+        if not self.loop.zero_grad_before_backward:
+            self.optimizer.zero_grad(set_to_none=self.loop.zero_grad_set_to_none)
 
     def close(self) -> None:
         """Drop what the loop holds (outputs, loss, gradients): the loop has ended."""

@@ -19,9 +19,16 @@ from autoplan.vocabulary.tensors import tensors_of
 
 
 def model_loss(output: Any) -> torch.Tensor | None:
-    """The loss the model computed itself (`.loss`, or `["loss"]`), None when it computed none."""
+    """The loss the model computed itself (`.loss`, or `["loss"]`, or the one scalar of a tuple such as nanoGPT's
+    `(logits, loss)`), None when it computed none."""
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    return loss if isinstance(loss, torch.Tensor) else None
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)):
+        scalars = [item for item in output if isinstance(item, torch.Tensor) and item.dim() == 0 and item.is_floating_point()]
+        # the loss only when it is the one scalar beside outputs that are not: two scalars could be a loss and a metric
+        return scalars[0] if len(scalars) == 1 and len(output) > 1 else None
+    return None
 
 
 # What to do about a loss that is not one real number, in the words of both ways to pass one.

@@ -57,7 +57,11 @@ ROOT = Path(__file__).resolve().parents[2]
 WALL_TIMES = ("solve_time_s",)  # the only fields a second run on the same machine may change
 # keys to_dict() gained after the fixture was recorded, with the value they would have had in every recorded plan: at
 # that value the digest leaves them out, so the recorded digests still hold (Outcome.decided_by: solve.states_bound)
-ADDED_SINCE = {"decided_by": "simulation"}
+# (a dotted key is one inside a nested object: TrainingLoop's and MemoryBreakdown's fields added for issue 37)
+ADDED_SINCE = {"decided_by": "simulation", "breakdown.loop_held": 0, "loop.zero_grad_before_backward": False,
+               "loop.fetches_whole_step": False, "loop.batches_ahead": 0, "loop.kept_on_device_bytes": 0,
+               "loop.outer_autocast": None}
+NOTES_ADDED_SINCE = ("precision: ",)  # notes added since the fixture (a CPU plan's bf16 units, solve.assemble): left out
 HOST_BUDGET = "1GB"  # given, not this machine's RAM: the fixture holds on any machine
 GPU = "a100-80gb"
 THREADS = 1  # as every test under pytest-xdist runs (tests/conftest.py)
@@ -82,8 +86,13 @@ def _comparable(plan: autoplan.Plan) -> dict[str, Any]:
     for key in WALL_TIMES:
         document.pop(key)
     for key, default in ADDED_SINCE.items():  # a key added since the fixture, at the value every recorded plan had
-        if document.get(key) == default:
-            document.pop(key)
+        *outer, name = key.split(".")
+        holder = document
+        for part in outer:
+            holder = holder.get(part) or {}
+        if isinstance(holder, dict) and name in holder and holder[name] == default:
+            holder.pop(name)
+    document["notes"] = [note for note in document["notes"] if not note.startswith(NOTES_ADDED_SINCE)]
     digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
     return {"digest": digest, "feasible": plan.feasible, "peaks": [document[key] for key in PEAKS],
             "step_time_s": document["predicted_step_time_s"], "world_size": document["world_size"],

@@ -199,10 +199,10 @@ def test_a_loop_shape_is_simulated_and_measured_by_the_same_runner(monkeypatch, 
     measured = autoplan.verify(model, plan, example_inputs=inputs).measured_peak_bytes
     micro_batch = LoopRunner.micro_batch
 
-    def holding_more(self, args, kwargs, record_loss=None):
+    def holding_more(self, args, kwargs, record_loss=None, **keywords):
         self.extra = None
         self.extra = torch.empty(2**18)  # alive through the step and into the next forward
-        micro_batch(self, args, kwargs, record_loss)
+        micro_batch(self, args, kwargs, record_loss, **keywords)
 
     monkeypatch.setattr(LoopRunner, "micro_batch", holding_more)
     holding = autoplan.plan(model, "1GB", example_inputs=inputs, device="cpu", precision="fp32", reserve=0, loop=loop)

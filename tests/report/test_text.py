@@ -159,3 +159,21 @@ def test_the_breakdowns_predicted_peak_row_is_the_headlines_number() -> None:
     assert f"predicted peak {headline} of" in report.splitlines()[0]
     assert _bytes_in_row(report, "= predicted peak") == headline
     assert _bytes_in_row(report, "simulated step above the memory model") == format_bytes(above)
+
+
+@pytest.mark.slow  # two plans of a transformers model
+def test_a_cpu_plan_that_chose_bf16_says_so_by_the_headline_and_how_to_keep_fp32() -> None:
+    pytest.importorskip("transformers")
+    from tests import families
+
+    family = families.BY_NAME["Llama"]
+    planner = autoplan.Planner(family.build(), batch_size=families.BATCH, seq_len=families.SEQ, device="cpu", reserve=0)
+    tight = planner.plan(planner.plan("1GB").prediction.minimum_peak_bytes + 1000)  # the floor needs bf16 units
+    low = [unit.name for unit in tight.decisions.units if unit.choice.precision == "bf16"]
+    assert low and tight.notes[0].startswith(f"precision: {len(low)} of ")
+    head = tight.report().split("memory at the peak")[0]
+    assert "numerics are bf16's, not fp32's; precision='fp32' (--precision fp32) keeps fp32" in head.replace("\n", " ")
+    assert "note: precision:" not in tight.report()  # said once, by the headline
+    forced = autoplan.Planner(family.build(), batch_size=families.BATCH, seq_len=families.SEQ, device="cpu",
+                              precision="bf16").plan("1GB")
+    assert not any(note.startswith("precision: ") for note in forced.notes)  # asked for: nothing to warn of
