@@ -5,17 +5,20 @@ mixed precision (fp16 brings a GradScaler; the precision to plan is `accelerate_
 batch its prepared data loader reads ahead. `lightning_loop(trainer)` is Lightning's automatic
 optimization: `training_step` (the outputs die with it, the loss is returned), then `zero_grad`,
 then backward, so the last step's gradients are alive through the forward; its accumulation is
-`trainer.accumulate_grad_batches`. (transformers' Trainer has its own: `autoplan.hf.optimize_for_trainer`.)
+`trainer.accumulate_grad_batches`; `lightning_callback(budget)` plans `pl_module.model` with that loop on the
+first batch, before its forward. (transformers' Trainer has its own: `autoplan.hf.optimize_for_trainer`.)
 
 Both frameworks' data loaders read the next batch while the current one trains (accelerate's
 `DataLoaderShard`, Lightning's prefetching fetcher), on the host: on a CPU target the host is the
-device, so it counts there (`host_batches_ahead`). Neither library is imported here: the objects
-are read by their attributes.
+device, so it counts there (`host_batches_ahead`). Neither library is imported here but by the callback: the
+objects are read by their attributes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from autoplan.errors import OptionTypeError
 from autoplan.inputs.devices import get_device
@@ -58,3 +61,32 @@ def lightning_loop(trainer: Any = None, *, device: Any = None) -> TrainingLoop:
         raise OptionTypeError(f"lightning_loop takes a lightning.Trainer (or None); got {type(trainer).__name__}")
     return TrainingLoop(keep_outputs=False, accumulation_steps=accumulation, zero_grad_before_backward=True,
                         batches_ahead=host_batches_ahead(device))
+
+
+def lightning_callback(budget: str | int, *, module: str = "model", inputs: Callable[[Any], Any] | None = None,
+                       **options: Any) -> Any:
+    """A Lightning `Callback` that plans `pl_module.<module>` for `budget` on the first training batch, before its
+    forward, in Lightning's loop (`lightning_loop(trainer)`), and applies the plan; `callback.plan` holds it.
+
+    inputs: what the module is called with, from the batch as Lightning hands it to `training_step` (default: the
+    batch itself, a dict as keyword arguments). options: `autoplan.plan`'s (device, precision, loss_fn, ...).
+    """
+    from lightning.pytorch.callbacks import Callback
+
+    from autoplan import api
+
+    class AutoplanCallback(Callback):
+        plan = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if self.plan is not None:
+                return
+            planned = getattr(pl_module, module, None)
+            if not isinstance(planned, torch.nn.Module):
+                raise OptionTypeError(f"lightning_callback plans pl_module.{module}, and {type(pl_module).__name__} has no "
+                                      f"module there: pass module= the attribute that holds the model training_step calls")
+            loop = lightning_loop(trainer, device=options.get("device"))
+            self.plan = api.plan(planned, budget, example_inputs=inputs(batch) if inputs else batch, loop=loop, **options)
+            api.apply(planned, self.plan)
+
+    return AutoplanCallback()
