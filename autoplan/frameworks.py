@@ -6,7 +6,8 @@ batch its prepared data loader reads ahead. `lightning_loop(trainer)` is Lightni
 optimization: `training_step` (the outputs die with it, the loss is returned), then `zero_grad`,
 then backward, so the last step's gradients are alive through the forward; its accumulation is
 `trainer.accumulate_grad_batches`; `lightning_callback(budget)` plans `pl_module.model` with that loop on the
-first batch, before its forward. (transformers' Trainer has its own: `autoplan.hf.optimize_for_trainer`.)
+first batch, before its forward. (transformers' Trainer has its own: `autoplan.hf.optimize_for_trainer`; a Trainer
+already built, such as trl's `SFTTrainer(model, peft_config=...)`, which makes its peft model itself: `optimize_trainer`.)
 
 Both frameworks' data loaders read the next batch while the current one trains (accelerate's
 `DataLoaderShard`, Lightning's prefetching fetcher), on the host: on a CPU target the host is the
@@ -16,20 +17,16 @@ objects are read by their attributes.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
 from autoplan.errors import OptionTypeError
-from autoplan.inputs.devices import get_device
+from autoplan.hf import CHECKPOINTING_ARGUMENTS, TrainerPlan, host_batches_ahead, optimize_for_trainer
 from autoplan.inputs.loop import TrainingLoop
 
 ACCELERATE_PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
-
-
-def host_batches_ahead(device: Any = None) -> int:
-    """Batches a data loader reads ahead on the host that the plan's device holds: 1 on a CPU target, else 0."""
-    return 1 if get_device(device).kind == "cpu" else 0
 
 
 def accelerate_loop(accelerator: Any, *, keep_outputs: bool = True, device: Any = None) -> TrainingLoop:
@@ -90,3 +87,35 @@ def lightning_callback(budget: str | int, *, module: str = "model", inputs: Call
             api.apply(planned, self.plan)
 
     return AutoplanCallback()
+
+
+def optimize_trainer(trainer: Any, budget: str | int, **options: Any) -> TrainerPlan:
+    """Plan a transformers Trainer (or trl's SFTTrainer) that is already built, rewrite `trainer.model` in place, and
+    give the trainer the changed arguments: for `SFTTrainer(model, peft_config=...)`, which makes its peft model (and
+    enables gradient checkpointing on it) itself. options: `optimize_for_trainer`'s (device, reserve, units, ...)."""
+    if not all(hasattr(trainer, name) for name in ("model", "args", "train_dataset")):
+        raise OptionTypeError(f"optimize_trainer takes a built transformers Trainer or trl SFTTrainer; got {type(trainer).__name__}")
+    with _accelerate_state_kept():
+        setup = optimize_for_trainer(trainer.model, trainer.args, budget, train_dataset=trainer.train_dataset,
+                                     data_collator=getattr(trainer, "data_collator", None), **options)
+    checkpointing_off = any(change.name in CHECKPOINTING_ARGUMENTS and not change.after for change in setup.changes)
+    if checkpointing_off and getattr(trainer.model, "is_gradient_checkpointing", False):
+        trainer.model.gradient_checkpointing_disable()  # the trainer turned it on when it was built; the plan decides now
+    for change in setup.changes:  # on the trainer's own arguments: a new TrainingArguments would reset accelerate's state
+        setattr(trainer.args, change.name, change.after)
+    return setup
+
+
+@contextlib.contextmanager
+def _accelerate_state_kept() -> Iterator[None]:
+    """accelerate's process-wide state as it was: the TrainingArguments optimize_for_trainer makes set up their devices,
+    which resets that state under the built trainer's Accelerator (its next prepare() fails without it)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    kept = [(state, dict(state._shared_state)) for state in (AcceleratorState, PartialState)]
+    try:
+        yield
+    finally:
+        for state, shared in kept:  # the same dict every instance reads (accelerate's shared-state pattern)
+            state._shared_state.clear()
+            state._shared_state.update(shared)

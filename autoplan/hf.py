@@ -52,7 +52,7 @@ from autoplan.inputs.hf_trl import (
     is_sft_config,
     sft_batch,
 )
-from autoplan.frameworks import host_batches_ahead
+from autoplan.inputs.devices import get_device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Plan
 from autoplan.report import trainer as trainer_report
@@ -230,6 +230,11 @@ def trainer_loop(micro_batches: int, optimizer_impl: str, precision: str, labell
     return TrainingLoop(keep_outputs=False, accumulation_steps=micro_batches, optimizer_impl=optimizer_impl,
                         grad_scaler=precision == "fp16", loss_in_model=True if labelled else None, fetches_whole_step=True,
                         batches_ahead=host_batches_ahead(device), kept_on_device_bytes=TRAINER_SCALARS * ALLOCATION_GRANULE)
+
+
+def host_batches_ahead(device: Any = None) -> int:
+    """Batches a data loader reads ahead on the host that the plan's device holds: 1 on a CPU target, else 0."""
+    return 1 if get_device(device).kind == "cpu" else 0
 
 
 @dataclass(frozen=True)

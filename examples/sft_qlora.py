@@ -60,6 +60,15 @@ def word_tokenizer(texts: list[str]):
 def qlora_llama(vocab_size: int, *, compute_dtype: torch.dtype = torch.bfloat16, layers: int = 4, width: int = 128):
     """A Llama with random weights loaded back 4-bit NF4 (double quantization), LoRA on every linear layer."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    model = quantized_llama(vocab_size, compute_dtype=compute_dtype, layers=layers, width=width)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # autoplan decides the checkpointing
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
+                                            task_type="CAUSAL_LM"))
+
+
+def quantized_llama(vocab_size: int, *, compute_dtype: torch.dtype = torch.bfloat16, layers: int = 4, width: int = 128):
+    """A Llama with random weights loaded back 4-bit NF4 (double quantization), no adapters."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width + width // 2,
@@ -70,10 +79,7 @@ def qlora_llama(vocab_size: int, *, compute_dtype: torch.dtype = torch.bfloat16,
         LlamaForCausalLM(config).save_pretrained(folder)
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                           bnb_4bit_compute_dtype=compute_dtype)
-        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # autoplan decides the checkpointing
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
-                                            task_type="CAUSAL_LM"))
+        return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, device_map="cpu")
 
 
 def sft_config(output_dir: str, steps: int, **changes):

@@ -106,3 +106,10 @@ def test_the_lightning_callback_names_a_missing_module():
     callback = lightning_callback("1GB", module="net")
     with pytest.raises(OptionTypeError, match="pl_module.net"):
         callback.on_train_batch_start(None, lightning.LightningModule(), {}, 0)
+
+
+def test_optimize_trainer_refuses_what_is_not_a_built_trainer():
+    from autoplan.frameworks import optimize_trainer
+
+    with pytest.raises(OptionTypeError, match="optimize_trainer takes a built transformers Trainer or trl SFTTrainer; got str"):
+        optimize_trainer("trainer", "1GB")

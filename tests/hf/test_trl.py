@@ -126,3 +126,36 @@ def test_sfttrainer_trains_the_planned_4bit_model_like_the_unplanned_one(tmp_pat
     # recomputation under bf16 autocast repeats the same ops on the same inputs: equal to the logged precision
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(unplanned), rtol=0, atol=1e-4)
     assert autoplan.planned_choices(trainer.model) == {}
+
+
+def sft_with_peft_config(tmp_path, plan: bool):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTTrainer
+
+    from autoplan.frameworks import optimize_trainer
+
+    texts = sft_qlora.sentences()
+    tokenizer = sft_qlora.word_tokenizer(texts)
+    base = sft_qlora.quantized_llama(len(tokenizer))
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=base, args=sft_qlora.sft_config(str(tmp_path), 3), train_dataset=Dataset.from_dict({"text": texts}),
+                         processing_class=tokenizer, peft_config=lora)
+    setup = verification = None
+    if plan:
+        probe = optimize_trainer(trainer, "1GB", device="cpu", reserve=0, apply=False)
+        roomy = probe.plan.prediction
+        setup = optimize_trainer(trainer, (roomy.minimum_peak_bytes + roomy.peak_bytes) // 2, device="cpu", reserve=0)
+        verification = autoplan.verify(trainer.model, setup.plan, example_inputs=setup.example_inputs)
+    trainer.train()
+    return setup, verification, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.slow  # two QLoRA runs of SFTTrainer
+def test_an_sfttrainer_that_made_its_peft_model_is_planned_after_it_is_built(tmp_path) -> None:
+    """SFTTrainer(model, peft_config=...) makes the peft model itself: optimize_trainer plans the trainer once built."""
+    _, _, expected = sft_with_peft_config(tmp_path / "unplanned", plan=False)
+    setup, verification, losses = sft_with_peft_config(tmp_path / "planned", plan=True)
+    assert any(unit.choice.checkpointed for unit in setup.plan.decisions.units)  # a real trade-off
+    assert verification.measured_peak_bytes == setup.plan.prediction.peak_bytes  # the trainer's step, exact
+    assert losses == pytest.approx(expected, abs=1e-4)
