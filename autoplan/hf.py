@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -77,7 +78,7 @@ __all__ = [
 
 # transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name is an alias)
 CHECKPOINTING_ARGUMENTS = ("activation_checkpointing", "gradient_checkpointing")
-TRAINER_SCALARS = 4  # the Trainer's device scalars beside the model: _tr_loss, num_items_in_batch, grad_norm, and the last micro-batch's loss (tr_loss_step, reassigned only after the next backward)
+TRAINER_SCALARS = 3  # the Trainer's device scalars beside the model: _tr_loss, grad_norm, and the last micro-batch's loss (tr_loss_step, reassigned only after the next backward); num_items_in_batch is in the planned batch
 SCANNED_EXAMPLES = 1024  # the dataset's first examples searched for the longest ones
 
 
@@ -199,7 +200,7 @@ def optimize_for_trainer(
     precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
 
     def plan_micro_batch(size: int) -> tuple[Plan, TrainingLoop]:
-        inputs = batches.make(size)
+        inputs = with_token_count(model, batches.make(size), accumulation * batch_size // size)
         loop = trainer_loop(accumulation * batch_size // size, counted.implementation, precision, "labels" in inputs, device)
         decided = api.plan(model, budget, example_inputs=inputs, device=device, optimizer=counted.optimizer,
                        precision=precision, reserve=reserve, units=units, loop=loop, progress=progress)
@@ -219,7 +220,8 @@ def optimize_for_trainer(
         api.apply(model, decided)
     changes = _changes(args, decided, whole, micro)
     training_args = dataclasses.replace(args, **{change.name: change.after for change in changes}) if changes else args
-    return TrainerPlan(decided, changes, training_args, loop, micro, tuple(notes), batches.make(micro))
+    example = with_token_count(model, batches.make(micro), loop.accumulation_steps)
+    return TrainerPlan(decided, changes, training_args, loop, micro, tuple(notes), example)
 
 
 def trainer_loop(micro_batches: int, optimizer_impl: str, precision: str, labelled: bool, device: Any = None) -> TrainingLoop:
@@ -230,6 +232,24 @@ def trainer_loop(micro_batches: int, optimizer_impl: str, precision: str, labell
     return TrainingLoop(keep_outputs=False, accumulation_steps=micro_batches, optimizer_impl=optimizer_impl,
                         grad_scaler=precision == "fp16", loss_in_model=True if labelled else None, fetches_whole_step=True,
                         batches_ahead=host_batches_ahead(device), kept_on_device_bytes=TRAINER_SCALARS * ALLOCATION_GRANULE)
+
+
+def with_token_count(model: torch.nn.Module, inputs: dict[str, Any], micro_batches: int) -> dict[str, Any]:
+    """The micro-batch as the Trainer calls the model: with `num_items_in_batch`, the step's count of predicted tokens,
+    where the model takes loss keywords (the loss is then a sum divided by it, which holds more than a mean)."""
+    labels = inputs.get("labels")
+    if not isinstance(labels, torch.Tensor) or not accepts_loss_keywords(model):
+        return inputs
+    return {**inputs, "num_items_in_batch": (labels[..., 1:] != -100).sum() * micro_batches}
+
+
+def accepts_loss_keywords(model: torch.nn.Module) -> bool:
+    """The Trainer's test (model_accepts_loss_kwargs): the model says so, or its forward takes **kwargs."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: what it wraps
+    said = getattr(inner, "accepts_loss_kwargs", None)
+    if said is not None:
+        return bool(said)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(inner.forward).parameters.values())
 
 
 def host_batches_ahead(device: Any = None) -> int:
