@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from autoplan.errors import OptionTypeError
-from autoplan.hf import CHECKPOINTING_ARGUMENTS, TrainerPlan, host_batches_ahead, optimize_for_trainer
+from autoplan.hf import CHECKPOINTING_ARGUMENTS, TrainerPlan, optimize_for_trainer
+from autoplan.inputs.hf_trainer import host_batches_ahead
 from autoplan.inputs.loop import TrainingLoop
 
 ACCELERATE_PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -53,13 +52,12 @@ from autoplan.inputs.hf_trl import (
     is_sft_config,
     sft_batch,
 )
-from autoplan.inputs.devices import get_device
+from autoplan.inputs.hf_trainer import trainer_loop, with_token_count
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Plan
 from autoplan.report import trainer as trainer_report
 from autoplan.vocabulary.formatting import format_bytes
 from autoplan.vocabulary.signatures import accepts_argument
-from autoplan.vocabulary.tensors import ALLOCATION_GRANULE
 
 
 def __getattr__(name: str) -> Any:
@@ -78,7 +76,6 @@ __all__ = [
 
 # transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name is an alias)
 CHECKPOINTING_ARGUMENTS = ("activation_checkpointing", "gradient_checkpointing")
-TRAINER_SCALARS = 3  # the Trainer's device scalars beside the model: _tr_loss, grad_norm, and the last micro-batch's loss (tr_loss_step, reassigned only after the next backward); num_items_in_batch is in the planned batch
 SCANNED_EXAMPLES = 1024  # the dataset's first examples searched for the longest ones
 
 
@@ -222,39 +219,6 @@ def optimize_for_trainer(
     training_args = dataclasses.replace(args, **{change.name: change.after for change in changes}) if changes else args
     example = with_token_count(model, batches.make(micro), loop.accumulation_steps)
     return TrainerPlan(decided, changes, training_args, loop, micro, tuple(notes), example)
-
-
-def trainer_loop(micro_batches: int, optimizer_impl: str, precision: str, labelled: bool, device: Any = None) -> TrainingLoop:
-    """The Trainer's training step as a TrainingLoop: the loss from the model's labels, its outputs dropped, every
-    micro-batch of an optimizer step fetched before its first forward (get_batch_samples), and the Trainer's device
-    scalars (TRAINER_SCALARS) beside the model. accelerate's data loader reads one batch ahead on the host: on a CPU
-    target that is the device's memory too."""
-    return TrainingLoop(keep_outputs=False, accumulation_steps=micro_batches, optimizer_impl=optimizer_impl,
-                        grad_scaler=precision == "fp16", loss_in_model=True if labelled else None, fetches_whole_step=True,
-                        batches_ahead=host_batches_ahead(device), kept_on_device_bytes=TRAINER_SCALARS * ALLOCATION_GRANULE)
-
-
-def with_token_count(model: torch.nn.Module, inputs: dict[str, Any], micro_batches: int) -> dict[str, Any]:
-    """The micro-batch as the Trainer calls the model: with `num_items_in_batch`, the step's count of predicted tokens,
-    where the model takes loss keywords (the loss is then a sum divided by it, which holds more than a mean)."""
-    labels = inputs.get("labels")
-    if not isinstance(labels, torch.Tensor) or not accepts_loss_keywords(model):
-        return inputs
-    return {**inputs, "num_items_in_batch": (labels[..., 1:] != -100).sum() * micro_batches}
-
-
-def accepts_loss_keywords(model: torch.nn.Module) -> bool:
-    """The Trainer's test (model_accepts_loss_kwargs): the model says so, or its forward takes **kwargs."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: what it wraps
-    said = getattr(inner, "accepts_loss_kwargs", None)
-    if said is not None:
-        return bool(said)
-    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(inner.forward).parameters.values())
-
-
-def host_batches_ahead(device: Any = None) -> int:
-    """Batches a data loader reads ahead on the host that the plan's device holds: 1 on a CPU target, else 0."""
-    return 1 if get_device(device).kind == "cpu" else 0
 
 
 @dataclass(frozen=True)

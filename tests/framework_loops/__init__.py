@@ -1,0 +1,167 @@
+"""Six training loops of real frameworks, as cases a benchmark can plan and count: the loop each library runs.
+
+`build(name)` makes one case: a tiny model with random weights from a config (nothing is downloaded), one
+micro-batch as that model receives it, the `TrainingLoop` fields that describe the framework's loop, and
+`run(model, steps, counter)`, which trains `model` by the framework's own loop on the CPU:
+
+- `trainer`: transformers' `Trainer`, a Qwen2, 2 micro-batches of 4 × 64 tokens per optimizer step;
+- `sft_qlora`: trl's `SFTTrainer` on a 4-bit NF4 Llama with LoRA (bitsandbytes), its SFTConfig's packing and bf16;
+- `accelerate`: a loop by hand under `accelerate.Accelerator(gradient_accumulation_steps=2)`, a GPT-2;
+- `nanogpt`: nanoGPT's train.py loop (the next batch fetched between forward and backward) on its GPT;
+- `lightning`: `lightning.Trainer` on a LightningModule that wraps a Llama;
+- `diffusers`: the step of diffusers' train_text_to_image.py: a UNet trained on a frozen VAE's latents and a
+  frozen CLIP text encoder's states, with an EMA copy of the UNet.
+
+`run` calls `counter.mark(f"step {i}")` as optimizer step i (from 1) begins and `counter.mark("end")` once the
+last one has ended, and returns each optimizer step's loss. Everything is seeded: two runs on models built
+alike give the same losses. What the loop holds from before `run` is called (the model, and `Case.resident`)
+is what a counting of the run must be told about; the data sets are host memory and stay out of it.
+
+This module holds what every case shares (the sizes, `Case`, `build`, the seeded rows); the cases are in
+`trainers.py` (the two Trainers), `hand_loops.py` (accelerate, nanoGPT) and `lightning_diffusers.py`;
+`measure.py` plans a case at its halfway budget and counts its run, for `benchmarks/framework_loops.py`
+(which prints the table) and `tests/end_to_end/test_framework_loops.py` (which asserts on it).
+
+    case = build("nanogpt")
+    plan = autoplan.plan(case.model, "4GB", example_inputs=case.example_inputs, loop=case.loop, loss_fn=case.loss_fn)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+from torch import nn
+
+from autoplan import TrainingLoop
+
+CASES = ("trainer", "sft_qlora", "accelerate", "nanogpt", "lightning", "diffusers")
+# The libraries each case imports beyond torch: a run without one of them skips that case.
+LIBRARIES = {
+    "trainer": ("transformers", "accelerate"),  # the Trainer needs accelerate
+    "sft_qlora": ("transformers", "accelerate", "trl", "peft", "bitsandbytes", "datasets"),
+    "accelerate": ("transformers", "accelerate"),
+    "nanogpt": (),
+    "lightning": ("transformers", "lightning"),
+    "diffusers": ("transformers", "diffusers"),
+}
+STEPS = 4  # optimizer steps a benchmark runs; the data sets hold batches for this many
+ACCUMULATION = 2  # micro-batches per optimizer step, where the case accumulates
+BATCH, SEQ, VOCAB, WIDTH = 4, 64, 1000, 64
+LEARNING_RATE = 1e-3
+# TrainingLoop's fields before the framework loops were planned for: a benchmark can plan with these alone, to compare
+BASE_FIELDS = ("keep_outputs", "accumulation_steps", "zero_grad_set_to_none", "optimizer_impl", "grad_scaler",
+               "loss_in_model")
+
+
+class Marker(Protocol):
+    """What `run` marks the steps on: `autoplan.verify.allocator.AllocatorCount`, or anything with `mark`."""
+
+    def mark(self, label: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrainerInputs:
+    """What `autoplan.hf.optimize_for_trainer` and the Trainer are given besides the model."""
+
+    args: Any  # transformers.TrainingArguments, or trl's SFTConfig
+    train_dataset: Any
+    data_collator: Callable[[list], dict[str, torch.Tensor]] | None  # None: the trainer's own
+    processing_class: Any = None  # SFTTrainer's tokenizer
+
+    def trainer(self, model: nn.Module, args: Any, callbacks: list) -> Any:
+        """transformers' Trainer, or trl's SFTTrainer for an SFTConfig, as a person makes it."""
+        if type(args).__name__ == "SFTConfig":
+            from trl import SFTTrainer
+
+            return SFTTrainer(model=model, args=args, train_dataset=self.train_dataset,
+                              processing_class=self.processing_class, callbacks=callbacks)
+        from transformers import Trainer
+
+        return Trainer(model=model, args=args, train_dataset=self.train_dataset, data_collator=self.data_collator,
+                       callbacks=callbacks)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One framework's loop on one tiny model: what to plan, and how the framework trains it."""
+
+    name: str
+    model: nn.Module  # what is planned and trained: the Lightning module's `model`, the diffusers UNet
+    example_inputs: Any  # one micro-batch as the model receives it: a dict of keyword arguments, or a tuple
+    # The loop, field by field. Every field that says something of this loop is here, also those TrainingLoop does
+    # not have yet (`pending_fields`): `loop` takes the ones it has, so a field added to TrainingLoop is used at once.
+    loop_fields: dict[str, Any]
+    run: Callable[..., list[float]]  # run(model, steps, counter) -> each optimizer step's loss
+    loss_fn: Callable[[Any], torch.Tensor] | None = None  # where the model does not compute its loss
+    resident: tuple[Any, ...] = ()  # what the loop holds on the device from before `run`, besides the model
+    trainer: TrainerInputs | None = None  # the Trainer's case: planned by optimize_for_trainer with these
+    notes: tuple[str, ...] = field(default=())  # what the loop does that its fields do not say
+
+    @property
+    def loop(self) -> TrainingLoop:
+        return self.loop_with()
+
+    def loop_with(self, names: Iterable[str] | None = None) -> TrainingLoop:
+        """The loop from the fields of `loop_fields` that TrainingLoop has and `names` names (None: all of them)."""
+        known = {f.name for f in dataclasses.fields(TrainingLoop)} & set(self.loop_fields if names is None else names)
+        return TrainingLoop(**{name: value for name, value in self.loop_fields.items() if name in known})
+
+    @property
+    def pending_fields(self) -> dict[str, Any]:
+        """The fields of `loop_fields` that TrainingLoop does not have (yet)."""
+        known = {f.name for f in dataclasses.fields(TrainingLoop)}
+        return {name: value for name, value in self.loop_fields.items() if name not in known}
+
+
+def build(name: str) -> Case:
+    """The case `name` (one of CASES), its model built afresh with seeded random weights."""
+    builders = {"trainer": trainer_case, "sft_qlora": sft_qlora_case, "accelerate": accelerate_case,
+                "nanogpt": nanogpt_case, "lightning": lightning_case, "diffusers": diffusers_case}
+    if name not in builders:
+        raise ValueError(f"no case {name!r}; the cases are {list(builders)}")
+    return builders[name]()
+
+
+def token_rows(examples: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """`examples` rows of SEQ random tokens, labels the same tokens (the model shifts them)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(examples):
+        tokens = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+        rows.append({"input_ids": tokens, "labels": tokens.clone()})
+    return rows
+
+
+def stack_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def seeded(build_model: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model()
+
+
+# The cases last: their modules import the names above from this package, which must be defined by then. All their
+# public names are re-exported, so what `from tests.framework_loops import ...` read before the split still reads.
+from tests.framework_loops.hand_loops import (  # noqa: E402
+    GPT,
+    accelerate_case,
+    fresh_accelerator,
+    nanogpt_case,
+    run_accelerate,
+    run_nanogpt,
+)
+from tests.framework_loops.lightning_diffusers import (  # noqa: E402
+    Diffusion,
+    diffusers_case,
+    diffusion_batches,
+    diffusion_parts,
+    lightning_case,
+    run_diffusers,
+    run_lightning,
+    unet_inputs,
+)
+from tests.framework_loops.trainers import run_trainer, sft_qlora_case, trainer_case  # noqa: E402
