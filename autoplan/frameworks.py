@@ -33,13 +33,20 @@ ACCELERATE_PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 def accelerate_loop(accelerator: Any, *, keep_outputs: bool = True, device: Any = None) -> TrainingLoop:
     """The loop of `for batch in dataloader: with accelerator.accumulate(model): outputs = model(**batch);
     accelerator.backward(outputs.loss); optimizer.step(); optimizer.zero_grad()` under this `accelerator`.
-    keep_outputs: False for `accelerator.backward(model(**batch).loss)`. device: the plan's (for the batch read ahead)."""
+    keep_outputs: False for `accelerator.backward(model(**batch).loss)`. device: the plan's (for the batch read ahead);
+    default the accelerator's own device."""
     if not all(hasattr(accelerator, name) for name in ("gradient_accumulation_steps", "mixed_precision")):
         raise OptionTypeError(f"accelerate_loop takes an accelerate.Accelerator; got {type(accelerator).__name__}")
     accelerate_precision(accelerator)  # an unplannable precision is an error here, not after planning
     return TrainingLoop(keep_outputs=keep_outputs, accumulation_steps=int(accelerator.gradient_accumulation_steps),
                         grad_scaler=getattr(accelerator, "scaler", None) is not None,
-                        batches_ahead=host_batches_ahead(device))
+                        batches_ahead=host_batches_ahead(device if device is not None else _accelerator_device(accelerator)))
+
+
+def _accelerator_device(accelerator: Any) -> str:
+    """Where the accelerator puts the batches: its device's type ("cpu" or "cuda")."""
+    device = getattr(accelerator, "device", None)
+    return "cpu" if device is None or getattr(device, "type", "cpu") == "cpu" else "cuda"
 
 
 def accelerate_precision(accelerator: Any) -> str:

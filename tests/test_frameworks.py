@@ -26,6 +26,7 @@ def test_accelerate_loop_reads_accumulation_and_precision():
     assert accelerate_precision(accelerator) == "bf16"
     assert accelerate_loop(accelerator, device="h100", keep_outputs=False).batches_ahead == 0  # read ahead on the host
     assert accelerate_precision(fresh_accelerator()) == "fp32"
+    assert accelerate_loop(fresh_accelerator()).batches_ahead == 1  # its own device, the CPU, holds the batch ahead
 
 
 def test_accelerate_loop_refuses_what_is_not_an_accelerator():
