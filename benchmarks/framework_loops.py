@@ -1,11 +1,13 @@
-"""The training loops of six frameworks, planned by autoplan and counted by the CPU allocator on real runs.
+"""The training loops of six frameworks (eight cases), planned by autoplan and counted by the CPU allocator on real runs.
 
 The cases are `tests/framework_loops/`'s: transformers' `Trainer` (a Qwen2, 2 micro-batches per step),
 trl's `SFTTrainer` on a 4-bit NF4 Llama with LoRA (bf16, as trl's SFTConfig sets it), a loop by hand
 under accelerate's `Accelerator` (a GPT-2, 2 micro-batches), nanoGPT's train.py loop,
 `lightning.Trainer` on a wrapped Llama, and the step of diffusers' train_text_to_image.py (a UNet beside
-a frozen VAE and text encoder, with an EMA copy). Tiny models with random weights from configs,
-nothing downloaded, on the CPU, in fp32 but for the QLoRA case.
+a frozen VAE and text encoder, with an EMA copy); and two more Trainers, as issue 37 named them: trl's
+`SFTTrainer` on a 4-bit Qwen2 + LoRA with `optim="adamw_bnb_8bit"` and 2 micro-batches, and the Trainer on
+a Qwen2-VL with an image-text collator. Tiny models with random weights from configs, nothing downloaded,
+on the CPU, in fp32 but for the QLoRA cases.
 
 Each is planned at the budget halfway between its lowest peak and its peak with no plan, with the
 `TrainingLoop` its case describes (the two Trainers through `autoplan.hf.optimize_for_trainer`,

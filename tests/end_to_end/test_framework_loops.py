@@ -1,4 +1,4 @@
-"""Six real frameworks' training loops, planned at their halfway budget and counted on real runs (the CPU allocator).
+"""The real frameworks' training loops (eight cases), planned at their halfway budget and counted on real runs (the CPU allocator).
 
 Each case of `tests/framework_loops/` is planned by the route a person takes (`measure.planned`: autoplan.Planner
 with the case's TrainingLoop, or `optimize_for_trainer` for the two Trainers), rewritten, and trained for STEPS

@@ -1,4 +1,4 @@
-"""Six training loops of real frameworks, as cases a benchmark can plan and count: the loop each library runs.
+"""Eight training loops of real frameworks, as cases a benchmark can plan and count: the loop each library runs.
 
 `build(name)` makes one case: a tiny model with random weights from a config (nothing is downloaded), one
 micro-batch as that model receives it, the `TrainingLoop` fields that describe the framework's loop, and
@@ -10,7 +10,9 @@ micro-batch as that model receives it, the `TrainingLoop` fields that describe t
 - `nanogpt`: nanoGPT's train.py loop (the next batch fetched between forward and backward) on its GPT;
 - `lightning`: `lightning.Trainer` on a LightningModule that wraps a Llama;
 - `diffusers`: the step of diffusers' train_text_to_image.py: a UNet trained on a frozen VAE's latents and a
-  frozen CLIP text encoder's states, with an EMA copy of the UNet.
+  frozen CLIP text encoder's states, with an EMA copy of the UNet;
+- `sft_qwen2_8bit`: trl's `SFTTrainer` on a 4-bit NF4 Qwen2 with LoRA, bitsandbytes' 8-bit AdamW, 2 micro-batches;
+- `trainer_qwen2vl`: transformers' `Trainer` on a Qwen2-VL, its image-text collator's batches (images of two sizes).
 
 `run` calls `counter.mark(f"step {i}")` as optimizer step i (from 1) begins and `counter.mark("end")` once the
 last one has ended, and returns each optimizer step's loss. Everything is seeded: two runs on models built
@@ -18,7 +20,8 @@ alike give the same losses. What the loop holds from before `run` is called (the
 is what a counting of the run must be told about; the data sets are host memory and stay out of it.
 
 This module holds what every case shares (the sizes, `Case`, `build`, the seeded rows); the cases are in
-`trainers.py` (the two Trainers), `hand_loops.py` (accelerate, nanoGPT) and `lightning_diffusers.py`;
+`trainers.py` (the two Trainers), `hand_loops.py` (accelerate, nanoGPT), `lightning_diffusers.py` and
+`trainer_variants.py` (the 8-bit-optimizer SFTTrainer, the vision-language Trainer);
 `measure.py` plans a case at its halfway budget and counts its run, for `benchmarks/framework_loops.py`
 (which prints the table) and `tests/end_to_end/test_framework_loops.py` (which asserts on it).
 
@@ -37,7 +40,7 @@ from torch import nn
 
 from autoplan import TrainingLoop
 
-CASES = ("trainer", "sft_qlora", "accelerate", "nanogpt", "lightning", "diffusers")
+CASES = ("trainer", "sft_qlora", "accelerate", "nanogpt", "lightning", "diffusers", "sft_qwen2_8bit", "trainer_qwen2vl")
 # The libraries each case imports beyond torch: a run without one of them skips that case.
 LIBRARIES = {
     "trainer": ("transformers", "accelerate"),  # the Trainer needs accelerate
@@ -46,6 +49,8 @@ LIBRARIES = {
     "nanogpt": (),
     "lightning": ("transformers", "lightning"),
     "diffusers": ("transformers", "diffusers"),
+    "sft_qwen2_8bit": ("transformers", "accelerate", "trl", "peft", "bitsandbytes", "datasets"),
+    "trainer_qwen2vl": ("transformers", "accelerate"),
 }
 STEPS = 4  # optimizer steps a benchmark runs; the data sets hold batches for this many
 ACCUMULATION = 2  # micro-batches per optimizer step, where the case accumulates
@@ -119,7 +124,8 @@ class Case:
 def build(name: str) -> Case:
     """The case `name` (one of CASES), its model built afresh with seeded random weights."""
     builders = {"trainer": trainer_case, "sft_qlora": sft_qlora_case, "accelerate": accelerate_case,
-                "nanogpt": nanogpt_case, "lightning": lightning_case, "diffusers": diffusers_case}
+                "nanogpt": nanogpt_case, "lightning": lightning_case, "diffusers": diffusers_case,
+                "sft_qwen2_8bit": sft_qwen2_8bit_case, "trainer_qwen2vl": trainer_qwen2vl_case}
     if name not in builders:
         raise ValueError(f"no case {name!r}; the cases are {list(builders)}")
     return builders[name]()
@@ -165,3 +171,9 @@ from tests.framework_loops.lightning_diffusers import (  # noqa: E402
     unet_inputs,
 )
 from tests.framework_loops.trainers import run_trainer, sft_qlora_case, trainer_case  # noqa: E402
+from tests.framework_loops.trainer_variants import (  # noqa: E402
+    collate_image_text,
+    image_text_examples,
+    sft_qwen2_8bit_case,
+    trainer_qwen2vl_case,
+)
