@@ -197,8 +197,9 @@ def optimize_for_trainer(
     precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
 
     def plan_micro_batch(size: int) -> tuple[Plan, TrainingLoop]:
-        inputs = with_token_count(model, batches.make(size), accumulation * batch_size // size)
-        loop = trainer_loop(accumulation * batch_size // size, counted.implementation, precision, "labels" in inputs, device)
+        micro_batches = accumulation * batch_size // size
+        inputs = with_token_count(model, batches.make(size), micro_batches)
+        loop = trainer_loop(micro_batches, counted.implementation, precision, "labels" in inputs, device)
         decided = api.plan(model, budget, example_inputs=inputs, device=device, optimizer=counted.optimizer,
                        precision=precision, reserve=reserve, units=units, loop=loop, progress=progress)
         return decided, loop

@@ -139,18 +139,19 @@ class TrainingLoop:
 
 
 def device_bytes(*held: object) -> int:
-    """Bytes that modules (parameters and buffers) and tensors hold, each storage once, rounded up to 512 B blocks."""
+    """Bytes that modules (what the model would hold: parameters, buffers, quantization state) and tensors hold, each
+    storage once, rounded up to 512 B blocks."""
     import torch  # here: the loop's fields are read before torch is loaded (the command line's checks)
 
+    from autoplan.instruments.quantized import resident_tensors
     from autoplan.vocabulary.tensors import unique_storage_bytes
 
     tensors: list = []
     pending = list(held)
     while pending:
         thing = pending.pop()
-        if isinstance(thing, torch.nn.Module):
-            tensors.extend(thing.parameters())
-            tensors.extend(thing.buffers())
+        if isinstance(thing, torch.nn.Module):  # parameters, buffers, and a quantized module's state
+            tensors.extend(resident_tensors(thing))
         elif isinstance(thing, torch.Tensor):
             tensors.append(thing)
         elif isinstance(thing, (list, tuple, dict)):  # an EMA's shadow_params, a batch

@@ -27,7 +27,7 @@ from autoplan.instruments.target import as_the_target_runs
 from autoplan.instruments.caching_allocator import CARRIED, WARM_UP
 from autoplan.instruments.cuda_workspaces import held_workspaces
 from autoplan.instruments.fake import FakeGradScaler, fake_tree
-from autoplan.training.runner import LoopRunner, StepHooks
+from autoplan.training.runner import LoopRunner, StepHooks, held_by_loop
 from autoplan.instruments.quantized import resident_tensors
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.accumulation import accumulating_adds
@@ -162,7 +162,7 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
             tracker.adopt(workspaces)
             args, kwargs = fake_tree(example_inputs, fake_mode)
             batch = tensors_of((args, kwargs))
-            loop_held = _held_by_loop(loop, example_inputs, fake_mode)  # alive through the step, as the loop holds them
+            loop_held = held_by_loop(loop, example_inputs)  # fakes, alive through the step as the loop holds them
             tracker.adopt(loop_held)
             trainable = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
             opt = make_optimizer(optimizer, trainable, implementation=loop.optimizer_implementation(device.kind), device_kind=device.kind)
@@ -206,15 +206,6 @@ def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, 
                         target_kernels=target.note() if target is not None else "", host_peak_bytes=tracker.host_peak_bytes,
                         allocation_log=log, loss_summed=any(summed))
     return timeline, frozenset(id(p) for p in trainable) - reached.ids
-
-
-def _held_by_loop(loop: TrainingLoop, example_inputs: tuple[tuple, dict], fake_mode: FakeTensorMode) -> list[torch.Tensor]:
-    """Fake tensors for what the loop holds on the device beside the model and the micro-batch planned: its other
-    micro-batches (`batches_on_device`) and what it keeps (`kept_on_device_bytes`, one block of that size)."""
-    held = [t for _ in range(loop.batches_on_device - 1) for t in tensors_of(fake_tree(example_inputs, fake_mode))]
-    if loop.kept_on_device_bytes:
-        held.append(torch.empty(loop.kept_on_device_bytes, dtype=torch.uint8))
-    return held
 
 
 class _GradientsReached:

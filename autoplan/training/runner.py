@@ -14,7 +14,9 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from autoplan.axes.precision import dtype_of
 from autoplan.training.step_parts import loss_function, real_scalar
+from autoplan.vocabulary.tensors import tensors_of
 
 
 class StepHooks:
@@ -90,7 +92,7 @@ class LoopRunner:
         """The loop's own `with torch.autocast(...)` around the forward and the loss, where it has one."""
         if self.loop.outer_autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[self.loop.outer_autocast])
+        return torch.autocast(self.device_type, dtype=dtype_of(self.loop.outer_autocast))
 
     def optimizer_step(self) -> None:
         """optimizer.step() (through the scaler's unscale and update when there is one), then zero_grad."""
@@ -108,3 +110,15 @@ class LoopRunner:
         """Drop what the loop holds (outputs, loss, gradients): the loop has ended."""
         self.outputs = self.loss = None
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def held_by_loop(loop: Any, batch: Any, device: torch.device | None = None) -> list[torch.Tensor]:
+    """What `loop` holds on the device beside the model and the micro-batch it trains, as blocks of bytes: one per
+    storage of `batch` for each other micro-batch on the device (`batches_on_device`), and one of
+    `kept_on_device_bytes`. Under a fake mode (the simulation) these are fakes; for real steps, on `device`."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors_of(batch)}  # shared storages once
+    held = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(loop.batches_on_device - 1)
+            for nbytes in storages.values()]
+    if loop.kept_on_device_bytes:
+        held.append(torch.empty(loop.kept_on_device_bytes, dtype=torch.uint8, device=device))
+    return held

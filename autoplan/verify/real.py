@@ -29,10 +29,9 @@ from autoplan.planned.forwards import apply_choices, has_fused_loss, planned_uni
 from autoplan.planned.transaction import restored_on_failure
 from autoplan.instruments.quantized import settle_first_forward
 from autoplan.vocabulary.fingerprint import check_batch, check_model
-from autoplan.vocabulary.tensors import tensors_of
 from autoplan.verify.allocator import AllocatorCount
 from autoplan.verify.failures import failed_step_message
-from autoplan.training.runner import LoopRunner
+from autoplan.training.runner import LoopRunner, held_by_loop
 from autoplan.training.step_parts import (
     OPTIMIZERS,
     Timer,
@@ -213,17 +212,6 @@ def _run_steps(model, batch: tuple[tuple, dict], optimizer, loss_fn, steps: int,
         raise TrainingStepError(failed_step_message(error, step, steps)) from error
     finally:
         runner.close()
-
-
-def held_by_loop(loop: TrainingLoop, batch: tuple[tuple, dict], device: torch.device) -> list[torch.Tensor]:
-    """What the loop holds on the device beside the model and the micro-batch it trains: copies of that micro-batch for
-    the others it holds (`batches_on_device`), and one block of `kept_on_device_bytes`."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors_of(batch)}  # shared once
-    held = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(loop.batches_on_device - 1)
-            for nbytes in storages.values()]
-    if loop.kept_on_device_bytes:
-        held.append(torch.empty(loop.kept_on_device_bytes, dtype=torch.uint8, device=device))
-    return held
 
 
 def _start_peak(count: AllocatorCount | None, device: torch.device) -> None:
