@@ -139,6 +139,9 @@ class UnitDecision:
         return self.unit.name
 
 
+CPU_PRECISION_NOTE = "precision: "  # how solve.assemble begins its note on a CPU plan's bf16 units (said by the headline)
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Where the bytes are at the moment of the peak."""

@@ -22,6 +22,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from autoplan.plan import CPU_PRECISION_NOTE
 from autoplan.report.advice import state_bound
 from autoplan.report.apply_code import apply_code
 from autoplan.report.allocator_advice import allocator_bound, allocator_room_of
@@ -116,9 +117,8 @@ def _verdict(plan: "Plan") -> Text:
                 f"{format_bytes(plan.prediction.baseline_peak_bytes)}")
     if plan.request.loop is not None:  # every peak above is for this loop (docs/loops.md)
         text.append(f"\ntraining loop: {plan.request.loop.describe(plan.request.optimizer)}")
-    for note in plan.notes:  # a CPU plan's precision changes the numerics: said here, by the headline (solve.assemble)
-        if note.startswith("precision: "):
-            text.append(f"\n{note}", style="bold yellow")
+    for note in (n for n in plan.notes if n.startswith(CPU_PRECISION_NOTE)):  # numerics change: said by the headline
+        text.append(f"\n{note}", style="bold yellow")
     if plan.decisions.fused_loss:  # the one change outside the units: say it, and how to turn it off
         text.append(f"\nloss: the output head's cross-entropy ({plan.decisions.fused_logits}) is fused, its gradients computed "
                     "chunk by chunk in the forward (fuse_loss=False, --loss-as-written, keeps it as written)")
@@ -351,7 +351,7 @@ def report_renderables(
             parts.extend([Text(f"{fix.title}:", style="bold"), _code(fix.code)])
         if advice.ladder is not None:
             parts.extend(ladder_renderables(advice.ladder))
-    parts.extend(Text(f"note: {note}", style="italic") for note in plan.notes if not note.startswith("precision: "))
+    parts.extend(Text(f"note: {note}", style="italic") for note in plan.notes if not note.startswith(CPU_PRECISION_NOTE))
     return parts
 
 

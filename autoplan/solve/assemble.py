@@ -15,7 +15,7 @@ from autoplan.memory.model import host_peak, predict_peak, predict_step_time, ra
 from autoplan.memory.segment_terms import chosen_segments, segment_terms
 from autoplan.memory.sharded import shard_padding
 from autoplan.mesh import FSDP, Mesh
-from autoplan.plan import Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
+from autoplan.plan import CPU_PRECISION_NOTE, Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
 from autoplan.profile.menu import PolicyWords
 from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.formatting import format_bytes, rank_noun
@@ -130,7 +130,7 @@ def cpu_precision_notes(measured: Profile, found: SearchResult) -> list[str]:
     if not low or not offered_fp32:  # none chosen, or the person forced a low precision
         return []
     precision = found.choices[low[0]].precision
-    return [f"precision: {len(low)} of {len(found.choices)} units run in {precision} (autocast) on this CPU, chosen by "
+    return [f"{CPU_PRECISION_NOTE}{len(low)} of {len(found.choices)} units run in {precision} (autocast) on this CPU, chosen by "
             f"precision='auto' for speed or memory: their numerics are {precision}'s, not fp32's; precision='fp32' "
             "(--precision fp32) keeps fp32"]
 

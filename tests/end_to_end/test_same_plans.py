@@ -48,6 +48,7 @@ import torch
 
 import autoplan
 from autoplan.errors import ProfileError, TraceError
+from autoplan.plan import CPU_PRECISION_NOTE
 from tests.halfway import halfway_budget
 from tests.models import ALL_MODELS
 from tests.structures import STRUCTURES
@@ -61,7 +62,7 @@ WALL_TIMES = ("solve_time_s",)  # the only fields a second run on the same machi
 ADDED_SINCE = {"decided_by": "simulation", "breakdown.loop_held": 0, "loop.zero_grad_before_backward": False,
                "loop.fetches_whole_step": False, "loop.batches_ahead": 0, "loop.kept_on_device_bytes": 0,
                "loop.outer_autocast": None}
-NOTES_ADDED_SINCE = ("precision: ",)  # notes added since the fixture (a CPU plan's bf16 units, solve.assemble): left out
+NOTES_ADDED_SINCE = (CPU_PRECISION_NOTE,)  # notes added since the fixture (a CPU plan's bf16 units, solve.assemble): left out
 HOST_BUDGET = "1GB"  # given, not this machine's RAM: the fixture holds on any machine
 GPU = "a100-80gb"
 THREADS = 1  # as every test under pytest-xdist runs (tests/conftest.py)
