@@ -128,15 +128,14 @@ class CommandLine:
 
 
 def read_kept_bytes(text: str) -> int:
-    """--kept-on-device's size in bytes ("0" is nothing), or exit 2 saying what it takes."""
-    from autoplan.inputs.budget import parse_bytes
+    """--kept-on-device's size in bytes (0 is nothing), or exit 2 saying what it takes."""
+    from autoplan.vocabulary.sizes import read_size
 
-    if text.strip() == "0":
-        return 0
-    try:
-        return parse_bytes(text)
-    except ValueError as error:
-        raise CliError(ExitCode.USAGE, f"--kept-on-device takes a size such as 1.2GB or 800MiB: {error}") from None
+    def fail(reason: str) -> CliError:
+        return CliError(ExitCode.USAGE, f"--kept-on-device takes a size such as 1.2GB or 800MiB: {reason}")
+
+    # a percentage has no memory to be taken of here: Size.bytes says so
+    return read_size(text, allow_zero=True, what="size", fail=fail).bytes(None, allow_zero=True, what="size", fail=fail)
 
 
 def with_flags(command: str, own: dict[str, tuple[Flag, Any]]) -> Callable[[Callable[..., None]], Callable[..., None]]:

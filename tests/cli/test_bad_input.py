@@ -98,6 +98,10 @@ CASES = {
     # 12. the smaller ones
     "reserve over the budget": (["plan", GPT, "--budget", "100MB", "--reserve", "200MB", "--device", "h100"], ExitCode.USAGE,
                                 ["reserve", "200", "100"]),
+    "kept size with an unknown unit": (["plan", GPT, "--budget", "1GB", "--kept-on-device", "10XB"], ExitCode.USAGE,
+                                       ["--kept-on-device takes a size", "unknown unit 'XB'"]),
+    "kept size as a percentage": (["plan", GPT, "--budget", "1GB", "--kept-on-device", "50%"], ExitCode.USAGE,
+                                  ["--kept-on-device takes a size", "percentage"]),
     "a100 without a size": (["plan", GPT, "--budget", "1GB", "--device", "a100"], ExitCode.USAGE, ["a100-40gb", "a100-80gb"]),
     "v100 without a size": (["plan", GPT, "--budget", "1GB", "--device", "v100"], ExitCode.USAGE, ["v100-16gb", "v100-32gb"]),
     "budget without a unit": (["plan", GPT, "--budget", "20"], ExitCode.USAGE, ["needs a unit", '"20GB"']),
