@@ -60,8 +60,7 @@ def row(name: str, base: bool) -> tuple[str, str]:
     line = (f"| {name} | {predicted:,} | {run.peak_bytes:,}{unseen} | {error:+.2%} | "
             f"{'yes' if run.peak_bytes <= predicted else 'NO'} | {drift:.1e} | {free.peak_bytes:,} | {modes} | "
             f"{seconds:.0f} |")
-    said = [f"not in TrainingLoop yet: {case.pending_fields}"] if case.pending_fields else []
-    return line, "; ".join([f"- {name}: {decided.loop.describe()}", *said, *case.notes])
+    return line, "; ".join([f"- {name}: {decided.loop.describe()}", *case.notes])
 
 
 def quiet() -> None:

@@ -179,6 +179,19 @@ def qwen2_vl_batch(grids=((1, 16, 16), (1, 8, 12)), text: int = 120) -> dict:
             "pixel_values": pixel_values, "image_grid_thw": grid, "labels": labels, "use_cache": False}
 
 
+def collate_image_text(examples: list[dict]) -> dict:
+    """An image-text collator: text right-padded to the longest example, image patches and grids concatenated."""
+    longest = max(len(example["input_ids"]) for example in examples)
+
+    def padded(key: str, fill: int) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(e[key], (0, longest - len(e[key])), value=fill) for e in examples])
+
+    return {"input_ids": padded("input_ids", 0), "mm_token_type_ids": padded("mm_token_type_ids", 0),
+            "attention_mask": padded("attention_mask", 0), "labels": padded("labels", -100),
+            "pixel_values": torch.cat([e["pixel_values"] for e in examples]),
+            "image_grid_thw": torch.cat([e["image_grid_thw"] for e in examples])}
+
+
 def build_llava():
     """A tiny LLaVA (CLIP vision tower, Llama language model) and two image-text examples."""
     import transformers

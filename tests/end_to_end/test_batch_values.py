@@ -15,7 +15,8 @@ import autoplan
 from autoplan.errors import PlanMismatchError, TraceError
 from autoplan.instruments.fake import fake_tree, new_fake_mode
 from autoplan.trace.tracer import trace
-from tests.batch_reading import FAMILIES, GENERATED, build_grid_tower, build_layerdrop, build_qwen2_vl, qwen2_vl_batch
+from tests.batch_reading import (FAMILIES, GENERATED, build_grid_tower, build_layerdrop, build_qwen2_vl, collate_image_text,
+                                 qwen2_vl_batch)
 from tests.handmade import assert_same_step, compare_with_plan, measured_step
 
 # -- the values, on fake tensors ----------------------------------------------------------------
@@ -160,19 +161,6 @@ def _image_text_examples(count: int) -> list[dict]:
     return examples
 
 
-def _collate(examples: list[dict]) -> dict:
-    """An image-text collator: text padded to the longest example, image patches and grids concatenated."""
-    longest = max(len(example["input_ids"]) for example in examples)
-
-    def padded(key: str, fill: int) -> torch.Tensor:
-        return torch.stack([torch.nn.functional.pad(e[key], (0, longest - len(e[key])), value=fill) for e in examples])
-
-    return {"input_ids": padded("input_ids", 0), "mm_token_type_ids": padded("mm_token_type_ids", 0),
-            "attention_mask": padded("attention_mask", 0), "labels": padded("labels", -100),
-            "pixel_values": torch.cat([e["pixel_values"] for e in examples]),
-            "image_grid_thw": torch.cat([e["image_grid_thw"] for e in examples])}
-
-
 def test_the_trainer_plans_and_trains_a_vision_language_model_from_its_collator(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -184,9 +172,9 @@ def test_the_trainer_plans_and_trains_a_vision_language_model_from_its_collator(
     examples = _image_text_examples(4)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[], use_cpu=True,
                              save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
-    setup = optimize_for_trainer(model, args, "1GB", device="cpu", train_dataset=examples, data_collator=_collate)
+    setup = optimize_for_trainer(model, args, "1GB", device="cpu", train_dataset=examples, data_collator=collate_image_text)
     assert setup.plan.outcome.feasible and "image_grid_thw" in setup.plan.model.batch_values
     assert {unit.name.split(".")[1] for unit in setup.plan.decisions.units} == {"visual", "language_model"}
-    trainer = Trainer(model=model, args=setup.training_args, train_dataset=examples, data_collator=_collate)
+    trainer = Trainer(model=model, args=setup.training_args, train_dataset=examples, data_collator=collate_image_text)
     result = trainer.train()
     assert result.global_step == 2 and np.isfinite(result.training_loss)

@@ -31,7 +31,6 @@ This module holds what every case shares (the sizes, `Case`, `build`, the seeded
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
@@ -96,9 +95,7 @@ class Case:
     name: str
     model: nn.Module  # what is planned and trained: the Lightning module's `model`, the diffusers UNet
     example_inputs: Any  # one micro-batch as the model receives it: a dict of keyword arguments, or a tuple
-    # The loop, field by field. Every field that says something of this loop is here, also those TrainingLoop does
-    # not have yet (`pending_fields`): `loop` takes the ones it has, so a field added to TrainingLoop is used at once.
-    loop_fields: dict[str, Any]
+    loop_fields: dict[str, Any]  # the loop, TrainingLoop's fields by name (`loop_with` can leave some out: --base)
     run: Callable[..., list[float]]  # run(model, steps, counter) -> each optimizer step's loss
     loss_fn: Callable[[Any], torch.Tensor] | None = None  # where the model does not compute its loss
     resident: tuple[Any, ...] = ()  # what the loop holds on the device from before `run`, besides the model
@@ -110,19 +107,17 @@ class Case:
         return self.loop_with()
 
     def loop_with(self, names: Iterable[str] | None = None) -> TrainingLoop:
-        """The loop from the fields of `loop_fields` that TrainingLoop has and `names` names (None: all of them)."""
-        known = {f.name for f in dataclasses.fields(TrainingLoop)} & set(self.loop_fields if names is None else names)
-        return TrainingLoop(**{name: value for name, value in self.loop_fields.items() if name in known})
-
-    @property
-    def pending_fields(self) -> dict[str, Any]:
-        """The fields of `loop_fields` that TrainingLoop does not have (yet)."""
-        known = {f.name for f in dataclasses.fields(TrainingLoop)}
-        return {name: value for name, value in self.loop_fields.items() if name not in known}
+        """The loop from the fields of `loop_fields` that `names` names (None: all of them)."""
+        return TrainingLoop(**{name: value for name, value in self.loop_fields.items() if names is None or name in names})
 
 
 def build(name: str) -> Case:
     """The case `name` (one of CASES), its model built afresh with seeded random weights."""
+    from tests.framework_loops.hand_loops import accelerate_case, nanogpt_case
+    from tests.framework_loops.lightning_diffusers import diffusers_case, lightning_case
+    from tests.framework_loops.trainer_variants import sft_qwen2_8bit_case, trainer_qwen2vl_case
+    from tests.framework_loops.trainers import sft_qlora_case, trainer_case
+
     builders = {"trainer": trainer_case, "sft_qlora": sft_qlora_case, "accelerate": accelerate_case,
                 "nanogpt": nanogpt_case, "lightning": lightning_case, "diffusers": diffusers_case,
                 "sft_qwen2_8bit": sft_qwen2_8bit_case, "trainer_qwen2vl": trainer_qwen2vl_case}
@@ -148,32 +143,3 @@ def stack_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def seeded(build_model: Callable[[], nn.Module]) -> nn.Module:
     torch.manual_seed(0)
     return build_model()
-
-
-# The cases last: their modules import the names above from this package, which must be defined by then. All their
-# public names are re-exported, so what `from tests.framework_loops import ...` read before the split still reads.
-from tests.framework_loops.hand_loops import (  # noqa: E402
-    GPT,
-    accelerate_case,
-    fresh_accelerator,
-    nanogpt_case,
-    run_accelerate,
-    run_nanogpt,
-)
-from tests.framework_loops.lightning_diffusers import (  # noqa: E402
-    Diffusion,
-    diffusers_case,
-    diffusion_batches,
-    diffusion_parts,
-    lightning_case,
-    run_diffusers,
-    run_lightning,
-    unet_inputs,
-)
-from tests.framework_loops.trainers import run_trainer, sft_qlora_case, trainer_case  # noqa: E402
-from tests.framework_loops.trainer_variants import (  # noqa: E402
-    collate_image_text,
-    image_text_examples,
-    sft_qwen2_8bit_case,
-    trainer_qwen2vl_case,
-)

@@ -15,6 +15,7 @@ import tempfile
 import torch
 
 from tests.framework_loops import ACCUMULATION, LEARNING_RATE, STEPS, WIDTH, Case, TrainerInputs
+from tests.batch_reading import collate_image_text
 from tests.framework_loops.trainers import run_trainer
 
 # bitsandbytes keeps 8-bit state only for tensors of 4096 elements or more (min_8bit_size): at rank 32 the MLP's
@@ -136,19 +137,6 @@ def image_text_examples(count: int, seed: int = 0) -> list[dict[str, torch.Tenso
                          "pixel_values": torch.randn(patches, 3 * 2 * 4 * 4, generator=generator),
                          "image_grid_thw": torch.tensor(VL_GRIDS)})
     return examples
-
-
-def collate_image_text(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """An image-text collator: the text right-padded to the longest example, image patches and grids concatenated."""
-    longest = max(len(example["input_ids"]) for example in examples)
-
-    def padded(key: str, fill: int) -> torch.Tensor:
-        return torch.stack([torch.nn.functional.pad(e[key], (0, longest - len(e[key])), value=fill) for e in examples])
-
-    return {"input_ids": padded("input_ids", 0), "mm_token_type_ids": padded("mm_token_type_ids", 0),
-            "attention_mask": padded("attention_mask", 0), "labels": padded("labels", -100),
-            "pixel_values": torch.cat([e["pixel_values"] for e in examples]),
-            "image_grid_thw": torch.cat([e["image_grid_thw"] for e in examples])}
 
 
 def trainer_qwen2vl_case() -> Case:
