@@ -27,7 +27,7 @@ from autoplan.instruments.flop_formulas import autoplan_flop_formulas
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
 from autoplan.instruments.loss_storage import as_the_cpu_kernel_returns
 from autoplan.instruments.quantized import hidden_temporary_bytes, is_quantized_matmul, load_bitsandbytes_backends
-from autoplan.vocabulary.tensors import rounded_bytes, tensors_of
+from autoplan.vocabulary.tensors import METADATA_OPS, rounded_bytes, tensors_of
 
 
 @dataclass
@@ -125,6 +125,8 @@ class LiveBytesTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         self._settle()
         out = func(*args, **kwargs)
+        if func in METADATA_OPS:
+            return out
         if self.cpu_kernels:
             out = as_the_cpu_kernel_returns(func, args, kwargs, out)
         inputs = tensors_of((args, kwargs))

@@ -71,6 +71,10 @@ class KnownValues:
             raise ValueError(f"draws must be one of {DRAWS}; got {draws!r}")
         self.draws = draws
         self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake -> (real value, names of the batch inputs it came from)
+        # the storages (by _cdata) of fakes that were given a value: a write elsewhere forgets nothing, without a
+        # walk of every value (the optimizer's in-place updates are a tenth of a step's ops). Never shrinks: a
+        # storage no value holds any more costs one walk
+        self._storages: set[int] = set()
         self.reads: dict[str, None] = {}  # the batch inputs (and RANDOM) a read value came from, in the order first read
         self.random_reads = 0  # reads of a value computed from a random draw: random control flow
 
@@ -82,6 +86,7 @@ class KnownValues:
     def know(self, fake: torch.Tensor, value: torch.Tensor, sources: frozenset[str]) -> None:
         if value.numel() <= VALUE_LIMIT:
             self._values[fake] = (value, sources)
+            self._storages.add(fake.untyped_storage()._cdata)
 
     def value_of(self, tensor: Any) -> torch.Tensor | None:
         """The real value of a fake tensor (a real tensor is its own); None when unknown."""
@@ -234,6 +239,8 @@ class KnownValues:
         for argument, value in zip(schema.arguments, args):
             if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, FakeTensor):
                 storage = value.untyped_storage()._cdata
+                if storage not in self._storages:
+                    continue
                 for fake in [f for f in list(self._values.keys()) if f.untyped_storage()._cdata == storage]:
                     del self._values[fake]
 

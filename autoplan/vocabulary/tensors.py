@@ -8,6 +8,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 ALLOCATION_GRANULE = 512  # the CUDA caching allocator rounds every block up to this many bytes
+# questions about a tensor, not ops on its data: no memory, no time, no read. A fake tensor asks its mode for
+# its device (prim.device), so half of a simulated step's dispatches are these (benchmarks/instruments.py)
+METADATA_OPS = frozenset((torch.ops.prim.device.default, torch.ops.prim.layout.default))
 
 
 def rounded_bytes(nbytes: int) -> int:
