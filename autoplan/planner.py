@@ -63,6 +63,9 @@ class ProfiledLevel:
     traced: Traced
     measured: Profile
     pins: Mapping[str, tuple[Choice, ...]]
+    # the whole-step simulations this level's plans ran, kept for the next budget: the same choices simulate the
+    # same step (the floor's choices are simulated again at every budget of a sweep otherwise)
+    simulated: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def _compiled_code_runs_as_written(method):
@@ -127,8 +130,8 @@ class Planner:
             self._levels = self._profile_levels()
         # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
         # within a level, segments of consecutive blocks are candidates of the same program
-        planned = [_decide_loss_head(level.traced, level.measured, dataclasses.replace(asked, pins=level.pins), settings.step, self._say)
-                   for level in self._levels]
+        planned = [_decide_loss_head(level.traced, level.measured, dataclasses.replace(asked, pins=level.pins), settings.step, self._say,
+                                     level.simulated) for level in self._levels]
         chosen, measured = best_level(planned, [level.level for level in self._levels], tried=self._tried)
         if self._options.on_profile is not None:
             self._options.on_profile(measured)
@@ -235,8 +238,9 @@ def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
             "Load the base in 4-bit (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), which plans for any device")
 
 
-def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say) -> Plan:
-    """The solve and verify stages on a profile: the mesh, the searched choices, the Plan."""
+def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say, memo: dict | None = None) -> Plan:
+    """The solve and verify stages on a profile: the mesh, the searched choices, the Plan. `memo`: the simulations of
+    earlier budgets (`ProfiledLevel.simulated`), by the loss head and the mesh they were run for."""
     curve: tuple[WorldSizePoint, ...] = ()
     if request.fewest_ranks:
         say("finding the smallest number of GPUs")
@@ -244,8 +248,13 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
         request = dataclasses.replace(request, mesh=mesh)
     offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, request.mesh)))
 
-    host_peaks: dict[frozenset, int] = {}  # what each simulated step held in host memory
-    simulations: dict[frozenset, Simulation] = {}  # each simulated step, its reserved memory replayed for the chosen one only
+    kept = (memo if memo is not None else {}).setdefault((measured.timeline.fused_loss, request.mesh), ({}, {}, {}))
+    # what each simulated step held in host memory; each simulated step, its reserved memory replayed for the chosen
+    # one only; each least limit
+    host_peaks: dict[frozenset, int]
+    simulations: dict[frozenset, Simulation]
+    leasts: dict[frozenset, int]
+    host_peaks, simulations, leasts = kept
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         key = frozenset(choices.items())
@@ -258,7 +267,7 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
         host_peaks[key], simulations[key] = simulated.host_peak_bytes, simulated
         return simulated.peak_bytes
 
-    least_of = _least_limits(measured, request, simulations, simulate, on_one_gpu=not any(offsets.values()))
+    least_of = _least_limits(measured, request, simulations, simulate, on_one_gpu=not any(offsets.values()), leasts=leasts)
     fit = fit_allocator(search(measured, request, simulate=simulate, progress=say), request, measured.device, least_of=least_of,
                         simulate=simulate, search_again=lambda tighter: search(measured, tighter, simulate=simulate, progress=say))
     found = fit.found
@@ -276,10 +285,9 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
 
 
 def _least_limits(measured: Profile, request: SolveRequest, simulations: dict[frozenset, Simulation], simulate,
-                  on_one_gpu: bool):
+                  on_one_gpu: bool, leasts: dict[frozenset, int]):
     """choices -> their least limit (`Simulation.least_limit_bytes`, raised as `reserved_peak` raises the reserved
-    peak), each replayed once; 0 on a CPU target or across ranks, where the allocator is not modelled."""
-    leasts: dict[frozenset, int] = {}
+    peak), each replayed once (kept in `leasts`); 0 on a CPU target or across ranks, where the allocator is not modelled."""
 
     def least_of(choices: Mapping[str, Choice]) -> int:
         if measured.device.kind != "cuda" or not on_one_gpu:
@@ -315,15 +323,16 @@ def reserved_notes(prediction, request: SolveRequest, device: Device, passed_ove
     return tuple(notes)
 
 
-def _decide_loss_head(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say) -> tuple[Plan, Profile]:
+def _decide_loss_head(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say,
+                      memo: dict | None = None) -> tuple[Plan, Profile]:
     """Decided with the loss head as the profile's timeline runs it and, where it can be fused, the other
     way too: the faster plan that fits (`faster_loss_head`). Fusing is then chosen by time like any choice."""
-    decided = _decide(traced, measured, request, step, say)
+    decided = _decide(traced, measured, request, step, say, memo)
     if measured.alternative is None or measured.base_step_time_s is not None:  # measured times are for the timeline's head only
         return decided, measured
     other = dataclasses.replace(measured, timeline=measured.alternative, alternative=measured.timeline)
     say("planning again with the loss head " + ("fused" if other.timeline.fused_loss else "as written"))
-    return faster_loss_head((decided, measured), (_decide(traced, other, request, step, say), other))
+    return faster_loss_head((decided, measured), (_decide(traced, other, request, step, say, memo), other))
 
 
 def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, step: StepOptions, space: SearchSpace,
