@@ -182,28 +182,12 @@ class SegmentMember:
     index: int
     original: Any = None  # the block's instance forward before the plan
 
-    def __post_init__(self) -> None:
-        _eager_member_call()  # made now, eagerly, so that a compiled forward finds it made
-
     @property
     def choice(self) -> Choice:
         return self.segment.choice
 
+    # torch.compile cannot trace a region opened in one call and closed in another: the blocks of a
+    # segment run eagerly (graph breaks around them), the rest of the model compiled
+    @torch.compiler.disable
     def __call__(self, *args, **kwargs):
-        return _eager_member_call()(self, args, kwargs)
-
-
-def _member_call(member: SegmentMember, args: tuple, kwargs: dict):
-    return member.segment.call(member.index, args, kwargs)
-
-
-_EAGER_MEMBER_CALL: list = []
-
-
-def _eager_member_call():
-    """`_member_call` under torch.compiler.disable: torch.compile cannot trace a region opened in one call and
-    closed in another, so the blocks of a segment run eagerly (graph breaks around them), the rest of the model
-    compiled. Made on first use: it imports torch._dynamo, seconds that a plan without segments never needs."""
-    if not _EAGER_MEMBER_CALL:
-        _EAGER_MEMBER_CALL.append(torch.compiler.disable(_member_call))
-    return _EAGER_MEMBER_CALL[0]
+        return self.segment.call(self.index, args, kwargs)
