@@ -248,13 +248,11 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
         request = dataclasses.replace(request, mesh=mesh)
     offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, request.mesh)))
 
-    kept = (memo if memo is not None else {}).setdefault((measured.timeline.fused_loss, request.mesh), ({}, {}, {}))
-    # what each simulated step held in host memory; each simulated step, its reserved memory replayed for the chosen
-    # one only; each least limit
+    # each simulated step's host peak; the step (its reserved memory replayed for the chosen one only); its least limit
     host_peaks: dict[frozenset, int]
     simulations: dict[frozenset, Simulation]
     leasts: dict[frozenset, int]
-    host_peaks, simulations, leasts = kept
+    host_peaks, simulations, leasts = (memo if memo is not None else {}).setdefault((measured.timeline.fused_loss, request.mesh), ({}, {}, {}))
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         key = frozenset(choices.items())
