@@ -2,8 +2,8 @@
 
 `autoplan.plan(model, budget, **options)` is `Planner(model, **options).plan(budget)`. A Planner
 checks its options when made, traces and profiles at its first `plan()`, and keeps what it
-measured; each later `plan()` only solves and simulates the chosen step (on Llama 1b/8b, 1.7-2.3×
-faster than the first: benchmarks/sweep.py). A sweep of budgets (step time against memory, a budget
+measured and every step it simulated; each later `plan()` only solves and simulates a chosen step it has not
+simulated yet (benchmarks/sweep.py). A sweep of budgets (step time against memory, a budget
 between the lowest peak and no plan) so profiles once. Each `plan(budget)` returns the Plan
 `autoplan.plan` returns for that budget.
 """
