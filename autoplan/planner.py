@@ -49,7 +49,7 @@ from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.training.step_parts import model_device, optimizer_name, parameter_count
-from autoplan.verify.simulate import Simulation, reserved_peak, simulate_plan
+from autoplan.verify.simulate import Simulation, reserved_peak, simulate_plan, simulation_of
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, format_bytes, where_in_user_code
 from autoplan.vocabulary.sizes import Size
@@ -247,12 +247,12 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
         mesh, curve = fewest_gpus(measured, request)
         request = dataclasses.replace(request, mesh=mesh)
     offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, request.mesh)))
-
-    # each simulated step's host peak; the step (its reserved memory replayed for the chosen one only); its least limit
-    host_peaks: dict[frozenset, int]
+    # each simulated step (its reserved memory replayed for the chosen one only), each least limit
     simulations: dict[frozenset, Simulation]
     leasts: dict[frozenset, int]
-    host_peaks, simulations, leasts = (memo if memo is not None else {}).setdefault((measured.timeline.fused_loss, request.mesh), ({}, {}, {}))
+    simulations, leasts = (memo if memo is not None else {}).setdefault((measured.timeline.fused_loss, request.mesh), ({}, {}))
+    base = frozenset((unit.name, unit.base) for unit in measured.units)  # the profile's timeline is that step, simulated
+    simulations.setdefault(base, simulation_of(measured.timeline, offsets))
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         key = frozenset(choices.items())
@@ -262,7 +262,7 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
             traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
             loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
         )
-        host_peaks[key], simulations[key] = simulated.host_peak_bytes, simulated
+        simulations[key] = simulated
         return simulated.peak_bytes
 
     least_of = _least_limits(measured, request, simulations, simulate, on_one_gpu=not any(offsets.values()), leasts=leasts)
@@ -274,7 +274,7 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
     simulation = simulations.get(chosen)
     raised = functools.partial(reserved_peak, predicted.peak_bytes, predicted.simulated_peak_bytes)
     floor = max(predicted.minimum_budget_bytes, allocator_floor(found, request.budget, measured.device, least_of))
-    simulated = dataclasses.replace(predicted, world_size_curve=curve, simulated_host_peak_bytes=host_peaks.get(chosen, 0),
+    simulated = dataclasses.replace(predicted, world_size_curve=curve, simulated_host_peak_bytes=simulation.host_peak_bytes if simulation else 0,
                                     reserved_peak_bytes=raised(simulation.reserved_bytes if simulation else 0),
                                     least_limit_bytes=fit.least_limit_bytes, minimum_budget_bytes=floor)
     # a plan that does not fit says so in its verdict; the notes are for one that fits by its allocated bytes

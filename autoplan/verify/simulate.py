@@ -18,6 +18,7 @@ from autoplan.instruments.caching_allocator import expandable_from_environment, 
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, Phase, Precision
 from autoplan.profile.simulation import run_timeline
+from autoplan.profile.timeline import Timeline
 from autoplan.units import Unit
 from autoplan.trace.tracer import Traced
 
@@ -68,6 +69,12 @@ def simulate_plan(
         traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn, loop=loop,
         fused_loss=fused_loss,
     )
+    return simulation_of(timeline, rank_offsets)
+
+
+def simulation_of(timeline: Timeline, rank_offsets: Mapping[Phase, int] | None = None) -> Simulation:
+    """The Simulation of a simulated step (`simulate_plan`'s, or a profile's own timeline: the step with every unit
+    at its base choice), per rank with `rank_offsets`."""
     offsets = rank_offsets or {}
     peak = max(timeline.phases, key=lambda sample: sample.peak_bytes + offsets.get(sample.phase, 0))
     log = () if any(offsets.values()) else timeline.allocation_log  # FSDP's gathers and frees are not in the log
