@@ -44,7 +44,7 @@ def _fsdp_for_states(plan: Plan) -> Step:
     device, usable, states = plan.target.device, plan.request.usable_bytes, plan.prediction.peak_bytes
     at_least = max(2, math.ceil(states / max(usable, 1)))
     code = ("# plans per GPU with the activations, the gathered parameters and FSDP's buffers counted:\n"
-            f"autoplan plan ... --world-size auto  # or autoplan.plan(model, budget, world_size=\"auto\")")
+            "autoplan plan ... --world-size auto  # or autoplan.plan(model, budget, world_size=\"auto\")")
     return Step("fsdp", "FSDP (shard parameters, gradients, optimizer state)", "try",
                 f"at least {at_least} × {device}: 1/{at_least} of the {format_bytes(states)} of states is "
                 f"{format_bytes(states // at_least)} per {rank_noun(device)}, within {format_bytes(usable)} usable before "
