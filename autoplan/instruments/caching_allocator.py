@@ -85,23 +85,22 @@ class _Block:
     next: _Block | None = None
     at_growing_end: bool = False  # expandable: the last mapped block, which can grow into unmapped pages
 
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.address)
-
 
 @dataclass
 class _Pool:
     small: bool
-    free: list[tuple[int, int, _Block]] = field(default_factory=list)  # (size, address, block), sorted
+    # (size, address, block), sorted. Free blocks have distinct addresses, so tuples compare by (size, address)
+    # and never reach the block; a (size, address) pair sorts just before its own entry. No key function:
+    # a replay calls these hundreds of thousands of times (a Planner's re-plan replays every candidate)
+    free: list[tuple[int, int, _Block]] = field(default_factory=list)
     tail: _Block | None = None  # expandable: the last block of the pool's one segment
     mapped_end: int = 0  # expandable: the segment's first unmapped address
 
     def insert(self, block: _Block) -> None:
-        bisect.insort(self.free, (block.size, block.address, block), key=lambda entry: entry[:2])
+        bisect.insort(self.free, (block.size, block.address, block))
 
     def remove(self, block: _Block) -> None:
-        index = bisect.bisect_left(self.free, block.key, key=lambda entry: entry[:2])
+        index = bisect.bisect_left(self.free, (block.size, block.address))
         assert self.free[index][2] is block, "a free block the pool does not hold"
         del self.free[index]
 
@@ -160,7 +159,7 @@ class CachingAllocatorModel:
 
     # -- the rules -----------------------------------------------------------------------------------
     def _best_fit(self, pool: _Pool, size: int) -> _Block | None:
-        index = bisect.bisect_left(pool.free, (size, -1), key=lambda entry: entry[:2])
+        index = bisect.bisect_left(pool.free, (size, -1))
         if index == len(pool.free):
             return None
         block = pool.free[index][2]
