@@ -291,10 +291,11 @@ def _stepping_in_foreach(optimizer: torch.optim.Optimizer):
     """A torch optimizer's groups in the foreach implementation while entered, where the groups choose one.
 
     The warm-up's step is there for the state it leaves, which both implementations make alike (one
-    `_init_group`, parameter by parameter); its temporaries are freed and never recorded. Foreach runs
-    a few ops over every parameter where the for-loop runs each op per parameter: a third fewer ops
-    for the whole simulated step (benchmarks/instruments.py). Fused, differentiable or capturable
-    groups, and optimizers from elsewhere (bitsandbytes, the person's own), step as they are.
+    `_init_group`, parameter by parameter); its temporaries are freed within it, and neither the
+    timeline nor the allocator's replay reads them. Foreach runs a few ops over every parameter where
+    the for-loop runs each op per parameter (benchmarks/instruments.py's tiny Llama for a cpu target:
+    1,670 ops on data a simulated step, 1,440 so). Fused, differentiable or capturable groups, and
+    optimizers from elsewhere (bitsandbytes, the person's own), step as they are.
     """
     groups = optimizer.param_groups
     as_set = [group.get("foreach") for group in groups]
