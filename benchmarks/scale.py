@@ -50,7 +50,7 @@ def run(preset: str, args) -> dict:
 
 
 def _command_line(preset: str, args) -> list[str]:
-    return [sys.executable, "-c", "from autoplan.cli.main import main; main()", "plan", preset, "--budget", args.budget, "--device", args.device,
+    return [sys.executable, "-c", "from autoplan.cli.main import run; run()", "plan", preset, "--budget", args.budget, "--device", args.device,
             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--world-size", str(args.world_size),
             "--json", "-"]
 

@@ -66,3 +66,40 @@ def test_a_report_to_a_file_or_a_pipe_is_as_wide_as_its_tables(monkeypatch) -> N
     assert "xxxx │ full" in row  # the table widened the report: its row is not wrapped
     assert max(len(line) for line in _printed(monkeypatch, "90")) <= 90  # COLUMNS, when set, is the width
     assert max(len(line) for line in _printed(monkeypatch, None, terminal=True)) <= 80  # a terminal's own width stands
+
+
+FACTORY_WITH_LOOSE_ENDS = '''
+import atexit, threading, time
+import torch
+
+def _write(name, text):
+    with open(name, "w") as file:
+        file.write(text)
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), (torch.randn(4, 8),)
+
+def with_exit_handler():
+    atexit.register(_write, {atexit_file!r}, "handler ran")
+    return _model()
+
+def with_thread():
+    threading.Thread(target=lambda: (time.sleep(5), _write({thread_file!r}, "thread ran"))).start()  # outlives the plan
+    return _model()
+'''
+
+
+@pytest.mark.slow  # processes that plan
+def test_the_command_skips_the_interpreters_teardown_but_loses_nothing(tmp_path) -> None:
+    """`autoplan` (cli.main.run) ends with os._exit (torch's teardown is most of a second), after running the atexit handlers (the
+    factory's too); while a non-daemon thread of the factory still runs, it waits for it as the interpreter would.
+    The report and the exit code are the command's either way."""
+    atexit_file, thread_file = tmp_path / "atexit.txt", tmp_path / "thread.txt"
+    factory = tmp_path / "loose_ends.py"
+    factory.write_text(FACTORY_WITH_LOOSE_ENDS.format(atexit_file=str(atexit_file), thread_file=str(thread_file)))
+    for builder, written, text in (("with_exit_handler", atexit_file, "handler ran"), ("with_thread", thread_file, "thread ran")):
+        result = autoplan("plan", f"{factory}:{builder}", "--budget", "1GB", "--device", "cpu")
+        assert result.returncode == ExitCode.FITS and result.stdout.startswith("FITS"), result.stderr
+        assert written.read_text() == text
+    tight = autoplan("plan", "tests/cli_factories.py:tiny_mlp", "--budget", "1KB", "--device", "cpu")
+    assert tight.returncode == ExitCode.DOES_NOT_FIT and tight.stdout.startswith("DOES NOT FIT"), tight.stderr
