@@ -6,7 +6,8 @@
 A simulated step (`profile.simulation.run_timeline`: a fake copy of the model, the values table, the
 live-bytes tracker, the recorder's hooks, warm-up and the recorded step) is timed against the same
 forward, backward and optimizer step run under a bare `FakeTensorMode` (the floor no instrument can
-go below), and the ops the tracker saw are counted. Prints, per model and target, the median of
+go below), and the ops the tracker saw are counted, and those on data among them (the rest are a fake
+tensor asking its mode for its device or layout). Prints, per model and target, the median of
 `--repeat` steps of each, the ops per step, the instruments' microseconds per op, and the machine.
 """
 
@@ -93,22 +94,24 @@ def _simulated_step(model: torch.nn.Module, batch, device: str) -> tuple[Callabl
     target = get_device(device)
     seen = collections.Counter()
     dispatch = tracker.LiveBytesTracker.__torch_dispatch__
+    asks = (torch.ops.prim.device.default, torch.ops.prim.layout.default)  # a question about a tensor, not an op on data
 
     def counted(self, func, types, args=(), kwargs=None):
         seen["ops"] += 1
+        seen["asks"] += func in asks
         return dispatch(self, func, types, args, kwargs)
 
     def step() -> None:
         run_timeline(traced, choices, device=target, optimizer="adamw")
 
-    def ops() -> int:
+    def ops() -> tuple[int, int]:
         seen.clear()
         tracker.LiveBytesTracker.__torch_dispatch__ = counted
         try:
             step()
         finally:
             tracker.LiveBytesTracker.__torch_dispatch__ = dispatch
-        return seen["ops"]
+        return seen["ops"], seen["asks"]
     return step, ops
 
 
@@ -118,15 +121,15 @@ def main() -> None:
     parser.add_argument("--devices", nargs="+", default=["cpu", "a100-80gb"])
     args = parser.parse_args()
     print(f"machine: {describe_machine()}; median of {args.repeat} steps each")
-    print(f"{'model':>22} {'target':>10} {'ops':>6} {'simulated ms':>13} {'plain fake ms':>14} {'ratio':>6} {'µs/op over fake':>16}")
+    print(f"{'model':>22} {'target':>10} {'ops':>6} {'on data':>8} {'simulated ms':>13} {'plain fake ms':>14} {'ratio':>6} {'µs/op over fake':>16}")
     for name, build in MODELS.items():
         model, batch = build()
         plain = _median_ms(_plain_fake_step(model, batch), args.repeat)
         for device in args.devices:
             step, ops = _simulated_step(model, batch, device)
             simulated = _median_ms(step, args.repeat)
-            count = ops()
-            print(f"{name:>22} {device:>10} {count:>6} {simulated:>13.0f} {plain:>14.0f} {simulated / plain:>5.1f}× "
+            count, asks = ops()
+            print(f"{name:>22} {device:>10} {count:>6} {count - asks:>8} {simulated:>13.0f} {plain:>14.0f} {simulated / plain:>5.1f}× "
                   f"{(simulated - plain) * 1000 / count:>16.1f}")
 
 

@@ -48,8 +48,8 @@ def measure_rank_peak(
     # allocator reports the free of a block only if it saw the block made. gloo drops some buffers it was handed in
     # threads of its own, where no free is reported: the last step starts from what the rank holds then (its shards,
     # optimizer state and batch, walked), and within it the count learns of such a free only when the address is
-    # handed out again, so on gloo it is an upper bound, by as much as those threads ran late: the same steady step
-    # counted 49.1, 52.3 and 55.4 MB in three runs of tests/apply/test_sharding.py's ranks. Each steady step is
+    # handed out again, so on gloo it is an upper bound, by as much as those threads ran late (the last step alone
+    # counted 55.4 MB against 48.1 predicted in one run of tests/apply/test_sharding.py, under it in others). Each steady step is
     # counted and the lowest kept, the tightest of the upper bounds (on a device whose allocator reports every free
     # they are equal)
     first_steady = min(1, steps - 1)
