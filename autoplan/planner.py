@@ -1,11 +1,10 @@
 """Profile once, plan at many budgets: `Planner(model, **options).plan(budget)`.
 
-`autoplan.plan(model, budget, **options)` is `Planner(model, **options).plan(budget)`. A Planner
-checks its options when made, traces and profiles at its first `plan()`, and keeps what it
-measured and every step it simulated; each later `plan()` only solves and simulates a chosen step it has not
-simulated yet (benchmarks/sweep.py). A sweep of budgets (step time against memory, a budget
-between the lowest peak and no plan) so profiles once. Each `plan(budget)` returns the Plan
-`autoplan.plan` returns for that budget.
+`autoplan.plan(model, budget, **options)` is `Planner(model, **options).plan(budget)`. A Planner checks its
+options when made, traces and profiles at its first `plan()`, and keeps what it measured and every step it
+simulated; each later `plan()` only solves and simulates a chosen step it has not simulated yet
+(benchmarks/sweep.py). A sweep of budgets (step time against memory, a budget between the lowest peak and
+no plan) so profiles once. Each `plan(budget)` returns the Plan `autoplan.plan` returns for that budget.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from autoplan.solve.allocator_fit import allocator_floor, allocator_room, fit_al
 from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
 from autoplan.solve.request import SolveRequest
 from autoplan.solve.states_bound import every_unit_runs, states_bound_plan, states_over_budget
-from autoplan.solve.search import pinned_choices, search
+from autoplan.solve.search import checkpoint_policies, pinned_choices, requested_modes, search
 from autoplan.solve.worlds import fewest_gpus
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
@@ -100,6 +99,7 @@ class Planner:
         settings = settle(given)
         self._settings, self._options = settings, dataclasses.replace(given, loop=settings.step.loop)  # the loop as checked
         _check_model(model, settings.device)
+        requested_modes(settings.space.checkpoint)  # a misspelt mode or policy is said now, not after the profile
         settle_first_forward(model)
         self._model = model
         self._batch = training_batch(model, given.example_inputs, given.batch_size, given.seq_len)
@@ -186,8 +186,8 @@ class Planner:
                 if number == len(levels) and not profiled:
                     raise
                 continue  # a Sequential run called twice: the other levels are the plan space
-            space = settings.space
-            pins = pinned_choices(list(traced.unit_names), choices_for(space.precision, settings.device), space.keep_fp32, space.checkpoint)
+            space = settings.space  # pins, a named policy's as the profile measured it
+            pins = pinned_choices(list(traced.unit_names), choices_for(space.precision, settings.device), space.keep_fp32, space.checkpoint, measured)
             profiled.append(ProfiledLevel(level, traced, measured, pins))
         return profiled
 
@@ -349,7 +349,7 @@ def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, s
         measured = profile_units(
             traced, device, optimizer=step.optimizer, precisions=precisions, rest_precision=rest, loss_fn=step.loss_fn,
             progress=say, loop=step.loop, menu_size=space.menu_size, compile=space.compile, fuse_loss=space.fuse_loss,
-            host=space.host,
+            host=space.host, named=checkpoint_policies(list(traced.unit_names), space.checkpoint),
         )
         if not space.compile and _should_measure(profile, model, device):
             measured = measure_times(measured, traced, optimizer=step.optimizer, loss_fn=step.loss_fn, progress=say)

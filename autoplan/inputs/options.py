@@ -163,7 +163,10 @@ class PlanOptions:
         "`ModuleList` or `ModuleDict` plans the blocks it holds", list))
     keep_fp32: list[str] | None = _option(None, "pins: unit patterns that stay fp32.")
     checkpoint: list[str] | Mapping[str, str] | None = _option(None, "pins: unit patterns that must be checkpointed (`full`), or "
-                                                               "`{pattern: \"selective\"}`.")
+                                                               "`{pattern: mode}`: `\"keep\"`, `\"selective\"`, `\"full\"`, or a named "
+                                                               "policy people run, to price that setup against the plan: "
+                                                               "`\"torchtitan-op\"` (torchtitan's op-level selective checkpointing: "
+                                                               "every other matmul and the attention kernels kept; docs/api.md).")
     reserve: str | int | None = _option(None, "bytes held back from the budget. Default: 512 MiB CUDA context + 5% of the rest for "
                                         "allocator fragmentation. The context part is an estimate, **too small on the one GPU measured** (an "
                                         "H100: 764 MiB once cuBLAS, cuDNN and attention ran; docs/BENCHMARKS.md). On one GPU the plan also "

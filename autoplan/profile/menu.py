@@ -71,6 +71,7 @@ class PolicyWords:
 
     summary: str  # in a person's words, by kind of op: "keeps the outputs of matmuls and attention; recomputes norms, ..."
     ops: str  # op by op, by submodule (`describe`): what --verbose shows
+    name: str = ""  # the named policy it is (`profile.named_policies`), "" for a menu point of autoplan's own
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
 """Profile stage: what every unit costs, in bytes and time, under every choice it can take.
 
 Two kinds of measurement, both under fake tensors (no real memory, any machine):
-- the *timeline*: training step 2 (after an optimizer-only step 1) of a fake twin of the model
-  with every unit at its base choice (keep, in the base precision), split into phases at unit
-  boundaries;
+- the *timeline*: training step 2 (after an optimizer-only step 1) of a fake twin of the model with
+  every unit at its base choice (keep, in the base precision), split into phases at unit boundaries;
 - each *unit alone*, called with inputs shaped like the ones it received in the timeline, under
   each choice: the peak of its forward, the bytes it keeps for backward, the peak of its backward
   (recomputation included), and roofline time and FLOPs of both.
@@ -14,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -32,6 +32,7 @@ from autoplan.axes.precision import kind
 from autoplan.plan import Choice, Precision
 from autoplan.profile.layout import ParamShape, layout_of
 from autoplan.profile.menu import DEFAULT_MENU_SIZE, PolicyWords, dominated, measure_or_refuse, menu_points, record_ops
+from autoplan.profile.named_policies import named_choices
 from autoplan.profile.recorder import TensorSpec, UnitCall, materialize_inputs
 from autoplan.profile.simulation import base_timelines, simulation_model
 from autoplan.profile.timeline import Timeline
@@ -259,9 +260,9 @@ def _measure_unit(
 
 
 def _measure_options(module, call: UnitCall, precisions, rest: Precision, device: Device, fake_mode: FakeTensorMode, menu_size: int,
-                     host: HostMemory | None = None):
-    """Every choice of one unit measured: the three modes × precisions, their host twins when offload is
-    allowed (`axes.placement`), then its menu points (with their policies in words)."""
+                     host: HostMemory | None = None, named: str = ""):
+    """Every choice of one unit measured: the three modes × precisions, their host twins when offload is allowed
+    (`axes.placement`), its menu points (policies in words), and a named policy it is pinned to (`named_policies`)."""
     costs, refused = measure_or_refuse(unit_choices(precisions), lambda choice: _measure_unit(module, call, choice, rest, device, fake_mode))
     if host is not None:
         costs |= measure_host_twins(costs, lambda twin: _measure_unit(module, call, twin, rest, device, fake_mode), host.bandwidth)
@@ -279,6 +280,11 @@ def _measure_options(module, call: UnitCall, precisions, rest: Precision, device
         if not dominated(cost, rivals):  # a point no better than another only slows the solver
             costs[choice] = cost
             policies[choice] = policy
+    if named:  # pinned: kept whatever it is worth against the rest
+        inputs, measure = functools.partial(materialize_inputs, call.inputs, _materialize), functools.partial(
+            _measure_unit, module, call, rest=rest, device=device, fake_mode=fake_mode)
+        for choice, (cost, policy) in named_choices(module, call.name, named, precisions, refused, inputs, measure, device, fake_mode).items():
+            costs[choice], policies[choice] = cost, policy
     return MappingProxyType(costs), MappingProxyType(policies), refused
 
 
@@ -297,18 +303,18 @@ def unit_choices(precisions: tuple[Precision, ...]) -> list[Choice]:
 
 
 def _profile_units(model, timeline: Timeline, base, precisions, rest, rates, fake_mode, menu_size, say,
-                   host: HostMemory | None = None) -> list[UnitProfile]:
-    """Every unit alone under every choice; identical units (class, parameter and input shapes) measured once."""
+                   host: HostMemory | None = None, named: Mapping[str, str] = MappingProxyType({})) -> list[UnitProfile]:
+    """Every unit alone under every choice; identical units (class, parameter and input shapes, named policy) measured once."""
     measured: dict[tuple, tuple[Mapping[Choice, UnitCost], Mapping[Choice, PolicyWords], str]] = {}
     units_by_name = {unit.name: unit for unit in base}
     units = []
     for index, call in enumerate(timeline.unit_calls):
         unit = units_by_name[call.name]
         module = unit_module(model, unit)
-        key = _signature(module, call)
+        key = (_signature(module, call), named.get(call.name, ""))
         if key not in measured:
             say(f"profiling unit {index + 1}/{len(timeline.unit_calls)}: {call.name}")
-            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size, host)
+            measured[key] = _measure_options(module, call, precisions, rest, rates, fake_mode, menu_size, host, named.get(call.name, ""))
         params = list(module.parameters())
         costs, policies, refused = measured[key]
         units.append(UnitProfile(unit, costs, base[unit], unique_storage_bytes(params), layout_of(params), policies, refused))
@@ -329,6 +335,7 @@ def profile(
     loop: TrainingLoop | None = None,
     fuse_loss: bool = True,
     host: HostMemory | None = None,
+    named: Mapping[str, str] = MappingProxyType({}),
 ) -> Profile:
     """Measure the timeline and every unit under every choice in `precisions` × checkpoint modes.
 
@@ -341,7 +348,8 @@ def profile(
     costs the same in any loop. `fuse_loss`: the output head's cross-entropy may be fused;
     `alternative` is then the step the other way, for the solve to plan too (`profile.simulation`).
     `host`: offload allowed: keep and full may also hold their saved tensors in host memory, priced by
-    its host link (`axes.placement`).
+    its host link (`axes.placement`). `named`: unit name -> a named checkpoint policy it is pinned to
+    (`profile.named_policies`), measured besides the rest.
     """
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
@@ -356,7 +364,7 @@ def profile(
     fake_mode = new_fake_mode(traced.routing, traced.draws)
     model = simulation_model(traced, fake_mode, {}, "fp32")
     rates = FusedElementwiseRates(device) if compile else device
-    units = _profile_units(model, timelines.timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host)
+    units = _profile_units(model, timelines.timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host, named)
     in_units = {id(p) for unit in units for p in unit_module(model, unit.unit).parameters()}
     return Profile(
         model_name=type(traced.model).__name__, device=device, optimizer=optimizer_name(optimizer), rest_precision=rest,

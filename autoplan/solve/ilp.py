@@ -94,8 +94,8 @@ def allowed_choices(profile: Profile, pins: Mapping[str, tuple[Choice, ...]] | N
     for unit in profile.units:
         options = sorted(unit.options)
         if unit.name in pins:
-            # a pinned mode allows every menu point of that mode, on the device or offloaded (pins name modes)
-            options = [c for c in options if dataclasses.replace(c, saves=None, placement="device") in pins[unit.name]]
+            # a pinned mode allows every menu point of that mode, on the device or offloaded; a named policy its own choice
+            options = [c for c in options if c in pins[unit.name] or dataclasses.replace(c, saves=None, placement="device") in pins[unit.name]]
             if not options:
                 raise OptionError(f"the pins on unit {unit.name!r} leave it no choice it can take")
         result.append(options)

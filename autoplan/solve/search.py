@@ -16,6 +16,7 @@ from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.memory.model import predict_peak
 from autoplan.axes.checkpoint import MODES, Mode
 from autoplan.plan import Choice, Precision
+from autoplan.profile.named_policies import NAMED_POLICIES
 from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.names import match_units
 from autoplan.solve.ilp import STOPPED_WITH_PLAN, allowed_choices, minimum_peak, solve
@@ -45,23 +46,48 @@ class SearchResult:
 
 
 def pinned_choices(
-    units: list[str], precisions: tuple[Precision, ...], keep_fp32, checkpoint
+    units: list[str], precisions: tuple[Precision, ...], keep_fp32, checkpoint,
+    profile: Profile | None = None,
 ) -> dict[str, tuple[Choice, ...]]:
-    """Per unit, the choices the person allows (absent: any profiled choice)."""
+    """Per unit, the choices the person allows (absent: any profiled choice). A unit pinned to a named policy
+    (`profile.named_policies`) allows that policy's choices, one per precision, as `profile` measured them."""
+    named_choices = {unit.name: tuple(c for c, words in unit.policies.items() if words.name) for unit in profile.units} if profile else {}
     modes: dict[str, tuple[Mode, ...]] = {}
-    if checkpoint:
-        requested = checkpoint if isinstance(checkpoint, Mapping) else {p: "full" for p in ([checkpoint] if isinstance(checkpoint, str) else checkpoint)}
-        for pattern, mode in requested.items():
-            if mode not in MODES:
-                raise OptionError(f"checkpoint mode for {pattern!r} must be one of {MODES}; got {mode!r}")
+    named: dict[str, str] = checkpoint_policies(units, checkpoint)
+    for pattern, mode in requested_modes(checkpoint).items():
+        if mode in MODES:
             for unit in match_units(units, [pattern], "checkpoint"):
                 modes[unit] = (cast(Mode, mode),)  # one of MODES, checked above
     fp32_units = match_units(units, keep_fp32, "keep_fp32") if keep_fp32 else set()
     pins = {}
     for unit in units:
         unit_precisions: tuple[Precision, ...] = ("fp32",) if unit in fp32_units else precisions
-        pins[unit] = tuple(Choice(m, p) for p in unit_precisions for m in modes.get(unit, MODES))
+        if unit in named:
+            pins[unit] = tuple(c for c in named_choices.get(unit, ()) if c.precision in unit_precisions)
+        else:
+            pins[unit] = tuple(Choice(m, p) for p in unit_precisions for m in modes.get(unit, MODES))
     return pins
+
+
+def requested_modes(checkpoint) -> dict[str, str]:
+    """The `checkpoint` option as pattern -> mode or named policy, each checked."""
+    if not checkpoint:
+        return {}
+    requested = checkpoint if isinstance(checkpoint, Mapping) else {p: "full" for p in ([checkpoint] if isinstance(checkpoint, str) else checkpoint)}
+    for pattern, mode in requested.items():
+        if mode not in MODES and mode not in NAMED_POLICIES:
+            raise OptionError(f"checkpoint mode for {pattern!r} must be one of {MODES} or a named policy "
+                              f"({', '.join(NAMED_POLICIES)}); got {mode!r}")
+    return dict(requested)
+
+
+def checkpoint_policies(units: list[str], checkpoint) -> dict[str, str]:
+    """unit -> the named checkpoint policy `checkpoint` pins it to (`profile.named_policies`), for the profile to measure."""
+    named: dict[str, str] = {}
+    for pattern, mode in requested_modes(checkpoint).items():
+        if mode in NAMED_POLICIES:
+            named.update((unit, mode) for unit in match_units(units, [pattern], "checkpoint"))
+    return named
 
 
 def _floor(profile: Profile, request: SolveRequest, simulate):
