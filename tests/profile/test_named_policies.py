@@ -60,16 +60,24 @@ def _torchtitan_by_hand(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_a_plan_pinned_to_torchtitan_op_predicts_torchtitans_own_policy_run_by_hand(attention):
+# q, v, gate and down projections are a Llama block's 1st, 3rd, 5th and 7th matmul; Qwen2's biased q, k, v run addmm,
+# which torchtitan's rule neither counts nor saves: its o and up projections are the 1st and 3rd aten.mm
+CASES = {
+    "llama-sdpa": ("LlamaForCausalLM", "LlamaConfig", "sdpa", ("aten.mm#0", "aten.mm#2", "aten.sdpa#0", "aten.mm#4", "aten.mm#6")),
+    "llama-eager": ("LlamaForCausalLM", "LlamaConfig", "eager", ("aten.mm#0", "aten.mm#2", "aten.mm#4", "aten.mm#6")),
+    "qwen2-sdpa": ("Qwen2ForCausalLM", "Qwen2Config", "sdpa", ("aten.sdpa#0", "aten.mm#0", "aten.mm#2")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_plan_pinned_to_torchtitan_op_predicts_torchtitans_own_policy_run_by_hand(case):
+    model_class, config_class, attention, expected = CASES[case]
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, attn_implementation=attention))
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**CONFIG, attn_implementation=attention))
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
     plan = autoplan.plan(model, "1GB", example_inputs=batch, device="cpu", precision="fp32", fuse_loss=False,
                          checkpoint={"model.layers.*": "torchtitan-op"})
-    matmuls = ("aten.mm#0", "aten.mm#2", "aten.mm#4", "aten.mm#6")  # q, v, gate and down projections
-    expected = matmuls[:2] + ("aten.sdpa#0",) + matmuls[2:] if attention == "sdpa" else matmuls
     assert [unit.choice.saves for unit in plan.decisions.units] == [expected] * CONFIG["num_hidden_layers"]
     assert all(unit.policy_summary.startswith("torchtitan's op-level") for unit in plan.decisions.units)
     by_hand = measured_step(_torchtitan_by_hand(copy.deepcopy(model)), batch)
