@@ -215,7 +215,8 @@ class PlanOptions:
         "budget, not the device.", "plan for a budget above the device's memory (exit 2 otherwise); the report notes it fits the "
         "budget, not the device", bool, verify=False))
     segments: bool = _option(True, "True (default): runs of consecutive blocks may be checkpointed as one region (a segment, as in √n "
-                             "checkpointing; `memory.segment_terms`) besides each block on its own; False: each block on its own.")
+                             "checkpointing; `memory.segment_terms`) besides each block on its own; False: each block on its own. "
+                             "Blocks pinned to a mode (`checkpoint`) are never in one.")
     moe_capacity: float | None = _option(None, MOE_DOC, Flag(
         ("--moe-capacity",), "Mixture-of-experts layers whose routing decides shapes: profile each expert with CAPACITY × tokens × "
         "top_k / experts tokens (1.0: balanced routing). Default: the worst case, every expert gets every token.",

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
+from autoplan.axes.checkpoint import MODES
 from autoplan.errors import OptionError
 from autoplan.plan import OPTIMIZER_STEP, Choice, Phase
 from autoplan.profile.profiler import Profile
@@ -127,14 +128,16 @@ def segment_candidates(profile: Profile) -> list[SegmentCandidate]:
 
 
 def segment_choices(profile: Profile, candidate: SegmentCandidate, pins=None) -> list[Choice]:
-    """The choices a segment may take: full in each precision every member can run full and keep in."""
+    """The choices a segment may take: full in each precision every member can run full and keep in, and whose
+    checkpointing no member's pin decides (a unit pinned to a mode is checkpointed on its own, as pinned: a segment
+    would recompute its whole run at once, which no one pinning each block asked for)."""
     precisions = [c.precision for c in profile.units[candidate.members[0]].options if c.mode == "full" and c.saves is None]
     result = []
     for precision in dict.fromkeys(precisions):
         full, keep = Choice("full", precision), Choice("keep", precision)
         units = [profile.units[u] for u in candidate.members]
         if all(full in unit.options and keep in unit.options for unit in units) and all(
-            pins is None or unit.name not in pins or full in pins[unit.name] for unit in units
+            pins is None or unit.name not in pins or all(Choice(mode, precision) in pins[unit.name] for mode in MODES) for unit in units
         ):
             result.append(full)
     return result

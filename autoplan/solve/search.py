@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping, cast
+from typing import Callable, Mapping
 
 from autoplan.errors import OptionError, SolverTimeoutError
 from autoplan.memory.model import predict_peak
@@ -57,7 +57,7 @@ def pinned_choices(
     for pattern, mode in requested_modes(checkpoint).items():
         if mode in MODES:
             for unit in match_units(units, [pattern], "checkpoint"):
-                modes[unit] = (cast(Mode, mode),)  # one of MODES, checked above
+                modes[unit] = (mode,)  # one of MODES (the check narrows its type)
     fp32_units = match_units(units, keep_fp32, "keep_fp32") if keep_fp32 else set()
     pins = {}
     for unit in units:

@@ -89,6 +89,18 @@ def test_segments_lower_the_floor_below_every_level_of_a_deep_narrow_chain():
 
 
 @pytest.mark.slow  # the whole pipeline
+def test_blocks_pinned_to_a_mode_are_checkpointed_each_on_its_own():
+    """A pin says how each block is checkpointed, as transformers' gradient_checkpointing_enable() does it: no segment
+    (its whole run recomputed at once in backward) stands in for pinned blocks, however it ties or lowers the floor."""
+    model, inputs = _chain()
+    pinned, _ = _floor(model, inputs, checkpoint={"layers.*": "full"})
+    blocks, _ = _floor(model, inputs, checkpoint={"layers.*": "full"}, segments=False)
+    free, _ = _floor(model, inputs)
+    assert free.prediction.minimum_peak_bytes < pinned.prediction.minimum_peak_bytes == blocks.prediction.minimum_peak_bytes
+    assert [str(unit.choice) for unit in pinned.decisions.units] == ["full/fp32"] * len(model.layers)
+
+
+@pytest.mark.slow  # the whole pipeline
 def test_a_plan_for_torch_compile_has_no_segments():
     """A segment's region runs eagerly between compiled graphs: compile=True plans blocks only."""
     model, inputs = _chain()
