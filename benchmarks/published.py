@@ -1,0 +1,175 @@
+"""GPU peak memory other people measured and published, next to autoplan's prediction of the same number.
+
+Each row is a published training run with its whole configuration: the model (built here from its config,
+random weights: nothing is downloaded), batch, sequence, precision, checkpointing, optimizer and loop,
+the card, and which number was published (allocated, reserved, or what nvidia-smi shows: reserved plus
+the CUDA context). autoplan plans the run as published (every block pinned to the run's checkpointing and
+precision, the run's optimizer and loop, the run's card, no reserve) and predicts that number:
+
+- "nvidia-smi": the caching allocator's reserved peak (`plan.prediction.reserved_peak_bytes`) plus the CUDA
+  context the source measured itself;
+- "reserved": the reserved peak alone; "allocated": the allocated peak (`plan.prediction.peak_bytes`).
+
+    python benchmarks/published.py                  # every row, then the same model on today's stack (about 4 minutes)
+    python benchmarks/published.py --rows 1,4       # some published rows only
+    python benchmarks/published.py --today          # the second table only
+
+Prints the table of published rows, then the same bert-large runs as benchmarks/gpu_truth.py measured them on an
+H100 with today's torch and transformers (benchmarks/results/h100_2026-11-27/bert.json: allocated and reserved,
+steps 2-3) against autoplan's prediction for that stack, and the machine it ran on. docs/published.md holds its
+last run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autoplan  # noqa: E402
+from autoplan.inputs.hf_trainer import trainer_loop  # noqa: E402
+from benchmarks.machine import describe_machine  # noqa: E402
+
+MIB = 2**20
+TRANSFORMERS_PAGE = ("transformers docs, \"Efficient Training on a Single GPU\" (docs/source/en/perf_train_gpu_one.mdx, "
+                     "January 2022): bert-large-uncased, sequence 512, Trainer, V100-SXM2 16 GB, driver 460.91.03, "
+                     "CUDA 11.2; `GPU memory occupied` (NVML used) after training; the page measured the context at 1343 MB")
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    source: str
+    number: str  # "nvidia-smi", "reserved" or "allocated"
+    published_mib: float
+    context_mib: float  # the CUDA context the source measured (nvidia-smi rows)
+    batch: int
+    accumulation: int
+    checkpointing: bool
+    fp16: bool
+    optimizer: str
+
+
+def _bert_rows() -> list[Row]:
+    # (label, batch, accumulation, gradient checkpointing, fp16, optimizer, published MB as the page printed it)
+    runs = [
+        ("batch 4", 4, 1, False, False, "adamw", 14949),
+        ("batch 1, accumulation 4", 1, 4, False, False, "adamw", 8681),
+        ("batch 1, accumulation 4, checkpointing", 1, 4, True, False, "adamw", 6775),
+        ("batch 4, fp16", 4, 1, False, True, "adamw", 13939),
+        ("batch 1, accumulation 4, checkpointing, fp16", 1, 4, True, True, "adamw", 7275),
+        ("batch 4, Adafactor", 4, 1, False, False, "adafactor", 12295),
+        ("batch 1, accumulation 4, checkpointing, fp16, Adafactor", 1, 4, True, True, "adafactor", 4847),
+        ("batch 4, 8-bit Adam", 4, 1, False, False, "adam8bit", 13085),
+        ("batch 1, accumulation 4, checkpointing, fp16, 8-bit Adam", 1, 4, True, True, "adam8bit", 5363),
+    ]
+    return [Row(f"bert-large: {label}", TRANSFORMERS_PAGE, "nvidia-smi", mib, 1343, batch, accumulation, ckpt, fp16, opt)
+            for label, batch, accumulation, ckpt, fp16, opt, mib in runs]
+
+
+ROWS = _bert_rows()
+BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)  # bert-large-uncased's config
+
+
+def _optimizer(name: str):
+    if name == "adafactor":  # Trainer's optim="adafactor" (transformers.Adafactor, scale_parameter=False, relative_step=False)
+        from transformers.optimization import Adafactor
+        return Adafactor([torch.nn.Parameter(torch.zeros(1))], lr=5e-5, scale_parameter=False, relative_step=False,
+                         warmup_init=False)
+    return name
+
+
+def predict(row: Row) -> tuple[float, float]:
+    """autoplan's prediction of the row's published number (MiB), and the seconds planning took."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    with torch.device("meta"):  # 2022's BertModel wrote attention out op by op: the eager kernels
+        model = BertForSequenceClassification(BertConfig(num_labels=2, attn_implementation="eager", **BERT_LARGE)).train()
+    ids = torch.randint(100, 30000, (row.batch, 512), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": torch.zeros(row.batch, dtype=torch.long)}
+    precision = "fp16" if row.fp16 else "fp32"
+    began = time.perf_counter()
+    plan = autoplan.plan(
+        model, "16GB", example_inputs=batch, device="v100-16gb", reserve=0, allow_over_device=True, precision=precision,
+        checkpoint={"bert.encoder.layer.*": "full" if row.checkpointing else "keep"}, optimizer=_optimizer(row.optimizer),
+        loop=trainer_loop(row.accumulation, "for-loop", precision, labelled=True, device="v100-16gb"), fuse_loss=False,
+    )
+    seconds = time.perf_counter() - began
+    prediction = plan.prediction
+    if row.number == "allocated":
+        return prediction.peak_bytes / MIB, seconds
+    reserved = prediction.reserved_peak_bytes / MIB
+    return (reserved + row.context_mib if row.number == "nvidia-smi" else reserved), seconds
+
+
+H100_RUN = Path(__file__).resolve().parent / "results" / "h100_2026-11-27" / "bert.json"  # benchmarks/gpu_truth.py --parts bert
+
+
+def predict_today(label: str, config: tuple) -> tuple[float, float]:
+    """autoplan's allocated and reserved peaks (MiB) for one of the bert-large runs benchmarks/gpu_training.py made on
+    an H100 (torch 2.11, transformers 5.17: sdpa attention, torch's AdamW, its own loop), as that loop ran them."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    batch_size, accumulation, checkpointing, fp16, optimizer = config
+    with torch.device("meta"):
+        model = BertForSequenceClassification(BertConfig(num_labels=2, **BERT_LARGE)).train()
+    batch = {"input_ids": torch.randint(0, 30522, (batch_size, 512), generator=torch.Generator().manual_seed(0)),
+             "labels": torch.zeros(batch_size, dtype=torch.long)}
+    loop = autoplan.TrainingLoop(keep_outputs=False, accumulation_steps=accumulation, grad_scaler=fp16, loss_in_model=True)
+    plan = autoplan.plan(model, "80GB", example_inputs=batch, device="h100-80gb", reserve=0, precision="fp16" if fp16 else "fp32",
+                         checkpoint={"bert.encoder.layer.*": "full" if checkpointing else "keep"},
+                         optimizer=_optimizer("adamw8bit" if optimizer == "adamw8bit" else optimizer), loop=loop, fuse_loss=False)
+    return plan.prediction.peak_bytes / MIB, plan.prediction.reserved_peak_bytes / MIB
+
+
+def today_table() -> None:
+    """The same model on today's stack: autoplan against what an H100 measured (allocated and reserved, steps 2-3)."""
+    import json
+
+    from benchmarks.gpu_training import BERT_CONFIGS
+
+    measured = json.loads(H100_RUN.read_text())
+    print("\n| run (H100, torch 2.11) | measured allocated MiB | predicted | ratio | measured reserved MiB | predicted | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for label, config in BERT_CONFIGS.items():
+        allocated, reserved = max(measured[label]["allocated_by_step"][1:]) / MIB, max(measured[label]["reserved_by_step"]) / MIB
+        predicted_allocated, predicted_reserved = predict_today(label, config)
+        print(f"| bert-large: {label} | {allocated:,.0f} | {predicted_allocated:,.0f} | {predicted_allocated / allocated:.3f} | "
+              f"{reserved:,.0f} | {predicted_reserved:,.0f} | {predicted_reserved / reserved:.3f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", help="comma-separated row numbers (from 1); default: every row")
+    parser.add_argument("--today", action="store_true", help="only the second table: the same model on an H100 today")
+    args = parser.parse_args()
+    if args.today:
+        print(f"machine: {describe_machine()}")
+        today_table()
+        return
+    chosen = [ROWS[int(n) - 1] for n in args.rows.split(",")] if args.rows else ROWS
+    print(f"machine: {describe_machine()}")
+    print("| # | run | number | published MiB | predicted MiB | predicted / published | plan s |")
+    print("|---|---|---|---|---|---|---|")
+    ratios = []
+    for row in chosen:
+        predicted, seconds = predict(row)
+        ratios.append(predicted / row.published_mib)
+        print(f"| {ROWS.index(row) + 1} | {row.label} | {row.number} | {row.published_mib:,.0f} | {predicted:,.0f} | "
+              f"{predicted / row.published_mib:.3f} | {seconds:.0f} |", flush=True)
+    print(f"\nratio median {statistics.median(ratios):.3f}, lowest {min(ratios):.3f}, highest {max(ratios):.3f}")
+    sources = dict.fromkeys(row.source for row in chosen)
+    print("\nsources:\n" + "\n".join(f"- {source}" for source in sources))
+    if not args.rows:
+        today_table()
+
+
+if __name__ == "__main__":
+    main()
