@@ -1,9 +1,8 @@
 """The plan's vocabulary: what can be chosen for a unit, and the Plan a planning run returns.
 
-A `Choice` is one value of each choice axis (`axes`: checkpoint mode, precision, placement). A `Plan` is everything a person (or the rewrite
-stage) needs, in parts by concern: what was asked, the model and device, one decision per unit, the
-predicted peaks, breakdown and step times, and how the search ended. `Plan.to_dict()` is the JSON
-schema: only plain numbers, strings, lists and dicts.
+A `Choice` is one value of each choice axis (`axes`: checkpoint mode, precision, placement). A `Plan` is everything a
+person (or the rewrite stage) needs, in parts by concern: what was asked, the model and device, one decision per unit,
+the predicted peaks, breakdown and step times, and how the search ended. `Plan.to_dict()` is the JSON schema.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from autoplan.errors import OptionError
 from autoplan.mesh import Mesh
 from autoplan.units import Unit
 from autoplan.vocabulary.fingerprint import Fingerprint
-
 
 PhaseKind = Literal["fwd", "bwd", "step"]
 PhasePosition = Literal["start", "in", "after", "optimizer", "zero_grad"]
@@ -219,6 +217,8 @@ class Request:
     loop: TrainingLoopLike | None = None  # the training loop the peak was predicted for
     host: HostMemory | None = None  # offload allowed: the host link and the pinned host memory the plan may use; None: off
     arguments: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
+    context_bytes: int = 0  # the reserve's part that is the CUDA context (the rest: fragmentation allowance); 0 on a CPU
+    context_source: str = ""  # where its figure comes from (inputs.cuda_context): measured, estimated, given
 
     @property
     def world_size(self) -> int:  # devices in the mesh (the `world_size` option)
@@ -228,9 +228,7 @@ class Request:
     def offload(self) -> bool:  # units were allowed to hold their saved tensors in pinned host memory
         return self.host is not None
 
-    @property
-    def host_budget_bytes(self) -> int:  # with offload: the pinned host memory the plan may use (0 without)
-        return self.host.budget_bytes if self.host is not None else 0
+    host_budget_bytes = property(lambda self: self.host.budget_bytes if self.host is not None else 0)  # with offload: its host memory
 
 
 @dataclass(frozen=True)
@@ -367,6 +365,7 @@ class Plan:
             "model_name": model.name, "device": target.device, "low_precision": target.low_precision, "rest_precision": decisions.rest_precision,
             "fused_loss": decisions.fused_loss, "fused_loss_logits": decisions.fused_logits, "needs_grad_scaler": target.needs_grad_scaler,
             "optimizer": asked.optimizer, "feasible": outcome.feasible, "budget_bytes": asked.budget_bytes, "usable_bytes": asked.usable_bytes,
+            "context_bytes": asked.context_bytes, "context_source": asked.context_source,
             "predicted_peak_bytes": predicted.peak_bytes, "simulated_peak_bytes": predicted.simulated_peak_bytes,
             "baseline_peak_bytes": predicted.baseline_peak_bytes, "minimum_peak_bytes": predicted.minimum_peak_bytes,
             "minimum_budget_bytes": predicted.minimum_budget_bytes, "predicted_step_time_s": predicted.step_time_s,

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # every field of every part, and the key of the flat JSON schema (docs/api.md) that holds it
 JSON_KEYS = {
     ("request", "budget_bytes"): "budget_bytes", ("request", "usable_bytes"): "usable_bytes",
+    ("request", "context_bytes"): "context_bytes", ("request", "context_source"): "context_source",
     ("request", "optimizer"): "optimizer", ("request", "mesh"): "world_size", ("request", "loop"): "loop",
     ("request", "host"): "host_budget_bytes", ("request", "arguments"): "request",
     ("model", "name"): "model_name", ("model", "trace_method"): "trace_method", ("model", "parameter_count"): "parameter_count",

@@ -68,6 +68,11 @@ def read_reserve(value: object) -> Size | None:
     return None if value is None else _read(value, allow_zero=True, what="reserve")
 
 
+def context_bytes(value: object, device: Device) -> int:
+    """A CUDA context as given (`cuda_context`), in bytes: a size, 0, or a percentage of the card; else a BudgetError."""
+    return _bytes(_read(value, allow_zero=True, what="CUDA context"), device.memory_bytes, allow_zero=True, what="CUDA context")
+
+
 def default_reserve(total_bytes: int, device: Device) -> int:
     """Bytes held back: the CUDA context plus fragmentation of the rest."""
     spare = max(0, total_bytes - device.context_bytes)

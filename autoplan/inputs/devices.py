@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from autoplan.axes.precision import PRECISION, dtype_of, flops_for, low_precision
 from autoplan.errors import DeviceError
+from autoplan.inputs.cuda_context import default_context
 from autoplan.vocabulary.sizes import parse_size
 
 if TYPE_CHECKING:  # torch is imported where a device needs it: naming a profile (`--device h100`) costs no torch import
@@ -27,10 +28,6 @@ if TYPE_CHECKING:  # torch is imported where a device needs it: naming a profile
 
 _GB = 2**30  # datasheet "80GB" of GPU memory is 80 GiB (nvidia-smi counts MiB)
 _T = 1e12
-
-# Not measured: the CUDA context and cuBLAS/cuDNN workspaces typically take a
-# few hundred MiB outside the caching allocator. To be calibrated on a GPU.
-_CUDA_CONTEXT_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -51,6 +48,7 @@ class Device:
     # the host link, bytes per second each way: what copies of offloaded activations move at
     # (the card's PCIe generation, or NVLink-C2C); 0: no host link (the CPU)
     host_bandwidth: float = 0.0
+    context_source: str = ""  # where context_bytes comes from (inputs.cuda_context): measured, estimated, or given
 
     def __post_init__(self) -> None:
         # A plain dict would let callers mutate a "frozen" device's rates.
@@ -98,10 +96,11 @@ def _cuda(
         memory_bytes=int(memory_gb * _GB),
         peak_flops={k: v * _T for k, v in flops_tera.items()},
         memory_bandwidth=bandwidth_bytes,
-        context_bytes=_CUDA_CONTEXT_BYTES,
+        context_bytes=default_context(compute_capability)[0],
         source=source,
         compute_capability=compute_capability,
         host_bandwidth=host_bandwidth,
+        context_source=default_context(compute_capability)[1],
     )
 
 
@@ -276,13 +275,13 @@ def custom_device(values: Mapping[str, object], spec: str = "custom") -> Device:
     rates = {name: _positive(values[f"{name}_tflops"], f"{name}_tflops", fail) * _T
              for name in ("fp32", "bf16", "fp16", "tf32") if f"{name}_tflops" in values}
     rates.setdefault("fp16", rates.get("bf16", rates["fp32"]))
-    default_capability = "8.0" if "bf16" in rates else "7.0"
+    capability = _capability(str(values.get("capability", "8.0" if "bf16" in rates else "7.0")), fail)
     return Device(
         name=str(values.get("name", "custom")), description=str(values.get("description", f"custom card ({spec})")), kind="cuda",
         memory_bytes=_size(values["memory"], "memory", fail), peak_flops=rates,
         memory_bandwidth=float(_size(str(values["bandwidth"]).removesuffix("/s"), "bandwidth", fail)),
-        context_bytes=_CUDA_CONTEXT_BYTES, source=f"given: {spec}",
-        compute_capability=_capability(str(values.get("capability", default_capability)), fail),
+        context_bytes=default_context(capability)[0], context_source=default_context(capability)[1], source=f"given: {spec}",
+        compute_capability=capability,
         host_bandwidth=float(_size(str(values.get("host_bandwidth", "32GB")).removesuffix("/s"), "host_bandwidth", fail)),
     )
 
@@ -373,11 +372,10 @@ def _match_gpu(name: str, memory_bytes: int, index: int, capability: tuple[int, 
     tokens = set(re.split(r"[^a-z0-9]+", name.lower()))
     for token, members in _FAMILIES.items():
         if token in tokens:
-            best = min(
-                (DEVICES[m] for m in members),
-                key=lambda d: abs(d.memory_bytes - memory_bytes),
-            )
-            return dataclasses.replace(best, memory_bytes=memory_bytes, compute_capability=capability)
+            best = min((DEVICES[m] for m in members), key=lambda d: abs(d.memory_bytes - memory_bytes))
+            context, context_source = default_context(capability)
+            return dataclasses.replace(best, memory_bytes=memory_bytes, compute_capability=capability, context_bytes=context,
+                                       context_source=context_source)
     return _unknown_gpu(name, memory_bytes, index, capability)
 
 
@@ -396,4 +394,6 @@ def _unknown_gpu(name: str, memory_bytes: int, index: int, capability: tuple[int
         peak_flops=rates,
         source="torch.cuda device properties; rates copied from H100 SXM",
         compute_capability=capability,
+        context_bytes=default_context(capability)[0],
+        context_source=default_context(capability)[1],
     )

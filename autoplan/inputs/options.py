@@ -167,15 +167,21 @@ class PlanOptions:
                                                                "policy people run, to price that setup against the plan: "
                                                                "`\"torchtitan-op\"` (torchtitan's op-level selective checkpointing: "
                                                                "every other matmul and the attention kernels kept; docs/api.md).")
-    reserve: str | int | None = _option(None, "bytes held back from the budget. Default: 512 MiB CUDA context + 5% of the rest for "
-                                        "allocator fragmentation. The context part is an estimate, **too small on the one GPU measured** (an "
-                                        "H100: 764 MiB once cuBLAS, cuDNN and attention ran; docs/BENCHMARKS.md). On one GPU the plan also "
+    reserve: str | int | None = _option(None, "bytes held back from the budget. Default: the CUDA context (`cuda_context`) + 5% of the "
+                                        "rest for allocator fragmentation. On one GPU the plan also "
                                         "predicts the caching allocator's reserved memory and the least limit it runs the step in "
                                         "(`plan.prediction.least_limit_bytes`); that must fit the budget less the reserve's context part "
                                         "([how](how-it-works.md#reserved-memory-the-caching-allocator-replayed)). `reserve=0` plans the peak "
                                         "right up to the budget, the allocator's included; a reserve as large as the budget is a `ValueError`.", Flag(
         ("--reserve",), 'Bytes held back from the budget, e.g. "1GB" or 0. Default: CUDA context + 5% fragmentation.',
         "bytes held back from the budget (`1GB`, `0`); default CUDA context + 5%", metavar="SIZE"))
+    cuda_context: str | int | None = _option(None, "the CUDA context of your setup: device memory held outside PyTorch's caching "
+                                             "allocator (nvidia-smi's used memory less `torch.cuda.memory_reserved()` once a step ran). "
+                                             "Default: the figure measured on the card's architecture (Hopper: 764 MiB, lazy loading), else a "
+                                             "512 MiB estimate; the report says which (`autoplan.inputs.cuda_context`).", Flag(
+        ("--cuda-context",), 'The CUDA context of your setup, e.g. "1.3GB" (nvidia-smi used less torch\'s reserved): replaces the '
+        "card's measured or estimated one.", "the CUDA context of your setup (`1.3GB`): replaces the card's measured or estimated one",
+        metavar="SIZE"))
     loss_fn: Callable[[Any], torch.Tensor] | None = _option(None, "`output -> scalar` for profiling. Default: the output's `.loss` (or "
                                                             "`[\"loss\"]`) when not None, else the sum of its floating-point outputs.")
     time_limit_s: float = _option(10.0, "seconds the ILP solver may take per solve (default 10; must be positive). Out of time, the plan is "
@@ -318,6 +324,7 @@ class PlanKeywords(TypedDict, total=False):
     keep_fp32: list[str] | None
     checkpoint: list[str] | Mapping[str, str] | None
     reserve: str | int | None
+    cuda_context: str | int | None
     loss_fn: Callable[[Any], torch.Tensor] | None
     time_limit_s: float
     profile: str

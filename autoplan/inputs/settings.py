@@ -16,6 +16,7 @@ options here before it loads torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 from autoplan.axes.precision import check_setting
 from autoplan.errors import OptionError
-from autoplan.inputs.budget import read_reserve
+from autoplan.inputs.budget import context_bytes, read_reserve
 from autoplan.inputs.devices import Device, get_device
 from autoplan.inputs.loop import TrainingLoop, check_loop
 from autoplan.inputs.options import PlanOptions
@@ -111,12 +112,22 @@ def settle(options: PlanOptions) -> Settings:
 
     check_optimizer(options.optimizer)
     step = StepOptions(options.optimizer, options.loss_fn, check_loop(options.loop), check_moe_capacity(options.moe_capacity))
-    device = get_device(options.device)
+    device = with_context(get_device(options.device), options.cuda_context)
     space = search_space(options, device)
     ranks: int | Literal["auto"] = "auto" if options.world_size == "auto" else check_world_size(options.world_size)
     return Settings(device, step, space, ranks, check_choice("profile", options.profile, PROFILE_SOURCES),
                     check_time_limit(options.time_limit_s), read_reserve(options.reserve),
                     flag("allow_over_device", options.allow_over_device))
+
+
+def with_context(device: Device, given: object) -> Device:
+    """`device` with the CUDA context the person gave (`cuda_context`), or as its profile has it (None)."""
+    if given is None:
+        return device
+    if device.kind != "cuda":
+        raise OptionError(f"cuda_context (--cuda-context) is the CUDA context of a GPU; the plan is for {device.name}, which has "
+                          "none: leave it out, or plan for a GPU (device=...)")
+    return dataclasses.replace(device, context_bytes=context_bytes(given, device), context_source=f"given: cuda_context={given!r}")
 
 
 def check_optimizer(optimizer: Any) -> None:

@@ -18,7 +18,9 @@ from autoplan.solve.allocator_fit import allocator_room_bytes
 def allocator_room_of(plan: Plan) -> int:
     """What the plan's budget leaves the caching allocator (solve.allocator_fit.allocator_room_bytes)."""
     reserve = plan.request.budget_bytes - plan.request.usable_bytes
-    try:
+    if plan.request.context_bytes:  # as planned: the card's context, or the one given (cuda_context)
+        return allocator_room_bytes(plan.request.budget_bytes, reserve, plan.request.context_bytes)
+    try:  # a plan read back from JSON written before the context was recorded
         context = get_device(plan.target.device).context_bytes
     except DeviceError:  # a card given by its specification ("custom"): its whole reserve counts as context
         context = reserve

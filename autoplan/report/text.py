@@ -1,12 +1,11 @@
 """Report: a plan (and its advice) as a rich document a person reads in a terminal.
 
-`report_renderables` builds it — verdict first, then the memory breakdown, the units (repeated
-identical units folded into one row: `layers.0–31 ×32`), step times, the code that applies the
-plan, an FSDP estimate when asked, and the advice. When the weights, gradients and optimizer state
-alone decide that nothing fits, the verdict says that in one line and no units or times follow:
-no choice of theirs would matter. Every number goes through `autoplan.vocabulary.formatting`.
-`format_report` renders the same to plain text without colour, which is what `plan.report()`
-returns. Nothing here prints: the CLI does.
+`report_renderables` builds it — verdict first, then the memory breakdown, the units (repeated identical
+units folded into one row: `layers.0–31 ×32`), step times, the code that applies the plan, an FSDP
+estimate when asked, and the advice. When the weights, gradients and optimizer state alone decide that
+nothing fits, the verdict says that in one line and no units or times follow: no choice of theirs would
+matter. Every number goes through `autoplan.vocabulary.formatting`. `format_report` renders the same to
+plain text without colour, which is what `plan.report()` returns. Nothing here prints: the CLI does.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from autoplan.plan import CPU_PRECISION_NOTE
 from autoplan.report.advice import state_bound
 from autoplan.report.apply_code import apply_code
 from autoplan.report.allocator_advice import allocator_bound, allocator_room_of
+from autoplan.inputs.cuda_context import context_words
 from autoplan.vocabulary.formatting import format_bytes, format_count, format_flops, format_seconds, format_signed_seconds, rank_noun
 from autoplan.vocabulary.code_lines import wrap_code
 
@@ -131,22 +131,17 @@ def _breakdown(plan: "Plan") -> Table:
     b = plan.prediction.breakdown
     # names from the model (units, phases) are text, never rich markup: "graph[fc_in:gelu]" would vanish
     table = Table(title=Text(f"memory at the peak ({plan.prediction.peak_phase})"), title_justify="left", show_edge=False)
-    table.add_column("part")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
+    for column in ("part", "bytes", "share"):
+        table.add_column(column, justify="left" if column == "part" else "right")
     rows = [
         ("parameters (and buffers)", b.parameters),
         ("gradients", b.gradients),
         (f"optimizer state ({plan.request.optimizer})", b.optimizer),
         *((("activations", b.activations), ("transient", b.transient)) if not plan.outcome.counted_only else ()),
     ]
-    if b.workspaces:
-        rows.append(("cuBLAS workspaces", b.workspaces))
-    if b.loop_held:
-        rows.append(("held by the loop (micro-batches, kept modules)", b.loop_held))
     above = plan.prediction.peak_bytes - b.total
-    if above > 0:
-        rows.append(("simulated step above the memory model", above))
+    rows += [(name, nbytes) for name, nbytes in (("cuBLAS workspaces", b.workspaces), ("held by the loop (micro-batches, kept modules)",
+             b.loop_held), ("simulated step above the memory model", above)) if nbytes > 0]
     total = b.total + max(0, above)
     for name, nbytes in rows:
         table.add_row(name, format_bytes(nbytes), f"{nbytes / max(1, total):.0%}")
@@ -159,7 +154,10 @@ def _breakdown(plan: "Plan") -> Table:
     least = plan.prediction.least_limit_bytes
     if least:  # the limit it runs the step under, giving its cache back at the limit (solve.allocator_fit)
         table.add_row("least limit the allocator runs it in", format_bytes(least), f"{least / max(1, total) - 1:+.0%}")
-    table.add_row("reserve (CUDA context, fragmentation)", format_bytes(plan.request.budget_bytes - plan.request.usable_bytes), "")
+    reserve, context = plan.request.budget_bytes - plan.request.usable_bytes, plan.request.context_bytes
+    if context:  # a GPU: its context (inputs.cuda_context), then the fragmentation allowance
+        table.add_row(f"reserve: CUDA context ({context_words(plan.request.context_source)})", format_bytes(context), "")
+    table.add_row("reserve: fragmentation allowance" if context else "reserve (CUDA context, fragmentation)", format_bytes(reserve - context), "")
     table.add_row("budget", format_bytes(plan.request.budget_bytes), "")
     return table
 
