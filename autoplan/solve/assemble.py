@@ -161,7 +161,7 @@ def assemble_plan(measured: Profile, traced: Traced, found: SearchResult, reques
         request=Request(
             budget_bytes=budget.total_bytes, usable_bytes=budget.usable_bytes, optimizer=measured.optimizer, mesh=mesh,
             loop=measured.loop, host=request.host, context_bytes=min(budget.reserve_bytes, target.context_bytes),
-            context_source=target.context_source,
+            context_source=target.context_source if min(budget.reserve_bytes, target.context_bytes) else "",  # none reserved: none named
         ),
         model=PlannedModel(
             name=measured.model_name, trace_method=traced.method, parameter_count=profiled_parameter_count(measured),

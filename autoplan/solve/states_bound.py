@@ -53,7 +53,7 @@ def states_bound_plan(counted: CountedStates, request: SolveRequest, *, device: 
     return Plan(
         request=Request(budget_bytes=budget.total_bytes, usable_bytes=budget.usable_bytes, optimizer=optimizer,
                         mesh=request.mesh, loop=loop, host=request.host, context_bytes=min(budget.reserve_bytes, device.context_bytes),
-                        context_source=device.context_source),
+                        context_source=device.context_source if min(budget.reserve_bytes, device.context_bytes) else ""),
         model=PlannedModel(name=model_name, trace_method="none", parameter_count=parameter_count, state_bytes=states),
         target=DeviceTarget(device.name, device.low_precision_name),
         decisions=Decisions(units=()),
