@@ -1,8 +1,8 @@
 """The plan's vocabulary: what can be chosen for a unit, and the Plan a planning run returns.
 
-A `Choice` is one value of each choice axis (`axes`: checkpoint mode, precision, placement). A `Plan` is everything a
-person (or the rewrite stage) needs, in parts by concern: what was asked, the model and device, one decision per unit,
-the predicted peaks, breakdown and step times, and how the search ended. `Plan.to_dict()` is the JSON schema.
+A `Choice` is one value of each choice axis (`axes`: checkpoint mode, precision, placement). A `Plan` is everything a person (or the
+rewrite stage) needs, in parts by concern: what was asked, the model and device, one decision per unit, the predicted peaks, breakdown
+and step times, and how the search ended. `Plan.to_dict()` is the JSON schema: only plain numbers, strings, lists and dicts.
 """
 
 from __future__ import annotations
@@ -228,7 +228,9 @@ class Request:
     def offload(self) -> bool:  # units were allowed to hold their saved tensors in pinned host memory
         return self.host is not None
 
-    host_budget_bytes = property(lambda self: self.host.budget_bytes if self.host is not None else 0)  # with offload: its host memory
+    @property
+    def host_budget_bytes(self) -> int:  # with offload: the pinned host memory the plan may use (0 without)
+        return self.host.budget_bytes if self.host is not None else 0
 
 
 @dataclass(frozen=True)
@@ -310,8 +312,7 @@ class Prediction:
     # one GPU: what torch's caching allocator is predicted to hold reserved (max_memory_reserved) in steady state,
     # segments whose free space the step could not use included (instruments.caching_allocator); 0: not predicted
     reserved_peak_bytes: int = 0
-    # one GPU: the smallest memory limit the step runs under, the allocator giving its cached segments back and
-    # retrying when a request would pass it (instruments.caching_allocator.least_limit_bytes); 0: not predicted
+    # one GPU: the smallest memory limit the step runs under, giving cached segments back at it (caching_allocator); 0: not predicted
     least_limit_bytes: int = 0
 
 

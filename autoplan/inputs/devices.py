@@ -96,17 +96,22 @@ def _cuda(
         memory_bytes=int(memory_gb * _GB),
         peak_flops={k: v * _T for k, v in flops_tera.items()},
         memory_bandwidth=bandwidth_bytes,
-        context_bytes=default_context(compute_capability)[0],
         source=source,
         compute_capability=compute_capability,
         host_bandwidth=host_bandwidth,
-        context_source=default_context(compute_capability)[1],
+        **_context_of(compute_capability),
     )
 
 
 # Host links, per direction, from the interface's specification (x16 lanes): real pinned copies
 # reach less (to be measured on a GPU); GH200's NVLink-C2C is 900 GB/s both ways together.
 _PCIE3, _PCIE4, _PCIE5, _NVLINK_C2C = 16e9, 32e9, 64e9, 450e9
+
+
+def _context_of(compute_capability: tuple[int, int]) -> dict[str, Any]:
+    """A card's context fields (`Device.context_bytes`, `context_source`) by its architecture (inputs.cuda_context)."""
+    context_bytes, context_source = default_context(compute_capability)
+    return {"context_bytes": context_bytes, "context_source": context_source}
 
 
 def _cpu() -> Device:
@@ -280,8 +285,7 @@ def custom_device(values: Mapping[str, object], spec: str = "custom") -> Device:
         name=str(values.get("name", "custom")), description=str(values.get("description", f"custom card ({spec})")), kind="cuda",
         memory_bytes=_size(values["memory"], "memory", fail), peak_flops=rates,
         memory_bandwidth=float(_size(str(values["bandwidth"]).removesuffix("/s"), "bandwidth", fail)),
-        context_bytes=default_context(capability)[0], context_source=default_context(capability)[1], source=f"given: {spec}",
-        compute_capability=capability,
+        source=f"given: {spec}", compute_capability=capability, **_context_of(capability),
         host_bandwidth=float(_size(str(values.get("host_bandwidth", "32GB")).removesuffix("/s"), "host_bandwidth", fail)),
     )
 
@@ -373,9 +377,7 @@ def _match_gpu(name: str, memory_bytes: int, index: int, capability: tuple[int, 
     for token, members in _FAMILIES.items():
         if token in tokens:
             best = min((DEVICES[m] for m in members), key=lambda d: abs(d.memory_bytes - memory_bytes))
-            context, context_source = default_context(capability)
-            return dataclasses.replace(best, memory_bytes=memory_bytes, compute_capability=capability, context_bytes=context,
-                                       context_source=context_source)
+            return dataclasses.replace(best, memory_bytes=memory_bytes, compute_capability=capability, **_context_of(capability))
     return _unknown_gpu(name, memory_bytes, index, capability)
 
 
@@ -394,6 +396,5 @@ def _unknown_gpu(name: str, memory_bytes: int, index: int, capability: tuple[int
         peak_flops=rates,
         source="torch.cuda device properties; rates copied from H100 SXM",
         compute_capability=capability,
-        context_bytes=default_context(capability)[0],
-        context_source=default_context(capability)[1],
+        **_context_of(capability),
     )

@@ -9,22 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoplan.errors import DeviceError
-from autoplan.inputs.devices import get_device
 from autoplan.plan import Plan
 from autoplan.solve.allocator_fit import allocator_room_bytes
 
 
 def allocator_room_of(plan: Plan) -> int:
-    """What the plan's budget leaves the caching allocator (solve.allocator_fit.allocator_room_bytes)."""
+    """What the plan's budget leaves the caching allocator (solve.allocator_fit.allocator_room_bytes), with the
+    context the plan reserved: the card's, or the one given (`cuda_context`)."""
     reserve = plan.request.budget_bytes - plan.request.usable_bytes
-    if plan.request.context_bytes:  # as planned: the card's context, or the one given (cuda_context)
-        return allocator_room_bytes(plan.request.budget_bytes, reserve, plan.request.context_bytes)
-    try:  # a plan read back from JSON written before the context was recorded
-        context = get_device(plan.target.device).context_bytes
-    except DeviceError:  # a card given by its specification ("custom"): its whole reserve counts as context
-        context = reserve
-    return allocator_room_bytes(plan.request.budget_bytes, reserve, context)
+    return allocator_room_bytes(plan.request.budget_bytes, reserve, plan.request.context_bytes)
 
 
 def allocator_bound(plan: Plan) -> bool:

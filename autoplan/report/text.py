@@ -140,8 +140,9 @@ def _breakdown(plan: "Plan") -> Table:
         *((("activations", b.activations), ("transient", b.transient)) if not plan.outcome.counted_only else ()),
     ]
     above = plan.prediction.peak_bytes - b.total
-    rows += [(name, nbytes) for name, nbytes in (("cuBLAS workspaces", b.workspaces), ("held by the loop (micro-batches, kept modules)",
-             b.loop_held), ("simulated step above the memory model", above)) if nbytes > 0]
+    shown_if_any = (("cuBLAS workspaces", b.workspaces), ("held by the loop (micro-batches, kept modules)", b.loop_held),
+                    ("simulated step above the memory model", above))
+    rows += [(name, nbytes) for name, nbytes in shown_if_any if nbytes > 0]
     total = b.total + max(0, above)
     for name, nbytes in rows:
         table.add_row(name, format_bytes(nbytes), f"{nbytes / max(1, total):.0%}")

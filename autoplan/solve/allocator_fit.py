@@ -37,6 +37,13 @@ def allocator_room(budget: Budget, device: Device) -> int:
     return allocator_room_bytes(budget.total_bytes, budget.reserve_bytes, device.context_bytes)
 
 
+def reserved_context(budget: Budget, device: Device) -> tuple[int, str]:
+    """The part of the budget's reserve that is the device's CUDA context, and where its figure comes from ("" where
+    the reserve holds none of it: reserve=0, or a CPU): what a Plan records (`Request.context_bytes`)."""
+    context = budget.total_bytes - allocator_room(budget, device)
+    return context, device.context_source if context else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class AllocatorFit:
     found: SearchResult  # the search's answer, re-solved where the allocator needed more room

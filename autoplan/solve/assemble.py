@@ -20,6 +20,7 @@ from autoplan.profile.menu import PolicyWords
 from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.formatting import format_bytes, rank_noun
 from autoplan.vocabulary.tensors import unique_storage_bytes
+from autoplan.solve.allocator_fit import reserved_context
 from autoplan.solve.ilp import fastest
 from autoplan.solve.request import SolveRequest
 from autoplan.solve.search import SearchResult
@@ -157,11 +158,11 @@ def assemble_plan(measured: Profile, traced: Traced, found: SearchResult, reques
     prediction = predict_peak(measured, chosen, mesh)
     notes = plan_notes(traced, measured, found, request)
     decisions = _decisions(measured, chosen)
+    context, context_source = reserved_context(budget, target)
     return Plan(
         request=Request(
             budget_bytes=budget.total_bytes, usable_bytes=budget.usable_bytes, optimizer=measured.optimizer, mesh=mesh,
-            loop=measured.loop, host=request.host, context_bytes=min(budget.reserve_bytes, target.context_bytes),
-            context_source=target.context_source if min(budget.reserve_bytes, target.context_bytes) else "",  # none reserved: none named
+            loop=measured.loop, host=request.host, context_bytes=context, context_source=context_source,
         ),
         model=PlannedModel(
             name=measured.model_name, trace_method=traced.method, parameter_count=profiled_parameter_count(measured),

@@ -18,6 +18,7 @@ from autoplan.plan import (
     OPTIMIZER_STEP, Decisions, DeviceTarget, MemoryBreakdown, Outcome, PlannedModel, Plan, Prediction, Request,
 )
 from autoplan.profile.states import CountedStates
+from autoplan.solve.allocator_fit import reserved_context
 from autoplan.solve.request import SolveRequest
 from autoplan.trace.discovery import unit_levels
 from autoplan.trace.tracer import trace
@@ -45,6 +46,7 @@ def states_bound_plan(counted: CountedStates, request: SolveRequest, *, device: 
                       loop: TrainingLoop, parameter_count: int) -> Plan:
     """The DOES NOT FIT plan of a model whose states alone are over `request`'s usable bytes."""
     budget, states = request.budget, counted.total
+    context, context_source = reserved_context(budget, device)
     breakdown = MemoryBreakdown(parameters=counted.parameters, gradients=counted.gradients, optimizer=counted.optimizer,
                                 activations=0, transient=0)
     note = ("the states are counted for every trainable parameter: one no gradient reaches (a part of the model this batch "
@@ -52,8 +54,7 @@ def states_bound_plan(counted: CountedStates, request: SolveRequest, *, device: 
             "(requires_grad_(False)) before planning")
     return Plan(
         request=Request(budget_bytes=budget.total_bytes, usable_bytes=budget.usable_bytes, optimizer=optimizer,
-                        mesh=request.mesh, loop=loop, host=request.host, context_bytes=min(budget.reserve_bytes, device.context_bytes),
-                        context_source=device.context_source if min(budget.reserve_bytes, device.context_bytes) else ""),
+                        mesh=request.mesh, loop=loop, host=request.host, context_bytes=context, context_source=context_source),
         model=PlannedModel(name=model_name, trace_method="none", parameter_count=parameter_count, state_bytes=states),
         target=DeviceTarget(device.name, device.low_precision_name),
         decisions=Decisions(units=()),
