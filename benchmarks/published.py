@@ -86,14 +86,20 @@ def _optimizer(name: str):
     return name
 
 
-def predict(row: Row) -> tuple[float, float]:
-    """autoplan's prediction of the row's published number (MiB), and the seconds planning took."""
+def _bert_large(batch_size: int, token_ids: tuple[int, int], **config) -> tuple[torch.nn.Module, dict]:
+    """bert-large for two labels on the meta device, and a batch of `batch_size` × 512 tokens drawn from `token_ids`."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    with torch.device("meta"):  # 2022's BertModel wrote attention out op by op: the eager kernels
-        model = BertForSequenceClassification(BertConfig(num_labels=2, attn_implementation="eager", **BERT_LARGE)).train()
-    ids = torch.randint(100, 30000, (row.batch, 512), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": torch.zeros(row.batch, dtype=torch.long)}
+    with torch.device("meta"):
+        model = BertForSequenceClassification(BertConfig(num_labels=2, **BERT_LARGE, **config)).train()
+    ids = torch.randint(*token_ids, (batch_size, 512), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": torch.zeros(batch_size, dtype=torch.long)}
+
+
+def predict(row: Row) -> tuple[float, float]:
+    """autoplan's prediction of the row's published number (MiB), and the seconds planning took."""
+    # the page's tokens; 2022's BertModel wrote attention out op by op: the eager kernels
+    model, batch = _bert_large(row.batch, (100, 30000), attn_implementation="eager")
     precision = "fp16" if row.fp16 else "fp32"
     began = time.perf_counter()
     plan = autoplan.plan(
@@ -115,17 +121,12 @@ H100_RUN = Path(__file__).resolve().parent / "results" / "h100_2026-11-27" / "be
 def predict_today(label: str, config: tuple) -> tuple[float, float]:
     """autoplan's allocated and reserved peaks (MiB) for one of the bert-large runs benchmarks/gpu_training.py made on
     an H100 (torch 2.11, transformers 5.17: sdpa attention, torch's AdamW, its own loop), as that loop ran them."""
-    from transformers import BertConfig, BertForSequenceClassification
-
     batch_size, accumulation, checkpointing, fp16, optimizer = config
-    with torch.device("meta"):
-        model = BertForSequenceClassification(BertConfig(num_labels=2, **BERT_LARGE)).train()
-    batch = {"input_ids": torch.randint(0, 30522, (batch_size, 512), generator=torch.Generator().manual_seed(0)),
-             "labels": torch.zeros(batch_size, dtype=torch.long)}
+    model, batch = _bert_large(batch_size, (0, 30522))  # as benchmarks/gpu_training.py draws them
     loop = autoplan.TrainingLoop(keep_outputs=False, accumulation_steps=accumulation, grad_scaler=fp16, loss_in_model=True)
     plan = autoplan.plan(model, "80GB", example_inputs=batch, device="h100-80gb", reserve=0, precision="fp16" if fp16 else "fp32",
                          checkpoint={"bert.encoder.layer.*": "full" if checkpointing else "keep"},
-                         optimizer=_optimizer("adamw8bit" if optimizer == "adamw8bit" else optimizer), loop=loop, fuse_loss=False)
+                         optimizer=_optimizer(optimizer), loop=loop, fuse_loss=False)
     return plan.prediction.peak_bytes / MIB, plan.prediction.reserved_peak_bytes / MIB
 
 
