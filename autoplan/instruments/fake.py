@@ -17,7 +17,7 @@ from autoplan.instruments.rnn import MKLDNN_RNN_LAYER, with_real_workspace
 from autoplan.instruments.routing import NOT_ANSWERED, WORST_CASE, MoeRoutingBound, RoutingTracker
 from autoplan.instruments.values import BUFFERS, VALUE_LIMIT, KnownValues, ValuesAsData, for_real, laid_out_like, storage_elements
 from autoplan.vocabulary.fingerprint import input_names
-from autoplan.vocabulary.tensors import METADATA_OPS, tensors_of
+from autoplan.vocabulary.tensors import DEVICE_ASK, METADATA_OPS, fake_device_answer, tensors_of
 
 
 def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
@@ -150,6 +150,8 @@ class PlanningFakeMode(FakeTensorMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_ASK and (device := fake_device_answer(args)) is not None:
+            return device
         kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator) or func in METADATA_OPS:
             return super().__torch_dispatch__(func, types, args, kwargs)

@@ -27,7 +27,7 @@ from autoplan.instruments.flop_formulas import autoplan_flop_formulas
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
 from autoplan.instruments.loss_storage import as_the_cpu_kernel_returns
 from autoplan.instruments.quantized import hidden_temporary_bytes, is_quantized_matmul, load_bitsandbytes_backends
-from autoplan.vocabulary.tensors import METADATA_OPS, rounded_bytes, tensors_of
+from autoplan.vocabulary.tensors import DEVICE_ASK, METADATA_OPS, fake_device_answer, rounded_bytes, tensors_of
 
 
 @dataclass
@@ -124,6 +124,8 @@ class LiveBytesTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._settle()
+        if func is DEVICE_ASK and (device := fake_device_answer(args)) is not None:
+            return device
         out = func(*args, **kwargs)
         if func in METADATA_OPS:
             return out
