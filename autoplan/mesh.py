@@ -6,6 +6,8 @@ device is the empty mesh. Today there is one strategy, FSDP's full sharding (`FS
 option: parameters, gradients and optimizer state 1/N each, rows padded to a multiple of N; each rank
 trains its own batch); the memory model prices it (`memory.sharded`) and the world-size search walks
 its dimension (`solve.worlds`). Tensor parallelism would be a second dimension with a strategy of its own.
+How FSDP runs its units is the mesh's too: `reshard_after_forward` (fully_shard's option of that name) False
+keeps each unit's gathered parameters from its forward to its backward, which then gathers nothing.
 """
 
 from __future__ import annotations
@@ -51,11 +53,13 @@ class Mesh:
     """The devices a plan is for; `Mesh()` is one device, `Mesh.fsdp(8)` FSDP over 8."""
 
     dims: tuple[MeshDim, ...] = ()
+    reshard_after_forward: bool = True  # FSDP's units free their gathered parameters after forward (False: kept for backward)
 
     @staticmethod
-    def fsdp(ranks: int) -> Mesh:
-        """FSDP over `ranks` devices (one device: no FSDP, the empty mesh)."""
-        return Mesh() if ranks == 1 else Mesh((MeshDim(ranks, FSDP),))
+    def fsdp(ranks: int, reshard_after_forward: bool = True) -> Mesh:
+        """FSDP over `ranks` devices (one device: no FSDP, the empty mesh, which keeps `reshard_after_forward` for the
+        world-size search to resize it with)."""
+        return Mesh((MeshDim(ranks, FSDP),) if ranks != 1 else (), reshard_after_forward)
 
     @property
     def size(self) -> int:
@@ -74,7 +78,9 @@ class Mesh:
     def resized(self, strategy: Strategy, size: int) -> Mesh:
         """This mesh with `strategy`'s dimension at `size` ranks (added, or dropped at 1): a step of the world-size search."""
         kept = tuple(dim for dim in self.dims if dim.strategy != strategy)
-        return Mesh(kept + ((MeshDim(size, strategy),) if size > 1 else ()))
+        dims = kept + ((MeshDim(size, strategy),) if size > 1 else ())
+        return Mesh(dims, self.reshard_after_forward if dims else True)  # one device: nothing to reshard
 
     def __str__(self) -> str:
-        return " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims) or "one device"
+        kept = " (parameters kept gathered from forward to backward)" if not self.reshard_after_forward else ""
+        return " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims) + kept if self.dims else "one device"

@@ -119,7 +119,7 @@ class Planner:
         settings = self._settings
         device, ranks, space = settings.device, settings.ranks, settings.space
         asked = SolveRequest(make_budget(budget, device, settings.reserve, allow_over_device=settings.allow_over_device),
-                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks),
+                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks, settings.reshard_after_forward),
                              fewest_ranks=ranks == "auto", host=space.host, segments=space.segments)
         arguments = (("budget", asked.budget.given), *self._options.arguments(device.name if device.name in DEVICES else None))
         self._check_unchanged()

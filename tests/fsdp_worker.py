@@ -1,7 +1,8 @@
 """One rank of tests/apply/test_sharding.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
 
 Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET [MODEL]`,
-MODEL "llama" (default: tests/fsdp_model.tiny_llama) or "shared" (one block called six times per forward).
+MODEL "llama" (default: tests/fsdp_model.tiny_llama), "llama-kept" (the same, FSDP's reshard_after_forward=False) or
+"shared" (one block called six times per forward).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main(out: str, budget: str, kind: str = "llama") -> None:
         model, config = tiny_llama()
         batch = rank_batch(config, rank)
     plan = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, world_size=world, profile="roofline",
-                         precision=precision)
+                         precision=precision, reshard_after_forward=kind != "llama-kept")
     autoplan.apply(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     measured = measure_rank_peak(model, (batch, {}), optimizer, steps=STEPS, loop=plan.request.loop)

@@ -59,8 +59,8 @@ JSON_KEYS = {
     ("outcome", "feasible"): "feasible", ("outcome", "solver_status"): "solver_status", ("outcome", "solve_time_s"): "solve_time_s",
     ("outcome", "resolves"): "resolves", ("outcome", "decided_by"): "decided_by",
 }
-# keys a field fills besides its own: the request's host memory says whether offload was allowed at all
-DERIVED_KEYS = {"offload": ("request", "host")}
+# keys a field fills besides its own: the request's host memory says whether offload was allowed at all, its mesh how FSDP reshards
+DERIVED_KEYS = {"offload": ("request", "host"), "reshard_after_forward": ("request", "mesh")}
 PARTS = ("request", "model", "target", "decisions", "prediction", "outcome")
 
 

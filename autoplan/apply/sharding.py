@@ -68,8 +68,9 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
     """Apply `plan`'s choices, then FSDP2 `fully_shard` to every unit and the root; returns `model`.
 
     Each unit is one FSDP group (gathered before its forward, resharded after, gathered again for
-    its backward with the next one prefetched); the root group holds everything else and, as
-    FSDP2 does for the root, stays unsharded from forward until its backward.
+    its backward with the next one prefetched; with the plan's `reshard_after_forward=False`, kept gathered
+    from its forward to its backward); the root group holds everything else and, as FSDP2 does for the
+    root, stays unsharded from forward until its backward.
     """
     try:
         from torch.distributed.fsdp import fully_shard
@@ -84,8 +85,8 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
     options = {"mesh": mesh} if mesh is not None else {}
     # the call sites of one module (block@0, block@1, ...) are one group: FSDP2 gathers it again for every call
     for group in dict.fromkeys(fsdp_group(unit.unit) for unit in plan.decisions.units):
-        fully_shard(_unit_modules(model, group), **options)
-    fully_shard(model, **options)
+        fully_shard(_unit_modules(model, group), reshard_after_forward=plan.request.mesh.reshard_after_forward, **options)
+    fully_shard(model, **options)  # the root: FSDP2 keeps it gathered from forward to backward whatever it is given
     return model
 
 

@@ -100,6 +100,7 @@ class Settings:
     step: StepOptions
     space: SearchSpace
     ranks: int | Literal["auto"]  # GPUs under FSDP2, or "auto": the fewest that fit
+    reshard_after_forward: bool  # FSDP2 frees each unit's gathered parameters after forward (False: kept for backward)
     profile: str  # where unit times come from: "auto", "measure" or "roofline"
     time_limit_s: float  # per solve
     reserve: Size | None  # as given, read once (None: the default reserve); taken in bytes with each budget
@@ -115,7 +116,7 @@ def settle(options: PlanOptions) -> Settings:
     device = with_context(get_device(options.device), options.cuda_context)
     space = search_space(options, device)
     ranks: int | Literal["auto"] = "auto" if options.world_size == "auto" else check_world_size(options.world_size)
-    return Settings(device, step, space, ranks, check_choice("profile", options.profile, PROFILE_SOURCES),
+    return Settings(device, step, space, ranks, check_reshard(options.reshard_after_forward, ranks), check_choice("profile", options.profile, PROFILE_SOURCES),
                     check_time_limit(options.time_limit_s), read_reserve(options.reserve),
                     flag("allow_over_device", options.allow_over_device))
 
@@ -182,6 +183,17 @@ def host_budget_bytes(host_budget: str | int | None) -> int:
         return int(ram * HOST_BUDGET_SHARE)
     return parse_size(host_budget, ram, allow_zero=True, what="host budget (--host-budget)",
                       fail=lambda reason: OptionError(f"host_budget: {reason}; e.g. '64GB' or '50%' of this machine's RAM"))
+
+
+def check_reshard(reshard_after_forward: object, ranks: int | str) -> bool:
+    """FSDP2's reshard_after_forward, True or False (its int form, resharding to a smaller mesh, is not modelled)."""
+    if not isinstance(reshard_after_forward, bool):
+        raise OptionError(f"reshard_after_forward must be True or False; got {reshard_after_forward!r} (FSDP2's int form, "
+                          "resharding to fewer ranks after forward, is not modelled: plan with True for it, an upper bound)")
+    if not reshard_after_forward and ranks == 1:
+        raise OptionError("reshard_after_forward=False is FSDP's (the units' gathered parameters kept from forward to backward); "
+                          "with world_size=1 nothing is sharded: give world_size=N (or \"auto\"), or leave it out")
+    return reshard_after_forward
 
 
 def check_world_size(world_size: object, option: str = "world_size") -> int:

@@ -15,6 +15,8 @@ module only knows FSDP2's buffers (torch.distributed.fsdp.fully_shard, read from
   reduce-scatter input (kept until the next group's reduce-scatter) and reduced into one flat
   shard per rank, which holds that rank's gradients of the group until zero_grad;
 - buffers are not sharded;
+- with `reshard_after_forward=False` (the mesh's) a unit's gathered parameters stay from its forward until its
+  backward has finished, which gathers nothing; the flat buffers are as above;
 - a module called k times per forward (call-site units `block@0` … `block@{k-1}`) is one group:
   its shards, its gradient shard and its optimizer state count once, but every call gathers it
   again (in forward and in backward), and its gradient shard exists from the first call whose
@@ -29,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autoplan.errors import OptionError
 from autoplan.mesh import FSDP, Mesh
 from autoplan.plan import Phase
 from autoplan.profile.layout import ParamShape
@@ -76,11 +79,10 @@ class RankTerms:
 def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
     """Per phase of the profiled step: FSDP's terms on rank 0 of the mesh's FSDP dimension.
 
-    Units are FSDP groups in forward order; in backward the group before the running one is
-    prefetched (FSDP2's default), in forward the previous group's flat all-gather output is still
-    alive while the next is gathered. The root's unsharded gradients are reduced at the end of
-    backward. Each term is a constant of the phase, whatever the units choose, so the solver's
-    per-rank constraints are its single-GPU ones with a different constant.
+    Units are FSDP groups in forward order; in backward the group before the running one is prefetched (FSDP2's
+    default), in forward the previous group's flat all-gather output is still alive while the next is gathered.
+    The root's unsharded gradients are reduced at the end of backward. Each term is a constant of the phase,
+    whatever the units choose: the solver's per-rank constraints are its single-GPU ones with another constant.
     """
     ranks = mesh.along(FSDP)
     units = [GroupBytes.of(unit.param_layout, ranks) for unit in profile.units]
@@ -101,6 +103,7 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
     optimizer = _optimizer_shard(static.optimizer, full, sharded)
     result = []
     last_forward_group = root  # whose flat all-gather output is still alive in forward
+    kept: dict[Unit, int] | None = {} if _keeps_gathered(profile, group, mesh) else None  # groups gathered so far, kept
     done: list[int] = []  # units whose backward has finished, in the order they finished
     reduced: set[Unit] = set()  # groups with a gradient shard: one of their calls finished backward
     done_full = done_shards = 0
@@ -117,7 +120,7 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
             result.append(RankTerms(parameters, gradients, optimizer, 0, 0, share))
             continue
         if phase.kind == "fwd":
-            gathered = root.unsharded + (units[running].unsharded if running is not None else 0)
+            gathered = root.unsharded + _gathered_in_forward(units, group, running, kept)
             buffers = last_forward_group.flat
             if running is not None:
                 buffers += units[running].flat  # the previous group's output lives until this copy-out
@@ -126,7 +129,7 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
             continue
         # backward: the running unit and the one before it (prefetched) are gathered; between
         # units, the next unit to run backward (prefetched by the one that just finished)
-        gathered = root.unsharded + _gathered_in_backward(units, group, running, remaining=len(units) - len(done))
+        gathered = root.unsharded + _gathered_in_backward(units, group, running, done, kept)
         buffers = max(units[done[-1]].flat if done else 0, units[running].flat if running is not None else 0)
         if index == last_backward:
             buffers = max(buffers, root.flat - root.unsharded)  # the root's reduce-scatter, once it is resharded
@@ -175,9 +178,36 @@ def _optimizer_shard(optimizer: int, full: int, sharded: int) -> int:
     return per_parameter * sharded + optimizer - min(optimizer, per_parameter * full)
 
 
-def _gathered_in_backward(units: list[GroupBytes], group: list[Unit], running: int | None, remaining: int) -> int:
+def _keeps_gathered(profile: "Profile", group: list[Unit], mesh: Mesh) -> bool:
+    """Whether units keep their gathered parameters from forward to backward (the mesh's reshard_after_forward False);
+    refused for a module called more than once per forward, whose calls FSDP2 gathers and frees between."""
+    if mesh.reshard_after_forward:
+        return False
+    if len(set(group)) < len(group):
+        calls = ", ".join(str(unit.unit) for unit in profile.units if isinstance(unit.unit, CallSite))
+        raise OptionError(f"reshard_after_forward=False is not modelled for a module called more than once per forward ({calls[:120]}): "
+                          "plan it with reshard_after_forward=True (FSDP2's default)")
+    return True
+
+
+def _gathered_in_forward(units: list[GroupBytes], group: list[Unit], running: int | None, kept: dict[Unit, int] | None) -> int:
+    """Unsharded unit parameters in a forward phase: the running unit's; where units keep them gathered until their
+    backward (`kept`, which this adds the running unit's group to), every group run so far."""
+    if kept is None:
+        return units[running].unsharded if running is not None else 0
+    if running is not None:
+        kept.setdefault(group[running], units[running].unsharded)
+    return sum(kept.values())
+
+
+def _gathered_in_backward(units: list[GroupBytes], group: list[Unit], running: int | None, done: list[int],
+                          kept: dict[Unit, int] | None) -> int:
     """Unsharded unit parameters in a backward phase: the running unit and the one before it (prefetched);
-    between units, the next to run backward. Units at positions < remaining have not finished backward."""
+    between units, the next to run backward. Where units keep them gathered from forward (`kept` not None),
+    every unit whose backward has not finished (`done`)."""
+    if kept is not None:
+        return sum(units[i].unsharded for i in set(range(len(units))) - set(done))
+    remaining = len(units) - len(done)  # units at positions < remaining have not finished backward
     if running is None:
         return units[remaining - 1].unsharded if remaining > 0 else 0
     prefetched = running > 0 and group[running - 1] != group[running]  # a module gathered once, however many calls

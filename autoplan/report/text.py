@@ -254,11 +254,12 @@ def _world_sizes(plan: "Plan") -> list[RenderableType]:
             f"{format_bytes(usable)} usable that is at least {floor} {rank_noun(plan.target.device, floor)} for the state alone, before activations"
         ))
     peak = plan.prediction.fsdp
+    gathered = "root, running and prefetched unit" if plan.request.mesh.reshard_after_forward else "root and every unit between its forward and backward"
     if peak is not None:
         parts.append(Text(
             f"per rank on {peak.world_size} {rank_noun(plan.target.device, peak.world_size)} (FSDP2, at {peak.phase}): shards of parameters {format_bytes(peak.parameters)} "
             f"+ gradients {format_bytes(peak.gradients)} + optimizer {format_bytes(peak.optimizer)} + gathered parameters "
-            f"(root, running and prefetched unit) {format_bytes(peak.gathered_parameters)} + all-gather/reduce-scatter buffers "
+            f"({gathered}) {format_bytes(peak.gathered_parameters)} + all-gather/reduce-scatter buffers "
             f"{format_bytes(peak.communication_buffers)} + activations {format_bytes(peak.activations)} = {format_bytes(peak.total)}"
         ))
     if plan.prediction.world_size_curve:

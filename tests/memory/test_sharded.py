@@ -1,0 +1,32 @@
+"""FSDP2's per-rank terms (`memory.sharded.rank_terms`): what reshard_after_forward=False keeps gathered, phase by phase."""
+
+from __future__ import annotations
+
+from autoplan.inputs.devices import get_device
+from autoplan.memory.sharded import FSDP, GroupBytes, rank_terms
+from autoplan.mesh import Mesh
+from autoplan.profile.profiler import profile
+from autoplan.trace.tracer import trace
+from tests.fsdp_model import rank_batch, tiny_llama
+
+
+def test_units_kept_gathered_hold_every_unit_from_its_forward_until_its_backward_ends() -> None:
+    model, config = tiny_llama()
+    measured = profile(trace(model, (rank_batch(config, 0), {})), get_device("cpu"))
+    ranks = Mesh.fsdp(2).along(FSDP)
+    unit = {u.name: GroupBytes.of(u.param_layout, ranks).unsharded for u in measured.units}
+    root = GroupBytes.of(measured.rest_param_layout, ranks).unsharded
+    resharded, kept = rank_terms(measured, Mesh.fsdp(2)), rank_terms(measured, Mesh.fsdp(2, reshard_after_forward=False))
+    run, finished = [], set()
+    for phase, again, held in zip(measured.timeline.phases, resharded, kept):
+        if phase.kind == "fwd" and phase.unit in unit and phase.unit not in run:
+            run.append(phase.unit)
+        if phase.kind == "fwd":  # every unit run so far, not only the running one
+            assert held.gathered == root + sum(unit[name] for name in run)
+        elif phase.kind == "bwd":
+            assert held.gathered == root + sum(size for name, size in unit.items() if name not in finished)
+            if phase.unit is not None:
+                assert held.gathered >= again.gathered  # never fewer than resharding's running and prefetched units
+                finished.add(phase.unit)  # from the next phase on: its backward has ended and resharded it
+        assert (held.parameters, held.optimizer, held.buffers) == (again.parameters, again.optimizer, again.buffers)
+    assert len(run) == len(unit) == 4 and max(t.gathered for t in kept) == root + sum(unit.values()) > max(t.gathered for t in resharded)
