@@ -7,7 +7,8 @@ option: parameters, gradients and optimizer state 1/N each, rows padded to a mul
 trains its own batch); the memory model prices it (`memory.sharded`) and the world-size search walks
 its dimension (`solve.worlds`). Tensor parallelism would be a second dimension with a strategy of its own.
 How FSDP runs its units is the mesh's too: `reshard_after_forward` (fully_shard's option of that name) False
-keeps each unit's gathered parameters from its forward to its backward, which then gathers nothing.
+keeps each unit's gathered parameters from its forward to its backward, which then gathers nothing (per unit:
+pattern -> bool pairs, as torchtitan keeps its last block gathered).
 """
 
 from __future__ import annotations
@@ -53,13 +54,21 @@ class Mesh:
     """The devices a plan is for; `Mesh()` is one device, `Mesh.fsdp(8)` FSDP over 8."""
 
     dims: tuple[MeshDim, ...] = ()
-    reshard_after_forward: bool = True  # FSDP's units free their gathered parameters after forward (False: kept for backward)
+    # FSDP's units free their gathered parameters after forward (True), keep them for backward (False), or per unit:
+    # (pattern, bool) pairs, the first pattern a unit matches deciding (unmatched: True)
+    reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True
 
     @staticmethod
-    def fsdp(ranks: int, reshard_after_forward: bool = True) -> Mesh:
+    def fsdp(ranks: int, reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True) -> Mesh:
         """FSDP over `ranks` devices (one device: no FSDP, the empty mesh, which keeps `reshard_after_forward` for the
         world-size search to resize it with)."""
         return Mesh((MeshDim(ranks, FSDP),) if ranks != 1 else (), reshard_after_forward)
+
+    @property
+    def reshard_as_given(self) -> bool | dict[str, bool]:
+        """`reshard_after_forward` as plan() takes it: True, False, or {unit pattern: bool}."""
+        setting = self.reshard_after_forward
+        return setting if isinstance(setting, bool) else dict(setting)
 
     @property
     def size(self) -> int:
@@ -82,5 +91,6 @@ class Mesh:
         return Mesh(dims, self.reshard_after_forward if dims else True)  # one device: nothing to reshard
 
     def __str__(self) -> str:
-        kept = " (parameters kept gathered from forward to backward)" if not self.reshard_after_forward else ""
+        kept = "" if self.reshard_after_forward is True else " (parameters kept gathered from forward to backward" + (
+            ")" if self.reshard_after_forward is False else ": " + ", ".join(p for p, reshard in self.reshard_after_forward if not reshard) + ")")
         return " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims) + kept if self.dims else "one device"

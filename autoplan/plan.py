@@ -376,7 +376,7 @@ class Plan:
             "solver_status": outcome.solver_status, "solve_time_s": outcome.solve_time_s, "resolves": outcome.resolves,
             "decided_by": outcome.decided_by,
             "trace_method": model.trace_method, "notes": list(self.notes), "world_size": asked.world_size,
-            "reshard_after_forward": asked.mesh.reshard_after_forward, "fsdp": None if predicted.fsdp is None else predicted.fsdp.to_dict(),
+            "reshard_after_forward": asked.mesh.reshard_as_given, "fsdp": None if predicted.fsdp is None else predicted.fsdp.to_dict(),
             "world_size_curve": [dataclasses.asdict(point) for point in predicted.world_size_curve],
             "parameter_count": model.parameter_count, "state_bytes": model.state_bytes,
             "loop": None if asked.loop is None else dataclasses.asdict(asked.loop), "moe_routing": model.moe_routing,

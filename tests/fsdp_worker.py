@@ -1,8 +1,8 @@
 """One rank of tests/apply/test_sharding.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
 
 Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET [MODEL]`,
-MODEL "llama" (default: tests/fsdp_model.tiny_llama), "llama-kept" (the same, FSDP's reshard_after_forward=False) or
-"shared" (one block called six times per forward).
+MODEL "llama" (default: tests/fsdp_model.tiny_llama), "llama-kept" (the same, FSDP's reshard_after_forward=False),
+"llama-last-kept" (False for its last block only) or "shared" (one block called six times per forward).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from autoplan.verify.fsdp import measure_rank_peak
 from tests.fsdp_model import BATCH, SEQ, STEPS, rank_batch, shared_batch, shared_block, tiny_llama  # noqa: E402
 
 
+RESHARD = {"llama-kept": False, "llama-last-kept": {"layers.3": False}}  # as torchtitan keeps its last block gathered
+
+
 def main(out: str, budget: str, kind: str = "llama") -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -33,7 +36,7 @@ def main(out: str, budget: str, kind: str = "llama") -> None:
         model, config = tiny_llama()
         batch = rank_batch(config, rank)
     plan = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, world_size=world, profile="roofline",
-                         precision=precision, reshard_after_forward=kind != "llama-kept")
+                         precision=precision, reshard_after_forward=RESHARD.get(kind, True))
     autoplan.apply(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     measured = measure_rank_peak(model, (batch, {}), optimizer, steps=STEPS, loop=plan.request.loop)

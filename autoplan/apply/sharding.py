@@ -20,7 +20,7 @@ import torch
 
 from autoplan.errors import DistributedSetupError, OptionError
 from autoplan.plan import OutsideUnits, Plan
-from autoplan.memory.sharded import fsdp_group
+from autoplan.memory.sharded import fsdp_group, kept_names
 from autoplan.units import GraphRun, SequentialRun, Unit
 from autoplan.vocabulary.names import run_layers
 from autoplan.planned.forwards import apply_choices
@@ -84,8 +84,9 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
     apply_choices(model, plan.decisions.choices_by_unit(), OutsideUnits(plan.decisions.rest_precision))  # FSDP runs the loss as written
     options = {"mesh": mesh} if mesh is not None else {}
     # the call sites of one module (block@0, block@1, ...) are one group: FSDP2 gathers it again for every call
+    kept = kept_names(plan.request.mesh.reshard_after_forward, [unit.unit.name for unit in plan.decisions.units])
     for group in dict.fromkeys(fsdp_group(unit.unit) for unit in plan.decisions.units):
-        fully_shard(_unit_modules(model, group), reshard_after_forward=plan.request.mesh.reshard_after_forward, **options)
+        fully_shard(_unit_modules(model, group), reshard_after_forward=group.name not in kept, **options)
     fully_shard(model, **options)  # the root: FSDP2 keeps it gathered from forward to backward whatever it is given
     return model
 

@@ -205,11 +205,12 @@ class PlanOptions:
         "the fewest GPUs that fit, with the per-GPU peak against N.", "plan per GPU for FSDP over N GPUs (at most 65,536), or `auto`: "
         "the fewest that fit, with the curve (see [fsdp.md](fsdp.md)); on the `cpu` profile the report says ranks, not GPUs",
         verify=False, metavar="N", unset=True))
-    reshard_after_forward: bool = _option(True, "with `world_size` ≠ 1, FSDP2's `fully_shard(reshard_after_forward=...)` for every unit: "
-                                          "True (default) frees a unit's gathered parameters after its forward and gathers them again "
-                                          "for its backward; False keeps them from forward to backward (no gather in backward: less "
-                                          "traffic, more memory), and the plan counts them so. A module called more than once per forward "
-                                          "is planned with True only. [fsdp.md](fsdp.md)", Flag(
+    reshard_after_forward: bool | Mapping[str, bool] = _option(
+        True, "with `world_size` ≠ 1, FSDP2's `fully_shard(reshard_after_forward=...)` for the units: True (default) frees a unit's "
+        "gathered parameters after its forward and gathers them again for its backward; False keeps them from forward to backward "
+        "(no gather in backward: less traffic, more memory), and the plan counts them so; `{unit pattern: bool}` per unit, the first "
+        "pattern a unit matches deciding, the rest True (torchtitan's default keeps its last block: `{\"layers.31\": False}`). A "
+        "module called more than once per forward is planned with True only. [fsdp.md](fsdp.md)", Flag(
         ("--reshard-after-forward/--no-reshard-after-forward",), "With --world-size: FSDP frees each unit's gathered parameters after "
         "forward (default), or keeps them until its backward (more memory, no gather in backward).", "with `--world-size`: FSDP frees "
         "each unit's gathered parameters after its forward (default) or keeps them until its backward, and the plan counts that",
@@ -340,7 +341,7 @@ class PlanKeywords(TypedDict, total=False):
     progress: Callable[[str], None] | None
     on_profile: Callable[[Any], None] | None
     world_size: int | str
-    reshard_after_forward: bool
+    reshard_after_forward: bool | Mapping[str, bool]
     menu_size: int
     loop: TrainingLoop | None
     allow_over_device: bool

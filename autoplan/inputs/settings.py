@@ -100,7 +100,7 @@ class Settings:
     step: StepOptions
     space: SearchSpace
     ranks: int | Literal["auto"]  # GPUs under FSDP2, or "auto": the fewest that fit
-    reshard_after_forward: bool  # FSDP2 frees each unit's gathered parameters after forward (False: kept for backward)
+    reshard_after_forward: bool | tuple[tuple[str, bool], ...]  # FSDP2 frees units' gathered parameters after forward (Mesh's)
     profile: str  # where unit times come from: "auto", "measure" or "roofline"
     time_limit_s: float  # per solve
     reserve: Size | None  # as given, read once (None: the default reserve); taken in bytes with each budget
@@ -185,11 +185,18 @@ def host_budget_bytes(host_budget: str | int | None) -> int:
                       fail=lambda reason: OptionError(f"host_budget: {reason}; e.g. '64GB' or '50%' of this machine's RAM"))
 
 
-def check_reshard(reshard_after_forward: object, ranks: int | str) -> bool:
-    """FSDP2's reshard_after_forward, True or False (its int form, resharding to a smaller mesh, is not modelled)."""
+def check_reshard(reshard_after_forward: object, ranks: int | str) -> bool | tuple[tuple[str, bool], ...]:
+    """FSDP2's reshard_after_forward: True, False, or {unit pattern: bool} (as a tuple of pairs: a Mesh is hashable).
+    Its int form, resharding to a smaller mesh, is not modelled."""
+    if isinstance(reshard_after_forward, Mapping) and reshard_after_forward and all(
+            isinstance(p, str) and isinstance(v, bool) for p, v in reshard_after_forward.items()):
+        pairs = tuple(reshard_after_forward.items())
+        if ranks == 1 and not all(v for _, v in pairs):
+            raise OptionError("reshard_after_forward={...: False} is FSDP's; with world_size=1 nothing is sharded: give world_size=N")
+        return pairs
     if not isinstance(reshard_after_forward, bool):
-        raise OptionError(f"reshard_after_forward must be True or False; got {reshard_after_forward!r} (FSDP2's int form, "
-                          "resharding to fewer ranks after forward, is not modelled: plan with True for it, an upper bound)")
+        raise OptionError(f"reshard_after_forward must be True, False or {{unit pattern: True/False}}; got {reshard_after_forward!r} "
+                          "(FSDP2's int form, resharding to fewer ranks after forward, is not modelled: plan with True for it, an upper bound)")
     if not reshard_after_forward and ranks == 1:
         raise OptionError("reshard_after_forward=False is FSDP's (the units' gathered parameters kept from forward to backward); "
                           "with world_size=1 nothing is sharded: give world_size=N (or \"auto\"), or leave it out")

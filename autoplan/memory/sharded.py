@@ -15,8 +15,8 @@ module only knows FSDP2's buffers (torch.distributed.fsdp.fully_shard, read from
   reduce-scatter input (kept until the next group's reduce-scatter) and reduced into one flat
   shard per rank, which holds that rank's gradients of the group until zero_grad;
 - buffers are not sharded;
-- with `reshard_after_forward=False` (the mesh's) a unit's gathered parameters stay from its forward until its
-  backward has finished, which gathers nothing; the flat buffers are as above;
+- with `reshard_after_forward=False` (the mesh's, for every unit or per unit) a unit's gathered parameters stay
+  from its forward until its backward has finished, which gathers nothing; the flat buffers are as above;
 - a module called k times per forward (call-site units `block@0` … `block@{k-1}`) is one group:
   its shards, its gradient shard and its optimizer state count once, but every call gathers it
   again (in forward and in backward), and its gradient shard exists from the first call whose
@@ -36,6 +36,7 @@ from autoplan.mesh import FSDP, Mesh
 from autoplan.plan import Phase
 from autoplan.profile.layout import ParamShape
 from autoplan.units import CallSite, ModuleUnit, Unit
+from autoplan.vocabulary.names import match_units
 from autoplan.vocabulary.tensors import rounded_bytes
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
     optimizer = _optimizer_shard(static.optimizer, full, sharded)
     result = []
     last_forward_group = root  # whose flat all-gather output is still alive in forward
-    kept: dict[Unit, int] | None = {} if _keeps_gathered(profile, group, mesh) else None  # groups gathered so far, kept
+    kept, run = kept_gathered(profile, mesh), dict[Unit, int]()  # units kept gathered until backward; those run so far
     done: list[int] = []  # units whose backward has finished, in the order they finished
     reduced: set[Unit] = set()  # groups with a gradient shard: one of their calls finished backward
     done_full = done_shards = 0
@@ -120,7 +121,7 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
             result.append(RankTerms(parameters, gradients, optimizer, 0, 0, share))
             continue
         if phase.kind == "fwd":
-            gathered = root.unsharded + _gathered_in_forward(units, group, running, kept)
+            gathered = root.unsharded + _gathered_in_forward(units, group, running, kept, run)
             buffers = last_forward_group.flat
             if running is not None:
                 buffers += units[running].flat  # the previous group's output lives until this copy-out
@@ -178,40 +179,48 @@ def _optimizer_shard(optimizer: int, full: int, sharded: int) -> int:
     return per_parameter * sharded + optimizer - min(optimizer, per_parameter * full)
 
 
-def _keeps_gathered(profile: "Profile", group: list[Unit], mesh: Mesh) -> bool:
-    """Whether units keep their gathered parameters from forward to backward (the mesh's reshard_after_forward False);
-    refused for a module called more than once per forward, whose calls FSDP2 gathers and frees between."""
-    if mesh.reshard_after_forward:
-        return False
-    if len(set(group)) < len(group):
-        calls = ", ".join(str(unit.unit) for unit in profile.units if isinstance(unit.unit, CallSite))
-        raise OptionError(f"reshard_after_forward=False is not modelled for a module called more than once per forward ({calls[:120]}): "
-                          "plan it with reshard_after_forward=True (FSDP2's default)")
-    return True
+def kept_gathered(profile: "Profile", mesh: Mesh) -> frozenset[int]:
+    """Positions of the units that keep their gathered parameters from forward to backward (the mesh's
+    reshard_after_forward False for them); refused for a module called more than once per forward, whose calls
+    FSDP2 gathers and frees between."""
+    names = [unit.name for unit in profile.units]
+    kept = {i for i, name in enumerate(names) if name in kept_names(mesh.reshard_after_forward, names)}
+    calls = [str(profile.units[i].unit) for i in sorted(kept) if isinstance(profile.units[i].unit, CallSite)]
+    if calls:
+        raise OptionError(f"reshard_after_forward=False is not modelled for a module called more than once per forward "
+                          f"({', '.join(calls)[:120]}): plan it with reshard_after_forward=True (FSDP2's default) for those")
+    return frozenset(kept)
 
 
-def _gathered_in_forward(units: list[GroupBytes], group: list[Unit], running: int | None, kept: dict[Unit, int] | None) -> int:
-    """Unsharded unit parameters in a forward phase: the running unit's; where units keep them gathered until their
-    backward (`kept`, which this adds the running unit's group to), every group run so far."""
-    if kept is None:
-        return units[running].unsharded if running is not None else 0
-    if running is not None:
-        kept.setdefault(group[running], units[running].unsharded)
-    return sum(kept.values())
+def kept_names(setting: bool | tuple[tuple[str, bool], ...], names: list[str]) -> set[str]:
+    """The units (of `names`) that `setting` (a mesh's reshard_after_forward) keeps gathered from forward to backward:
+    none, all, or per unit the first (pattern, reshard) pair whose pattern it matches (unmatched: resharded)."""
+    if isinstance(setting, bool):
+        return set() if setting else set(names)
+    matched = [(match_units(names, pattern, "reshard_after_forward"), reshard) for pattern, reshard in setting]
+    return {name for name in names if not next((reshard for units, reshard in matched if name in units), True)}
+
+
+def _gathered_in_forward(units: list[GroupBytes], group: list[Unit], running: int | None, kept: frozenset[int],
+                         run: dict[Unit, int]) -> int:
+    """Unsharded unit parameters in a forward phase: the running unit's, and every kept unit run so far (`run`,
+    which this adds the running unit's group to if it is kept)."""
+    if running is not None and running in kept:
+        run.setdefault(group[running], units[running].unsharded)
+    return sum(run.values()) + (units[running].unsharded if running is not None and running not in kept else 0)
 
 
 def _gathered_in_backward(units: list[GroupBytes], group: list[Unit], running: int | None, done: list[int],
-                          kept: dict[Unit, int] | None) -> int:
-    """Unsharded unit parameters in a backward phase: the running unit and the one before it (prefetched);
-    between units, the next to run backward. Where units keep them gathered from forward (`kept` not None),
-    every unit whose backward has not finished (`done`)."""
-    if kept is not None:
-        return sum(units[i].unsharded for i in set(range(len(units))) - set(done))
+                          kept: frozenset[int]) -> int:
+    """Unsharded unit parameters in a backward phase: every kept unit whose backward has not finished (`done`), and
+    of the others the running unit and the one before it (prefetched); between units, the next to run backward."""
+    held = sum(units[i].unsharded for i in kept - set(done))
     remaining = len(units) - len(done)  # units at positions < remaining have not finished backward
     if running is None:
-        return units[remaining - 1].unsharded if remaining > 0 else 0
-    prefetched = running > 0 and group[running - 1] != group[running]  # a module gathered once, however many calls
-    return units[running].unsharded + (units[running - 1].unsharded if prefetched else 0)
+        return held + (units[remaining - 1].unsharded if remaining > 0 and remaining - 1 not in kept else 0)
+    prefetched = running > 0 and group[running - 1] != group[running] and running - 1 not in kept  # a module gathered once
+    own = units[running].unsharded if running not in kept else 0
+    return held + own + (units[running - 1].unsharded if prefetched else 0)
 
 
 def fsdp_group(unit: Unit) -> Unit:

@@ -30,3 +30,16 @@ def test_units_kept_gathered_hold_every_unit_from_its_forward_until_its_backward
                 finished.add(phase.unit)  # from the next phase on: its backward has ended and resharded it
         assert (held.parameters, held.optimizer, held.buffers) == (again.parameters, again.optimizer, again.buffers)
     assert len(run) == len(unit) == 4 and max(t.gathered for t in kept) == root + sum(unit.values()) > max(t.gathered for t in resharded)
+
+
+def test_a_unit_kept_gathered_alone_adds_its_parameters_only_where_resharding_would_have_freed_them() -> None:
+    """torchtitan's default: the last block keeps what it gathered (its backward comes next); the rest reshard."""
+    model, config = tiny_llama()
+    measured = profile(trace(model, (rank_batch(config, 0), {})), get_device("cpu"))
+    last = GroupBytes.of(measured.units[-1].param_layout, 2).unsharded
+    resharded = rank_terms(measured, Mesh.fsdp(2))
+    kept_last = rank_terms(measured, Mesh.fsdp(2, reshard_after_forward=(("layers.3", False),)))
+    differences = [kept.gathered - again.gathered for kept, again in zip(kept_last, resharded)]
+    assert set(differences) == {0, last}  # held after its forward (the head's phases), never twice
+    first_held = differences.index(last)
+    assert measured.timeline.phases[first_held - 1].phase.unit == "layers.3"  # from the end of its forward on
