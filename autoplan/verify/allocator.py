@@ -17,7 +17,8 @@ before counting began and freed during it is not reported either (the profiler w
 own storages are not freed by a training step, and `AllocatorCount.unreported_frees` says when one was.
 
 Blocks a GPU would not hold are left out, each for a CUDA fact: a Python number wrapped into a 0-dim
-CPU tensor (and its dtype conversion inside a CPU kernel), and the CPU RNG state checkpoint keeps.
+CPU tensor (and its dtype conversion inside a CPU kernel), the CPU RNG state checkpoint keeps, and the
+buffers a collective's gloo backend stages inside the collective (NCCL's are not PyTorch's blocks).
 The host copies autoplan's offload makes are counted apart (`host_peak_bytes`): they are made inside
 a profiler record (`instruments.host.on_host`), the one thing of autoplan's this count reads, and a
 GPU keeps them in pinned host memory.
@@ -152,7 +153,7 @@ class AllocatorCount:
                 freed = counted.pop(address, 0) + resident.pop(address, 0)
                 in_use -= 0 if address in unsure else freed  # an unsure block's late free: the mark already left it out
                 unsure.discard(address)
-                counted[address] = 0 if _host_only(node) else _rounded(size)
+                counted[address] = 0 if _host_only(node) or _backend_buffer(node) else _rounded(size)
                 in_use += counted[address]
                 peaks[-1] = max(peaks[-1], in_use)
             elif address in host:
@@ -192,6 +193,23 @@ def _host_only(allocation) -> bool:
     outside_conversion = [call for call in makers if call.name not in _CONVERSIONS + _ALLOCATIONS]
     converted = any(call.name in _CONVERSIONS for call in makers)
     return converted and bool(outside_conversion) and _is_operator(outside_conversion[0])
+
+
+def _backend_buffer(allocation) -> bool:
+    """A block a collective's backend makes inside the collective (`c10d::_allgather_base_`, `gloo:all_reduce`): gloo
+    stages its CPU all-gathers and reduce-scatters in blocks of c10's allocator (a clone of the input, a gather buffer)
+    and drops them in threads of its own, where no free is reported. A GPU's NCCL writes into the tensors it is handed
+    and holds its own buffers outside PyTorch's caching allocator; the buffers FSDP2 hands it (its all-gather outputs,
+    reduce-scatter inputs and outputs) are made outside the collective and counted."""
+    node = allocation.parent
+    while node is not None:
+        if node.name.startswith(_COLLECTIVES):
+            return True
+        node = node.parent
+    return False
+
+
+_COLLECTIVES = ("c10d::", "gloo:")
 
 
 def _host_copy(allocation) -> bool:

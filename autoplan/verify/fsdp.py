@@ -45,13 +45,10 @@ def measure_rank_peak(
     runner = LoopRunner(model, optimizer, check_loop(loop), loss_fn)
     losses: list[float] = []
     # counted from the first step: FSDP2 frees and remakes its gathered storages (resize_ to 0 and back), and the
-    # allocator reports the free of a block only if it saw the block made. gloo drops some buffers it was handed in
-    # threads of its own, where no free is reported: the last step starts from what the rank holds then (its shards,
-    # optimizer state and batch, walked), and within it the count learns of such a free only when the address is
-    # handed out again, so on gloo it is an upper bound, by as much as those threads ran late (the last step alone
-    # counted 55.4 MB against 48.1 predicted in one run of tests/apply/test_sharding.py, under it in others). Each steady step is
-    # counted and the lowest kept, the tightest of the upper bounds (on a device whose allocator reports every free
-    # they are equal)
+    # allocator reports the free of a block only if it saw the block made. The buffers gloo stages inside its
+    # collectives (and drops in threads of its own, unreported) are left out, as a GPU's NCCL holds none of PyTorch's
+    # (verify/allocator.py); before they were, the count was an upper bound by as much as those threads ran late. Each
+    # steady step is counted and the lowest kept
     first_steady = min(1, steps - 1)
     with AllocatorCount(resident=_resident(model, optimizer, (args, kwargs))) as count:
         for step in range(steps):

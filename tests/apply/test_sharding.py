@@ -2,8 +2,8 @@
 
 The distributed tests launch `torch.distributed.run` with two CPU processes (gloo); they skip when
 torch.distributed or gloo is missing. The planned, FSDP2-sharded model must train to the same
-losses as one process on both ranks' batches, and each rank's measured peak (live tensor bytes of
-the real run) must be within 5% of the plan's per-rank prediction.
+losses as one process on both ranks' batches, and each rank's measured peak (the CPU allocator's count
+of the real run, `autoplan/verify/fsdp.py`) must be at most the plan's per-rank prediction and close to it.
 """
 
 from __future__ import annotations
@@ -179,9 +179,9 @@ def test_measured_rank_peak_matches_the_plan(two_ranks) -> None:
     for rank in two_ranks:
         predicted = rank["plan"]["predicted_peak_bytes"]
         assert rank["plan"]["feasible"] and rank["plan"]["world_size"] == 2
-        # on gloo the allocator's count is an upper bound: gloo frees some of what FSDP2 hands it in its own threads,
-        # where the profiler reports no free (verify/fsdp.py): within 3% below and a tenth above
-        assert 0.97 * predicted <= rank["peak_bytes"] <= 1.10 * predicted, (rank["peak_bytes"], predicted)
+        # the allocator's count, gloo's own staging buffers left out as a GPU's NCCL holds none (verify/allocator.py):
+        # never above the plan, and within a thousandth of it (1 KiB under when this was written)
+        assert 0.999 * predicted <= rank["peak_bytes"] <= predicted, (rank["peak_bytes"], predicted)
 
 
 # -- a module called several times per forward: its call sites share one FSDP group ----------------
@@ -220,9 +220,9 @@ def test_fsdp_with_call_sites_trains_like_one_process_and_meets_its_prediction(s
     plan = ranks[0]["plan"]
     modes = {unit["name"]: unit["mode"] for unit in plan["units"]}
     assert "keep" in modes.values() and set(modes.values()) - {"keep"}  # FSDP composed with per-call checkpointing
-    for rank in ranks:  # on gloo the allocator's count is an upper bound (verify/fsdp.py): at most a tenth above
+    for rank in ranks:  # the per-rank model holds a called module's buffers a little longer than FSDP2 does: 2.4-2.5% over
         predicted = rank["plan"]["predicted_peak_bytes"]
-        assert rank["plan"]["feasible"] and 0.97 * predicted <= rank["peak_bytes"] <= 1.10 * predicted, (rank["peak_bytes"], predicted)
+        assert rank["plan"]["feasible"] and 0.97 * predicted <= rank["peak_bytes"] <= predicted, (rank["peak_bytes"], predicted)
     model = apply_choices(shared_block(), {Unit.from_name(name): Choice(mode, "fp32") for name, mode in modes.items()})
     batch = torch.cat([shared_batch(rank)[0] for rank in (0, 1)])
     reference = one_process_losses(model, lambda: model(batch).sum() / 2)  # FSDP averages the ranks' gradients of their sums
@@ -246,8 +246,10 @@ def kept_two_ranks(tmp_path_factory, two_ranks):
 @distributed
 def test_kept_gathered_parameters_are_counted_and_the_real_run_holds_them(kept_two_ranks) -> None:
     resharded, kept, last_kept = kept_two_ranks
-    for rank in kept + last_kept:  # on gloo the allocator's count is an upper bound (verify/fsdp.py): at most a tenth above
-        assert 0.97 * rank["plan"]["predicted_peak_bytes"] <= rank["peak_bytes"] <= 1.10 * rank["plan"]["predicted_peak_bytes"]
+    for rank in last_kept:  # as exact as resharding every unit: within a thousandth, never above
+        assert 0.999 * rank["plan"]["predicted_peak_bytes"] <= rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"]
+    for rank in kept:  # the model holds a gather buffer in backward that, with every unit kept, FSDP2 does not make: 4.6% over
+        assert 0.95 * rank["plan"]["predicted_peak_bytes"] <= rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"]
     assert all(rank["plan"]["reshard_after_forward"] == {"layers.3": False} for rank in last_kept)
     for rank in kept:
         plan = rank["plan"]
