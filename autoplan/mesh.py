@@ -57,12 +57,14 @@ class Mesh:
     # FSDP's units free their gathered parameters after forward (True), keep them for backward (False), or per unit:
     # (pattern, bool) pairs, the first pattern a unit matches deciding (unmatched: True)
     reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True
+    # FSDP2's MixedPrecisionPolicy: "bf16"/"fp16" parameters gathered and computed in, fp32 kept and reduced; None: as stored
+    param_dtype: str | None = None
 
     @staticmethod
-    def fsdp(ranks: int, reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True) -> Mesh:
+    def fsdp(ranks: int, reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True, param_dtype: str | None = None) -> Mesh:
         """FSDP over `ranks` devices (one device: no FSDP, the empty mesh, which keeps `reshard_after_forward` for the
         world-size search to resize it with)."""
-        return Mesh((MeshDim(ranks, FSDP),) if ranks != 1 else (), reshard_after_forward)
+        return Mesh((MeshDim(ranks, FSDP),) if ranks != 1 else (), reshard_after_forward, param_dtype)
 
     @property
     def reshard_as_given(self) -> bool | dict[str, bool]:
@@ -88,9 +90,10 @@ class Mesh:
         """This mesh with `strategy`'s dimension at `size` ranks (added, or dropped at 1): a step of the world-size search."""
         kept = tuple(dim for dim in self.dims if dim.strategy != strategy)
         dims = kept + ((MeshDim(size, strategy),) if size > 1 else ())
-        return Mesh(dims, self.reshard_after_forward if dims else True)  # one device: nothing to reshard
+        return Mesh(dims, self.reshard_after_forward if dims else True, self.param_dtype)  # one device: nothing to reshard
 
     def __str__(self) -> str:
         kept = "" if self.reshard_after_forward is True else " (parameters kept gathered from forward to backward" + (
             ")" if self.reshard_after_forward is False else ": " + ", ".join(p for p, reshard in self.reshard_after_forward if not reshard) + ")")
-        return " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims) + kept if self.dims else "one device"
+        cast = f" ({self.param_dtype} parameters, fp32 reduce)" if self.param_dtype else ""
+        return " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims) + kept + cast if self.dims else "one device"

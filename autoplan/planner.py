@@ -119,7 +119,7 @@ class Planner:
         settings = self._settings
         device, ranks, space = settings.device, settings.ranks, settings.space
         asked = SolveRequest(make_budget(budget, device, settings.reserve, allow_over_device=settings.allow_over_device),
-                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks, settings.reshard_after_forward),
+                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks, *settings.fsdp_policy),
                              fewest_ranks=ranks == "auto", host=space.host, segments=space.segments)
         arguments = (("budget", asked.budget.given), *self._options.arguments(device.name if device.name in DEVICES else None))
         self._check_unchanged()
@@ -341,7 +341,7 @@ def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, s
         precisions = (*precisions, "fp32")
     rest: Precision = "fp32" if space.precision == "auto" else precisions[0]  # the one precision forced
     say("tracing")
-    traced = trace(model, batch, unit_names=unit_names, routing=step.routing)
+    traced = dataclasses.replace(trace(model, batch, unit_names=unit_names, routing=step.routing), parameter_dtype=step.parameter_dtype)
     if space.compile and profile == "measure":
         raise OptionError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
                           "use profile='roofline' or 'auto'")

@@ -2,7 +2,8 @@
 
 Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET [MODEL]`,
 MODEL "llama" (default: tests/fsdp_model.tiny_llama), "llama-kept" (the same, FSDP's reshard_after_forward=False),
-"llama-last-kept" (False for its last block only) or "shared" (one block called six times per forward).
+"llama-last-kept" (False for its last block only), "llama-bf16" (FSDP2's MixedPrecisionPolicy, bf16 gathered, fp32
+reduced) or "shared" (one block called six times per forward).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def main(out: str, budget: str, kind: str = "llama") -> None:
         model, config = tiny_llama()
         batch = rank_batch(config, rank)
     plan = autoplan.plan(model, budget, example_inputs=batch, device="cpu", reserve=0, world_size=world, profile="roofline",
-                         precision=precision, reshard_after_forward=RESHARD.get(kind, True))
+                         precision=precision, reshard_after_forward=RESHARD.get(kind, True),
+                         fsdp_mixed_precision="bf16" if kind == "llama-bf16" else None)
     autoplan.apply(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     measured = measure_rank_peak(model, (batch, {}), optimizer, steps=STEPS, loop=plan.request.loop)

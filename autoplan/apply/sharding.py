@@ -5,10 +5,10 @@ unit for its checkpoint mode and precision (`planned.forwards.apply_choices`, as
 calls PyTorch's own `torch.distributed.fsdp.fully_shard` on each unit and on the root, so the units
 the plan decided about are exactly the groups FSDP gathers and reduce-scatters.
 
-Precision stays torch.autocast per unit, not FSDP2's `MixedPrecisionPolicy`: autocast keeps norms,
-softmax and losses in fp32 as the single-GPU plan does, lets each unit choose its own precision,
-and is what the profile measured; parameters stay fp32 in the all-gathers and gradients are
-reduced in fp32 (twice the traffic of a bf16 policy, and no weight-cast rounding across ranks).
+Precision is torch.autocast per unit by default: autocast keeps norms, softmax and losses in fp32 as
+the single-GPU plan does, lets each unit choose its own precision, and parameters stay fp32 in the
+all-gathers. A plan made with `fsdp_mixed_precision` is applied with FSDP2's own
+`MixedPrecisionPolicy(param_dtype=bf16 or fp16, reduce_dtype=fp32)` on every group, as it was profiled.
 Per-rank peaks are measured by `verify.fsdp`.
 """
 
@@ -82,7 +82,12 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
 
     require_process_group(plan.request.world_size)
     apply_choices(model, plan.decisions.choices_by_unit(), OutsideUnits(plan.decisions.rest_precision))  # FSDP runs the loss as written
-    options = {"mesh": mesh} if mesh is not None else {}
+    options: dict[str, Any] = {"mesh": mesh} if mesh is not None else {}
+    if plan.request.mesh.param_dtype:  # as planned: gathered and computed in bf16/fp16, reduced in fp32
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[plan.request.mesh.param_dtype]
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     # the call sites of one module (block@0, block@1, ...) are one group: FSDP2 gathers it again for every call
     kept = kept_names(plan.request.mesh.reshard_after_forward, [unit.unit.name for unit in plan.decisions.units])
     for group in dict.fromkeys(fsdp_group(unit.unit) for unit in plan.decisions.units):

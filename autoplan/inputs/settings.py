@@ -50,6 +50,14 @@ class StepOptions:
     loss_fn: Callable[[Any], torch.Tensor] | None
     loop: TrainingLoop
     routing: MoeRoutingBound  # how experts whose routing decides shapes are profiled
+    fsdp_mixed_precision: str | None = None  # FSDP2's MixedPrecisionPolicy param dtype ("bf16", "fp16"); fp32 reduce
+
+    @property
+    def parameter_dtype(self) -> torch.dtype | None:
+        """What the units compute with under FSDP2's MixedPrecisionPolicy (None: the parameters as they are)."""
+        import torch  # not at import: the command line checks its options before torch is imported
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.fsdp_mixed_precision or "")
 
 
 @dataclass(frozen=True)
@@ -106,16 +114,24 @@ class Settings:
     reserve: Size | None  # as given, read once (None: the default reserve); taken in bytes with each budget
     allow_over_device: bool
 
+    @property
+    def fsdp_policy(self) -> tuple[bool | tuple[tuple[str, bool], ...], str | None]:
+        """How FSDP2 runs the units, as `Mesh.fsdp` takes it after the ranks: reshard_after_forward, the mixed precision."""
+        return self.reshard_after_forward, self.step.fsdp_mixed_precision
+
 
 def settle(options: PlanOptions) -> Settings:
     """Every option checked, before minutes of tracing and profiling; the budget is checked by each plan()."""
     from autoplan.instruments.routing import check_moe_capacity  # torch: not for the command line's early checks
 
     check_optimizer(options.optimizer)
-    step = StepOptions(options.optimizer, options.loss_fn, check_loop(options.loop), check_moe_capacity(options.moe_capacity))
+    ranks: int | Literal["auto"] = "auto" if options.world_size == "auto" else check_world_size(options.world_size)
+    mixed = check_fsdp_mixed_precision(options.fsdp_mixed_precision, ranks, options.precision)
+    step = StepOptions(options.optimizer, options.loss_fn, check_loop(options.loop), check_moe_capacity(options.moe_capacity), mixed)
     device = with_context(get_device(options.device), options.cuda_context)
     space = search_space(options, device)
-    ranks: int | Literal["auto"] = "auto" if options.world_size == "auto" else check_world_size(options.world_size)
+    if mixed:  # every unit computes in the policy's dtype already: autocast on top is not what FSDP runs
+        space = dataclasses.replace(space, precision="fp32")
     return Settings(device, step, space, ranks, check_reshard(options.reshard_after_forward, ranks), check_choice("profile", options.profile, PROFILE_SOURCES),
                     check_time_limit(options.time_limit_s), read_reserve(options.reserve),
                     flag("allow_over_device", options.allow_over_device))
@@ -183,6 +199,22 @@ def host_budget_bytes(host_budget: str | int | None) -> int:
         return int(ram * HOST_BUDGET_SHARE)
     return parse_size(host_budget, ram, allow_zero=True, what="host budget (--host-budget)",
                       fail=lambda reason: OptionError(f"host_budget: {reason}; e.g. '64GB' or '50%' of this machine's RAM"))
+
+
+def check_fsdp_mixed_precision(value: object, ranks: int | str, precision: object) -> str | None:
+    """FSDP2's MixedPrecisionPolicy as planned: parameters gathered and computed in bf16 or fp16, kept and reduced in fp32."""
+    if value is None:
+        return None
+    if value not in ("bf16", "fp16"):
+        raise OptionError(f"fsdp_mixed_precision must be \"bf16\" or \"fp16\" (MixedPrecisionPolicy's param_dtype; gradients "
+                          f"reduced in fp32), or None; got {value!r}")
+    if not isinstance(ranks, int) or ranks == 1:
+        why = 'world_size="auto" is not planned with it yet' if ranks == "auto" else "with one GPU nothing is sharded"
+        raise OptionError(f"fsdp_mixed_precision is FSDP2's MixedPrecisionPolicy: give world_size=N (N > 1); {why}")
+    if precision not in ("auto", "fp32"):
+        raise OptionError(f"fsdp_mixed_precision={value!r} computes every unit in {value} already; precision={precision!r} would "
+                          "add autocast on top, which is not what FSDP runs: leave precision out")
+    return value
 
 
 def check_reshard(reshard_after_forward: object, ranks: int | str) -> bool | tuple[tuple[str, bool], ...]:

@@ -47,21 +47,29 @@ if TYPE_CHECKING:
 class GroupBytes:
     """One FSDP group on one rank of `ranks`."""
 
-    full: int  # its parameters unsharded and unpadded: what one GPU holds, and its gradients' size
+    full: int  # its parameters unsharded and unpadded, as computed in: what one GPU holds, and its gradients' size
     sharded: int  # this rank's padded shards, one storage per parameter (alive all the time)
     unsharded: int  # the gathered, padded parameters while the group runs
-    flat: int  # one flat all-gather output, or one flat reduce-scatter input: N shards
+    flat: int  # one flat all-gather output: N shards
     grad_shard: int  # the flat reduce-scatter output: this rank's gradients of the group
+    reduce_flat: int = -1  # one flat reduce-scatter input: N shards (-1: as `flat`, parameters reduced as gathered)
+
+    @property
+    def reduce_input(self) -> int:
+        return self.flat if self.reduce_flat < 0 else self.reduce_flat
 
     @staticmethod
-    def of(layout: tuple[ParamShape, ...], ranks: int) -> "GroupBytes":
+    def of(layout: tuple[ParamShape, ...], ranks: int, kept_per_computed: int = 1) -> "GroupBytes":
+        """`layout` in the dtype the group computes in; `kept_per_computed`: bytes of the dtype its shards are kept and
+        its gradients reduced in per byte of that one (FSDP2's MixedPrecisionPolicy: fp32 over bf16 is 2)."""
         shards = [p.shard_bytes(ranks) for p in layout]
         return GroupBytes(
             full=sum(rounded_bytes(p.rows * p.row_numel * p.itemsize) for p in layout),
-            sharded=sum(rounded_bytes(s) for s in shards),
+            sharded=sum(rounded_bytes(s * kept_per_computed) for s in shards),
             unsharded=sum(rounded_bytes(s * ranks) for s in shards),
             flat=rounded_bytes(sum(shards) * ranks) if shards else 0,
-            grad_shard=rounded_bytes(sum(shards)) if shards else 0,
+            grad_shard=rounded_bytes(sum(shards) * kept_per_computed) if shards else 0,
+            reduce_flat=rounded_bytes(sum(shards) * ranks * kept_per_computed) if shards else 0,
         )
 
 
@@ -85,10 +93,10 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
     The root's unsharded gradients are reduced at the end of backward. Each term is a constant of the phase,
     whatever the units choose: the solver's per-rank constraints are its single-GPU ones with another constant.
     """
-    ranks = mesh.along(FSDP)
-    units = [GroupBytes.of(unit.param_layout, ranks) for unit in profile.units]
+    ranks, kept_per_computed = mesh.along(FSDP), kept_bytes_ratio(mesh)
+    units = [GroupBytes.of(unit.param_layout, ranks, kept_per_computed) for unit in profile.units]
     group = [fsdp_group(unit.unit) for unit in profile.units]  # the module each unit runs: call sites share one
-    root = GroupBytes.of(profile.rest_param_layout, ranks)
+    root = GroupBytes.of(profile.rest_param_layout, ranks, kept_per_computed)
     groups = list({key: units[i] for i, key in enumerate(group)}.values()) + [root]  # each module once
     phase_count = len(profile.timeline.phases)
     position = {unit.name: i for i, unit in enumerate(profile.units)}  # forward order
@@ -131,9 +139,9 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
         # backward: the running unit and the one before it (prefetched) are gathered; between
         # units, the next unit to run backward (prefetched by the one that just finished)
         gathered = root.unsharded + _gathered_in_backward(units, group, running, done, kept)
-        buffers = max(units[done[-1]].flat if done else 0, units[running].flat if running is not None else 0)
+        buffers = max(units[done[-1]].reduce_input if done else 0, units[running].flat if running is not None else 0)
         if index == last_backward:
-            buffers = max(buffers, root.flat - root.unsharded)  # the root's reduce-scatter, once it is resharded
+            buffers = max(buffers, root.reduce_input - root.unsharded)  # the root's reduce-scatter, once it is resharded
         gradients = done_shards + max(0, phase.grad_bytes - done_full)  # the root's stay unsharded until the end
         result.append(RankTerms(parameters, gradients, optimizer, gathered, buffers, 1.0))
     return result
@@ -166,8 +174,8 @@ def shard_padding(profile: "Profile", mesh: Mesh) -> ShardPadding | None:
     largest = max(groups, key=lambda group: group.unsharded)
     return ShardPadding(
         short=len(short), parameters=len(shapes), fewest_rows=min(shape.rows for shape in shapes),
-        shard_bytes=sum(shape.shard_bytes(ranks) for shape in shapes),
-        even_bytes=-(-sum(shape.rows * shape.row_numel * shape.itemsize for shape in shapes) // ranks),
+        shard_bytes=sum(shape.shard_bytes(ranks) for shape in shapes) * kept_bytes_ratio(mesh),  # kept as FSDP keeps them
+        even_bytes=-(-sum(shape.rows * shape.row_numel * shape.itemsize for shape in shapes) * kept_bytes_ratio(mesh) // ranks),
         gathered_bytes=largest.unsharded, gathered_full_bytes=largest.full,
     )
 
@@ -190,6 +198,12 @@ def kept_gathered(profile: "Profile", mesh: Mesh) -> frozenset[int]:
         raise OptionError(f"reshard_after_forward=False is not modelled for a module called more than once per forward "
                           f"({', '.join(calls)[:120]}): plan it with reshard_after_forward=True (FSDP2's default) for those")
     return frozenset(kept)
+
+
+def kept_bytes_ratio(mesh: Mesh) -> int:
+    """Bytes per parameter element of the dtype FSDP keeps shards and reduces gradients in, over the one the profile
+    computed in: 2 under a MixedPrecisionPolicy (fp32 kept and reduced, bf16 or fp16 gathered); else 1."""
+    return 2 if mesh.param_dtype else 1
 
 
 def kept_names(setting: bool | tuple[tuple[str, bool], ...], names: list[str]) -> set[str]:

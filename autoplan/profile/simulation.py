@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
+import torch.utils._pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoplan.errors import OptionError
 from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, OutsideUnits, Precision
-from autoplan.units import Unit
+from autoplan.units import SequentialRun, Unit
+from autoplan.vocabulary.names import run_layers
 from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.instruments.fake import fake_copy, new_fake_mode
 from autoplan.planned.forwards import apply_choices, fused_losses, remove_plan
@@ -33,10 +36,43 @@ from autoplan.trace.tracer import Traced
 
 
 def simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping[Unit, Choice], rest: Precision, fused_loss: bool = False):
-    """A fake twin of the traced model in training mode, rewritten with `choices`."""
+    """A fake twin of the traced model in training mode, rewritten with `choices` (its parameters cast where FSDP2's
+    MixedPrecisionPolicy gathers them in another dtype: `Traced.parameter_dtype`)."""
     model = remove_plan(fake_copy(traced.model, fake_mode))
     model.train()  # plans are for training: dropout on, BatchNorm updating its statistics
-    return apply_choices(model, choices, OutsideUnits(rest, fused_loss))
+    model = apply_choices(model, choices, OutsideUnits(rest, fused_loss))
+    if traced.parameter_dtype is not None:
+        cast_as_fsdp_computes(model, traced.parameter_dtype, fake_mode, traced.units)
+    return model
+
+
+def cast_as_fsdp_computes(model: torch.nn.Module, dtype: torch.dtype, fake_mode: FakeTensorMode, units) -> None:
+    """`model`'s floating parameters cast to `dtype` in place (tied ones once; buffers as they are), and the floating
+    inputs of its forward and of every unit's cast on the way in, as each FSDP group's pre-forward does: what FSDP2's
+    MixedPrecisionPolicy(param_dtype=dtype) computes with. The kept fp32 shards, the fp32 reduce and the optimizer's
+    fp32 state are the per-rank model's (`memory.sharded`)."""
+    stored = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+    if stored:
+        raise OptionError(f"fsdp_mixed_precision is planned for fp32 parameters (kept in fp32, gathered in {str(dtype).removeprefix('torch.')}); "
+                          f"this model has {', '.join(stored)} ones: load it in fp32, or plan without fsdp_mixed_precision")
+    cast: dict[int, torch.nn.Parameter] = {}
+    with fake_mode:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.is_floating_point() and param.dtype != dtype:
+                    if id(param) not in cast:
+                        cast[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                    module._parameters[name] = cast[id(param)]
+
+    def inputs_cast(module, args, kwargs):
+        def to(value):
+            return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        return torch.utils._pytree.tree_map(to, (args, kwargs))
+
+    groups = [model] + [layer for unit in units for layer in (run_layers(model, unit) if isinstance(unit, SequentialRun) else
+                                                              [model.get_submodule(getattr(unit, "module", unit.name))])]
+    for module in dict.fromkeys(groups):
+        module.register_forward_pre_hook(inputs_cast, with_kwargs=True)
 
 
 def run_timeline(

@@ -75,6 +75,10 @@ def plan_notes(traced: Traced, measured: Profile, found: SearchResult, request: 
     """What a person should know about the plan beyond its numbers."""
     budget, target, time_limit_s = request.budget, measured.device, request.time_limit_s
     notes = [budget.note] if budget.note else []
+    if request.mesh.param_dtype:
+        notes.append(f"FSDP2 MixedPrecisionPolicy(param_dtype={request.mesh.param_dtype}, reduce_dtype=fp32): every unit computes with its "
+                     f"parameters gathered in {request.mesh.param_dtype} (a unit's precision \"fp32\" here means no autocast on top); "
+                     "shards, reduced gradients and the optimizer state are fp32")
     if budget.total_bytes > target.memory_bytes:
         notes.append(f"the budget ({both_units(budget.total_bytes)}) is more than {target.name}'s {both_units(target.memory_bytes)} "
                      "of memory (allow_over_device): the plan fits the budget, not the device")

@@ -61,6 +61,9 @@ class Traced:
     routing: MoeRoutingBound = WORST_CASE  # how every fake-tensor run of this model answers data-dependent expert routing
     draws: str = "high"  # the value small random draws take in every fake-tensor run ("high" or "low": `instruments.values`)
     random_reads: int = 0  # values computed from random draws the forward read (LayerDrop): random control flow
+    # FSDP2's MixedPrecisionPolicy: every simulation runs the parameters cast to this dtype, and the floating inputs as
+    # the root casts them (`profile.simulation.simulation_model`); None: as they are
+    parameter_dtype: torch.dtype | None = None
 
     @property
     def unit_names(self) -> tuple[str, ...]:

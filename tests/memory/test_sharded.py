@@ -43,3 +43,14 @@ def test_a_unit_kept_gathered_alone_adds_its_parameters_only_where_resharding_wo
     assert set(differences) == {0, last}  # held after its forward (the head's phases), never twice
     first_held = differences.index(last)
     assert measured.timeline.phases[first_held - 1].phase.unit == "layers.3"  # from the end of its forward on
+
+
+def test_a_mixed_precision_policy_keeps_and_reduces_in_fp32_what_it_gathers_in_bf16() -> None:
+    """`GroupBytes.of` on a layout profiled in bf16 (what the policy computes with), for shards kept in fp32."""
+    from autoplan.profile.layout import ParamShape
+
+    layout = (ParamShape(rows=1000, row_numel=256, itemsize=2), ParamShape(rows=3, row_numel=1, itemsize=2))
+    plain, mixed = GroupBytes.of(layout, 4), GroupBytes.of(layout, 4, kept_per_computed=2)
+    assert (mixed.full, mixed.unsharded, mixed.flat) == (plain.full, plain.unsharded, plain.flat)  # bf16, as gathered
+    assert mixed.sharded == 250 * 256 * 4 + 512 and mixed.grad_shard == 256_512  # fp32, in 512 B blocks: (250 × 256 + 1) × 4 rounded up
+    assert mixed.reduce_input == -(-(4 * (250 * 256 + 1) * 4) // 512) * 512 and plain.reduce_input == plain.flat
