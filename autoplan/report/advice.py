@@ -73,6 +73,9 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
     low = plan.target.low_precision
     key, title = low, kind(low).words
     code = f'autoplan.optimize(model, budget, example_inputs=batch, precision="{low}")  # every unit and the rest'
+    if plan.request.mesh.param_dtype:  # FSDP2's MixedPrecisionPolicy computes every unit in it already
+        return Step(key, title, "chosen", f"every unit computes in {plan.request.mesh.param_dtype} under FSDP2's MixedPrecisionPolicy "
+                    "(fsdp_mixed_precision): autocast on top is not what FSDP runs")
     if profile.rest_precision != "fp32":
         saves = profile.reference.peak_bytes - profile.timeline.peak_bytes
         faster = profile.reference.step_time_s - profile.timeline.step_time_s
@@ -264,7 +267,8 @@ def advise(
     # A plan that fits is the starting point; one that does not, the choices that keep least.
     least = plan.decisions.choices() if plan.outcome.feasible else least_activation_choices(profile)
     phases = phase_bytes(profile, least)
-    found = smallest_world_size(profile, least, plan.request.usable_bytes)
+    # under FSDP2's MixedPrecisionPolicy the profile computes in bf16: no one-GPU estimate follows from it
+    found = None if plan.request.mesh.param_dtype else smallest_world_size(profile, least, plan.request.usable_bytes)
     steps = [
         _low_precision(plan, profile),
         _tf32(plan, profile),

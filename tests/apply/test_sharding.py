@@ -350,3 +350,19 @@ def test_a_mixed_precision_policy_is_refused_where_fsdp_would_not_run_it() -> No
     with pytest.raises(autoplan.errors.OptionError, match="planned for fp32 parameters"):
         autoplan.plan(model.to(torch.bfloat16), "1GB", example_inputs=batch, device="cpu", world_size=2, profile="roofline",
                       fsdp_mixed_precision="bf16")
+
+
+def test_the_command_line_plans_a_mixed_precision_policy_and_its_advice_says_so() -> None:
+    from typer.testing import CliRunner
+
+    from autoplan.cli.app import app
+
+    args = ["plan", "examples/llama.py:build", "--budget", "12MB", "--device", "cpu", "--reserve", "0", "--batch-size", "2",
+            "--seq-len", "32", "--world-size", "2"]
+    plain = CliRunner().invoke(app, [*args, "--json", "-"], env={"COLUMNS": "200"})
+    mixed = CliRunner().invoke(app, [*args, "--fsdp-mixed-precision", "bf16", "--json", "-"], env={"COLUMNS": "200"})
+    assert plain.exit_code == 0 and mixed.exit_code == 0, mixed.output
+    assert "computes in bf16 under FSDP2's MixedPrecisionPolicy" in mixed.output  # the advice's precision step
+    document = json.loads(mixed.stdout[mixed.stdout.index("{"):])
+    assert document["plan"]["fsdp_mixed_precision"] == "bf16" and document["plan"]["request"]["fsdp_mixed_precision"] == "bf16"
+    assert document["plan"]["predicted_peak_bytes"] < json.loads(plain.stdout[plain.stdout.index("{"):])["plan"]["predicted_peak_bytes"]
