@@ -192,7 +192,8 @@ def kept_gathered(profile: "Profile", mesh: Mesh) -> frozenset[int]:
     reshard_after_forward False for them); refused for a module called more than once per forward, whose calls
     FSDP2 gathers and frees between."""
     names = [unit.name for unit in profile.units]
-    kept = {i for i, name in enumerate(names) if name in kept_names(mesh.reshard_after_forward, names)}
+    kept_by_name = kept_names(mesh.reshard_after_forward, names)
+    kept = {i for i, name in enumerate(names) if name in kept_by_name}
     calls = [str(profile.units[i].unit) for i in sorted(kept) if isinstance(profile.units[i].unit, CallSite)]
     if calls:
         raise OptionError(f"reshard_after_forward=False is not modelled for a module called more than once per forward "
