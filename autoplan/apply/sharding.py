@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from autoplan.axes.precision import dtype_of
 from autoplan.errors import DistributedSetupError, OptionError
 from autoplan.plan import OutsideUnits, Plan
 from autoplan.memory.sharded import fsdp_group, kept_names
@@ -86,8 +87,7 @@ def apply_fsdp(model: torch.nn.Module, plan: Plan, *, mesh: Any = None) -> torch
     if plan.request.mesh.param_dtype:  # as planned: gathered and computed in bf16/fp16, reduced in fp32
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[plan.request.mesh.param_dtype]
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype_of(plan.request.mesh.param_dtype), reduce_dtype=torch.float32)
     # the call sites of one module (block@0, block@1, ...) are one group: FSDP2 gathers it again for every call
     kept = kept_names(plan.request.mesh.reshard_after_forward, [unit.unit.name for unit in plan.decisions.units])
     for group in dict.fromkeys(fsdp_group(unit.unit) for unit in plan.decisions.units):

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
-from autoplan.axes.precision import check_setting
+from autoplan.axes.precision import check_setting, dtype_of
 from autoplan.errors import OptionError
 from autoplan.inputs.budget import context_bytes, read_reserve
 from autoplan.inputs.devices import Device, get_device
@@ -55,9 +55,7 @@ class StepOptions:
     @property
     def parameter_dtype(self) -> torch.dtype | None:
         """What the units compute with under FSDP2's MixedPrecisionPolicy (None: the parameters as they are)."""
-        import torch  # not at import: the command line checks its options before torch is imported
-
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.fsdp_mixed_precision or "")
+        return dtype_of(self.fsdp_mixed_precision) if self.fsdp_mixed_precision else None
 
 
 @dataclass(frozen=True)

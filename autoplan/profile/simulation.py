@@ -28,7 +28,7 @@ from autoplan.inputs.devices import Device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, OutsideUnits, Precision
 from autoplan.units import SequentialRun, Unit
-from autoplan.vocabulary.names import run_layers
+from autoplan.vocabulary.names import run_layers, unit_module
 from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.instruments.fake import fake_copy, new_fake_mode
 from autoplan.planned.forwards import apply_choices, fused_losses, remove_plan
@@ -69,8 +69,9 @@ def cast_as_fsdp_computes(model: torch.nn.Module, dtype: torch.dtype, fake_mode:
             return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
         return torch.utils._pytree.tree_map(to, (args, kwargs))
 
+    # a Sequential run's layers each (unit_module would make a new Sequential of them, which nothing calls)
     groups = [model] + [layer for unit in units for layer in (run_layers(model, unit) if isinstance(unit, SequentialRun) else
-                                                              [model.get_submodule(getattr(unit, "module", unit.name))])]
+                                                              [unit_module(model, unit)])]
     for module in dict.fromkeys(groups):
         module.register_forward_pre_hook(inputs_cast, with_kwargs=True)
 

@@ -34,7 +34,7 @@ import re
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.profiler
@@ -201,25 +201,25 @@ def _backend_buffer(allocation) -> bool:
     and drops them in threads of its own, where no free is reported. A GPU's NCCL writes into the tensors it is handed
     and holds its own buffers outside PyTorch's caching allocator; the buffers FSDP2 hands it (its all-gather outputs,
     reduce-scatter inputs and outputs) are made outside the collective and counted."""
-    node = allocation.parent
-    while node is not None:
-        if node.name.startswith(_COLLECTIVES):
-            return True
-        node = node.parent
-    return False
+    return _made_inside(allocation, lambda name: name.startswith(_COLLECTIVES))
 
 
 _COLLECTIVES = ("c10d::", "gloo:")
 
 
-def _host_copy(allocation) -> bool:
-    """Made where autoplan's offload makes its host copies (`instruments.host.on_host`, named in the profile)."""
+def _made_inside(allocation, named: Callable[[str], bool]) -> bool:
+    """Whether a block was made inside a profiler record whose name `named` accepts."""
     node = allocation.parent
     while node is not None:
-        if node.name == HOST_ALLOCATIONS:
+        if named(node.name):
             return True
         node = node.parent
     return False
+
+
+def _host_copy(allocation) -> bool:
+    """Made where autoplan's offload makes its host copies (`instruments.host.on_host`, named in the profile)."""
+    return _made_inside(allocation, lambda name: name == HOST_ALLOCATIONS)
 
 
 def _enclosing_calls(node) -> list:
