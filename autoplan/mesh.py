@@ -92,8 +92,23 @@ class Mesh:
         dims = kept + ((MeshDim(size, strategy),) if size > 1 else ())
         return Mesh(dims, self.reshard_after_forward if dims else True, self.param_dtype)  # one device: nothing to reshard
 
+    @property
+    def gathered_words(self) -> str:
+        """Which FSDP groups hold gathered parameters in a phase, as the report says it."""
+        setting = self.reshard_after_forward
+        if setting is True:
+            return "root, running and prefetched unit"
+        if setting is False:
+            return "root and every unit between its forward and backward"
+        kept = ", ".join(pattern for pattern, reshard in setting if not reshard)
+        return f"root, running and prefetched unit, and {kept} from its forward to its backward"
+
     def __str__(self) -> str:
-        kept = "" if self.reshard_after_forward is True else " (parameters kept gathered from forward to backward" + (
-            ")" if self.reshard_after_forward is False else ": " + ", ".join(p for p, reshard in self.reshard_after_forward if not reshard) + ")")
-        cast = f" ({self.param_dtype} parameters, fp32 reduce)" if self.param_dtype else ""
-        return " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims) + kept + cast if self.dims else "one device"
+        if not self.dims:
+            return "one device"
+        words = " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims)
+        if self.reshard_after_forward is not True:
+            words += f" ({self.gathered_words} gathered)"
+        if self.param_dtype:
+            words += f" ({self.param_dtype} parameters, fp32 reduce)"
+        return words

@@ -254,7 +254,7 @@ def _world_sizes(plan: "Plan") -> list[RenderableType]:
             f"{format_bytes(usable)} usable that is at least {floor} {rank_noun(plan.target.device, floor)} for the state alone, before activations"
         ))
     peak = plan.prediction.fsdp
-    gathered = "root, running and prefetched unit" if plan.request.mesh.reshard_after_forward else "root and every unit between its forward and backward"
+    gathered = plan.request.mesh.gathered_words
     if peak is not None:
         parts.append(Text(
             f"per rank on {peak.world_size} {rank_noun(plan.target.device, peak.world_size)} (FSDP2, at {peak.phase}): shards of parameters {format_bytes(peak.parameters)} "

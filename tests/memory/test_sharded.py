@@ -54,3 +54,10 @@ def test_a_mixed_precision_policy_keeps_and_reduces_in_fp32_what_it_gathers_in_b
     assert (mixed.full, mixed.unsharded, mixed.flat) == (plain.full, plain.unsharded, plain.flat)  # bf16, as gathered
     assert mixed.sharded == 250 * 256 * 4 + 512 and mixed.grad_shard == 256_512  # fp32, in 512 B blocks: (250 × 256 + 1) × 4 rounded up
     assert mixed.reduce_input == -(-(4 * (250 * 256 + 1) * 4) // 512) * 512 and plain.reduce_input == plain.flat
+
+
+def test_the_report_names_which_units_hold_gathered_parameters() -> None:
+    assert Mesh.fsdp(2).gathered_words == "root, running and prefetched unit"
+    assert Mesh.fsdp(2, reshard_after_forward=False).gathered_words == "root and every unit between its forward and backward"
+    kept_last = Mesh.fsdp(2, reshard_after_forward=(("layers.31", False), ("layers.*", True)))
+    assert kept_last.gathered_words == "root, running and prefetched unit, and layers.31 from its forward to its backward"
