@@ -18,7 +18,8 @@ DEVICE_ASK = torch.ops.prim.device.default
 def fake_device_answer(args: tuple) -> torch.device | None:
     """prim.device of one fake tensor, answered as FakeTensorMode answers it (torch's `_device_handler`: the device
     it stands for, meta inside a kernel); None for anything else. The modes above the fake mode answer it here
-    instead of passing it down: it is most of the dispatches a simulation sees (a 4-bit Llama's plan: 52 k of 82 k)."""
+    instead of passing it down: it is most of the dispatches a simulation sees (benchmarks/instruments.py: ops
+    against ops on data)."""
     if len(args) != 1 or type(args[0]) is not FakeTensor:
         return None
     tensor = args[0]
