@@ -53,7 +53,11 @@ def measure_rank_peak(
     with AllocatorCount(resident=_resident(model, optimizer, (args, kwargs))) as count:
         for step in range(steps):
             if step >= first_steady:
-                count.mark(f"step {step + 1}", held_bytes=resident_bytes(_resident(model, optimizer, (args, kwargs))))
+                # what the loop still holds of the last step (its outputs, its loss) is alive here too: a mark's held
+                # bytes must be all that is, as the count takes every later reported free from them (summed in one
+                # expression: a name bound to them would keep them alive through the step)
+                count.mark(f"step {step + 1}", held_bytes=resident_bytes(
+                    _resident(model, optimizer, (args, kwargs)) + tensors_of((runner.outputs, runner.loss))))
             runner.step(args, kwargs, record_loss=losses.append)
     runner.close()
     steady = count.stretches()[-(steps - first_steady):]
