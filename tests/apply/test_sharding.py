@@ -382,11 +382,10 @@ def test_a_transformers_model_under_fsdp_meets_its_prediction_and_trains_like_on
     for rank in qwen2_two_ranks:
         plan, predicted = rank["plan"], rank["plan"]["predicted_peak_bytes"]
         assert plan["feasible"] and [unit["mode"] for unit in plan["units"]] == ["full", "keep"]
-        # never above the plan; 3.4% under it (417.5 KiB at the backward of the last layer; one process counts this
-        # model's prediction to the byte). The counted peak is that layer's reduce-scatter, after FSDP2 has resharded
-        # it: the per-rank terms hold its gathered parameters beside its reduce-scatter input all phase long (and not
-        # the reduce-scatter output, which FSDP2 makes there too). Before the count held the loop's outputs of the last
-        # step it read 4% lower still: the logits it left out
+        # never above the plan; 3.4% under it (417.5 KiB; one process counts this model's prediction to the byte). The
+        # plan peaks at the last layer's backward, whose per-rank terms (constants of the phase) add what FSDP2 holds at
+        # different moments of it; the count peaks in the first layer's backward (docs/fsdp.md). Before the count held
+        # the loop's outputs of the last step it read 4% lower still: the logits it left out
         assert 0.96 * predicted <= rank["peak_bytes"] <= predicted, (rank["peak_bytes"], predicted)
     model = tiny_qwen2()
     batch = {key: torch.cat([qwen2_batch(rank)[key] for rank in (0, 1)]) for key in ("input_ids", "labels")}
