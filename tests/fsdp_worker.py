@@ -1,6 +1,7 @@
 """One rank of tests/apply/test_sharding.py: plan per rank, apply FSDP2, train, write what it saw as JSON.
 
-Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET [MODEL]`,
+Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT BUDGET [MODEL]`
+(each rank writes OUT/rank<N>.json: its plan, measured peak, losses, and the blocks alive at the peak by maker),
 MODEL "llama" (default: tests/fsdp_model.tiny_llama), "llama-kept" (the same, FSDP's reshard_after_forward=False),
 "llama-last-kept" (False for its last block only), "llama-bf16" (FSDP2's MixedPrecisionPolicy, bf16 gathered, fp32
 reduced), "shared" (one block called six times per forward) or "qwen2" (tests/fsdp_model.tiny_qwen2, a transformers
@@ -45,10 +46,10 @@ def main(out: str, budget: str, kind: str = "llama") -> None:
     autoplan.apply(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     args, kwargs = ((), batch) if isinstance(batch, dict) else (batch, {})
-    measured = measure_rank_peak(model, (args, kwargs), optimizer, steps=STEPS, loop=plan.request.loop)
+    measured = measure_rank_peak(model, (args, kwargs), optimizer, steps=STEPS, loop=plan.request.loop, keep_peak_blocks=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump({"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "losses": measured.losses,
-                   "batch": [BATCH, SEQ]}, file)
+                   "batch": [BATCH, SEQ], "peak_blocks": measured.peak_blocks}, file)
     dist.destroy_process_group()
 
 

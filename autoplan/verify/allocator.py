@@ -57,6 +57,9 @@ class CountedStretch:
     label: str
     start_bytes: int
     peak_bytes: int
+    # with AllocatorCount(keep_peak_blocks=True): what was alive at the peak, largest first, each line the bytes of the
+    # blocks one maker made of one size: (bytes in all, blocks, bytes each, the records around the allocation)
+    peak_blocks: tuple[tuple[int, int, int, str], ...] = ()
 
 
 class AllocatorCount:
@@ -66,7 +69,8 @@ class AllocatorCount:
     starts a new stretch. After the `with` block, `stretches()` gives each stretch's start and peak.
     """
 
-    def __init__(self, resident: Any = ()) -> None:
+    def __init__(self, resident: Any = (), keep_peak_blocks: bool = False) -> None:
+        self._keep_peak_blocks = keep_peak_blocks  # a listing of each stretch's peak: slower, for finding what differs
         self._resident_blocks = resident_blocks(resident)
         self.resident_bytes = sum(self._resident_blocks.values())
         self._resident_storages = _storage_refs(resident)
@@ -130,6 +134,7 @@ class AllocatorCount:
         host: dict[int, int] = {}  # the same for offloaded activations' host copies
         host_in_use = 0
         unsure: set[int] = set()  # blocks counted when a mark said what is held: alive or not, the count cannot tell
+        listing = _PeakListing(self._keep_peak_blocks)
         for node in _in_time_order(roots):
             if node.name.startswith(_MARK):
                 number, label = node.name[len(_MARK):].split(":", 1)
@@ -139,6 +144,7 @@ class AllocatorCount:
                 labels.append(label)
                 starts.append(in_use)
                 peaks.append(in_use)
+                listing.begin(in_use, counted, resident, unsure)
                 continue
             size, address = node.extra_fields.alloc_size, node.extra_fields.ptr
             if size > 0 and _host_copy(node):  # pinned host memory on a GPU: counted apart, as the plan counts it
@@ -155,14 +161,58 @@ class AllocatorCount:
                 unsure.discard(address)
                 counted[address] = 0 if _host_only(node) or _backend_buffer(node) else _rounded(size)
                 in_use += counted[address]
-                peaks[-1] = max(peaks[-1], in_use)
+                listing.made(address, node)
+                if in_use > peaks[-1]:
+                    peaks[-1] = in_use
+                    listing.peak(in_use, counted, resident, unsure)
             elif address in host:
                 host_in_use -= host.pop(address)
             else:
                 in_use -= counted.pop(address, 0)  # a block from before counting: its free is never reported
                 unsure.discard(address)  # reported: it was alive, and in what the mark said is held
         self.host_bytes = host_in_use
-        return [CountedStretch(label, start, peak) for label, start, peak in zip(labels, starts, peaks)]
+        return [CountedStretch(label, start, peak, blocks) for label, start, peak, blocks in zip(labels, starts, peaks, listing.stretches)]
+
+
+class _PeakListing:
+    """The blocks alive at each stretch's peak, by who made them (kept only when asked: a copy at every new peak)."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.makers: dict[int, str] = {}
+        self.stretches: list[tuple] = [()]
+
+    def made(self, address: int, node) -> None:
+        if self.keep:
+            self.makers[address] = " < ".join(call.name for call in _records_around(node, 4))
+
+    def begin(self, in_use: int, counted: dict[int, int], resident: dict[int, int], unsure: set[int]) -> None:
+        self.stretches.append(())
+        self.peak(in_use, counted, resident, unsure)
+
+    def peak(self, in_use: int, counted: dict[int, int], resident: dict[int, int], unsure: set[int]) -> None:
+        if not self.keep:
+            return
+        groups: dict[tuple[str, int], list[int]] = {}
+        for address, nbytes in [*counted.items(), *resident.items()]:
+            if nbytes and address not in unsure:
+                maker = self.makers.get(address, "alive before counting") if address in counted else "alive before counting"
+                groups.setdefault((maker, nbytes), []).append(nbytes)
+        listed = sum(sum(sizes) for sizes in groups.values())
+        if in_use > listed:  # what a mark said is held, of blocks whose frees the count can no longer tell
+            groups[("held at the mark", in_use - listed)] = [in_use - listed]
+        lines = [(sum(sizes), len(sizes), size, maker) for (maker, size), sizes in groups.items()]
+        self.stretches[-1] = tuple(sorted(lines, reverse=True))
+
+
+def _records_around(node, depth: int) -> list:
+    """The `depth` innermost profiler records around an allocation."""
+    records: list[Any] = []
+    node = node.parent
+    while node is not None and len(records) < depth:
+        records.append(node)
+        node = node.parent
+    return records
 
 
 _MARK = "autoplan.allocator_count."

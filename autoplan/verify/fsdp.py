@@ -23,6 +23,7 @@ from autoplan.verify.allocator import AllocatorCount, resident_bytes
 class RankMeasurement:
     peak_bytes: int  # the most bytes this rank's CPU allocator held during the last step
     losses: tuple[float, ...]  # the loss of every step, as this rank computed it
+    peak_blocks: tuple[tuple[int, int, int, str], ...] = ()  # with keep_peak_blocks: what was alive then (CountedStretch)
 
 
 def measure_rank_peak(
@@ -33,6 +34,7 @@ def measure_rank_peak(
     steps: int = 3,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     loop: TrainingLoop | None = None,
+    keep_peak_blocks: bool = False,
 ) -> RankMeasurement:
     """Train `steps` real optimizer steps of `loop` on this rank; the steady peak, as the allocator counts: the lowest
     of the steps after the first (whose optimizer state is made lazily), or the only step.
@@ -40,6 +42,7 @@ def measure_rank_peak(
     `loop` is the loop the plan was made for (`plan.request.loop`; default: the common loop, outputs kept
     through backward), run by the same `LoopRunner` as `autoplan.verify`. Everything alive before
     the last step (shards, optimizer state, the batch, the outputs the loop still holds) is counted.
+    `keep_peak_blocks`: list the blocks alive at that peak, by who made them (`RankMeasurement.peak_blocks`).
     """
     args, kwargs = batch
     runner = LoopRunner(model, optimizer, check_loop(loop), loss_fn)
@@ -50,7 +53,7 @@ def measure_rank_peak(
     # (verify/allocator.py); before they were, the count was an upper bound by as much as those threads ran late. Each
     # steady step is counted and the lowest kept
     first_steady = min(1, steps - 1)
-    with AllocatorCount(resident=_resident(model, optimizer, (args, kwargs))) as count:
+    with AllocatorCount(resident=_resident(model, optimizer, (args, kwargs)), keep_peak_blocks=keep_peak_blocks) as count:
         for step in range(steps):
             if step >= first_steady:
                 # what the loop still holds of the last step (its outputs, its loss) is alive here too: a mark's held
@@ -60,8 +63,8 @@ def measure_rank_peak(
                     _resident(model, optimizer, (args, kwargs)) + tensors_of((runner.outputs, runner.loss))))
             runner.step(args, kwargs, record_loss=losses.append)
     runner.close()
-    steady = count.stretches()[-(steps - first_steady):]
-    return RankMeasurement(min(stretch.peak_bytes for stretch in steady), tuple(losses))
+    steady = min(count.stretches()[-(steps - first_steady):], key=lambda stretch: stretch.peak_bytes)
+    return RankMeasurement(steady.peak_bytes, tuple(losses), steady.peak_blocks)
 
 
 def _resident(model, optimizer, batch) -> list[torch.Tensor]:

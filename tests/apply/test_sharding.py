@@ -387,6 +387,9 @@ def test_a_transformers_model_under_fsdp_meets_its_prediction_and_trains_like_on
         # different moments of it; the count peaks in the first layer's backward (docs/fsdp.md). Before the count held
         # the loop's outputs of the last step it read 4% lower still: the logits it left out
         assert 0.96 * predicted <= rank["peak_bytes"] <= predicted, (rank["peak_bytes"], predicted)
+        makers = " | ".join(line[3] for line in rank["peak_blocks"])  # the blocks alive at the counted peak, by maker
+        assert "FSDP::post_backward_reduce (model.layers.1)" in makers and "FSDP::pre_backward (model.layers.0)" in makers
+        assert sum(line[0] for line in rank["peak_blocks"]) == rank["peak_bytes"]
     model = tiny_qwen2()
     batch = {key: torch.cat([qwen2_batch(rank)[key] for rank in (0, 1)]) for key in ("input_ids", "labels")}
     reference = one_process_losses(model, lambda: model(**batch).loss)

@@ -100,3 +100,24 @@ def test_a_mark_that_says_what_is_held_drops_frees_the_allocator_never_reported(
     unsaid, said = counts
     assert unsaid.start_bytes >= 2**20  # the free went unreported: the block still counts
     assert said.start_bytes == 0 and said.peak_bytes == 1024
+
+
+def test_lists_the_blocks_alive_at_each_peak_by_their_maker_when_asked():
+    kept = torch.ones(MB // 4)  # 1 MB, alive before counting
+    with AllocatorCount(resident=kept, keep_peak_blocks=True) as count:
+        first = torch.empty(2 * MB, dtype=torch.uint8)
+        ones = torch.ones(MB // 4)
+        del first
+        count.mark("second")
+        torch.zeros(MB // 8)  # made and freed: the second stretch peaks with it
+    start, second = count.stretches()
+    assert sum(line[0] for line in start.peak_blocks) == start.peak_bytes == 4 * MB
+    assert start.peak_blocks[0][:3] == (2 * MB, 1, 2 * MB) and start.peak_blocks[0][3].startswith("aten::empty")
+    makers = {line[3] for line in start.peak_blocks}
+    assert "alive before counting" in makers and any("aten::ones" in maker for maker in makers)
+    assert sum(line[0] for line in second.peak_blocks) == second.peak_bytes == 2 * MB + MB // 2
+    assert any("aten::zeros" in line[3] for line in second.peak_blocks)
+    with AllocatorCount() as plain:
+        torch.ones(16)
+    assert plain.stretches()[0].peak_blocks == ()  # not asked: nothing kept
+    del ones
