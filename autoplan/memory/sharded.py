@@ -139,7 +139,9 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
         # backward: the running unit and the one before it (prefetched) are gathered; between
         # units, the next unit to run backward (prefetched by the one that just finished)
         gathered = root.unsharded + _gathered_in_backward(units, group, running, done, kept)
-        buffers = max(units[done[-1]].reduce_input if done else 0, units[running].flat if running is not None else 0)
+        # a kept unit is not gathered again for its backward: no all-gather output
+        gathering = running is not None and running not in kept
+        buffers = max(units[done[-1]].reduce_input if done else 0, units[running].flat if gathering else 0)
         if index == last_backward:
             buffers = max(buffers, root.reduce_input - root.unsharded)  # the root's reduce-scatter, once it is resharded
         gradients = done_shards + max(0, phase.grad_bytes - done_full)  # the root's stay unsharded until the end

@@ -248,8 +248,9 @@ def test_kept_gathered_parameters_are_counted_and_the_real_run_holds_them(kept_t
     resharded, kept, last_kept = kept_two_ranks
     for rank in last_kept:  # as exact as resharding every unit: within a thousandth, never above
         assert 0.999 * rank["plan"]["predicted_peak_bytes"] <= rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"]
-    for rank in kept:  # the model holds a gather buffer in backward that, with every unit kept, FSDP2 does not make: 4.6% over
-        assert 0.95 * rank["plan"]["predicted_peak_bytes"] <= rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"]
+    for rank in kept:  # 2.8% over, at a forward phase (not attributed); 4.6% while a kept unit's backward was counted
+        # with an all-gather output, which FSDP2 does not make for a unit it kept gathered
+        assert 0.97 * rank["plan"]["predicted_peak_bytes"] <= rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"]
     assert all(rank["plan"]["reshard_after_forward"] == {"layers.3": False} for rank in last_kept)
     for rank in kept:
         plan = rank["plan"]

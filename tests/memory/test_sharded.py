@@ -15,9 +15,10 @@ def test_units_kept_gathered_hold_every_unit_from_its_forward_until_its_backward
     measured = profile(trace(model, (rank_batch(config, 0), {})), get_device("cpu"))
     ranks = Mesh.fsdp(2).along(FSDP)
     unit = {u.name: GroupBytes.of(u.param_layout, ranks).unsharded for u in measured.units}
+    reduced = {u.name: GroupBytes.of(u.param_layout, ranks).reduce_input for u in measured.units}
     root = GroupBytes.of(measured.rest_param_layout, ranks).unsharded
     resharded, kept = rank_terms(measured, Mesh.fsdp(2)), rank_terms(measured, Mesh.fsdp(2, reshard_after_forward=False))
-    run, finished = [], set()
+    run, finished, last_finished = [], set(), ""
     for phase, again, held in zip(measured.timeline.phases, resharded, kept):
         if phase.kind == "fwd" and phase.unit in unit and phase.unit not in run:
             run.append(phase.unit)
@@ -27,7 +28,13 @@ def test_units_kept_gathered_hold_every_unit_from_its_forward_until_its_backward
             assert held.gathered == root + sum(size for name, size in unit.items() if name not in finished)
             if phase.unit is not None:
                 assert held.gathered >= again.gathered  # never fewer than resharding's running and prefetched units
+                # a kept unit is not gathered again for its backward: no all-gather output, only the reduce-scatter
+                # input of the unit before it (none in the first)
+                assert held.buffers == (reduced[last_finished] if finished else 0) <= again.buffers
+                assert held.buffers < again.buffers or finished  # the first: resharding gathers it, keeping does not
                 finished.add(phase.unit)  # from the next phase on: its backward has ended and resharded it
+                last_finished = phase.unit
+                continue
         assert (held.parameters, held.optimizer, held.buffers) == (again.parameters, again.optimizer, again.buffers)
     assert len(run) == len(unit) == 4 and max(t.gathered for t in kept) == root + sum(unit.values()) > max(t.gathered for t in resharded)
 
