@@ -30,7 +30,8 @@ from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
 from autoplan.inputs.settings import SearchSpace, StepOptions, flag, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
-from autoplan.memory.model import predict_peak, rank_offsets
+from autoplan.memory.model import predict_peak
+from autoplan.memory.sharded import phase_offsets
 from autoplan.memory.segment_terms import choices_by_unit
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
@@ -246,13 +247,12 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
         say("finding the smallest number of GPUs")
         mesh, curve = fewest_gpus(measured, request)
         request = dataclasses.replace(request, mesh=mesh)
-    offsets = dict(zip((sample.phase for sample in measured.timeline.phases), rank_offsets(measured, request.mesh)))
-    # each simulated step (its reserved memory replayed for the chosen one only), each least limit
-    simulations: dict[frozenset, Simulation]
-    leasts: dict[frozenset, int]
+    offsets, extras = phase_offsets(measured, request.mesh)
+    simulations: dict[frozenset, Simulation]  # each simulated step (its reserved memory replayed for the chosen one only)
+    leasts: dict[frozenset, int]  # each least limit
     simulations, leasts = (memo if memo is not None else {}).setdefault((measured.timeline.fused_loss, request.mesh), ({}, {}))
     base = frozenset((unit.name, unit.base) for unit in measured.units)  # the profile's timeline is that step, simulated
-    simulations.setdefault(base, simulation_of(measured.timeline, offsets))
+    simulations.setdefault(base, simulation_of(measured.timeline, offsets, extras))
 
     def simulate(choices: Mapping[str, Choice]) -> int:
         key = frozenset(choices.items())
@@ -260,7 +260,7 @@ def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: Step
             return simulations[key].peak_bytes
         simulated = simulate_plan(
             traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
-            loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss,
+            loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss, start_extras=extras,
         )
         simulations[key] = simulated
         return simulated.peak_bytes

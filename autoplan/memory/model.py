@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Literal, Mapping, Sequence, TypeVar
 
 from autoplan.memory.segment_terms import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
-from autoplan.memory.sharded import RankTerms, rank_terms
+from autoplan.memory.sharded import RankTerms, rank_offsets, rank_terms, start_extras
 from autoplan.mesh import Mesh
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
 from autoplan.profile.profiler import Profile, UnitProfile
@@ -48,6 +48,9 @@ class Point:
     phase: Phase
     base_bytes: int  # the timeline's peak in this phase
     relations: tuple[tuple[int, Relation], ...]  # (unit index, how that unit's choice reaches this phase)
+    # on a mesh: (the phase's unit, its relation, what FSDP holds at the phase's start beyond its terms, how far the
+    # base timeline rises from that start to the peak), where FSDP holds more there (`copy_out_bytes`)
+    start: tuple[int, Relation, int, int] | None = None
 
 
 _PER_PROFILE: dict[int, dict] = {}  # what does not depend on the choices, by profile (`_once`)
@@ -72,7 +75,7 @@ def points(profile: Profile, mesh: Mesh = Mesh()) -> list[Point]:
 
 def _points(profile: Profile, mesh: Mesh) -> list[Point]:
     windows = unit_windows(profile)
-    offsets = rank_offsets(profile, mesh)
+    offsets, extras = rank_offsets(profile, mesh), start_extras(profile, mesh)
     spending = {u for u, unit in enumerate(profile.units) if len({cost.spent_bytes for cost in unit.options.values()}) > 1}
     result = []
     for index, phase in enumerate(profile.timeline.phases):
@@ -87,8 +90,22 @@ def _points(profile: Profile, mesh: Mesh) -> list[Point]:
             if unit_index in spending and (phase.kind == "fwd" or index > backward):
                 # after its backward, and through the next step's forward while the loop holds the graph
                 relations.append((unit_index, "spent"))
-        result.append(Point(index, phase.phase, phase.peak_bytes + offsets[index], tuple(relations)))
+        own = [(u, r) for u, r in relations if r in ("fwd", "bwd")]
+        start = (*own[0], extras[index], phase.peak_bytes - phase.start_bytes) if extras[index] and own else None
+        result.append(Point(index, phase.phase, phase.peak_bytes + offsets[index], tuple(relations), start))
     return result
+
+
+def copy_out_bytes(profile: Profile, point: Point, choice: Choice | Covered) -> int:
+    """What a phase holds on a rank beyond its peak with FSDP's terms when the phase's unit takes `choice`: FSDP's
+    extra at the start (`RankTerms.start_extra`) less how far the unit's activations rise after it (a segment's
+    unit: all of it)."""
+    if point.start is None:
+        return 0
+    unit, relation, extra, rise = point.start
+    if isinstance(choice, Covered):
+        return extra
+    return max(0, extra - max(0, rise + transient_delta(profile.units[unit], relation, choice)))
 
 
 def transient_delta(unit: UnitProfile, relation: Relation, choice: Choice | Covered) -> int:
@@ -284,7 +301,9 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], mesh: Mesh = M
     # FSDP's terms once: the per-rank constants and the breakdown at the peak both come from them
     terms = _once(profile, ("rank terms", mesh), lambda: rank_terms(profile, mesh)) if mesh.shards > 1 else None
     offsets = _once(profile, ("rank offsets", mesh), lambda: rank_offsets(profile, mesh, terms))
-    live = [single + offset for single, offset in zip(live_bytes(profile, choices), offsets)]
+    chosen, on_mesh = _choices_list(profile, choices), points(profile, mesh)
+    copied = [copy_out_bytes(profile, point, chosen[point.start[0]]) if point.start else 0 for point in on_mesh]
+    live = [single + offset + extra for single, offset, extra in zip(live_bytes(profile, choices), offsets, copied)]
     index = max(range(len(live)), key=live.__getitem__)
     phase = profile.timeline.phases[index]
     held = held_changes(profile, choices)
@@ -296,12 +315,12 @@ def predict_peak(profile: Profile, choices: Mapping[str, Choice], mesh: Mesh = M
         gradients=phase.grad_bytes,
         optimizer=static.optimizer,
         activations=activations,
-        transient=live[index] - offsets[index] - start,  # one GPU's transient
+        transient=live[index] - offsets[index] - copied[index] - start,  # one GPU's transient
         workspaces=static.workspaces, loop_held=static.loop_held,
     )
     if terms is None:  # one GPU
         return PeakPrediction(live[index], phase.phase, breakdown)
-    rank = _rank_peak(phase.phase, terms[index], live[index], mesh)
+    rank = _rank_peak(phase.phase, terms[index], live[index], mesh, copied[index])
     # outside the optimizer step activations and transients are a single GPU's; in it, 1/N of them
     transient = breakdown.transient if phase.kind != "step" else 0
     sharded = MemoryBreakdown(
@@ -362,31 +381,11 @@ def phase_bytes(profile: Profile, choices: Mapping[str, Choice]) -> list[PhaseBy
     ]
 
 
-def rank_offsets(profile: Profile, mesh: Mesh, terms: list[RankTerms] | None = None) -> list[int]:
-    """Per phase: rank 0's bytes under FSDP minus one GPU's, whatever the units choose.
-
-    FSDP replaces the full parameters, gradients and optimizer state by this rank's shards and adds
-    gathered parameters and communication buffers (`memory.sharded.rank_terms`); activations are the
-    same on every rank (each runs its own batch), except the optimizer step's temporaries, which
-    are per parameter and so sharded. Zero everywhere for one GPU: no FSDP. `terms`: the
-    `rank_terms` of this profile and mesh, when the caller has them already.
-    """
-    if mesh.shards == 1:
-        return [0] * len(profile.timeline.phases)
-    static = profile.timeline.static
-    offsets = []
-    for phase, term in zip(profile.timeline.phases, terms if terms is not None else rank_terms(profile, mesh)):
-        activations = phase.peak_bytes - (static.parameters + static.optimizer + phase.grad_bytes)
-        sharded_activations = int(activations * term.step_share) if phase.kind == "step" else activations
-        rank = term.parameters + term.gradients + term.optimizer + term.gathered + term.buffers + sharded_activations
-        offsets.append(rank - phase.peak_bytes)
-    return offsets
-
-
-def _rank_peak(phase: Phase, terms: RankTerms, live: int, mesh: Mesh) -> ShardedPeak:
-    fsdp = terms.parameters + terms.gradients + terms.optimizer + terms.gathered + terms.buffers
+def _rank_peak(phase: Phase, terms: RankTerms, live: int, mesh: Mesh, copied: int) -> ShardedPeak:
+    """`copied`: what the phase's start holds beyond the terms (`copy_out_bytes`), counted as buffers."""
+    fsdp = terms.parameters + terms.gradients + terms.optimizer + terms.gathered + terms.buffers + copied
     return ShardedPeak(
-        mesh.size, phase, terms.parameters, terms.gradients, terms.optimizer, terms.gathered, terms.buffers,
+        mesh.size, phase, terms.parameters, terms.gradients, terms.optimizer, terms.gathered, terms.buffers + copied,
         activations=live - fsdp,
     )
 

@@ -81,18 +81,21 @@ class RankTerms:
     gradients: int  # gradients alive as the phase begins: shards of reduced groups, the root's unsharded
     optimizer: int  # this rank's optimizer state
     gathered: int  # unsharded parameters: the root, the running unit and the prefetched one
-    buffers: int  # all-gather outputs and reduce-scatter inputs alive in the phase
+    buffers: int  # all-gather outputs and reduce-scatter inputs alive while the phase's unit computes
     step_share: float  # the fraction of the optimizer step's temporaries on this rank (1.0 outside "step")
+    # what the phase's start holds beyond those terms, before its activations rise: the unit's all-gather output while
+    # its parameters are copied out of it (in forward the previous group's too), less a prefetch not yet issued
+    start_extra: int = 0
 
 
 def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
     """Per phase of the profiled step: FSDP's terms on rank 0 of the mesh's FSDP dimension.
 
     Units are FSDP groups in forward order; in backward the group before the running one is prefetched (FSDP2's
-    default), in forward the previous group's flat all-gather output is still alive while the next is gathered.
-    The root's unsharded gradients are reduced at the end of backward. Each term is a constant of the phase,
-    whatever the units choose: the solver's per-rank constraints are its single-GPU ones with another constant.
-    """
+    default), in forward the previous group's flat all-gather output is alive until the next one's copy-out (the
+    phase's start: `RankTerms.start_extra`). The root's unsharded gradients are reduced at the end of backward. Each
+    term is a constant of the phase, whatever the units choose: the solver's per-rank constraints are its single-GPU
+    ones with another constant."""
     ranks, kept_per_computed = mesh.along(FSDP), kept_bytes_ratio(mesh)
     units = [GroupBytes.of(unit.param_layout, ranks, kept_per_computed) for unit in profile.units]
     group = [fsdp_group(unit.unit) for unit in profile.units]  # the module each unit runs: call sites share one
@@ -130,22 +133,20 @@ def rank_terms(profile: "Profile", mesh: Mesh) -> list[RankTerms]:
             continue
         if phase.kind == "fwd":
             gathered = root.unsharded + _gathered_in_forward(units, group, running, kept, run)
-            buffers = last_forward_group.flat
-            if running is not None:
-                buffers += units[running].flat  # the previous group's output lives until this copy-out
+            buffers, start_extra = last_forward_group.flat, 0
+            if running is not None:  # the previous group's output lives until this group's copy-out, at the start
+                buffers, start_extra = units[running].flat, last_forward_group.flat
                 last_forward_group = units[running]
-            result.append(RankTerms(parameters, 0, optimizer, gathered, buffers, 1.0))
+            result.append(RankTerms(parameters, 0, optimizer, gathered, buffers, 1.0, start_extra))
             continue
         # backward: the running unit and the one before it (prefetched) are gathered; between
         # units, the next unit to run backward (prefetched by the one that just finished)
         gathered = root.unsharded + _gathered_in_backward(units, group, running, done, kept)
-        # a kept unit is not gathered again for its backward: no all-gather output
-        gathering = running is not None and running not in kept
-        buffers = max(units[done[-1]].reduce_input if done else 0, units[running].flat if gathering else 0)
+        buffers = units[done[-1]].reduce_input if done else 0  # kept until the next reduce-scatter
         if index == last_backward:
             buffers = max(buffers, root.reduce_input - root.unsharded)  # the root's reduce-scatter, once it is resharded
         gradients = done_shards + max(0, phase.grad_bytes - done_full)  # the root's stay unsharded until the end
-        result.append(RankTerms(parameters, gradients, optimizer, gathered, buffers, 1.0))
+        result.append(RankTerms(parameters, gradients, optimizer, gathered, buffers, 1.0, _copy_out_excess(units, group, running, kept)))
     return result
 
 
@@ -238,6 +239,58 @@ def _gathered_in_backward(units: list[GroupBytes], group: list[Unit], running: i
     prefetched = running > 0 and group[running - 1] != group[running] and running - 1 not in kept  # a module gathered once
     own = units[running].unsharded if running not in kept else 0
     return held + own + (units[running - 1].unsharded if prefetched else 0)
+
+
+def _copy_out_excess(units: list[GroupBytes], group: list[Unit], running: int | None, kept: frozenset[int]) -> int:
+    """What FSDP2's pre-backward holds beyond the terms of the running unit's backward: the unit's flat all-gather
+    output while its parameters are copied out of it, less the prefetched unit's, which it issues only after the copy
+    (the terms count that one). A kept unit is not gathered again for its backward."""
+    if running is None or running in kept:
+        return 0
+    prefetched = running > 0 and group[running - 1] != group[running] and running - 1 not in kept
+    return max(0, units[running].flat - (units[running - 1].unsharded if prefetched else 0))
+
+
+def rank_offsets(profile: "Profile", mesh: Mesh, terms: list[RankTerms] | None = None) -> list[int]:
+    """Per phase: rank 0's bytes under FSDP minus one GPU's, whatever the units choose, while the phase's unit computes
+    (its start, where FSDP copies parameters out, can hold more: `RankTerms.start_extra`, `on_rank`).
+
+    FSDP replaces the full parameters, gradients and optimizer state by this rank's shards and adds
+    gathered parameters and communication buffers (`rank_terms`); activations are the
+    same on every rank (each runs its own batch), except the optimizer step's temporaries, which
+    are per parameter and so sharded. Zero everywhere for one GPU: no FSDP. `terms`: the
+    `rank_terms` of this profile and mesh, when the caller has them already.
+    """
+    if mesh.shards == 1:
+        return [0] * len(profile.timeline.phases)
+    static = profile.timeline.static
+    offsets = []
+    for phase, term in zip(profile.timeline.phases, terms if terms is not None else rank_terms(profile, mesh)):
+        activations = phase.peak_bytes - (static.parameters + static.optimizer + phase.grad_bytes)
+        sharded_activations = int(activations * term.step_share) if phase.kind == "step" else activations
+        rank = term.parameters + term.gradients + term.optimizer + term.gathered + term.buffers + sharded_activations
+        offsets.append(rank - phase.peak_bytes)
+    return offsets
+
+
+def start_extras(profile: "Profile", mesh: Mesh, terms: list[RankTerms] | None = None) -> list[int]:
+    """Per phase, `RankTerms.start_extra` (0 everywhere on one GPU)."""
+    if mesh.shards == 1:
+        return [0] * len(profile.timeline.phases)
+    return [term.start_extra for term in (terms if terms is not None else rank_terms(profile, mesh))]
+
+
+def phase_offsets(profile: "Profile", mesh: Mesh) -> tuple[dict[Phase, int], dict[Phase, int]]:
+    """`rank_offsets` and `start_extras` by phase, for a simulated step's timeline (`on_rank`)."""
+    terms = rank_terms(profile, mesh) if mesh.shards > 1 else None
+    phases = [sample.phase for sample in profile.timeline.phases]
+    return dict(zip(phases, rank_offsets(profile, mesh, terms))), dict(zip(phases, start_extras(profile, mesh, terms)))
+
+
+def on_rank(peak_bytes: int, start_bytes: int, offset: int, start_extra: int) -> int:
+    """A phase's bytes on one rank: the higher of its peak with FSDP's terms, and its start (before the activations
+    rise) with what FSDP holds there beyond them."""
+    return max(peak_bytes + offset, start_bytes + offset + start_extra)
 
 
 def fsdp_group(unit: Unit) -> Unit:

@@ -49,6 +49,7 @@ from autoplan.memory.model import (
     HOLDING,
     Point,
     alive_regardless,
+    copy_out_bytes,
     holds,
     host_peak,
     kept_flags,
@@ -171,7 +172,15 @@ def _build(profile: Profile, request: SolveRequest, name: str) -> "Program":
             for c in allowed[u]
         )
         extra = pulp.lpSum(corrections.get(point.index, [])) + pulp.lpSum(segment_bytes.get(point.index, []))
-        return point.base_bytes / MIB + held_now + own + extra
+        return point.base_bytes / MIB + held_now + own + extra + copied_out(point)
+
+    def copied_out(point: Point):
+        """On a mesh: what FSDP holds at the phase's start beyond its terms, by the phase's unit's choice (`copy_out_bytes`)."""
+        if point.start is None:
+            return 0
+        u, _, whole, _ = point.start
+        return (pulp.lpSum(copy_out_bytes(profile, point, c) / MIB * x[u, c] for c in allowed[u])
+                + whole / MIB * pulp.lpSum(v for v, _ in covering.get(u, [])))
 
     return Program(problem, allowed, segments, x, y, phase_bytes, points(profile, request.mesh))
 

@@ -16,6 +16,7 @@ import torch
 from autoplan.inputs.devices import Device
 from autoplan.instruments.caching_allocator import expandable_from_environment, least_limit_bytes, steady_reserved_bytes
 from autoplan.inputs.loop import TrainingLoop
+from autoplan.memory.sharded import on_rank
 from autoplan.plan import Choice, Phase, Precision
 from autoplan.profile.simulation import run_timeline
 from autoplan.profile.timeline import Timeline
@@ -58,10 +59,11 @@ def simulate_plan(
     rank_offsets: Mapping[Phase, int] | None = None,
     loop: TrainingLoop | None = None,
     fused_loss: bool = False,
+    start_extras: Mapping[Phase, int] | None = None,
 ) -> Simulation:
     """Simulate a training step of `traced.model` rewritten with `choices`.
 
-    rank_offsets: per phase, what FSDP changes on one rank (`memory.model.rank_offsets`): the
+    rank_offsets: per phase, what FSDP changes on one rank (`memory.sharded.rank_offsets`): the
     simulated activations with FSDP's shards, gathered parameters and buffers, for a per-rank peak.
     loop: the training loop to run (default: the common loop). fused_loss: the loss head fused (planned.loss_head).
     """
@@ -69,17 +71,21 @@ def simulate_plan(
         traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn, loop=loop,
         fused_loss=fused_loss,
     )
-    return simulation_of(timeline, rank_offsets)
+    return simulation_of(timeline, rank_offsets, start_extras)
 
 
-def simulation_of(timeline: Timeline, rank_offsets: Mapping[Phase, int] | None = None) -> Simulation:
+def simulation_of(timeline: Timeline, rank_offsets: Mapping[Phase, int] | None = None,
+                  start_extras: Mapping[Phase, int] | None = None) -> Simulation:
     """The Simulation of a simulated step (`simulate_plan`'s, or a profile's own timeline: the step with every unit
-    at its base choice), per rank with `rank_offsets`."""
-    offsets = rank_offsets or {}
-    peak = max(timeline.phases, key=lambda sample: sample.peak_bytes + offsets.get(sample.phase, 0))
+    at its base choice), per rank with `rank_offsets` and `start_extras` (`memory.sharded.phase_offsets`)."""
+    offsets, extras = rank_offsets or {}, start_extras or {}
+
+    def bytes_of(sample) -> int:
+        return on_rank(sample.peak_bytes, sample.start_bytes, offsets.get(sample.phase, 0), extras.get(sample.phase, 0))
+
+    peak = max(timeline.phases, key=bytes_of)
     log = () if any(offsets.values()) else timeline.allocation_log  # FSDP's gathers and frees are not in the log
-    return Simulation(peak.peak_bytes + offsets.get(peak.phase, 0), peak.phase, timeline.step_time_s, timeline.host_peak_bytes,
-                      log)
+    return Simulation(bytes_of(peak), peak.phase, timeline.step_time_s, timeline.host_peak_bytes, log)
 
 
 def reserved_peak(peak_bytes: int, simulated_peak_bytes: int, simulated_reserved_bytes: int) -> int:

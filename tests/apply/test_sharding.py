@@ -248,9 +248,9 @@ def test_kept_gathered_parameters_are_counted_and_the_real_run_holds_them(kept_t
     resharded, kept, last_kept = kept_two_ranks
     for rank in last_kept:  # as exact as resharding every unit: within a thousandth, never above
         assert 0.999 * rank["plan"]["predicted_peak_bytes"] <= rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"]
-    for rank in kept:  # 2.8% over, at a forward phase (not attributed); 4.6% while a kept unit's backward was counted
-        # with an all-gather output, which FSDP2 does not make for a unit it kept gathered
-        assert 0.97 * rank["plan"]["predicted_peak_bytes"] <= rank["peak_bytes"] <= rank["plan"]["predicted_peak_bytes"]
+    for rank in kept:  # to the byte (4.6% under it while the model counted an all-gather output in a kept unit's
+        # backward and a forward's copy-out beside the phase's peak activations)
+        assert rank["peak_bytes"] == rank["plan"]["predicted_peak_bytes"]
     assert all(rank["plan"]["reshard_after_forward"] == {"layers.3": False} for rank in last_kept)
     for rank in kept:
         plan = rank["plan"]
@@ -381,13 +381,19 @@ def qwen2_two_ranks(tmp_path_factory):
 @distributed
 def test_a_transformers_model_under_fsdp_meets_its_prediction_and_trains_like_one_process(qwen2_two_ranks) -> None:
     for rank in qwen2_two_ranks:
-        plan, predicted = rank["plan"], rank["plan"]["predicted_peak_bytes"]
-        assert plan["feasible"] and [unit["mode"] for unit in plan["units"]] == ["full", "keep"]
-        # never above the plan; 3.4% under it (417.5 KiB; one process counts this model's prediction to the byte). The
-        # plan peaks at the last layer's backward, whose per-rank terms (constants of the phase) add what FSDP2 holds at
-        # different moments of it; the count peaks in the first layer's backward (docs/fsdp.md). Before the count held
-        # the loop's outputs of the last step it read 4% lower still: the logits it left out
-        assert 0.96 * predicted <= rank["peak_bytes"] <= predicted, (rank["peak_bytes"], predicted)
+        assert rank["plan"]["feasible"] and [unit["mode"] for unit in rank["plan"]["units"]] == ["full", "keep"]
+    # the prediction to the byte: the plan's peak is the first layer's backward at its start, where FSDP2 copies the
+    # layer's parameters out of its all-gather output (`memory.sharded`, `on_rank`). Each rank's count is an upper bound
+    # of its peak (a block gloo's threads free is learnt only when its address is handed out again), and both ranks
+    # hold equal shards here: one of them counts the prediction, neither more than one layer's all-gather output over it
+    # (seen once on a loaded machine: a prefetch's output freed in gloo's thread). Before the count held the loop's
+    # outputs of the last step it read 4% low: the logits it left out
+    counted = sorted(rank["peak_bytes"] for rank in qwen2_two_ranks)
+    predicted = qwen2_two_ranks[0]["plan"]["predicted_peak_bytes"]
+    layer = tiny_qwen2().model.layers[0].parameters()
+    all_gather_output = -(-sum(-(-p.shape[0] // 2) * p[0].numel() * p.element_size() * 2 for p in layer) // 512) * 512
+    assert counted[0] == predicted and counted[1] <= predicted + all_gather_output
+    for rank in qwen2_two_ranks:
         makers = " | ".join(line[3] for line in rank["peak_blocks"])  # the blocks alive at the counted peak, by maker
         assert "FSDP::post_backward_reduce (model.layers.1)" in makers and "FSDP::pre_backward (model.layers.0)" in makers
         assert sum(line[0] for line in rank["peak_blocks"]) == rank["peak_bytes"]

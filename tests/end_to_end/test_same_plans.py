@@ -2,6 +2,8 @@
 
 `tests/end_to_end/plans_before.json` holds, for every model of `tests/models.py` (ALL_MODELS) and
 every structure of `tests/structures.py`, the plans made after a unit's profile stopped counting its own backward root
+(the two FSDP cases recorded again 2026-11-29, when a phase's start became a moment of its own on a mesh,
+`memory.sharded.on_rank`: their per-rank peaks 0.3-0.6% lower, and three of their plans recompute less)
 and gradient seed in its forward (1,024 B on a keep unit; 2026-11-28: 8 plans chose other units at the same feasibility,
 four peaks moved by 1-11 KiB, the notes of issue 39 added); before that after the commit that fits GPU plans to the caching
 allocator's least limit (the JSON's least_limit_bytes; a GPU plan whose allocator needs more than the budget less the

@@ -28,15 +28,44 @@ def test_units_kept_gathered_hold_every_unit_from_its_forward_until_its_backward
             assert held.gathered == root + sum(size for name, size in unit.items() if name not in finished)
             if phase.unit is not None:
                 assert held.gathered >= again.gathered  # never fewer than resharding's running and prefetched units
-                # a kept unit is not gathered again for its backward: no all-gather output, only the reduce-scatter
-                # input of the unit before it (none in the first)
-                assert held.buffers == (reduced[last_finished] if finished else 0) <= again.buffers
-                assert held.buffers < again.buffers or finished  # the first: resharding gathers it, keeping does not
+                # the reduce-scatter input of the unit before it (none in the first), as resharding; but a kept unit is
+                # not gathered again for its backward: no all-gather output at its start
+                assert held.buffers == (reduced[last_finished] if finished else 0) == again.buffers
+                assert held.start_extra == 0
                 finished.add(phase.unit)  # from the next phase on: its backward has ended and resharded it
                 last_finished = phase.unit
                 continue
         assert (held.parameters, held.optimizer, held.buffers) == (again.parameters, again.optimizer, again.buffers)
     assert len(run) == len(unit) == 4 and max(t.gathered for t in kept) == root + sum(unit.values()) > max(t.gathered for t in resharded)
+    # resharding gathers the first block again for its backward, with nothing prefetched beside it: its all-gather output
+    first = measured.timeline.phases.index(next(p for p in measured.timeline.phases if p.kind == "bwd" and p.unit == "layers.0"))
+    assert resharded[first].start_extra == GroupBytes.of(measured.units[0].param_layout, ranks).flat > 0
+
+
+def test_a_phase_start_holds_the_all_gather_output_being_copied_out_and_counts_where_the_rise_is_smaller() -> None:
+    """FSDP2 copies a group's parameters out of its flat all-gather output at the start of the group's forward (the
+    previous group's output still alive) and of its backward (before it prefetches the next): those moments hold the
+    buffers the phase's terms do not, beside the activations of the phase's start, not of its peak."""
+    from autoplan.memory.model import copy_out_bytes, points
+    from autoplan.memory.sharded import on_rank
+
+    model, config = tiny_llama()
+    measured = profile(trace(model, (rank_batch(config, 0), {})), get_device("cpu"))
+    mesh = Mesh.fsdp(2)
+    flat = [GroupBytes.of(u.param_layout, 2).flat for u in measured.units]
+    terms, phases = rank_terms(measured, mesh), measured.timeline.phases
+    forward = [i for i, p in enumerate(phases) if p.kind == "fwd" and p.unit in {u.name for u in measured.units}]
+    assert [terms[i].buffers for i in forward] == flat  # while a block computes: its own output
+    assert [terms[i].start_extra for i in forward[1:]] == flat[:-1]  # at its start: the previous block's too
+    last_backward = next(i for i, p in enumerate(phases) if p.kind == "bwd" and p.unit == "layers.0")
+    point = points(measured, mesh)[last_backward]
+    assert point.start is not None and point.start[:3] == (0, "bwd", flat[0])
+    unit = measured.units[0]
+    keep, full = (next(c for c in unit.options if c.mode == mode and c.precision == "fp32") for mode in ("keep", "full"))
+    # recomputing the block raises its backward's activations further above the start than keeping it does
+    assert copy_out_bytes(measured, point, keep) >= copy_out_bytes(measured, point, full)
+    assert copy_out_bytes(measured, point, keep) == max(0, flat[0] - point.start[3])
+    assert on_rank(100, 90, 5, 20) == 115 and on_rank(100, 90, 5, 5) == 105  # the start moment, else the peak
 
 
 def test_a_unit_kept_gathered_alone_adds_its_parameters_only_where_resharding_would_have_freed_them() -> None:
