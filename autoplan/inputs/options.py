@@ -215,14 +215,14 @@ class PlanOptions:
         "forward (default), or keeps them until its backward (more memory, no gather in backward).", "with `--world-size`: FSDP frees "
         "each unit's gathered parameters after its forward (default) or keeps them until its backward, and the plan counts that",
         bool, verify=False))
-    fsdp_mixed_precision: str | None = _option(None, "with `world_size` = N > 1, FSDP2's `MixedPrecisionPolicy(param_dtype=..., "
+    fsdp_mixed_precision: str | None = _option(None, "with `world_size` = N > 1 (or `\"auto\"`, searched from 2 ranks), FSDP2's `MixedPrecisionPolicy(param_dtype=..., "
                                                "reduce_dtype=torch.float32)`, as torchtitan runs it: `\"bf16\"` or `\"fp16\"`. Every unit "
                                                "then computes with its parameters gathered in that dtype (activations in it too), while "
                                                "shards, gradients' reduce and the optimizer state stay fp32; the per-unit precision is "
                                                "then no autocast. The model's floating parameters must be fp32. None (default): "
                                                "parameters gathered as stored, precision per unit by autocast. [fsdp.md](fsdp.md)", Flag(
-        ("--fsdp-mixed-precision",), "With --world-size N: FSDP2's MixedPrecisionPolicy, parameters gathered and computed in bf16 "
-        "or fp16, reduced and kept in fp32.", "with `--world-size N`: FSDP2's MixedPrecisionPolicy, parameters gathered and "
+        ("--fsdp-mixed-precision",), "With --world-size N (or auto, from 2): FSDP2's MixedPrecisionPolicy, parameters gathered and computed in bf16 "
+        "or fp16, reduced and kept in fp32.", "with `--world-size N` (or `auto`, searched from 2): FSDP2's MixedPrecisionPolicy, parameters gathered and "
         "computed in `bf16` or `fp16`, reduced and kept in fp32", ("bf16", "fp16"), verify=False, metavar="DTYPE"))
     menu_size: int = _option(DEFAULT_MENU_SIZE, "per unit and precision, up to this many selective policies of its own (which op outputs "
                              "to save, `autoplan.profile.menu`) on top of keep/selective/full; 0: the three only.", recorded=False)

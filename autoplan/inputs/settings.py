@@ -206,9 +206,9 @@ def check_fsdp_mixed_precision(value: object, ranks: int | str, precision: objec
     if value not in ("bf16", "fp16"):
         raise OptionError(f"fsdp_mixed_precision must be \"bf16\" or \"fp16\" (MixedPrecisionPolicy's param_dtype; gradients "
                           f"reduced in fp32), or None; got {value!r}")
-    if not isinstance(ranks, int) or ranks == 1:
-        why = 'world_size="auto" is not planned with it yet' if ranks == "auto" else "with one GPU nothing is sharded"
-        raise OptionError(f"fsdp_mixed_precision is FSDP2's MixedPrecisionPolicy: give world_size=N (N > 1); {why}")
+    if ranks == 1:  # world_size="auto" searches from 2 ranks with it (solve.worlds)
+        raise OptionError("fsdp_mixed_precision is FSDP2's MixedPrecisionPolicy: give world_size=N (N > 1) or \"auto\"; "
+                          "with one GPU nothing is sharded")
     if precision not in ("auto", "fp32"):
         raise OptionError(f"fsdp_mixed_precision={value!r} computes every unit in {value} already; precision={precision!r} would "
                           "add autocast on top, which is not what FSDP runs: leave precision out")

@@ -4,7 +4,8 @@ For each candidate N the solver finds the choices with the lowest per-rank peak 
 ranks along FSDP (the memory model's FSDP constraints, `memory.model.rank_offsets`); the fewest N whose
 lowest peak fits the usable budget is the answer to `world_size="auto"`. The per-rank peak falls as N grows (shards shrink)
 towards a floor N does not move: activations, the gathered root and units, the communication
-buffers. Doubling N finds a fitting N, then bisection the fewest between it and its half.
+buffers. Doubling N finds a fitting N, then bisection the fewest between it and its half. With FSDP2's
+MixedPrecisionPolicy (the mesh's `param_dtype`) the search starts at 2: on one GPU nothing is sharded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def world_size_point(profile: Profile, request: SolveRequest) -> WorldSizePoint:
     lowest_bytes = predict_peak(profile, lowest, mesh).bytes
     no_plan = {unit.name: unit.base for unit in profile.units}
     return WorldSizePoint(mesh.size, lowest_bytes, predict_peak(profile, no_plan, mesh).bytes, lowest_bytes <= request.usable_bytes)
+
+
+UNSHARDABLE = 2**62  # the peak a world size that cannot run the mesh's policy is given: above any budget
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,9 @@ def fewest_gpus(profile: Profile, request: SolveRequest) -> tuple[Mesh, tuple[Wo
             points[n] = world_size_point(profile, dataclasses.replace(request, mesh=request.mesh.resized(FSDP, n)))
         return points[n]
 
-    found = fewest_ranks(lambda n: at(n).lowest_peak_bytes, request.usable_bytes)
+    # FSDP2's MixedPrecisionPolicy needs a sharded mesh: one GPU is not a point of the search then
+    policy = request.mesh.param_dtype is not None
+    found = fewest_ranks(lambda n: UNSHARDABLE if policy and n == 1 else at(n).lowest_peak_bytes, request.usable_bytes)
     if found.fits:
         at(2 * found.world_size)  # one point past the answer shows what more GPUs buy
     return request.mesh.resized(FSDP, found.world_size), tuple(points[n] for n in sorted(points))

@@ -340,12 +340,29 @@ def test_a_bf16_mixed_precision_policy_is_planned_as_fsdp2_runs_it(bf16_two_rank
     assert sharded == pytest.approx(bf16_compute_losses(model, tokens, targets), rel=5e-3)  # bf16 sums in another order
 
 
+@pytest.mark.slow  # the whole pipeline, five world sizes
+def test_auto_finds_the_fewest_ranks_under_a_mixed_precision_policy_from_two() -> None:
+    """world_size="auto" with FSDP2's MixedPrecisionPolicy: one GPU is no point of the search (nothing to shard), and
+    the answer is the plan the explicit world size makes."""
+    model, config = tiny_llama()
+    batch = rank_batch(config, 0)
+    options = dict(example_inputs=batch, device="cpu", reserve=0, profile="roofline", fsdp_mixed_precision="bf16")
+    two, four = (autoplan.plan(model, "1GB", world_size=n, **options) for n in (2, 4))
+    budget = (two.prediction.minimum_peak_bytes + four.prediction.minimum_peak_bytes) // 2  # 2 cannot, 4 can
+    auto = autoplan.plan(model, budget, world_size="auto", **options)
+    curve = {point.world_size: point for point in auto.prediction.world_size_curve}
+    assert min(curve) == 2 and not curve[2].fits and curve[auto.request.world_size].fits and auto.request.world_size in (3, 4)
+    explicit = autoplan.plan(model, budget, world_size=auto.request.world_size, **options)
+    assert auto.prediction.peak_bytes == explicit.prediction.peak_bytes and auto.request.mesh.param_dtype == "bf16"
+    assert [unit.choice for unit in auto.decisions.units] == [unit.choice for unit in explicit.decisions.units]
+    assert autoplan.plan(model, "1GB", world_size="auto", **options).request.world_size == 2  # roomy: the fewest it can
+
+
 def test_a_mixed_precision_policy_is_refused_where_fsdp_would_not_run_it() -> None:
     model, config = tiny_llama()
     batch = rank_batch(config, 0)
     for options, said in (({"world_size": 2, "fsdp_mixed_precision": "fp8"}, "must be \"bf16\" or \"fp16\""),
                           ({"fsdp_mixed_precision": "bf16"}, "with one GPU nothing is sharded"),
-                          ({"world_size": "auto", "fsdp_mixed_precision": "bf16"}, "not planned with it yet"),
                           ({"world_size": 2, "fsdp_mixed_precision": "bf16", "precision": "bf16"}, "leave precision out")):
         with pytest.raises(autoplan.errors.OptionError, match=said):
             autoplan.Planner(model, example_inputs=batch, device="cpu", **options)
