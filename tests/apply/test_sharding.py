@@ -231,7 +231,7 @@ def test_fsdp_with_call_sites_trains_like_one_process_and_meets_its_prediction(s
     # rank 0 to the byte and rank 1 (smaller shards) 0.14% under, in most runs (2.4-2.5% under before a phase's start
     # was a moment of its own, memory.sharded.on_rank). The plan is rank 0's, whose shards are the largest, so the lower
     # count is at most the prediction; a count can read above its rank's peak by a block freed in one of gloo's threads
-    # (assert_counted_to_the_byte): once, 512 B on one rank, so the higher count is bounded as there
+    # (assert_counted_to_the_byte): once, 512 B on one rank (most likely that, not shown), so the higher is bounded as there
     predicted = plan["predicted_peak_bytes"]
     low, high = sorted(rank["peak_bytes"] for rank in ranks)
     assert all(rank["plan"]["feasible"] for rank in ranks) and 0.995 * predicted <= low <= predicted, (low, predicted)
