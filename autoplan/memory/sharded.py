@@ -8,7 +8,9 @@ module only knows FSDP2's buffers (torch.distributed.fsdp.fully_shard, read from
   ceil(rows / N) rows of it, one storage per parameter;
 - to run a group (a unit, or the root: everything outside the units) FSDP all-gathers it into
   one flat buffer of N shards, then copies out into one padded, unsharded storage per parameter;
-  in forward the flat buffer is kept until the next group's copy-out;
+  in forward the flat buffer is kept until the next group's copy-out; in backward it is freed at the copy-out,
+  after which the next group's all-gather is issued (the prefetch). A copy-out happens at its phase's start,
+  before the unit's activations rise: `RankTerms.start_extra` is what that moment holds beyond the phase's terms;
 - the root stays unsharded from its forward until the end of its backward (FSDP2 does not reshard
   the root after forward);
 - in backward each group's gradients are made unsharded by autograd, copied into one flat

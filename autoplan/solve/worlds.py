@@ -1,7 +1,7 @@
 """How many GPUs: the per-rank peak against the mesh's FSDP dimension, and the fewest ranks on which it fits.
 
 For each candidate N the solver finds the choices with the lowest per-rank peak on the mesh with N
-ranks along FSDP (the memory model's FSDP constraints, `memory.model.rank_offsets`); the fewest N whose
+ranks along FSDP (the memory model's FSDP constraints, `memory.sharded.rank_offsets`); the fewest N whose
 lowest peak fits the usable budget is the answer to `world_size="auto"`. The per-rank peak falls as N grows (shards shrink)
 towards a floor N does not move: activations, the gathered root and units, the communication
 buffers. Doubling N finds a fitting N, then bisection the fewest between it and its half. With FSDP2's
