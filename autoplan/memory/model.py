@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Literal, Mapping, Sequence, TypeVar
 
 from autoplan.memory.segment_terms import Covered, chosen_segments, covered_units, member_held_delta, segment_terms, unit_windows
-from autoplan.memory.sharded import RankTerms, rank_offsets, rank_terms, start_extras
+from autoplan.memory.sharded import RankTerms, rank_moments, rank_offsets, rank_terms
 from autoplan.mesh import Mesh
 from autoplan.plan import BACKWARD_START, OPTIMIZER_STEP, Choice, MemoryBreakdown, Phase, ShardedPeak
 from autoplan.profile.profiler import Profile, UnitProfile
@@ -75,7 +75,7 @@ def points(profile: Profile, mesh: Mesh = Mesh()) -> list[Point]:
 
 def _points(profile: Profile, mesh: Mesh) -> list[Point]:
     windows = unit_windows(profile)
-    offsets, extras = rank_offsets(profile, mesh), start_extras(profile, mesh)
+    offsets, extras = rank_moments(profile, mesh)
     spending = {u for u, unit in enumerate(profile.units) if len({cost.spent_bytes for cost in unit.options.values()}) > 1}
     result = []
     for index, phase in enumerate(profile.timeline.phases):

@@ -255,7 +255,7 @@ def _copy_out_excess(units: list[GroupBytes], group: list[Unit], running: int | 
 
 def rank_offsets(profile: "Profile", mesh: Mesh, terms: list[RankTerms] | None = None) -> list[int]:
     """Per phase: rank 0's bytes under FSDP minus one GPU's, whatever the units choose, while the phase's unit computes
-    (its start, where FSDP copies parameters out, can hold more: `RankTerms.start_extra`, `on_rank`).
+    (its start, where FSDP copies parameters out, can hold more: `RankTerms.start_extra`, `rank_moments`, `on_rank`).
 
     FSDP replaces the full parameters, gradients and optimizer state by this rank's shards and adds
     gathered parameters and communication buffers (`rank_terms`); activations are the
@@ -275,18 +275,19 @@ def rank_offsets(profile: "Profile", mesh: Mesh, terms: list[RankTerms] | None =
     return offsets
 
 
-def start_extras(profile: "Profile", mesh: Mesh, terms: list[RankTerms] | None = None) -> list[int]:
-    """Per phase, `RankTerms.start_extra` (0 everywhere on one GPU)."""
+def rank_moments(profile: "Profile", mesh: Mesh) -> tuple[list[int], list[int]]:
+    """Per phase, `rank_offsets` and `RankTerms.start_extra` (0 everywhere on one GPU), from one `rank_terms`."""
     if mesh.shards == 1:
-        return [0] * len(profile.timeline.phases)
-    return [term.start_extra for term in (terms if terms is not None else rank_terms(profile, mesh))]
+        return rank_offsets(profile, mesh), [0] * len(profile.timeline.phases)
+    terms = rank_terms(profile, mesh)
+    return rank_offsets(profile, mesh, terms), [term.start_extra for term in terms]
 
 
 def phase_offsets(profile: "Profile", mesh: Mesh) -> tuple[dict[Phase, int], dict[Phase, int]]:
-    """`rank_offsets` and `start_extras` by phase, for a simulated step's timeline (`on_rank`)."""
-    terms = rank_terms(profile, mesh) if mesh.shards > 1 else None
+    """`rank_moments` by phase, for a simulated step's timeline (`on_rank`)."""
     phases = [sample.phase for sample in profile.timeline.phases]
-    return dict(zip(phases, rank_offsets(profile, mesh, terms))), dict(zip(phases, start_extras(profile, mesh, terms)))
+    offsets, extras = rank_moments(profile, mesh)
+    return dict(zip(phases, offsets)), dict(zip(phases, extras))
 
 
 def on_rank(peak_bytes: int, start_bytes: int, offset: int, start_extra: int) -> int:

@@ -13,7 +13,7 @@ from autoplan.inputs.hf_models import caches_in_training
 from autoplan.instruments.quantized import stray_quantized_tensors
 from autoplan.memory.model import host_peak, predict_peak, predict_step_time
 from autoplan.memory.segment_terms import chosen_segments, segment_terms
-from autoplan.memory.sharded import on_rank, rank_offsets, shard_padding, start_extras
+from autoplan.memory.sharded import on_rank, rank_moments, shard_padding
 from autoplan.mesh import FSDP, Mesh
 from autoplan.plan import CPU_PRECISION_NOTE, Decisions, DeviceTarget, Outcome, Plan, PlannedModel, Prediction, Request, UnitDecision
 from autoplan.profile.menu import PolicyWords
@@ -249,7 +249,7 @@ def infeasible_message(plan: Plan) -> str:
 
 def _per_rank_peak(timeline, measured: Profile, mesh: Mesh) -> int:
     """A simulated timeline's peak on one rank of `mesh` (its own peak on one GPU)."""
-    offsets, extras = rank_offsets(measured, mesh), start_extras(measured, mesh)
+    offsets, extras = rank_moments(measured, mesh)
     return max(on_rank(phase.peak_bytes, phase.start_bytes, offset, extra)
                for phase, offset, extra in zip(timeline.phases, offsets, extras))
 

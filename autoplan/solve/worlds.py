@@ -40,19 +40,16 @@ def world_size_point(profile: Profile, request: SolveRequest) -> WorldSizePoint:
     return WorldSizePoint(mesh.size, lowest_bytes, predict_peak(profile, no_plan, mesh).bytes, lowest_bytes <= request.usable_bytes)
 
 
-UNSHARDABLE = 2**62  # the peak a world size that cannot run the mesh's policy is given: above any budget
-
-
 @dataclass(frozen=True)
 class WorldSizeFound:
     world_size: int  # the fewest ranks whose peak fits; when none does, the last tried
     fits: bool
 
 
-def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int) -> WorldSizeFound:
-    """The fewest ranks N with `peak_at(N)` within `usable_bytes`: the one GPU-count search.
+def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int, smallest: int = 1) -> WorldSizeFound:
+    """The fewest ranks N (at least `smallest`) with `peak_at(N)` within `usable_bytes`: the one GPU-count search.
 
-    Doubling from 1 while the peak still falls (FSDP pads every parameter to a multiple of N rows,
+    Doubling from `smallest` while the peak still falls (FSDP pads every parameter to a multiple of N rows,
     so past some N more GPUs hold more, not less; and the unsharded part is a floor), then bisection
     between the first N that fits and its half. `peak_at` is called once per N.
     """
@@ -63,14 +60,14 @@ def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int) -> WorldSizeF
             peaks[n] = peak_at(n)
         return peaks[n]
 
-    high = 1
+    high = smallest
     while peak(high) > usable_bytes and high < MAX_RANKS:
         if peak(2 * high) >= peak(high):
             break  # more GPUs no longer help
         high = 2 * high
     if peak(high) > usable_bytes:
         return WorldSizeFound(high, False)
-    low = high // 2 + 1 if high > 1 else 1  # high // 2 did not fit (or high is 1)
+    low = high // 2 + 1 if high > smallest else smallest  # high // 2 did not fit (or high is the smallest)
     while low < high:
         middle = (low + high) // 2
         if peak(middle) <= usable_bytes:
@@ -95,8 +92,8 @@ def fewest_gpus(profile: Profile, request: SolveRequest) -> tuple[Mesh, tuple[Wo
         return points[n]
 
     # FSDP2's MixedPrecisionPolicy needs a sharded mesh: one GPU is not a point of the search then
-    policy = request.mesh.param_dtype is not None
-    found = fewest_ranks(lambda n: UNSHARDABLE if policy and n == 1 else at(n).lowest_peak_bytes, request.usable_bytes)
+    smallest = 2 if request.mesh.param_dtype else 1
+    found = fewest_ranks(lambda n: at(n).lowest_peak_bytes, request.usable_bytes, smallest)
     if found.fits:
         at(2 * found.world_size)  # one point past the answer shows what more GPUs buy
     return request.mesh.resized(FSDP, found.world_size), tuple(points[n] for n in sorted(points))

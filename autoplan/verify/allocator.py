@@ -30,6 +30,7 @@ malloc), and an allocation on a thread the profiler does not follow.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import types
 import weakref
@@ -184,7 +185,7 @@ class _PeakListing:
 
     def made(self, address: int, node) -> None:
         if self.keep:
-            self.makers[address] = " < ".join(call.name for call in _records_around(node, 4))
+            self.makers[address] = " < ".join(record.name for record in itertools.islice(_records_around(node), 4))
 
     def begin(self, in_use: int, counted: dict[int, int], resident: dict[int, int], unsure: set[int]) -> None:
         self.stretches.append(())
@@ -205,14 +206,12 @@ class _PeakListing:
         self.stretches[-1] = tuple(sorted(lines, reverse=True))
 
 
-def _records_around(node, depth: int) -> list:
-    """The `depth` innermost profiler records around an allocation."""
-    records: list[Any] = []
+def _records_around(node) -> Iterator[Any]:
+    """The profiler records around an allocation (or a record), innermost first."""
     node = node.parent
-    while node is not None and len(records) < depth:
-        records.append(node)
+    while node is not None:
+        yield node
         node = node.parent
-    return records
 
 
 _MARK = "autoplan.allocator_count."
@@ -259,12 +258,7 @@ _COLLECTIVES = ("c10d::", "gloo:")
 
 def _made_inside(allocation, named: Callable[[str], bool]) -> bool:
     """Whether a block was made inside a profiler record whose name `named` accepts."""
-    node = allocation.parent
-    while node is not None:
-        if named(node.name):
-            return True
-        node = node.parent
-    return False
+    return any(named(record.name) for record in _records_around(allocation))
 
 
 def _host_copy(allocation) -> bool:
@@ -275,13 +269,7 @@ def _host_copy(allocation) -> bool:
 def _enclosing_calls(node) -> list:
     """The calls around a block, innermost first, that the profiler records as functions: operators, autograd
     nodes, Python autograd Functions."""
-    calls = []
-    node = node.parent
-    while node is not None:
-        if getattr(node.extra_fields, "scope", None) in _OPERATOR_SCOPES:
-            calls.append(node)
-        node = node.parent
-    return calls
+    return [record for record in _records_around(node) if getattr(record.extra_fields, "scope", None) in _OPERATOR_SCOPES]
 
 
 def _is_operator(node) -> bool:
