@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from typing_extensions import Unpack
 
 from autoplan.axes.precision import choices_for
+from autoplan.deciding import decide_loss_head
 from autoplan.errors import (
     MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, SparseGradientError, TraceError,
 )
@@ -30,28 +31,22 @@ from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
 from autoplan.inputs.settings import SearchSpace, StepOptions, flag, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
-from autoplan.memory.model import predict_peak
-from autoplan.memory.sharded import phase_offsets
-from autoplan.memory.segment_terms import choices_by_unit
 from autoplan.mesh import Mesh
-from autoplan.plan import Choice, Plan, Precision, WorldSizePoint
+from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.profiler import Profile
 from autoplan.profile.profiler import profile as profile_units
 from autoplan.profile.states import CountedStates, count_states
 from autoplan.profile.timing import measure_times
 from autoplan.report.reported import ReportedPlan, reported
-from autoplan.solve.allocator_fit import allocator_floor, allocator_room, fit_allocator
-from autoplan.solve.assemble import assemble_plan, best_level, faster_loss_head
+from autoplan.solve.assemble import best_level
 from autoplan.solve.request import SolveRequest
 from autoplan.solve.states_bound import every_unit_runs, states_bound_plan, states_over_budget
-from autoplan.solve.search import checkpoint_policies, pinned_choices, requested_modes, search
-from autoplan.solve.worlds import fewest_gpus
+from autoplan.solve.search import checkpoint_policies, pinned_choices, requested_modes
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.training.step_parts import model_device, optimizer_name, parameter_count
-from autoplan.verify.simulate import Simulation, reserved_peak, simulate_plan, simulation_of
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
-from autoplan.vocabulary.formatting import first_line, format_bytes, where_in_user_code
+from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.vocabulary.sizes import Size
 
 
@@ -131,7 +126,7 @@ class Planner:
             self._levels = self._profile_levels()
         # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
         # within a level, segments of consecutive blocks are candidates of the same program
-        planned = [_decide_loss_head(level.traced, level.measured, dataclasses.replace(asked, pins=level.pins), settings.step, self._say,
+        planned = [decide_loss_head(level.traced, level.measured, dataclasses.replace(asked, pins=level.pins), settings.step, self._say,
                                      level.simulated) for level in self._levels]
         chosen, measured = best_level(planned, [level.level for level in self._levels], tried=self._tried)
         if self._options.on_profile is not None:
@@ -237,100 +232,6 @@ def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
             f"{type(model).__name__} has {len(layers)} bitsandbytes 8-bit layers (e.g. {layers[0]}); autoplan plans 8-bit bases "
             f"for the CPU only, not for {target.name}: on a GPU their matmuls keep outlier columns whose size depends on the batch. "
             "Load the base in 4-bit (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), which plans for any device")
-
-
-def _decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say, memo: dict | None = None) -> Plan:
-    """The solve and verify stages on a profile: the mesh, the searched choices, the Plan. `memo`: the simulations of
-    earlier budgets (`ProfiledLevel.simulated`), by the loss head and the mesh they were run for."""
-    curve: tuple[WorldSizePoint, ...] = ()
-    if request.fewest_ranks:
-        say("finding the smallest number of GPUs")
-        mesh, curve = fewest_gpus(measured, request)
-        request = dataclasses.replace(request, mesh=mesh)
-    offsets, extras = phase_offsets(measured, request.mesh)
-    simulations: dict[frozenset, Simulation]  # each simulated step (its reserved memory replayed for the chosen one only)
-    leasts: dict[frozenset, int]  # each least limit
-    simulations, leasts = (memo if memo is not None else {}).setdefault((measured.timeline.fused_loss, request.mesh), ({}, {}))
-    base = frozenset((unit.name, unit.base) for unit in measured.units)  # the profile's timeline is that step, simulated
-    simulations.setdefault(base, simulation_of(measured.timeline, offsets, extras))
-
-    def simulate(choices: Mapping[str, Choice]) -> int:
-        key = frozenset(choices.items())
-        if key in simulations:  # the same choices simulate the same step
-            return simulations[key].peak_bytes
-        simulated = simulate_plan(
-            traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer, rest_precision=measured.rest_precision,
-            loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop, fused_loss=measured.timeline.fused_loss, start_extras=extras,
-        )
-        simulations[key] = simulated
-        return simulated.peak_bytes
-
-    least_of = _least_limits(measured, request, simulations, simulate, on_one_gpu=not any(offsets.values()), leasts=leasts)
-    fit = fit_allocator(search(measured, request, simulate=simulate, progress=say), request, measured.device, least_of=least_of,
-                        simulate=simulate, search_again=lambda tighter: search(measured, tighter, simulate=simulate, progress=say))
-    found = fit.found
-    decided = assemble_plan(measured, traced, found, request)
-    chosen, predicted = frozenset(found.choices.items()), decided.prediction
-    simulation = simulations.get(chosen)
-    raised = functools.partial(reserved_peak, predicted.peak_bytes, predicted.simulated_peak_bytes)
-    floor = max(predicted.minimum_budget_bytes, allocator_floor(found, request.budget, measured.device, least_of))
-    simulated = dataclasses.replace(predicted, world_size_curve=curve, simulated_host_peak_bytes=simulation.host_peak_bytes if simulation else 0,
-                                    reserved_peak_bytes=raised(simulation.reserved_bytes if simulation else 0),
-                                    least_limit_bytes=fit.least_limit_bytes, minimum_budget_bytes=floor)
-    # a plan that does not fit says so in its verdict; the notes are for one that fits by its allocated bytes
-    notes = reserved_notes(simulated, request, measured.device, fit.passed_over_least_bytes) if decided.outcome.feasible else ()
-    return dataclasses.replace(decided, prediction=simulated, notes=decided.notes + notes)
-
-
-def _least_limits(measured: Profile, request: SolveRequest, simulations: dict[frozenset, Simulation], simulate,
-                  on_one_gpu: bool, leasts: dict[frozenset, int]):
-    """choices -> their least limit (`Simulation.least_limit_bytes`, raised as `reserved_peak` raises the reserved
-    peak), each replayed once (kept in `leasts`); 0 on a CPU target or across ranks, where the allocator is not modelled."""
-
-    def least_of(choices: Mapping[str, Choice]) -> int:
-        if measured.device.kind != "cuda" or not on_one_gpu:
-            return 0
-        key = frozenset(choices.items())
-        if key not in leasts:
-            if key not in simulations:
-                simulate(choices)
-            simulation = simulations[key]
-            predicted = max(predict_peak(measured, choices, request.mesh).bytes, simulation.peak_bytes)
-            leasts[key] = reserved_peak(predicted, simulation.peak_bytes, simulation.least_limit_bytes)
-        return leasts[key]
-
-    return least_of
-
-
-def reserved_notes(prediction, request: SolveRequest, device: Device, passed_over_least_bytes: int) -> tuple[str, ...]:
-    """Notes on the caching allocator for a plan that fits: where a faster plan that fits by its allocated peak was
-    passed over because the allocator could not run it in the budget, and where the chosen one reserves more than
-    the budget leaves it when free (it then gives cached segments back and retries: slower, and the least limit runs)."""
-    room = allocator_room(request.budget, device)
-    notes = []
-    if passed_over_least_bytes:
-        notes.append(f"a faster plan fits by its allocated peak, but the caching allocator needs "
-                     f"{format_bytes(passed_over_least_bytes)} to run its step (free space inside its segments "
-                     f"included), more than the {format_bytes(room)} the budget leaves it (the budget less the CUDA "
-                     f"context); this one needs {format_bytes(prediction.least_limit_bytes)}")
-    if prediction.reserved_peak_bytes > room:
-        notes.append(f"the caching allocator is predicted to reserve {format_bytes(prediction.reserved_peak_bytes)} "
-                     f"(its segments' free space included), above the {format_bytes(room)} the budget leaves it: at that "
-                     "limit it gives cached segments back and retries (cudaFree, a synchronisation each; slower), and "
-                     f"runs the step in {format_bytes(prediction.least_limit_bytes)}")
-    return tuple(notes)
-
-
-def _decide_loss_head(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, say,
-                      memo: dict | None = None) -> tuple[Plan, Profile]:
-    """Decided with the loss head as the profile's timeline runs it and, where it can be fused, the other
-    way too: the faster plan that fits (`faster_loss_head`). Fusing is then chosen by time like any choice."""
-    decided = _decide(traced, measured, request, step, say, memo)
-    if measured.alternative is None or measured.base_step_time_s is not None:  # measured times are for the timeline's head only
-        return decided, measured
-    other = dataclasses.replace(measured, timeline=measured.alternative, alternative=measured.timeline)
-    say("planning again with the loss head " + ("fused" if other.timeline.fused_loss else "as written"))
-    return faster_loss_head((decided, measured), (_decide(traced, other, request, step, say, memo), other))
 
 
 def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, step: StepOptions, space: SearchSpace,

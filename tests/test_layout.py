@@ -35,6 +35,7 @@ LAYERS = (
     ("verify",),
     ("apply",),
     ("report",),
+    ("deciding",),  # one profile planned at one budget: search, simulations, the allocator, the loss head both ways
     ("planner",),  # the stages run in order: profile once, solve per budget
     ("api",),
     ("hf", "frameworks"),  # the frameworks' loops: transformers' Trainer and trl (hf), accelerate and Lightning

@@ -56,6 +56,29 @@ def test_each_plan_is_autoplans_plan_for_that_budget(build, monkeypatch) -> None
         assert plan.request.budget_bytes == budget and plan.request.arguments[0] == ("budget", budget)
 
 
+@pytest.mark.slow  # the whole pipeline, several times
+def test_a_loss_head_that_cannot_be_faster_is_not_planned_again_and_the_plan_is_the_same() -> None:
+    """Where the head decided first fits and the other's fastest step is no faster, and the other's floor is known
+    from earlier budgets, the other is not planned again (deciding.decide_loss_head): the plan is the one planning
+    both gives, autoplan.plan's for that budget."""
+    from tests.planned.test_loss_head import _llama
+
+    model, inputs = _llama()  # a head that can be fused: both ways planned
+    options = dict(example_inputs=inputs, device="cpu", precision="fp32", reserve=0)
+    said: list[str] = []
+    planner = autoplan.Planner(model, progress=said.append, **options)
+    loose = planner.plan("100MB")
+    low, high = loose.prediction.minimum_budget_bytes, loose.prediction.baseline_peak_bytes
+    skipped = []
+    for budget in (low, (low + high) // 2, high):
+        said.clear()
+        plan = planner.plan(budget)
+        skipped.append(any("cannot be faster here: not planned again" in words for words in said))
+        alone = autoplan.plan(model, budget, **options)
+        assert _without_solve_times(plan.to_dict()) == _without_solve_times(alone.to_dict())
+    assert skipped == [False, False, True]  # the floor simulated (at the lowest budget) first; then the loose budget skips
+
+
 @pytest.mark.slow  # the whole pipeline
 def test_options_are_checked_when_made_and_the_budget_when_planned() -> None:
     model, inputs = tiny_gpt(batch_size=2, seq_len=8)

@@ -86,5 +86,11 @@ def fit_allocator(found: SearchResult, request: SolveRequest, device: Device, *,
 def allocator_floor(found: SearchResult, budget: Budget, device: Device,
                     least_of: Callable[[Mapping[str, Choice]], int]) -> int:
     """The smallest budget whose allocator room holds the lowest-peak choices' least limit (0: not predicted)."""
-    least = least_of(found.lowest_choices) if found.lowest_choices else 0
+    return allocator_floor_of(found.lowest_choices, budget, device, least_of)
+
+
+def allocator_floor_of(choices: Mapping[str, Choice], budget: Budget, device: Device,
+                       least_of: Callable[[Mapping[str, Choice]], int]) -> int:
+    """The smallest budget whose allocator room holds `choices`' least limit (0: not predicted, or no choices)."""
+    least = least_of(choices) if choices else 0
     return least + budget.total_bytes - allocator_room(budget, device) if least else 0

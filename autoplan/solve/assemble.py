@@ -5,6 +5,7 @@ blocks nest, the best of the levels planned.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TypedDict
 
 from autoplan.axes.precision import kind
@@ -65,8 +66,27 @@ def faster_loss_head(first: tuple[Plan, Profile], second: tuple[Plan, Profile]) 
         best = second if b.prediction.step_time_s < a.prediction.step_time_s else first
     else:
         best = second if b.prediction.minimum_peak_bytes < a.prediction.minimum_peak_bytes else first
-    lowest = min((a, b), key=lambda plan: plan.prediction.minimum_peak_bytes).prediction
-    both = dataclasses.replace(best[0].prediction, fastest_step_time_s=min(a.prediction.fastest_step_time_s, b.prediction.fastest_step_time_s),
+    return with_both_heads_figures(best, HeadFigures.of(a), HeadFigures.of(b))
+
+
+@dataclass(frozen=True)
+class HeadFigures:
+    """What the plan of one loss head lends the plan of both: its fastest step and its lowest peak with its budget."""
+
+    fastest_step_time_s: float
+    minimum_peak_bytes: int
+    minimum_budget_bytes: int
+
+    @staticmethod
+    def of(plan: Plan) -> HeadFigures:
+        figures = plan.prediction
+        return HeadFigures(figures.fastest_step_time_s, figures.minimum_peak_bytes, figures.minimum_budget_bytes)
+
+
+def with_both_heads_figures(best: tuple[Plan, Profile], first: HeadFigures, second: HeadFigures) -> tuple[Plan, Profile]:
+    """`best` with the fastest and lowest figures of both heads (`first`: the timeline's, which a tie keeps)."""
+    lowest = min((first, second), key=lambda figures: figures.minimum_peak_bytes)
+    both = dataclasses.replace(best[0].prediction, fastest_step_time_s=min(first.fastest_step_time_s, second.fastest_step_time_s),
                                minimum_peak_bytes=lowest.minimum_peak_bytes, minimum_budget_bytes=lowest.minimum_budget_bytes)
     return dataclasses.replace(best[0], prediction=both), best[1]
 

@@ -19,7 +19,7 @@ from autoplan.plan import Choice, Precision
 from autoplan.profile.named_policies import NAMED_POLICIES
 from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.names import match_units
-from autoplan.solve.ilp import STOPPED_WITH_PLAN, allowed_choices, minimum_peak, solve
+from autoplan.solve.ilp import STOPPED_WITH_PLAN, LowestPeak, allowed_choices, minimum_peak, solve
 from autoplan.solve.request import SolveRequest
 
 MAX_RESOLVES = 4
@@ -90,12 +90,12 @@ def checkpoint_policies(units: list[str], checkpoint) -> dict[str, str]:
     return named
 
 
-def _floor(profile: Profile, request: SolveRequest, simulate):
+def _floor(profile: Profile, request: SolveRequest, simulate, lowest_of: Callable[[Profile, SolveRequest], LowestPeak]):
     """The lowest-peak choices, their peak, and their simulated peak where it was needed (else None).
 
     A whole-step simulation is the slow part at scale: it runs only when it decides something.
     """
-    lowest = minimum_peak(profile, request)
+    lowest = lowest_of(profile, request)
     lowest_peak = predict_peak(profile, lowest.choices, request.mesh).bytes
     if lowest_peak <= request.usable_bytes:
         return lowest, lowest_peak, None
@@ -157,18 +157,20 @@ def offloaded_by_hand(profile: Profile, request: SolveRequest) -> dict[str, Choi
 
 
 def search(profile: Profile, request: SolveRequest, *, simulate: Callable[[Mapping[str, Choice]], int],
-           progress: Callable[[str], None] | None = None) -> SearchResult:
+           progress: Callable[[str], None] | None = None,
+           lowest_of: Callable[[Profile, SolveRequest], LowestPeak] = minimum_peak) -> SearchResult:
     """The fastest choices whose predicted and simulated peaks both fit the request's usable bytes.
 
     `simulate(choices)` returns the simulated peak of a training step with those choices. When the
     solver runs out of time, the answer is still one the memory model and the simulation agree fits
     (the lowest-peak choices, or the best the solver held), with `timed_out` set; a time-out that
-    leaves it unknown whether anything fits is a SolverTimeoutError, never "does not fit".
+    leaves it unknown whether anything fits is a SolverTimeoutError, never "does not fit". `lowest_of` solves
+    for the lowest-peak choices (`ilp.minimum_peak`, which no budget changes: a Planner keeps its answer).
     """
     say = progress or (lambda message: None)
     say("solving")
     usable_bytes = request.usable_bytes
-    lowest, lowest_peak, lowest_simulated = _floor(profile, request, simulate)
+    lowest, lowest_peak, lowest_simulated = _floor(profile, request, simulate, lowest_of)
     solve_time = lowest.solve_time_s
 
     margin, resolves, status, timed_out = 0, 0, "Infeasible", False
