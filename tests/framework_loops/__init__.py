@@ -31,6 +31,9 @@ This module holds what every case shares (the sizes, `Case`, `build`, the seeded
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
@@ -138,6 +141,13 @@ def token_rows(examples: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 def stack_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def output_dir() -> str:
+    """A Trainer's output_dir, removed when the process exits (each case made one under /tmp and left it there)."""
+    path = tempfile.mkdtemp(prefix="framework_loops_")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def seeded(build_model: Callable[[], nn.Module]) -> nn.Module:

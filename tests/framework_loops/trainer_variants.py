@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from tests.framework_loops import ACCUMULATION, LEARNING_RATE, STEPS, WIDTH, Case, TrainerInputs
+from tests.framework_loops import ACCUMULATION, LEARNING_RATE, STEPS, WIDTH, Case, TrainerInputs, output_dir
 from tests.batch_reading import collate_image_text
 from tests.framework_loops.trainers import run_trainer
 
@@ -79,7 +79,7 @@ def sft_qwen2_8bit_case() -> Case:
     texts = full_bin_texts(2 * STEPS * ACCUMULATION * sft_qlora.BATCH)
     tokenizer = sft_qlora.word_tokenizer(texts)
     model = qlora_qwen2(len(tokenizer))
-    args = sft_qlora.sft_config(tempfile.mkdtemp(prefix="framework_loops_"), STEPS, gradient_checkpointing=False,
+    args = sft_qlora.sft_config(output_dir(), STEPS, gradient_checkpointing=False,
                                 optim="adamw_bnb_8bit", gradient_accumulation_steps=ACCUMULATION)
     inputs = TrainerInputs(args, Dataset.from_dict({"text": texts}), None, processing_class=tokenizer)
     loop_fields = dict(
@@ -145,7 +145,7 @@ def trainer_qwen2vl_case() -> Case:
 
     model = qwen2_vl()
     examples = image_text_examples(STEPS * ACCUMULATION * VL_BATCH)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="framework_loops_"),
+    args = TrainingArguments(output_dir=output_dir(),
                              per_device_train_batch_size=VL_BATCH,
                              gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=LEARNING_RATE,
                              logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,

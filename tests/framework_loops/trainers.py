@@ -7,7 +7,6 @@ both are planned by `autoplan.hf.optimize_for_trainer`, which reads the Trainer'
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from typing import Any
 
 from torch import nn
@@ -23,6 +22,7 @@ from tests.framework_loops import (
     Case,
     Marker,
     TrainerInputs,
+    output_dir,
     seeded,
     stack_rows,
     token_rows,
@@ -36,7 +36,7 @@ def trainer_case() -> Case:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
     model = seeded(lambda: Qwen2ForCausalLM(config))
     rows = token_rows(STEPS * ACCUMULATION * BATCH)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="framework_loops_"), per_device_train_batch_size=BATCH,
+    args = TrainingArguments(output_dir=output_dir(), per_device_train_batch_size=BATCH,
                              gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, learning_rate=LEARNING_RATE,
                              logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
     inputs = TrainerInputs(args, rows, default_data_collator)
@@ -81,7 +81,7 @@ def sft_qlora_case() -> Case:
     texts = sft_qlora.sentences() * 4  # enough packed rows for STEPS steps of two
     tokenizer = sft_qlora.word_tokenizer(texts)
     model = sft_qlora.qlora_llama(len(tokenizer), layers=2, width=WIDTH)
-    args = sft_qlora.sft_config(tempfile.mkdtemp(prefix="framework_loops_"), STEPS, gradient_checkpointing=False)
+    args = sft_qlora.sft_config(output_dir(), STEPS, gradient_checkpointing=False)
     inputs = TrainerInputs(args, Dataset.from_dict({"text": texts}), None, processing_class=tokenizer)
     loop_fields = dict(
         keep_outputs=False,  # SFTTrainer's compute_loss reads its metrics from the outputs, then drops them
