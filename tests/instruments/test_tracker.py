@@ -141,3 +141,31 @@ def test_the_tracker_charges_each_phase_the_roofline_of_its_ops() -> None:
     matmul = tracker.phases()[-1]
     assert matmul.flops == 2 * (2 * 64 * 32 * 16)
     assert matmul.time_s == pytest.approx(matmul.flops / 1e6)
+
+
+class _Doubled(torch.nn.Module):
+    """A forward that runs its layers on a tensor subclass holding two tensors (torch's TwoTensor), as torchao's
+    float8 training runs its linears on Float8TrainingTensor: each op on it is two ops inside, unseen by a mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        return self.second(torch.relu(self.first(TwoTensor(x, x.clone())))).a
+
+
+def test_a_tensor_subclass_that_hides_its_ops_is_refused_not_undercounted() -> None:
+    """Under the tracker, an op on a traceable wrapper subclass runs its inner ops out of the tracker's sight: the
+    simulation would not count what they hold. Planning says so, and what to do, in one ProfileError."""
+    import autoplan
+    from autoplan.errors import ProfileError
+
+    model = _Doubled()
+    assert model(torch.randn(8, 16)).shape == (8, 4)  # the model itself runs
+    with pytest.raises(ProfileError, match=r"TwoTensor, a tensor subclass .* predict less than the step holds.* plan the model without it"):
+        autoplan.plan(model, "1GB", example_inputs=(torch.randn(8, 16),), device="cpu")
+    with LiveBytesTracker(Rates()):  # plain tensors pass
+        torch.ones(4) + 1
