@@ -45,7 +45,8 @@ def decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepO
     def lowest_of(profile: Profile, asked: SolveRequest) -> LowestPeak:
         if "floor" not in floors:
             floors["floor"] = minimum_peak(profile, asked)
-        return floors["floor"]
+            return floors["floor"]
+        return dataclasses.replace(floors["floor"], solve_time_s=0.0)  # kept, not solved again: no solver time this plan
 
     searched = functools.partial(search, measured, simulate=simulate, progress=say, lowest_of=lowest_of)
     fit = fit_allocator(searched(request), request, measured.device, least_of=least_of, simulate=simulate, search_again=searched)
