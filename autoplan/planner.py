@@ -95,6 +95,7 @@ class Planner:
         settings = settle(given)
         self._settings, self._options = settings, dataclasses.replace(given, loop=settings.step.loop)  # the loop as checked
         _check_model(model, settings.device)
+        _check_float8(model, settings.device, settings.space.precision)
         requested_modes(settings.space.checkpoint)  # a misspelt mode or policy is said now, not after the profile
         settle_first_forward(model)
         self._model = model
@@ -220,6 +221,24 @@ def _check_dense_gradients(model: torch.nn.Module) -> None:
             f"{type(model).__name__} has {len(sparse)} embedding layer(s) with sparse gradients ({', '.join(sparse[:3])}"
             f"{', ...' if len(sparse) > 3 else ''}: sparse=True); autoplan plans dense gradients only: build them with "
             "sparse=False (the default), whose gradient is the whole table, as the plan counts it")
+
+
+def _check_float8(model: torch.nn.Module, target: Device, precision: str) -> None:
+    """torchao's float8 training is planned as it was checked: on the CPU, with no autocast on top. Its simulation
+    (the tracker follows torchao's Float8TrainingTensor inside, `instruments.tracker.SEEN_INSIDE`) equals the CPU
+    allocator's count of the real step; a GPU's `_scaled_mm` (cuBLASLt, its scales as pointers) was never counted, and
+    under a planned bf16 autocast torchao's backward mixes dtypes the simulation refuses where the real step does not."""
+    layers = [name for name, module in model.named_modules() if type(module).__module__.startswith("torchao.float8")]
+    if not layers:
+        return
+    if target.kind != "cpu":
+        raise OptionError(f"{type(model).__name__} has {len(layers)} torchao float8 layers (e.g. {layers[0]}); autoplan plans "
+                          f"float8 training for the CPU only, not for {target.name}: a GPU's float8 matmul was never counted "
+                          "against a real step. Plan the model before convert_to_float8_training, and leave a margin")
+    if precision != "fp32":
+        raise OptionError(f"{type(model).__name__} has {len(layers)} torchao float8 layers (e.g. {layers[0]}): plan it with "
+                          f"precision='fp32' (--precision fp32), not {precision!r}: its linears compute in float8 either way, "
+                          "and a per-unit bf16 autocast over them is not simulated")
 
 
 def _check_int8_target(model: torch.nn.Module, target: Device) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.profiler
 from torch.utils._python_dispatch import _disable_current_modes
 
+from autoplan.instruments.host_blocks import cpu_allocations, host_only
 from autoplan.vocabulary.descriptors import silenced
 
 GRANULE = 512  # blocks count as the CUDA allocator rounds them, as every byte of the simulation does
@@ -42,6 +43,7 @@ SCRATCH_OPS = frozenset({
     # reduced losses that make the elementwise loss first, then reduce it into a scalar of their own (mse_loss,
     # smooth_l1_loss and binary_cross_entropy keep theirs in the loss: instruments.loss_storage)
     "aten::huber_loss", "aten::binary_cross_entropy_with_logits",
+    "aten::_scaled_mm",  # float8 on the CPU: the operands upcast and scaled, one made contiguous, inside the kernel
 })
 
 
@@ -112,17 +114,15 @@ def _measured(func, signature: tuple, threads: int) -> int:
 
 def _block_sizes(profile) -> list[int]:
     """The CPU blocks allocated (+) and freed (−) during the call, in order, rounded (the profiler reports the frees of
-    blocks it saw made, so the inputs made before it are not in here)."""
-    events = sorted((event.start_ns(), index, event) for index, event in
-                    enumerate(profile.profiler.kineto_results.events()) if event.name() == "[memory]")
-    sizes = []
-    for _, _, event in events:
-        nbytes = event.nbytes()
-        if abs(nbytes) > _SCALAR_BYTES:  # a scalar operand converted inside the kernel: host memory on a GPU
+    blocks it saw made, so the inputs made before it are not in here). A block a GPU would not hold (a scalar converted
+    inside the kernel: `instruments.host_blocks`) is left out, as the allocator's count leaves it out of the step."""
+    sizes, left_out = [], set()
+    for node in cpu_allocations(profile.profiler.kineto_results.experimental_event_tree()):
+        nbytes, address = node.extra_fields.alloc_size, node.extra_fields.ptr
+        if nbytes > 0 and host_only(node):
+            left_out.add(address)
+        elif nbytes < 0 and address in left_out:
+            left_out.discard(address)
+        else:
             sizes.append((1 if nbytes > 0 else -1) * -(-abs(nbytes) // GRANULE) * GRANULE)
     return sizes
-
-
-_SCALAR_BYTES = 16
-
-

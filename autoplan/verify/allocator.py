@@ -29,9 +29,7 @@ malloc), and an allocation on a thread the profiler does not follow.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import re
 import types
 import weakref
 from dataclasses import dataclass
@@ -39,9 +37,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.profiler
-from torch._C._profiler import RecordScope
 
 from autoplan.instruments.host import HOST_ALLOCATIONS
+from autoplan.instruments.host_blocks import host_only as _host_only, records_around as _records_around
 from autoplan.vocabulary.descriptors import silenced
 
 GRANULE = 512  # the CUDA caching allocator's smallest block: max_memory_allocated counts blocks of 512 B
@@ -206,42 +204,7 @@ class _PeakListing:
         self.stretches[-1] = tuple(sorted(lines, reverse=True))
 
 
-def _records_around(node) -> Iterator[Any]:
-    """The profiler records around an allocation (or a record), innermost first."""
-    node = node.parent
-    while node is not None:
-        yield node
-        node = node.parent
-
-
 _MARK = "autoplan.allocator_count."
-HOST_SCALAR_BYTES = 16  # a complex128 scalar: the largest a Python number wraps into
-
-
-def _host_only(allocation) -> bool:
-    """A block that a GPU's allocator would never hold, as the step runs on CUDA:
-
-    - a random generator's state that `torch.utils.checkpoint` keeps to replay dropout (`torch.get_rng_state()`,
-      made outside every operator): a CPU tensor on CUDA too, beside the CUDA generator's own state;
-    - a Python number the bindings wrap into a 0-dim CPU tensor before any operator runs (`x * 2.0`, saved for
-      backward by `MulBackward0`), or in a kernel written in Python (bitsandbytes' CPU optimizers): a wrapped
-      number is a CPU tensor on CUDA too, and ATen makes a tensor of one scalar only inside its own operators;
-    - that scalar converted to the other operand's dtype inside an operator's CPU kernel (`aten::mul` calling
-      `aten::to`): CUDA kernels take a CPU scalar as an argument and make no such tensor.
-    """
-    size = allocation.extra_fields.alloc_size
-    if size > HOST_SCALAR_BYTES and size != _cpu_rng_state_bytes():
-        return False
-    makers = _enclosing_calls(allocation)
-    if not makers or not _is_operator(makers[0]):  # made by Python code: a binding, or checkpoint saving the RNG state
-        return True
-    if size > HOST_SCALAR_BYTES:
-        return False
-    if not allocation.parent.name.startswith("aten::"):
-        return True  # a number wrapped by Python code that runs inside an operator (a kernel written in Python)
-    outside_conversion = [call for call in makers if call.name not in _CONVERSIONS + _ALLOCATIONS]
-    converted = any(call.name in _CONVERSIONS for call in makers)
-    return converted and bool(outside_conversion) and _is_operator(outside_conversion[0])
 
 
 def _backend_buffer(allocation) -> bool:
@@ -266,27 +229,6 @@ def _host_copy(allocation) -> bool:
     return _made_inside(allocation, lambda name: name == HOST_ALLOCATIONS)
 
 
-def _enclosing_calls(node) -> list:
-    """The calls around a block, innermost first, that the profiler records as functions: operators, autograd
-    nodes, Python autograd Functions."""
-    return [record for record in _records_around(node) if getattr(record.extra_fields, "scope", None) in _OPERATOR_SCOPES]
-
-
-def _is_operator(node) -> bool:
-    """A registered operator (`aten::mul`, `bitsandbytes::dequantize_4bit`), not an autograd node or engine frame."""
-    return _OPERATOR_NAME.match(node.name) is not None and not node.name.startswith(_AUTOGRAD)
-
-
-@functools.cache
-def _cpu_rng_state_bytes() -> int:
-    return torch.get_rng_state().nbytes
-
-
-_OPERATOR_SCOPES = (RecordScope.FUNCTION, RecordScope.BACKWARD_FUNCTION)
-_CONVERSIONS = ("aten::to", "aten::_to_copy")
-_ALLOCATIONS = ("aten::empty_strided", "aten::empty", "aten::empty_like")
-_OPERATOR_NAME = re.compile(r"^\w+::\w")
-_AUTOGRAD = ("autograd::", "torch::autograd::")
 
 
 def _in_time_order(roots) -> list:

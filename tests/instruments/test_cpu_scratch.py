@@ -42,3 +42,21 @@ def test_a_simulated_step_counts_the_copy_of_an_operand_blas_cannot_take_on_the_
 
     output = 64 * 48 * 4
     assert peak("cpu") == peak("h100-80gb") == output + 64 * 32 * 4
+
+
+def test_a_float8_matmuls_scratch_is_what_the_allocators_count_holds_inside_it():
+    """The CPU `_scaled_mm` upcasts and scales its operands inside itself, and makes the product of its two scales (a
+    0-dim tensor: one 512 B block) beside the scalar conversions a GPU would not make. Its scratch keeps and leaves out
+    the blocks the allocator's count (verify) keeps and leaves out, by the one rule of instruments.host_blocks."""
+    from autoplan.verify.allocator import AllocatorCount
+
+    a = torch.randn(64, 256).to(torch.float8_e5m2)  # a weight gradient's call: the scale product is alive at its peak
+    b = torch.randn(64, 256).to(torch.float8_e4m3fn).t()
+    scales = (torch.tensor(0.5), torch.tensor(2.0))
+    arguments, options = (a, b, *scales), {"out_dtype": torch.float32}
+    scratch = scratch_bytes(torch.ops.aten._scaled_mm.default, arguments, options)
+    with AllocatorCount(resident=[a, b, *scales]) as count:
+        out = torch.ops.aten._scaled_mm.default(*arguments, **options)
+    peak = count.stretches()[-1].peak_bytes - count.stretches()[-1].start_bytes
+    assert scratch > 64 * 256 * 4  # at least an upcast operand
+    assert scratch == peak - out.untyped_storage().nbytes()

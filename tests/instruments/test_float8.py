@@ -1,0 +1,97 @@
+"""torchao's float8 training, planned: the tracker follows its Float8TrainingTensor inside (instruments.tracker), the
+CPU `_scaled_mm`'s temporaries count as scratch (instruments.cpu_scratch), by the allocator count's own rule for small
+blocks (instruments.host_blocks); the plan equals the CPU allocator's count of the real step, and trains as it."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import autoplan
+from autoplan.errors import OptionError
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernels do not load on a CPU-only torch: said at import
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width, bias=False), torch.nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _float8(recipe: str) -> torch.nn.Module:
+    """The model as a person converts it: every block's linears float8, the head kept."""
+    torch.manual_seed(0)
+    config = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
+    return torchao_float8.convert_to_float8_training(_Net(), config=config, module_filter_fn=lambda module, name: name != "head")
+
+
+BATCH = torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(1))
+OPTIONS = dict(example_inputs=(BATCH,), device="cpu", precision="fp32", reserve=0)
+
+
+@pytest.mark.slow  # the whole pipeline, three budgets, each verified
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_model_is_predicted_to_the_byte_at_every_budget(recipe):
+    model = _float8(recipe)
+    planner = autoplan.Planner(model, **OPTIONS)
+    loose = planner.plan("1GB")
+    low, high = loose.prediction.minimum_budget_bytes, loose.prediction.peak_bytes
+    plans = [loose, planner.plan(low), planner.plan((low + high) // 2)]
+    assert any(choice.mode != "keep" for choice in plans[1].decisions.choices().values())  # the floor checkpoints float8 blocks
+    for plan in plans:
+        assert plan.outcome.feasible
+        check = autoplan.verify(autoplan.apply(copy.deepcopy(model), plan), plan, example_inputs=(BATCH,))
+        assert check.measured_peak_bytes == plan.prediction.peak_bytes, (plan.request.budget_bytes, recipe)
+
+
+def _train(model: torch.nn.Module, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(BATCH).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.slow  # the whole pipeline
+def test_a_planned_float8_model_trains_as_the_float8_model_it_was_made_from():
+    model = _float8("tensorwise")
+    plan = autoplan.plan(model, "1GB", **OPTIONS)
+    floor = autoplan.plan(model, plan.prediction.minimum_budget_bytes, **OPTIONS)
+    assert any(choice.mode != "keep" for choice in floor.decisions.choices().values())
+    planned_losses, planned_weights = _train(autoplan.apply(copy.deepcopy(model), floor))
+    losses, weights = _train(copy.deepcopy(model))
+    assert planned_losses == losses
+    assert all(torch.equal(a, b) for a, b in zip(planned_weights, weights))
+
+
+def test_a_float8_model_is_planned_for_the_cpu_and_without_autocast_only():
+    model = _float8("tensorwise")
+    with pytest.raises(OptionError, match=r"torchao float8 layers .* for the CPU only, not for h100"):
+        autoplan.Planner(model, example_inputs=(BATCH,), device="h100", precision="fp32")
+    with pytest.raises(OptionError, match=r"plan it with precision='fp32' .* not 'auto'"):
+        autoplan.Planner(model, example_inputs=(BATCH,), device="cpu")
