@@ -65,14 +65,15 @@ def host_only(allocation) -> bool:
     return converted and bool(outside_conversion) and is_operator(outside_conversion[0])
 
 
-def cpu_allocations(roots) -> list:
-    """The CPU allocator's allocations and frees in a profile's event tree (`experimental_event_tree()`), oldest first."""
+def cpu_allocations(roots, marks: str | None = None) -> list:
+    """The CPU allocator's allocations and frees in a profile's event tree (`experimental_event_tree()`), oldest first;
+    with `marks`, the records whose names start so among them (`verify.allocator`'s marks between stretches)."""
     found, pending = [], list(roots)
     while pending:
         node = pending.pop()
         pending.extend(node.children)
         fields = node.extra_fields
-        if hasattr(fields, "alloc_size") and fields.device.type == "cpu":
+        if (marks is not None and node.name.startswith(marks)) or (hasattr(fields, "alloc_size") and fields.device.type == "cpu"):
             found.append(node)
     return sorted(found, key=lambda node: (node.start_time_ns, node.id))
 

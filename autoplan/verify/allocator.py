@@ -39,7 +39,7 @@ import torch
 import torch.profiler
 
 from autoplan.instruments.host import HOST_ALLOCATIONS
-from autoplan.instruments.host_blocks import host_only as _host_only, records_around as _records_around
+from autoplan.instruments.host_blocks import cpu_allocations, host_only as _host_only, records_around as _records_around
 from autoplan.vocabulary.descriptors import silenced
 
 GRANULE = 512  # the CUDA caching allocator's smallest block: max_memory_allocated counts blocks of 512 B
@@ -233,14 +233,7 @@ def _host_copy(allocation) -> bool:
 
 def _in_time_order(roots) -> list:
     """The CPU allocator's blocks and this count's marks in a profile's event tree, oldest first."""
-    found, pending = [], list(roots)
-    while pending:
-        node = pending.pop()
-        pending.extend(node.children)
-        fields = node.extra_fields
-        if node.name.startswith(_MARK) or (hasattr(fields, "alloc_size") and fields.device.type == "cpu"):
-            found.append(node)
-    return sorted(found, key=lambda node: (node.start_time_ns, node.id))
+    return cpu_allocations(roots, marks=_MARK)
 
 
 def resident_bytes(roots: Any) -> int:
