@@ -417,9 +417,12 @@ def test_a_transformers_model_under_fsdp_meets_its_prediction_and_trains_like_on
     # outputs of the last step it read 4% low: the logits it left out
     assert_counted_to_the_byte(qwen2_two_ranks)
     for rank in qwen2_two_ranks:
-        makers = " | ".join(line[3] for line in rank["peak_blocks"])  # the blocks alive at the counted peak, by maker
-        assert "FSDP::post_backward_reduce (model.layers.1)" in makers and "FSDP::pre_backward (model.layers.0)" in makers
         assert sum(line[0] for line in rank["peak_blocks"]) == rank["peak_bytes"]
+    # where the count peaks, by maker, on the rank counted exactly (a count read high by gloo's late free peaks
+    # elsewhere: in one full suite of 2026-11-29 a rank's peak moved to a forward's copy-out, "held at the mark")
+    exact = min(qwen2_two_ranks, key=lambda rank: rank["peak_bytes"])
+    makers = " | ".join(line[3] for line in exact["peak_blocks"])  # the blocks alive at the counted peak, by maker
+    assert "FSDP::post_backward_reduce (model.layers.1)" in makers and "FSDP::pre_backward (model.layers.0)" in makers
     model = tiny_qwen2()
     batch = {key: torch.cat([qwen2_batch(rank)[key] for rank in (0, 1)]) for key in ("input_ids", "labels")}
     reference = one_process_losses(model, lambda: model(**batch).loss)
