@@ -37,9 +37,9 @@ def decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepO
         say("finding the smallest number of GPUs")
         mesh, curve = fewest_gpus(measured, request)
         request = dataclasses.replace(request, mesh=mesh)
-    offsets, _ = phase_offsets(measured, request.mesh)
+    offsets, extras = phase_offsets(measured, request.mesh)
     simulations, leasts, floors = _memo_of(measured, request, memo if memo is not None else {})
-    simulate = _simulator(traced, measured, request, step, simulations)
+    simulate = _simulator(traced, measured, step, simulations, offsets, extras)
     least_of = _least_limits(measured, request, simulations, simulate, on_one_gpu=not any(offsets.values()), leasts=leasts)
 
     def lowest_of(profile: Profile, asked: SolveRequest) -> LowestPeak:
@@ -70,9 +70,10 @@ def _memo_of(measured: Profile, request: SolveRequest, memo: dict) -> tuple[dict
     return memo.setdefault((measured.timeline.fused_loss, request.mesh), ({}, {}, {}))
 
 
-def _simulator(traced: Traced, measured: Profile, request: SolveRequest, step: StepOptions, simulations: dict[frozenset, Simulation]):
-    """choices -> the simulated peak of their whole step, each simulated once (kept in `simulations`)."""
-    offsets, extras = phase_offsets(measured, request.mesh)
+def _simulator(traced: Traced, measured: Profile, step: StepOptions, simulations: dict[frozenset, Simulation],
+               offsets: Mapping, extras: Mapping):
+    """choices -> the simulated peak of their whole step, each simulated once (kept in `simulations`); per rank by the
+    mesh's `offsets` and `extras` (`memory.sharded.phase_offsets`)."""
     base = frozenset((unit.name, unit.base) for unit in measured.units)  # the profile's timeline is that step, simulated
     simulations.setdefault(base, simulation_of(measured.timeline, offsets, extras))
 
@@ -142,19 +143,21 @@ def decide_loss_head(traced: Traced, measured: Profile, request: SolveRequest, s
         return decide(traced, measured, request, step, say, memo), measured
     other = dataclasses.replace(measured, timeline=measured.alternative, alternative=measured.timeline)
     memo = memo if memo is not None else {}
-    heads = [measured, other]
-    if _fastest_time(other, request) < _fastest_time(measured, request):
+    heads = [(measured, _fastest_time(measured, request)), (other, _fastest_time(other, request))]
+    if heads[1][1] < heads[0][1]:
         heads.reverse()
-    first = decide(traced, heads[0], request, step, say, memo)
-    known = _known_figures(traced, heads[1], request, step, memo) if _cannot_win(first, heads[0] is other, heads[1], request) else None
+    (first_head, _), (second_head, second_fastest_s) = heads
+    first = decide(traced, first_head, request, step, say, memo)
+    known = (_known_figures(traced, second_head, second_fastest_s, request, step, memo)
+             if _cannot_win(first, first_head is other, second_fastest_s) else None)
     if known is not None:
-        say(f"the loss head {_way(heads[1])} cannot be faster here: not planned again")
+        say(f"the loss head {_way(second_head)} cannot be faster here: not planned again")
         figures = (HeadFigures.of(first), known)
-        return with_both_heads_figures((first, heads[0]), *(figures if heads[0] is measured else figures[::-1]))
-    say(f"planning again with the loss head {_way(heads[1])}")
-    second = decide(traced, heads[1], request, step, say, memo)
-    decided = [(first, heads[0]), (second, heads[1])]
-    return faster_loss_head(*(decided if heads[0] is measured else decided[::-1]))
+        return with_both_heads_figures((first, first_head), *(figures if first_head is measured else figures[::-1]))
+    say(f"planning again with the loss head {_way(second_head)}")
+    second = decide(traced, second_head, request, step, say, memo)
+    decided = [(first, first_head), (second, second_head)]
+    return faster_loss_head(*(decided if first_head is measured else decided[::-1]))
 
 
 def _way(profile: Profile) -> str:
@@ -166,18 +169,19 @@ def _fastest_time(profile: Profile, request: SolveRequest) -> float:
     return predict_step_time(profile, fastest(profile, request.pins))
 
 
-def _cannot_win(first: Plan, first_is_alternative: bool, other: Profile, request: SolveRequest) -> bool:
+def _cannot_win(first: Plan, first_is_alternative: bool, other_fastest_s: float) -> bool:
     """Whether `faster_loss_head` keeps `first` whatever the other head's plan: `first` fits, and the other's fastest
-    step is no faster (slower, where `first` is the alternative's head: a tie keeps the timeline's; a billionth
-    apart, as the sums of float times may round differently)."""
-    time_s, other_fastest_s = first.prediction.step_time_s, _fastest_time(other, request)
+    step (`_fastest_time`) is no faster (slower, where `first` is the alternative's head: a tie keeps the timeline's;
+    a billionth apart, as the sums of float times may round differently)."""
+    time_s = first.prediction.step_time_s
     if not first.outcome.feasible:
         return False
     return other_fastest_s > time_s * (1 + 1e-9) if first_is_alternative else other_fastest_s >= time_s * (1 + 1e-9)
 
 
-def _known_figures(traced: Traced, profile: Profile, request: SolveRequest, step: StepOptions, memo: dict) -> HeadFigures | None:
-    """The fastest step, lowest peak and its budget `decide` would report for `profile` at this request, where an
+def _known_figures(traced: Traced, profile: Profile, fastest_s: float, request: SolveRequest, step: StepOptions,
+                   memo: dict) -> HeadFigures | None:
+    """The fastest step (`fastest_s`), lowest peak and its budget `decide` would report for `profile` at this request, where an
     earlier budget left them known (else None): its lowest-peak choices solved and proven, and simulated to the peak
     the memory model predicts for them (then every path of `search` reports that peak); with offload, checkpointing
     and offloading every unit by hand simulates no lower (`search._offload_floor` would take it below the floor; it is
@@ -190,10 +194,10 @@ def _known_figures(traced: Traced, profile: Profile, request: SolveRequest, step
     peak = predict_peak(profile, lowest.choices, request.mesh).bytes
     if simulation is None or simulation.peak_bytes != peak:
         return None
+    offsets, extras = phase_offsets(profile, request.mesh)
     by_hand = offloaded_by_hand(profile, request) if request.host is not None else None
-    if by_hand is not None and by_hand != dict(lowest.choices) and _simulator(traced, profile, request, step, simulations)(by_hand) < peak:
+    if by_hand is not None and by_hand != dict(lowest.choices) and _simulator(traced, profile, step, simulations, offsets, extras)(by_hand) < peak:
         return None
-    offsets, _ = phase_offsets(profile, request.mesh)
     least_of = _least_limits(profile, request, simulations, simulate=None, on_one_gpu=not any(offsets.values()), leasts=leasts)
     budget = max(request.budget.needed_for(peak, profile.device), allocator_floor_of(lowest.choices, request.budget, profile.device, least_of))
-    return HeadFigures(_fastest_time(profile, request), peak, budget)
+    return HeadFigures(fastest_s, peak, budget)

@@ -31,6 +31,7 @@ from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
 from autoplan.inputs.settings import SearchSpace, StepOptions, flag, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
+from autoplan.instruments.tracker import SEEN_INSIDE
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.profiler import Profile
@@ -228,7 +229,7 @@ def _check_float8(model: torch.nn.Module, target: Device, precision: str) -> Non
     (the tracker follows torchao's Float8TrainingTensor inside, `instruments.tracker.SEEN_INSIDE`) equals the CPU
     allocator's count of the real step; a GPU's `_scaled_mm` (cuBLASLt, its scales as pointers) was never counted, and
     under a planned bf16 autocast torchao's backward mixes dtypes the simulation refuses where the real step does not."""
-    layers = [name for name, module in model.named_modules() if type(module).__module__.startswith("torchao.float8")]
+    layers = [name for name, module in model.named_modules() if type(module).__module__.startswith(SEEN_INSIDE)]
     if not layers:
         return
     if target.kind != "cpu":

@@ -79,11 +79,11 @@ def _hides_its_ops(kind: type) -> bool:
 
 
 def _hidden_ops_error(kind: type, func) -> ProfileError:
-    what = "Such tensors are not planned (torchao's float8 training is)"
     return ProfileError(
         f"{func} ran on a {kind.__module__}.{kind.__name__}, a tensor subclass that runs each op as other ops on the tensors "
         f"inside it, where the simulation cannot count what they hold: the plan would predict less than the step holds. "
-        f"{what}: plan the model without it (before converting it), and leave a margin for what it adds")
+        "Such tensors are not planned (torchao's float8 training is): plan the model without it (before converting it), "
+        "and leave a margin for what it adds")
 
 
 class LiveBytesTracker(TorchDispatchMode):

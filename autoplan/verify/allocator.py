@@ -229,8 +229,6 @@ def _host_copy(allocation) -> bool:
     return _made_inside(allocation, lambda name: name == HOST_ALLOCATIONS)
 
 
-
-
 def _in_time_order(roots) -> list:
     """The CPU allocator's blocks and this count's marks in a profile's event tree, oldest first."""
     return cpu_allocations(roots, marks=_MARK)
