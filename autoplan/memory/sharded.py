@@ -232,15 +232,16 @@ def _gathered_in_forward(units: list[GroupBytes], group: list[Unit], running: in
 
 def _gathered_in_backward(units: list[GroupBytes], group: list[Unit], running: int | None, done: list[int],
                           kept: frozenset[int]) -> int:
-    """Unsharded unit parameters in a backward phase: every kept unit whose backward has not finished (`done`), and
-    of the others the running unit and the one before it (prefetched); between units, the next to run backward."""
+    """Gathered unit parameters in a backward phase: every kept unit whose backward has not finished (`done`), and
+    of the others the running unit (unsharded) and the one before it (prefetched: its flat all-gather output, copied
+    out only when its own backward starts); between units, the next to run backward (prefetched, flat)."""
     held = sum(units[i].unsharded for i in kept - set(done))
     remaining = len(units) - len(done)  # units at positions < remaining have not finished backward
     if running is None:
-        return held + (units[remaining - 1].unsharded if remaining > 0 and remaining - 1 not in kept else 0)
+        return held + (units[remaining - 1].flat if remaining > 0 and remaining - 1 not in kept else 0)
     prefetched = running > 0 and group[running - 1] != group[running] and running - 1 not in kept  # a module gathered once
     own = units[running].unsharded if running not in kept else 0
-    return held + own + (units[running - 1].unsharded if prefetched else 0)
+    return held + own + (units[running - 1].flat if prefetched else 0)
 
 
 def _copy_out_excess(units: list[GroupBytes], group: list[Unit], running: int | None, kept: frozenset[int]) -> int:
@@ -250,7 +251,7 @@ def _copy_out_excess(units: list[GroupBytes], group: list[Unit], running: int | 
     if running is None or running in kept:
         return 0
     prefetched = running > 0 and group[running - 1] != group[running] and running - 1 not in kept
-    return max(0, units[running].flat - (units[running - 1].unsharded if prefetched else 0))
+    return max(0, units[running].flat - (units[running - 1].flat if prefetched else 0))
 
 
 def rank_offsets(profile: "Profile", mesh: Mesh, terms: list[RankTerms] | None = None) -> list[int]:
