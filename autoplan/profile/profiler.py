@@ -138,9 +138,7 @@ def _signature(module: torch.nn.Module, call: UnitCall) -> tuple:
 def _materialize(spec: TensorSpec) -> torch.Tensor:
     """A fake input like the one recorded; one that needs grad is made by an op, as in the real
     step, so that only the unit's own saved tensors (not autograd's leaf bookkeeping) keep it alive."""
-    if not spec.requires_grad:
-        return spec.materialize()
-    return spec.materialize().clone()
+    return spec.materialize().clone() if spec.requires_grad else spec.materialize()
 
 
 class _OutputGradients(torch.autograd.Function):
@@ -226,8 +224,9 @@ def _measure_unit(
         output_refs = [weakref.ref(t.untyped_storage()) for t in outputs]
         needs_grad = [t for t in outputs if t.requires_grad]
         root, root_bytes = _backward_root(tracker, needs_grad)
-        # Drop every reference of ours: what stays alive now is what the unit itself keeps.
-        del output, outputs, new_outputs, needs_grad, args, kwargs, inputs
+        # Drop every reference of ours but to inputs the step never frees (the batch, parameters and buffers handed in)
+        inputs = [t for t, kept in zip(inputs, call.resident_inputs) if kept]
+        del output, outputs, new_outputs, needs_grad, args, kwargs
         holds_inputs = tuple(ref() is not None for ref in input_refs)
         holds_outputs = tuple(ref() is not None for ref in output_refs)
         spent = 0

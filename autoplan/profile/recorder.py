@@ -246,6 +246,9 @@ class UnitCall:
     input_bytes: tuple[int, ...]
     output_keys: tuple[int, ...]  # storage key of each tensor leaf of the output
     output_bytes: tuple[int, ...]
+    # per input leaf: alive through the whole step whatever the units choose (the batch, a parameter or buffer
+    # handed in as an argument, like a rotary table): a unit measured alone must not free it either
+    resident_inputs: tuple[bool, ...] = ()
 
 
 

@@ -11,7 +11,7 @@ so a unit can later be profiled on its own.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Sequence, cast
 
 import torch
@@ -250,7 +250,10 @@ class _RecordingHooks(StepHooks):
         # alive whatever the units choose: the batch, parameters a unit is handed as an argument
         # (a graph unit of `x * self.scale`), and the outputs when the loop holds them
         held = tensors_of(self.batch) + resident_tensors(self.model) + (tensors_of(output) if self.keep_outputs else [])
-        self.boundaries = self.recorder.boundaries({self.recorder.key(t) for t in held})
+        held_keys = {self.recorder.key(t) for t in held}
+        self.boundaries = self.recorder.boundaries(held_keys)
+        self.calls = tuple(replace(call, resident_inputs=tuple(key in held_keys for key in call.input_keys))
+                           for call in self.calls)
 
     def backward_started(self) -> None:
         self.recorder.begin(BACKWARD_START)

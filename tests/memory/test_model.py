@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from autoplan.inputs.devices import get_device
-from autoplan.memory.model import predict_peak
+from autoplan.memory.model import live_bytes, predict_peak
 from autoplan.plan import Choice
 from autoplan.profile.profiler import profile
 from autoplan.trace.tracer import trace
@@ -108,3 +108,45 @@ def test_what_a_graph_keeps_after_backward_is_counted_per_choice():
         predicted = predict_peak(measured, choices).bytes
         simulated = simulate_plan(traced, choices_by_unit(measured, choices), device=DEVICE, optimizer="adamw", rest_precision="fp32").peak_bytes
         assert predicted == simulated, choices
+
+
+class _TableBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(x) * table  # the product saves the table for backward, as a rotary embedding does
+
+
+class _TableModel(torch.nn.Module):
+    """Blocks handed a buffer of the model's as an argument (torchtitan's Llama hands every block its `freqs_cis`)."""
+
+    def __init__(self, width: int = 64, rows: int = 128, blocks: int = 3) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(rows, width))
+        self.blocks = torch.nn.ModuleList(_TableBlock(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.table)
+        return x
+
+
+def test_a_buffer_handed_to_a_unit_is_never_freed_by_its_measurement():
+    """A unit measured alone is handed a fresh copy of each input; one the step holds whatever the units choose (a
+    buffer, a parameter, the batch) must outlive the measurement too. Freed inside a keep unit's backward but held by a
+    checkpointed unit's frame, it made each checkpointed unit's backward the table's bytes heavier than the whole step
+    (seen under FSDP, where the peak is in backward: 8,192 B over the gloo ranks' count)."""
+    from autoplan.profile.simulation import run_timeline
+
+    torch.manual_seed(0)
+    model, inputs = _TableModel(), (torch.randn(8, 128, 64),)
+    traced = trace(model, inputs, units=[f"blocks.{i}" for i in range(3)])
+    measured = profile(traced, DEVICE, precisions=("fp32",))
+    # the first block's input is the batch, every block's second the table: both held by the step
+    assert [call.resident_inputs for call in measured.timeline.unit_calls] == [(True, True), (False, True), (False, True)]
+    for mode in ("full", "selective"):
+        choices = {u.name: Choice(mode, "fp32") for u in measured.units}
+        simulated = run_timeline(traced, choices_by_unit(measured, choices), device=DEVICE, optimizer="adamw", rest_precision="fp32")
+        assert live_bytes(measured, choices) == [phase.peak_bytes for phase in simulated.phases], mode
