@@ -112,8 +112,9 @@ def _least_limits(measured: Profile, request: SolveRequest, simulations: dict[fr
 
 def reserved_notes(prediction, request: SolveRequest, device: Device, passed_over_least_bytes: int) -> tuple[str, ...]:
     """Notes on the caching allocator for a plan that fits: where a faster plan that fits by its allocated peak was
-    passed over because the allocator could not run it in the budget, and where the chosen one reserves more than
-    the budget leaves it when free (it then gives cached segments back and retries: slower, and the least limit runs)."""
+    passed over because the allocator could not run it in the budget, where the chosen one reserves more than
+    the budget leaves it when free (it then gives cached segments back and retries: slower, and the least limit runs),
+    and, under FSDP on a GPU, that its reserved memory is not predicted at all."""
     room = allocator_room(request.budget, device)
     notes = []
     if passed_over_least_bytes:
@@ -121,6 +122,11 @@ def reserved_notes(prediction, request: SolveRequest, device: Device, passed_ove
                      f"{format_bytes(passed_over_least_bytes)} to run its step (free space inside its segments "
                      f"included), more than the {format_bytes(room)} the budget leaves it (the budget less the CUDA "
                      f"context); this one needs {format_bytes(prediction.least_limit_bytes)}")
+    if request.mesh.shards > 1 and device.kind == "cuda":
+        notes.append(f"the caching allocator's reserved memory is not predicted under FSDP (FSDP2 gathers and reduces on "
+                     f"streams of its own, whose cached blocks the allocator model does not replay); torchtitan's published "
+                     f"FSDP2 runs reserved 15-37% more than the allocated peak autoplan predicts for them (docs/published.md): "
+                     f"the reserve of {format_bytes(request.budget.reserve_bytes)} may not cover that; leave more with reserve=")
     if prediction.reserved_peak_bytes > room:
         notes.append(f"the caching allocator is predicted to reserve {format_bytes(prediction.reserved_peak_bytes)} "
                      f"(its segments' free space included), above the {format_bytes(room)} the budget leaves it: at that "
