@@ -229,3 +229,10 @@ def fused_losses(model: torch.nn.Module) -> tuple[str, ...]:
     """The logits' shapes whose cross-entropy the model's last forward fused (empty: none)."""
     wrapper = _fused_loss_forward(model)
     return () if wrapper is None else wrapper.fused
+
+
+def fusing_held_longer(model: torch.nn.Module) -> bool:
+    """Whether the model's last forward under a fused loss head kept a linear's input alive longer than the forward as
+    written would (`planned.loss_head.LossHeadMode.held_longer`)."""
+    wrapper = _fused_loss_forward(model)
+    return wrapper is not None and wrapper.held_longer

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,9 @@ class LossHeadMode(TorchFunctionMode):
         self.latest: tuple[int, LinearCall] | None = None
         self.calls = 0
         self.fused: list[str] = []  # per fused loss, the shape of its logits (what the plan reports)
+        # whether holding the latest call's inputs kept one alive past where the step as written frees it: a step
+        # that then fuses nothing holds more than the same step run without this mode
+        self.held_longer = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -133,13 +137,24 @@ class LossHeadMode(TorchFunctionMode):
             hidden, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             self.calls += 1
-            self.latest = None
+            self._let_go()
             if weight.dim() == 2 and hidden.dim() >= 2:
                 self.latest = (self.calls, LinearCall(hidden, weight, bias, result.dtype))
                 self.sources[result] = self.calls
         elif (func in _RESHAPES or func in _CASTS) and args and isinstance(args[0], torch.Tensor) and args[0] in self.sources:
             self._follow(func, args[0], result)
         return result
+
+    def __exit__(self, *exc):
+        self._let_go()
+        return super().__exit__(*exc)
+
+    def _let_go(self) -> None:
+        """Drop the latest call's inputs, noting whether nothing else held its input (this mode kept it alive)."""
+        if self.latest is not None:
+            storage = weakref.ref(self.latest[1].hidden.untyped_storage())
+            self.latest = None
+            self.held_longer = self.held_longer or storage() is None
 
     def _follow(self, func, tensor: torch.Tensor, result: Any) -> None:
         if not isinstance(result, torch.Tensor) or result.dim() < 1 or result.shape[-1] != tensor.shape[-1] or result.numel() != tensor.numel():
@@ -185,6 +200,7 @@ class FusedLossForward:
     module: torch.nn.Module
     original: Any = None
     fused: tuple[str, ...] = ()
+    held_longer: bool = False  # its last forward's mode kept a linear's input alive longer (`LossHeadMode.held_longer`)
 
     def _forward(self):
         return self.original if self.original is not None else type(self.module).forward.__get__(self.module)
@@ -200,5 +216,5 @@ class FusedLossForward:
         mode = LossHeadMode()
         with mode:
             result = forward(*args, **kwargs)
-        self.fused = tuple(mode.fused)
+        self.fused, self.held_longer = tuple(mode.fused), mode.held_longer
         return result

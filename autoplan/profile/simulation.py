@@ -31,7 +31,7 @@ from autoplan.units import SequentialRun, Unit
 from autoplan.vocabulary.names import run_layers, unit_module
 from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.instruments.fake import fake_copy, new_fake_mode
-from autoplan.planned.forwards import apply_choices, fused_losses, remove_plan
+from autoplan.planned.forwards import apply_choices, fused_losses, fusing_held_longer, remove_plan
 from autoplan.trace.tracer import Traced
 
 
@@ -96,7 +96,8 @@ def run_timeline(
         model, traced.example_inputs, fake_mode=fake_mode, units=list(traced.units), device=device, optimizer=optimizer,
         loss_fn=loss_fn, loop=loop,
     )
-    return dataclasses.replace(timeline, fused_logits=", ".join(f"{shape} logits" for shape in fused_losses(model)))
+    return dataclasses.replace(timeline, fused_logits=", ".join(f"{shape} logits" for shape in fused_losses(model)),
+                               fusing_held_longer=fusing_held_longer(model))
 
 
 def holds_less(fused: Timeline, written: Timeline) -> bool:
@@ -128,6 +129,8 @@ def base_timelines(
     if timeline.fused_loss:
         written = simulate(base, rest_precision, False)
         timeline, alternative = (timeline, written) if holds_less(timeline, written) else (written, timeline)
+    elif timeline.fusing_held_longer:  # nothing fused, and looking for a head held more than the step as written does
+        timeline = written = simulate(base, rest_precision, False, fake_mode)
     if rest_precision == "fp32":
         return BaseTimelines(timeline, written, alternative)
     # no plan: the model as written; under the loop's own autocast that runs its units in the loop's precision, with

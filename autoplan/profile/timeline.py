@@ -81,6 +81,7 @@ class Timeline:
     boundaries: tuple[Boundary, ...] = ()
     carried_bytes: int = 0  # what the loop's variables hold from the previous step through this forward (outputs, loss)
     fused_logits: str = ""  # the logits whose cross-entropy the step fused with the output head (planned.loss_head), "" for none
+    fusing_held_longer: bool = False  # run to fuse its loss head, the step kept a linear's input longer than as written
     target_kernels: str = ""  # what was stood in for the GPU target's kernels (instruments.target), "" for a CPU target
     host_peak_bytes: int = 0  # pinned host memory of offloaded units' saved tensors, at its most (axes.placement)
     loss_summed: bool = False  # no loss_fn and no loss of the model's own: the step backpropagated its outputs' sum

@@ -184,3 +184,43 @@ def test_fused_only_where_it_is_the_faster_plan_that_fits():
     assert dropped.decisions.fused_logits == ("64×256 logits" if dropped.decisions.fused_loss else "")
     check = autoplan.verify(autoplan.apply(copy.deepcopy(model), dropped), dropped, example_inputs=batch, loop=dropped_loop)
     assert check.measured_peak_bytes == dropped.prediction.peak_bytes
+
+
+class _ResidualGRUs(torch.nn.Module):
+    """No cross-entropy at all: a Linear reads each bidirectional GRU's output, which the Linear copies to a matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnns = torch.nn.ModuleList([torch.nn.GRU(24, 24, batch_first=True, bidirectional=True) for _ in range(3)])
+        self.proj = torch.nn.ModuleList([torch.nn.Linear(48, 24) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for rnn, proj in zip(self.rnns, self.proj):
+            x = x + proj(rnn(x)[0])
+        return x.pow(2).mean()
+
+
+def test_a_step_that_fuses_nothing_is_profiled_as_written():
+    """Looking for a head to fuse, the loss-head mode holds the latest Linear's inputs until the next Linear runs; where
+    nothing is fused, the plan runs without that mode, so the profile's timeline must be the step as written. It was the
+    fusing step's, 11,776 B over each real step here (a GRU output the mode held), in every prediction of the model."""
+    from autoplan.inputs.devices import get_device
+    from autoplan.profile.profiler import profile
+    from autoplan.profile.simulation import run_timeline
+    from autoplan.trace.tracer import trace
+    from tests.handmade import measured_step
+
+    torch.manual_seed(0)
+    model, x = _ResidualGRUs(), torch.randn(3, 20, 24)
+    traced = trace(model, (x,))
+    measured = profile(traced, get_device("cpu"), precisions=("fp32",))
+    assert not measured.timeline.fused_loss
+    base = {u.unit: u.base for u in measured.units}
+    cpu = get_device("cpu")
+    looking = run_timeline(traced, base, device=cpu, optimizer="adamw", fused_loss=True)
+    written = run_timeline(traced, base, device=cpu, optimizer="adamw")
+    assert looking.fusing_held_longer and not looking.fused_loss and looking.peak_bytes > written.peak_bytes
+    assert [p.peak_bytes for p in measured.timeline.phases] == [p.peak_bytes for p in written.phases]
+    plan = autoplan.plan(model, "1GB", example_inputs=(x,), device="cpu", precision="fp32", reserve=0, menu_size=0,
+                         checkpoint={"*": "keep"})
+    assert plan.prediction.peak_bytes == measured_step(autoplan.apply(copy.deepcopy(model), plan), (x,)).peak_bytes
