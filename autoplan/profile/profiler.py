@@ -267,8 +267,9 @@ def _measure_options(module, call: UnitCall, precisions, rest: Precision, device
         costs |= measure_host_twins(costs, lambda twin: _measure_unit(module, call, twin, rest, device, fake_mode), host.bandwidth)
     points = {}
     for precision in precisions if menu_size > 0 and not refused else ():
-        for point in _menu(module, call, precision, device, fake_mode, menu_size):
-            points[point.choice] = (_measure_unit(module, call, point.choice, rest, device, fake_mode), point.policy)
+        menu = {point.choice: point.policy for point in _menu(module, call, precision, device, fake_mode, menu_size)}
+        kept, _ = measure_or_refuse(menu, lambda choice: _measure_unit(module, call, choice, rest, device, fake_mode))
+        points.update({choice: (cost, menu[choice]) for choice, cost in kept.items()})  # a point torch refuses is left out
     policies = {}
     measured = list(points.items())
     for index, (choice, (cost, policy)) in enumerate(measured):

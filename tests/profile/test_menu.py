@@ -281,3 +281,25 @@ def test_a_selective_choice_torch_refuses_is_left_out_and_anything_else_raised()
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
         measure_or_refuse(choices, other)
+
+
+def test_a_menu_point_selective_checkpointing_refuses_is_left_out_not_the_model(tmp_path):
+    """bitsandbytes' 8-bit matmul dequantizes its weight with `.to(dtype).mul_(...)`: a menu point that saves that
+    `to` makes torch's selective checkpointing refuse ("Tensor cached during selective activation checkpoint has been
+    mutated"). A GPT-NeoX 8-bit base with LoRA failed to plan at all (ProfileError); the point is now left out, as a
+    unit's own refused selective choice is, and the plan is made."""
+    pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=64)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.BitsAndBytesConfig(load_in_8bit=True), device_map="cpu")
+    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    plan = autoplan.plan(model, "1GB", example_inputs={"input_ids": ids, "labels": ids}, device="cpu", reserve=0)
+    assert plan.outcome.feasible and len(plan.decisions.units) == 2
