@@ -11,6 +11,10 @@ loop on the model without a plan.
 
     python benchmarks/families.py                 # every family (about 4 minutes on 2 cores)
     python benchmarks/families.py Gemma2 Phi3     # some
+    python benchmarks/families.py --quantized GPTNeoX   # their 4-bit NF4 and 8-bit bases with LoRA instead
+
+With `--quantized` each family is saved once and loaded again per run with bitsandbytes' quantization (as
+`benchmarks/independent.py` loads its bases), `prepare_model_for_kbit_training`, then LoRA on every linear layer.
 """
 
 from __future__ import annotations
@@ -60,9 +64,35 @@ def builders(name: str):
     return full, lora
 
 
+def quantized_builders(name: str, folder: str):
+    """The family saved to `folder`, and its 4-bit NF4 and 8-bit bases with LoRA, loaded anew per call."""
+    import peft
+    import torch
+    import transformers
+
+    from benchmarks.independent import NF4
+
+    model_class, config_class, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(getattr(transformers, config_class)(**{**SMALL, **extra})).save_pretrained(folder)
+
+    def load(**quantization):
+        base = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=transformers.BitsAndBytesConfig(**quantization), device_map="cpu")
+        base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+        return peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+    return (("4-bit NF4 base + LoRA, default options", lambda: load(**NF4), {}),
+            ("8-bit base + LoRA, default options", lambda: load(load_in_8bit=True), {}),
+            ("8-bit base + LoRA, precision=fp32", lambda: load(load_in_8bit=True), dict(precision="fp32")))
+
+
 def main() -> None:
+    import tempfile
+
     warnings.filterwarnings("ignore")
-    names = sys.argv[1:] or list(FAMILIES)
+    quantized = "--quantized" in sys.argv
+    names = [name for name in sys.argv[1:] if name != "--quantized"] or list(FAMILIES)
     unknown = [name for name in names if name not in FAMILIES]
     if unknown:
         raise SystemExit(f"unknown families {unknown}; these are known: {', '.join(FAMILIES)}")
@@ -72,9 +102,13 @@ def main() -> None:
           "largest loss difference to no plan |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in names:
-        full, lora = builders(name)
-        for label, build, options in (("full, default options", full, {}), ("full, precision=fp32", full, dict(precision="fp32")),
-                                      ("LoRA all linears, default options", lora, {})):
+        if quantized:
+            runs = quantized_builders(name, tempfile.mkdtemp())
+        else:
+            full, lora = builders(name)
+            runs = (("full, default options", full, {}), ("full, precision=fp32", full, dict(precision="fp32")),
+                    ("LoRA all linears, default options", lora, {}))
+        for label, build, options in runs:
             print(row(f"{name} {label}", build, options), flush=True)
 
 
