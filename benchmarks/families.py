@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.independent import row  # noqa: E402
+from benchmarks.independent import NF4, lora, quantized_lora, row  # noqa: E402
 from benchmarks.machine import describe_machine  # noqa: E402
 
 SMALL = dict(vocab_size=2000, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -50,7 +50,6 @@ FAMILIES = {
 
 def builders(name: str):
     """The family's full model and its peft LoRA twin, each made anew per call."""
-    import peft
     import transformers
 
     model_class, config_class, extra = FAMILIES[name]
@@ -58,33 +57,19 @@ def builders(name: str):
     def full():
         return getattr(transformers, model_class)(getattr(transformers, config_class)(**{**SMALL, **extra}))
 
-    def lora():
-        return peft.get_peft_model(full(), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
-
-    return full, lora
+    return full, lambda: lora(full())
 
 
 def quantized_builders(name: str, folder: str):
     """The family saved to `folder`, and its 4-bit NF4 and 8-bit bases with LoRA, loaded anew per call."""
-    import peft
     import torch
-    import transformers
 
-    from benchmarks.independent import NF4
-
-    model_class, config_class, extra = FAMILIES[name]
+    full, _ = builders(name)
     torch.manual_seed(0)
-    getattr(transformers, model_class)(getattr(transformers, config_class)(**{**SMALL, **extra})).save_pretrained(folder)
-
-    def load(**quantization):
-        base = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=transformers.BitsAndBytesConfig(**quantization), device_map="cpu")
-        base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-        return peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
-
-    return (("4-bit NF4 base + LoRA, default options", lambda: load(**NF4), {}),
-            ("8-bit base + LoRA, default options", lambda: load(load_in_8bit=True), {}),
-            ("8-bit base + LoRA, precision=fp32", lambda: load(load_in_8bit=True), dict(precision="fp32")))
+    full().save_pretrained(folder)
+    return (("4-bit NF4 base + LoRA, default options", lambda: quantized_lora(folder, **NF4), {}),
+            ("8-bit base + LoRA, default options", lambda: quantized_lora(folder, load_in_8bit=True), {}),
+            ("8-bit base + LoRA, precision=fp32", lambda: quantized_lora(folder, load_in_8bit=True), dict(precision="fp32")))
 
 
 def main() -> None:

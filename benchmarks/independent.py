@@ -39,16 +39,27 @@ def batch() -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def rows(folder: str) -> list[tuple[str, object, dict]]:
+def lora(model):
+    """peft LoRA (r 8, alpha 16) on every linear layer, as people fine-tune."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
+def quantized_lora(folder: str, **quantization):
+    """The model saved in `folder` loaded with bitsandbytes' `quantization`, prepared for k-bit training, with LoRA."""
     import peft
     import transformers as t
 
-    def lora(model):
-        return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    base = t.AutoModelForCausalLM.from_pretrained(folder, quantization_config=t.BitsAndBytesConfig(**quantization), device_map="cpu")
+    return lora(peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False))
+
+
+def rows(folder: str) -> list[tuple[str, object, dict]]:
+    import transformers as t
 
     def quantized(**config):
-        base = t.AutoModelForCausalLM.from_pretrained(folder, quantization_config=t.BitsAndBytesConfig(**config), device_map="cpu")
-        return lora(peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False))
+        return quantized_lora(folder, **config)
 
     def fp32():
         return t.AutoModelForCausalLM.from_pretrained(folder)

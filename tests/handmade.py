@@ -5,6 +5,9 @@
 (every call of a shared block), `checkpoint_sequential` over a Sequential backbone, or
 `model.gradient_checkpointing_enable()` for a transformers model.
 
+`torchtitan_policy_contexts` is torchtitan's op-level selective policy as its code decides it, for
+`checkpoint(..., context_fn=...)` and `checkpoint_wrapper(..., context_fn=...)`.
+
 `measured_step(model, inputs)` runs real training steps on the CPU and returns the steady-state
 peak (step 2: optimizer state exists) counted as `autoplan.verify` counts on the CPU, by the CPU
 allocator's own reports (autoplan.verify.allocator, nothing of the simulation's), and the FLOPs of that step (`torch.utils.flop_counter.FlopCounterMode`); the
@@ -14,11 +17,12 @@ difference of FLOPs to the same step without checkpointing is what a plan recomp
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.inputs.batch import normalize_inputs
@@ -46,6 +50,24 @@ def _checkpointed_sequential(module: torch.nn.Sequential, segments: int) -> Call
         return checkpoint_sequential(list(module), segments, input, use_reentrant=False)
 
     return run
+
+
+def torchtitan_policy_contexts():
+    """torchtitan's `_custom_policy` (9dec370): save mm (except every second one), attention and max outputs; the CPU's
+    fused attention joins its list as the GPU's kernels are in it."""
+    save = {torch.ops.aten.mm.default, torch.ops.aten.max.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    meta: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            meta[mode] += 1
+        keep = func in save and not (func == torch.ops.aten.mm.default and meta[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def enable_transformers_checkpointing(model: torch.nn.Module) -> None:

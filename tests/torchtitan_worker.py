@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -26,31 +25,12 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import autoplan  # noqa: E402
 from autoplan.verify.fsdp import measure_rank_peak  # noqa: E402
 from benchmarks.torchtitan_llama import LlamaShape, Transformer, keeps_output, loss_for  # noqa: E402
+from tests.handmade import torchtitan_policy_contexts  # noqa: E402
 
 # (shape, blocks' checkpointing): 2024-03 with full checkpointing, 2024-12 (grouped KV heads) with the op-level policy
 SNAPSHOTS = {"2024-03": (LlamaShape(64, 3, 4, 4, 256, None, 32, 32), "full"),
              "2024-12": (LlamaShape(64, 3, 4, 2, 256, 1.3, 32, 32), "torchtitan-op")}
 BATCH, SEQ, STEPS = 2, 32, 3
-
-
-def torchtitan_policy_contexts():
-    """torchtitan's `_custom_policy` (9dec370): save mm (except every second one), attention and max outputs; the CPU's
-    fused attention joins its list as the GPU's kernels are in it."""
-    save = {torch.ops.aten.mm.default, torch.ops.aten.max.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    meta: dict[str, int] = defaultdict(int)
-
-    def policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func == torch.ops.aten.mm.default:
-            meta[mode] += 1
-        keep = func in save and not (func == torch.ops.aten.mm.default and meta[mode] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
 
 
 def shard_as_torchtitan(model: Transformer, checkpointing: str) -> None:

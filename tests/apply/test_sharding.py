@@ -9,9 +9,6 @@ of the real run, `autoplan/verify/fsdp.py`) must be at most the plan's per-rank 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +22,7 @@ from autoplan.planned.forwards import apply_choices
 from autoplan.units import Unit
 from tests.fsdp_model import STEPS, qwen2_batch, rank_batch, shared_batch, shared_block, tiny_llama, tiny_qwen2
 from tests.models import ALL_MODELS
-
-ROOT = Path(__file__).resolve().parents[2]
-distributed = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with the gloo backend",
-)
+from tests.two_ranks import assert_counted_to_the_byte, distributed, run_on_two_ranks
 
 
 @pytest.fixture(scope="module")
@@ -148,12 +140,7 @@ def two_ranks(tmp_path_factory):
     single = autoplan.plan(model, "1GB", example_inputs=rank_batch(config, 0), device="cpu", reserve=0, world_size=2,
                            profile="roofline")
     budget = f"{single.prediction.peak_bytes - 2**20}B"  # below the all-keep peak: some unit must checkpoint
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "tests" / "fsdp_worker.py"), str(out), budget]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return run_on_two_ranks("fsdp_worker.py", out, budget)
 
 
 def test_a_gpu_plan_under_fsdp_says_its_reserved_memory_is_not_predicted() -> None:
@@ -191,18 +178,6 @@ def test_fsdp_trains_like_one_process_on_both_batches(two_ranks) -> None:
     assert reference[-1] < reference[0]  # and it learns
 
 
-def assert_counted_to_the_byte(ranks: list[dict]) -> None:
-    """The two ranks' counts (the allocator's, gloo's own staging buffers left out as a GPU's NCCL holds none:
-    verify/allocator.py) against the per-rank prediction, on models whose ranks hold equal shards. A count can read
-    above its rank's peak, never below: a block freed in one of gloo's threads is learnt only when its address is
-    handed out again (seen on a loaded machine, one rank, one all-gather output). So the lower count equals the
-    prediction, and the other is at most the gathered parameters above it."""
-    predicted = ranks[0]["plan"]["predicted_peak_bytes"]
-    assert all(rank["plan"]["predicted_peak_bytes"] == predicted for rank in ranks)
-    low, high = sorted(rank["peak_bytes"] for rank in ranks)
-    assert low == predicted and high <= predicted + ranks[0]["plan"]["fsdp"]["gathered_parameters"], (low, high, predicted)
-
-
 @distributed
 def test_measured_rank_peak_matches_the_plan(two_ranks) -> None:
     assert all(rank["plan"]["feasible"] and rank["plan"]["world_size"] == 2 for rank in two_ranks)
@@ -213,12 +188,7 @@ def test_measured_rank_peak_matches_the_plan(two_ranks) -> None:
 
 
 def _run_workers(out: Path, budget: str, kind: str) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "tests" / "fsdp_worker.py"), str(out), budget, kind]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return run_on_two_ranks("fsdp_worker.py", out, budget, kind)
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,16 @@ code saves, and the plan's peak is what a real step checkpointed by hand with th
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 
 import pytest
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 import autoplan
 from autoplan.errors import OptionError
 from autoplan.profile.menu import OpRecord
 from autoplan.profile.named_policies import named_saves
-from tests.handmade import measured_step
+from tests.handmade import measured_step, torchtitan_policy_contexts
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,27 +35,11 @@ def test_torchtitan_op_saves_every_other_matmul_counted_from_one_and_attention()
 
 def _torchtitan_by_hand(model: torch.nn.Module) -> torch.nn.Module:
     """Each decoder layer wrapped as torchtitan wraps a block: its op-level policy, word for word in what it decides."""
-    save = {torch.ops.aten.mm.default, torch.ops.aten.max.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-
-    def contexts():
-        meta: dict[str, int] = defaultdict(int)
-
-        def policy(ctx, func, *args, **kwargs):
-            mode = "recompute" if ctx.is_recompute else "forward"
-            if func == torch.ops.aten.mm.default:
-                meta[mode] += 1
-            keep = func in save and not (func == torch.ops.aten.mm.default and meta[mode] % 2 == 0)
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy)
-
     model.config.use_cache = False  # as transformers' own checkpointing sets it: a cache would grow in the recomputation
     for layer in model.model.layers:
         forward = layer.forward
         layer.forward = (lambda forward: lambda *args, **kwargs: checkpoint(
-            forward, *args, use_reentrant=False, context_fn=contexts, **kwargs))(forward)
+            forward, *args, use_reentrant=False, context_fn=torchtitan_policy_contexts, **kwargs))(forward)
     return model
 
 

@@ -1,0 +1,44 @@
+"""Two gloo ranks for the FSDP tests: a torchrun worker launched on two CPU processes, and the check of their counts.
+
+Used by tests/apply/test_sharding.py (tests/fsdp_worker.py) and tests/apply/test_torchtitan_fsdp.py
+(tests/torchtitan_worker.py); each worker writes OUT/rank<N>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+distributed = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with the gloo backend",
+)
+
+
+def run_on_two_ranks(worker: str, out: Path, *args: str) -> list[dict]:
+    """`python -m torch.distributed.run --nproc_per_node=2 tests/WORKER OUT ARGS...`; each rank's JSON, rank 0 first."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "tests" / worker), str(out), *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def assert_counted_to_the_byte(ranks: list[dict]) -> None:
+    """The two ranks' counts (the allocator's, gloo's own staging buffers left out as a GPU's NCCL holds none:
+    verify/allocator.py) against the per-rank prediction, on models whose ranks hold equal shards. A count can read
+    above its rank's peak, never below: a block freed in one of gloo's threads is learnt only when its address is
+    handed out again (seen on a loaded machine, one rank, one all-gather output). So the lower count equals the
+    prediction, and the other is at most the gathered parameters above it."""
+    predicted = ranks[0]["plan"]["predicted_peak_bytes"]
+    assert all(rank["plan"]["predicted_peak_bytes"] == predicted for rank in ranks)
+    low, high = sorted(rank["peak_bytes"] for rank in ranks)
+    assert low == predicted and high <= predicted + ranks[0]["plan"]["fsdp"]["gathered_parameters"], (low, high, predicted)
