@@ -17,7 +17,7 @@ from autoplan.apply.sharding import process_group_world_size, require_process_gr
 from autoplan.apply.rewrite import apply_plan, refuse_meta
 from autoplan.errors import InfeasibleBudgetError
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
-from autoplan.inputs.settings import check_world_size
+from autoplan.inputs.settings import check_degree, fsdp_ranks
 from autoplan.plan import Plan
 from autoplan.planner import Planner
 from autoplan.report.reported import ReportedPlan
@@ -54,15 +54,18 @@ def optimize(model: torch.nn.Module, budget: str | int | Size, **options: Unpack
 
     Takes the same arguments as `plan`. Raises InfeasibleBudgetError (with `.plan`) when no plan
     fits, rather than returning a model that would run out of memory. With world_size > 1 (or
-    "auto") it must run in every rank of an initialised process group (torchrun): the model comes
-    back FSDP2-sharded (`apply.sharding.apply_fsdp`), and the budget is per GPU.
+    "auto"), or tensor_parallel > 1, it must run in every rank of an initialised process group (torchrun): the model comes
+    back FSDP2-sharded (`apply.sharding.apply_fsdp`) and its linears split (`apply.tensor_parallel`), and the budget
+    is per GPU.
     """
     refuse_meta(model)
-    world_size = PlanOptions.given(options, "optimize").world_size
+    given = PlanOptions.given(options, "optimize")
+    world_size = given.world_size
     if world_size == "auto" and process_group_world_size() is None:
         require_process_group(0)  # says how to start one
-    if world_size != "auto" and check_world_size(world_size) > 1:
-        require_process_group(check_world_size(world_size))  # before minutes of planning, not after
+    ranks = fsdp_ranks(given)
+    if ranks != "auto" and ranks * check_degree(given.tensor_parallel) > 1:
+        require_process_group(ranks * check_degree(given.tensor_parallel))  # before minutes of planning, not after
     decided = plan(model, budget, **options)
     if not decided.outcome.feasible:
         raise InfeasibleBudgetError(decided, infeasible_message(decided))

@@ -5,7 +5,10 @@ holds along it: its share of the parameters, gradients and optimizer state, and 
 device is the empty mesh. Today there is one strategy, FSDP's full sharding (`FSDP`, the `world_size`
 option: parameters, gradients and optimizer state 1/N each, rows padded to a multiple of N; each rank
 trains its own batch); the memory model prices it (`memory.sharded`) and the world-size search walks
-its dimension (`solve.worlds`). Tensor parallelism would be a second dimension with a strategy of its own.
+its dimension (`solve.worlds`). Tensor parallelism (`TP`, the `tensor_parallel` option) is a second dimension:
+its ranks split the linears the mesh's `tp_layout` names and train the same batch; the plan is made for one
+rank's model (`inputs.tensor_parallel.rank_model`), which already holds only its slices, so along that
+dimension a rank holds all of what the plan counts (FSDP, if the mesh has it too, shards that further).
 How FSDP runs its units is the mesh's too: `reshard_after_forward` (fully_shard's option of that name) False
 keeps each unit's gathered parameters from its forward to its backward, which then gathers nothing (per unit:
 pattern -> bool pairs, as torchtitan keeps its last block gathered).
@@ -33,6 +36,8 @@ class Strategy:
 
 
 FSDP = Strategy("fsdp", state="shard", batch="own")  # torch's fully_shard (FSDP2): every dimension of N ranks shards the state
+# torch's parallelize_module: the planned model is one rank's slice already (module docstring), so "whole" of it
+TP = Strategy("tp", state="whole", batch="same")
 
 MAX_RANKS = 65_536  # above any FSDP job run so far; a larger number is a typo, and the search would plan for it
 
@@ -59,12 +64,19 @@ class Mesh:
     reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True
     # FSDP2's MixedPrecisionPolicy: "bf16"/"fp16" parameters gathered and computed in, fp32 kept and reduced; None: as stored
     param_dtype: str | None = None
+    # with a TP dimension: the linears split, (module name, "colwise" | "rowwise"), as parallelize_module takes them
+    tp_layout: tuple[tuple[str, str], ...] = ()
 
     @staticmethod
-    def fsdp(ranks: int, reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True, param_dtype: str | None = None) -> Mesh:
+    def fsdp(ranks: int, reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True, param_dtype: str | None = None,
+             tensor_parallel: int = 1, tp_layout: tuple[tuple[str, str], ...] = ()) -> Mesh:
         """FSDP over `ranks` devices (one device: no FSDP, the empty mesh, which keeps `reshard_after_forward` for the
-        world-size search to resize it with)."""
-        return Mesh((MeshDim(ranks, FSDP),) if ranks != 1 else (), reshard_after_forward, param_dtype)
+        world-size search to resize it with); with `tensor_parallel` > 1, each of those is a group of that many
+        tensor-parallel ranks splitting `tp_layout`'s linears (FSDP's dimension first, as torchtitan's ("dp", "tp"))."""
+        dims: tuple[MeshDim, ...] = (MeshDim(ranks, FSDP),) if ranks != 1 else ()
+        if tensor_parallel != 1:
+            dims += (MeshDim(tensor_parallel, TP),)
+        return Mesh(dims, reshard_after_forward, param_dtype, tp_layout if tensor_parallel != 1 else ())
 
     @property
     def reshard_as_given(self) -> bool | dict[str, bool]:
@@ -89,8 +101,10 @@ class Mesh:
     def resized(self, strategy: Strategy, size: int) -> Mesh:
         """This mesh with `strategy`'s dimension at `size` ranks (added, or dropped at 1): a step of the world-size search."""
         kept = tuple(dim for dim in self.dims if dim.strategy != strategy)
-        dims = kept + ((MeshDim(size, strategy),) if size > 1 else ())
-        return Mesh(dims, self.reshard_after_forward if dims else True, self.param_dtype)  # one device: nothing to reshard
+        dims = ((MeshDim(size, strategy),) if size > 1 else ()) + kept
+        dims = tuple(sorted(dims, key=lambda dim: dim.strategy != FSDP))  # FSDP's dimension outermost, as fsdp() makes it
+        sharded = any(dim.strategy == FSDP for dim in dims)
+        return Mesh(dims, self.reshard_after_forward if sharded else True, self.param_dtype, self.tp_layout)  # no FSDP: nothing to reshard
 
     @property
     def gathered_words(self) -> str:
@@ -102,6 +116,24 @@ class Mesh:
             return "root and every unit between its forward and backward"
         kept = ", ".join(pattern for pattern, reshard in setting if not reshard)
         return f"root, running and prefetched unit, and {kept} from its forward to its backward"
+
+    @property
+    def tensor_parallel(self) -> int:
+        """Ranks each linear of `tp_layout` is split over (1: none)."""
+        return self.along(TP)
+
+    @property
+    def split_words(self) -> str:
+        """How the work is split, as the report says it: "FSDP", "tensor parallel", "2 FSDP × 4 tensor parallel"."""
+        names = {"fsdp": "FSDP", "tp": "tensor parallel"}
+        if len(self.dims) == 1:
+            return names[self.dims[0].strategy.name]
+        return " × ".join(f"{dim.size} {names[dim.strategy.name]}" for dim in self.dims)
+
+    @property
+    def slice_words(self) -> str:
+        """What a plan's counts are of under tensor parallelism, as the report says it ("" without)."""
+        return f", one of {self.tensor_parallel} tensor-parallel ranks' slices of the model" if self.tensor_parallel > 1 else ""
 
     def __str__(self) -> str:
         if not self.dims:

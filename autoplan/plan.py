@@ -213,7 +213,7 @@ class Request:
     budget_bytes: int  # the budget as given
     usable_bytes: int  # budget minus the reserve (CUDA context, fragmentation)
     optimizer: str  # the optimizer whose state was counted
-    mesh: Mesh = Mesh()  # the devices the plan is for; on more than one every byte of the plan is per rank (FSDP2)
+    mesh: Mesh = Mesh()  # the devices the plan is for; on more than one every byte of the plan is per rank (FSDP2, tensor parallel)
     loop: TrainingLoopLike | None = None  # the training loop the peak was predicted for
     host: HostMemory | None = None  # offload allowed: the host link and the pinned host memory the plan may use; None: off
     arguments: tuple[tuple[str, Any], ...] = ()  # plan()'s arguments that shaped it, as given (budget first); None: a caller's object
@@ -376,9 +376,9 @@ class Plan:
             "solver_status": outcome.solver_status, "solve_time_s": outcome.solve_time_s, "resolves": outcome.resolves,
             "decided_by": outcome.decided_by, "trace_method": model.trace_method, "notes": list(self.notes), "world_size": asked.world_size,
             "reshard_after_forward": asked.mesh.reshard_as_given, "fsdp_mixed_precision": asked.mesh.param_dtype,
-            "fsdp": None if predicted.fsdp is None else predicted.fsdp.to_dict(),
-            "world_size_curve": [dataclasses.asdict(point) for point in predicted.world_size_curve],
-            "parameter_count": model.parameter_count, "state_bytes": model.state_bytes,
+            "tensor_parallel": asked.mesh.tensor_parallel, "tensor_parallel_layout": [list(pair) for pair in asked.mesh.tp_layout],
+            "fsdp": None if predicted.fsdp is None else predicted.fsdp.to_dict(), "parameter_count": model.parameter_count,
+            "world_size_curve": [dataclasses.asdict(point) for point in predicted.world_size_curve], "state_bytes": model.state_bytes,
             "loop": None if asked.loop is None else dataclasses.asdict(asked.loop), "moe_routing": model.moe_routing,
             "request": dict(asked.arguments), "offload": asked.offload, "host_budget_bytes": asked.host_budget_bytes,
             "host_peak_bytes": predicted.host_peak_bytes, "simulated_host_peak_bytes": predicted.simulated_host_peak_bytes,

@@ -46,6 +46,7 @@ from autoplan.solve.search import checkpoint_policies, pinned_choices, requested
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.training.step_parts import model_device, optimizer_name, parameter_count
+from autoplan.inputs.tensor_parallel import rank_model, resolve_layout
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.vocabulary.sizes import Size
@@ -100,6 +101,9 @@ class Planner:
         requested_modes(settings.space.checkpoint)  # a misspelt mode or policy is said now, not after the profile
         settle_first_forward(model)
         self._model = model
+        # what one rank holds and runs: the model itself, or its tensor-parallel slice (every stage plans this one)
+        self._tp_layout = resolve_layout(model, settings.tensor_parallel, settings.tp_layout_given) if settings.tensor_parallel > 1 else ()
+        self._rank_model = rank_model(model, self._tp_layout, settings.tensor_parallel) if self._tp_layout else model
         self._batch = training_batch(model, given.example_inputs, given.batch_size, given.seq_len)
         self._fingerprint = fingerprint_of(model, self._batch)  # before planning: what apply and verify check the plan against
         self._parameters = _parameter_states(model)
@@ -117,7 +121,8 @@ class Planner:
         settings = self._settings
         device, ranks, space = settings.device, settings.ranks, settings.space
         asked = SolveRequest(make_budget(budget, device, settings.reserve, allow_over_device=settings.allow_over_device),
-                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks, *settings.fsdp_policy),
+                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks, *settings.fsdp_policy,
+                                                                                    settings.tensor_parallel, self._tp_layout),
                              fewest_ranks=ranks == "auto", host=space.host, segments=space.segments)
         arguments = (("budget", asked.budget.given), *self._options.arguments(device.name if device.name in DEVICES else None))
         self._check_unchanged()
@@ -149,7 +154,7 @@ class Planner:
             return None
         if self._counted is None:
             try:
-                self._counted = count_states(self._model, device=settings.device, optimizer=settings.step.optimizer,
+                self._counted = count_states(self._rank_model, device=settings.device, optimizer=settings.step.optimizer,
                                              loop=settings.step.loop)
             except Exception:  # noqa: BLE001 - no shortcut: the whole pipeline runs the same step and says what failed
                 self._count_first = False
@@ -157,7 +162,7 @@ class Planner:
         if not states_over_budget(self._counted, asked):
             return None
         if self._every_unit_runs is None:
-            self._every_unit_runs = every_unit_runs(self._model, self._batch, self._options.units, settings.step.routing)
+            self._every_unit_runs = every_unit_runs(self._rank_model, self._batch, self._options.units, settings.step.routing)
         return self._counted if self._every_unit_runs else None
 
     def _states_bound(self, counted: CountedStates, asked: SolveRequest, arguments) -> Plan:
@@ -165,25 +170,31 @@ class Planner:
         settings = self._settings
         decided = states_bound_plan(counted, asked, device=settings.device, model_name=type(self._model).__name__,
                                     optimizer=optimizer_name(settings.step.optimizer), loop=settings.step.loop,
-                                    parameter_count=parameter_count(self._model))
+                                    parameter_count=parameter_count(self._rank_model))
         model = dataclasses.replace(decided.model, fingerprint=self._fingerprint)
         return dataclasses.replace(decided, model=model, request=dataclasses.replace(decided.request, arguments=arguments))
 
     def _profile_levels(self) -> list[ProfiledLevel]:
         """Every level of units traced and profiled; a level whose Sequential run is called twice is skipped."""
         settings = self._settings
-        levels, profiled = unit_levels(self._model, self._options.units), list[ProfiledLevel]()
+        levels, profiled = unit_levels(self._rank_model, self._options.units), list[ProfiledLevel]()
         self._tried = len(levels)
         for number, level in enumerate(levels, 1):
             if len(levels) > 1:
                 self._say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
             try:
-                traced, measured = _trace_and_profile(self._model, self._batch, settings.profile, settings.device, level.units,
+                traced, measured = _trace_and_profile(self._rank_model, self._batch, settings.profile, settings.device, level.units,
                                                       settings.step, settings.space, self._say)
             except RepeatedUnitError:
                 if number == len(levels) and not profiled:
                     raise
                 continue  # a Sequential run called twice: the other levels are the plan space
+            except ProfileError as error:
+                if not self._tp_layout:
+                    raise
+                raise ProfileError(f"{error} — under tensor_parallel={settings.tensor_parallel}, one rank's slice of the model ran (its "
+                                   "split linears 1/N wide): linears whose outputs meet must be split alike (gate and up projections "
+                                   "both column-wise), and the forward must reshape heads with -1, not a head count") from error
             space = settings.space  # pins, a named policy's as the profile measured it
             pins = pinned_choices(list(traced.unit_names), choices_for(space.precision, settings.device), space.keep_fp32, space.checkpoint, measured)
             profiled.append(ProfiledLevel(level, traced, measured, pins))

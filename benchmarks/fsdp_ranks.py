@@ -2,7 +2,7 @@
 
 Every kind of `tests/fsdp_worker.py` (the tiny Llama of `tests/fsdp_model.py` resharded, kept gathered, its last
 block kept, under the bf16 MixedPrecisionPolicy; one block called six times; a transformers Qwen2) is planned and
-trained under `torch.distributed.run --nproc_per_node=2` at the budgets docs/fsdp.md quotes, and the table prints,
+trained under `torch.distributed.run --nproc_per_node=2` at the budgets docs/parallel.md quotes, and the table prints,
 per kind and rank, the plan's units, its predicted peak, the count (`autoplan/verify/fsdp.py`, which shares
 nothing with the simulation) and their ratio, then the machine.
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import describe_machine  # noqa: E402
 
-# (kind, budget): a budget under the all-keep peak where docs/fsdp.md plans one, else room for every unit kept
+# (kind, budget): a budget under the all-keep peak where docs/parallel.md plans one, else room for every unit kept
 RUNS = (("llama", "48219136B"), ("llama", "1GB"), ("llama-kept", "1GB"), ("llama-kept", "51763200B"),
         ("llama-last-kept", "1GB"), ("llama-bf16", "40400000B"), ("shared", "1473536B"), ("qwen2", "1GB"))
 

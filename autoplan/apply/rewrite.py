@@ -13,6 +13,8 @@ import torch
 
 from autoplan.errors import OptionError, OptionTypeError, PlanMismatchError
 from autoplan.apply.sharding import apply_fsdp
+from autoplan.apply.tensor_parallel import apply_tensor_parallel
+from autoplan.mesh import TP
 from autoplan.planned.transaction import restored_on_failure
 from autoplan.plan import Choice, Plan
 from autoplan.vocabulary.fingerprint import check_model
@@ -69,6 +71,8 @@ def _rewrite(model: torch.nn.Module, plan: Plan, choices: dict[Unit, Choice], *,
     if check:  # after the unit names: a model of another structure is told by the unit it lacks
         check_model(plan.model.fingerprint, model)
     stop_training_cache(model)  # planned without a KV cache, so `model(**batch)` trains without one (plan.notes says so)
+    if plan.request.mesh.along(TP) > 1:
+        return apply_tensor_parallel(model, plan)
     if plan.request.world_size > 1:
         return apply_fsdp(model, plan)
     return apply_choices(model, choices, plan.decisions.outside_units)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict, TypeVar
 from autoplan.axes.precision import settings as precision_settings
 from autoplan.errors import OptionTypeError
 from autoplan.inputs.loop import TrainingLoop, changed_fields
+from autoplan.inputs.option_docs import (BUDGET_CLI_DOC, BUDGET_DOC, COMPILE_CLI_DOC, DEVICE_DOC, FUSE_LOSS_DOC, MOE_DOC, OFFLOAD_DOC,
+                                          UNITS_DOC)
 
 if TYPE_CHECKING:  # annotations only
     import torch
@@ -49,72 +51,6 @@ class Flag:
     minimum: int | None = None  # the least number it takes on the command line
 
 
-# The longer docs, in the words of docs/api.md (and docs/command-line.md: `*_CLI_DOC`).
-BUDGET_DOC = (
-    '`"20GB"` (10⁹), `"20 GiB"` (2³⁰), `"512MB"`, `"1.5TB"`, an int of bytes, or `"80%"` of the device\'s memory. An int may '
-    'be any integer type (numpy\'s too). Anything else (`"20"`, `"0"`, `"-1GB"`, `"0GB"`, `"20Gb"` (gigabits), NaN, a float) '
-    "is a `ValueError` listing the accepted forms, and so is a budget above the device's memory unless "
-    '`allow_over_device=True` (the plan then notes that it fits the budget, not the device). A budget in GB/TB/MB that '
-    'names a GPU\'s memory (`"24GB"` or `"25.8GB"` on a 24 GiB card, `"80GB"` on the h100-80gb) is the whole card, and '
-    '`plan.notes` says how it was read.'
-)
-DEVICE_DOC = (
-    '`"cuda"`/`"cuda:N"` (this machine\'s GPU, as torch names it), a profile name (`a100-40gb`, `a100-80gb`, `a10g`, '
-    '`gh200`, `h100-80gb`, `h200`, `l4`, `l40s`, `rtx-3090`, `rtx-4090`, `rtx-a6000`, `t4`, `v100-16gb`, `v100-32gb`, `cpu`; aliases '
-    'like `h100`, `4090`, `a6000`; `a100` and `v100` must say their memory size), a card of your own '
-    '(`"custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,..."` or a `.json` file: '
-    '[command-line.md](command-line.md)), or a `torch.device` (`cpu`, or a CUDA device of this machine). **`None` = the '
-    "current CUDA device (matched by name, real memory from torch); without CUDA, the `cpu` profile (this machine's RAM).** "
-    "Pass a GPU name to plan for a card you don't have."
-)
-UNITS_DOC = (
-    'name patterns of the submodules to plan, e.g. `["layers.*"]`. Default: the submodule class the model repeats that '
-    'covers the most parameters (transformer blocks, ResNet blocks); for a model with none, runs of its `nn.Sequential` cut '
-    'so each starts at a layer with parameters (named like `"net[0:2]"`); for a model with neither, runs of its `torch.fx` '
-    'graph between articulation points (nodes every path from input to output passes through), again one parametric layer '
-    'per run (named after the run\'s first and last node, like `"graph[fc_in:gelu]"`; the rewrite runs the model\'s forward '
-    'through a GraphModule of its own layers, kept outside `state_dict()`).'
-)
-MOE_DOC = (
-    'mixture-of-experts layers written as a per-expert loop (`torch.where(expert_mask[e])`): None (default) profiles the '
-    'worst case, every expert receiving every token (holds for any routing); a positive number c profiles c × tokens × '
-    'top_k / experts tokens per expert (routing above it may peak above the plan). Anything else is an `OptionError`; a '
-    'capacity on a model with no such routing is a note. `plan.model.moe_routing` says what was assumed ("worst case", '
-    '"capacity 1.25", "any" for grouped-matmul experts, "" for none).'
-)
-FUSE_LOSS_DOC = (
-    "True (default): where the forward takes `F.cross_entropy` of its output Linear's logits (through reshapes that keep "
-    "the class dimension last and `.float()`; mean or sum, any `ignore_index`), the loss and that Linear's gradients are "
-    'computed together, in chunks of rows, during the forward (a fused linear cross-entropy, '
-    "`autoplan/planned/loss_head.py`): the log-softmax and the logits' gradient are never held whole and no FLOP is added, "
-    "but the head's gradients accumulate in fp32 and take time: the plan is solved both ways and fused only where that is "
-    'the faster plan that fits (a caller that keeps the logits through backward holds more in some phases with it fused: '
-    '[plan_quality.md](plan_quality.md#the-loss-head-a-fused-linear-cross-entropy-fuse_losstrue-the-default)). '
-    '`plan.decisions.fused_loss` says whether it was fused and `plan.decisions.fused_logits` names the logits ("4096×32000 '
-    'logits"; "" when nothing was fused). A loss computed outside the model (`loss_fn=`), label smoothing, class weights, '
-    '`reduction="none"`, no gradient (eval, `no_grad`) and torch.compile run as written; so does everything with '
-    '`compile=True` or `world_size` ≠ 1. Losses and gradients equal the loss as written to float rounding; a second '
-    'derivative through the loss is an error. False: as written.'
-)
-OFFLOAD_DOC = (
-    'None (default): on for a GPU target planned for one GPU, off for the CPU and with FSDP. Keep and full units may then '
-    'hold what they save in pinned host memory (`Choice.placement == "host"`), copied over the device\'s host link '
-    '(`Device.host_bandwidth`) on a side stream; the program chooses it per unit, with checkpointing and precision, where '
-    'it is the fastest way to fit ([offload.md](offload.md)). False: everything on the device. True where it cannot be (the '
-    'CPU, `world_size` ≠ 1): an `OptionError`.'
-)
-COMPILE_CLI_DOC = (
-    'plan for the model you will run under `torch.compile` (`autoplan.plan(..., compile=True)`): recomputing ops without '
-    'FLOPs is priced as free, as Inductor fuses them, so units save matmul/attention outputs and recompute the rest; '
-    "`time_source` is `roofline, compiled (elementwise fused)`, the peaks stay the eager model's, the loss is kept as "
-    'written. Compile after applying the plan'
-)
-BUDGET_CLI_DOC = (
-    'memory for the training step: `24GB`, `24 GiB`, `512MB`, `80%` (of the device), `1234B` (required). A budget in '
-    "GB/TB/MB whose number is a GPU's memory, to the digits typed, in that unit or its binary twin, is the whole card: "
-    "`24GB` on a 24 GiB card is the card (vendors sell GiB as GB), and so is `25.8GB`; the plan's notes say so. `GiB` and "
-    'bytes are taken as written'
-)
 BUDGET_FLAG = Flag(("--budget", "-b"), 'Memory for the training step: "24GB", "24 GiB", "80%" of the device.', BUDGET_CLI_DOC,
                    verify_help='Memory for the training step: "24GB", "80%" of the device.')  # required: no default
 
@@ -200,17 +136,17 @@ class PlanOptions:
     world_size: int | str = _option(1, "GPUs to shard over with FSDP2 (parameters, gradients and optimizer state 1/N each; the plan's "
                                     "`request.mesh`, `autoplan/mesh.py`): every constraint and every byte of the plan is then per rank. "
                                     "`\"auto\"`: the fewest GPUs whose lowest per-rank peak fits, with the curve in "
-                                    "`plan.prediction.world_size_curve`. 1 (default): one GPU, no FSDP. [fsdp.md](fsdp.md)", Flag(
+                                    "`plan.prediction.world_size_curve`. 1 (default): one GPU, no FSDP. [parallel.md](parallel.md)", Flag(
         ("--world-size",), "Plan per GPU for FSDP sharding over N GPUs (parameters, gradients, optimizer state 1/N each), or auto: "
         "the fewest GPUs that fit, with the per-GPU peak against N.", "plan per GPU for FSDP over N GPUs (at most 65,536), or `auto`: "
-        "the fewest that fit, with the curve (see [fsdp.md](fsdp.md)); on the `cpu` profile the report says ranks, not GPUs",
+        "the fewest that fit, with the curve (see [parallel.md](parallel.md)); on the `cpu` profile the report says ranks, not GPUs",
         verify=False, metavar="N", unset=True))
     reshard_after_forward: bool | Mapping[str, bool] = _option(
         True, "with `world_size` ≠ 1, FSDP2's `fully_shard(reshard_after_forward=...)` for the units: True (default) frees a unit's "
         "gathered parameters after its forward and gathers them again for its backward; False keeps them from forward to backward "
         "(no gather in backward: less traffic, more memory), and the plan counts them so; `{unit pattern: bool}` per unit, the first "
         "pattern a unit matches deciding, the rest True (torchtitan's default keeps its last block: `{\"layers.31\": False}`). A "
-        "module called more than once per forward is planned with True only. [fsdp.md](fsdp.md)", Flag(
+        "module called more than once per forward is planned with True only. [parallel.md](parallel.md)", Flag(
         ("--reshard-after-forward/--no-reshard-after-forward",), "With --world-size: FSDP frees each unit's gathered parameters after "
         "forward (default), or keeps them until its backward (more memory, no gather in backward).", "with `--world-size`: FSDP frees "
         "each unit's gathered parameters after its forward (default) or keeps them until its backward, and the plan counts that",
@@ -220,10 +156,20 @@ class PlanOptions:
                                                "then computes with its parameters gathered in that dtype (activations in it too), while "
                                                "shards, gradients' reduce and the optimizer state stay fp32; the per-unit precision is "
                                                "then no autocast. The model's floating parameters must be fp32. None (default): "
-                                               "parameters gathered as stored, precision per unit by autocast. [fsdp.md](fsdp.md)", Flag(
+                                               "parameters gathered as stored, precision per unit by autocast. [parallel.md](parallel.md)", Flag(
         ("--fsdp-mixed-precision",), "With --world-size N (or auto, from 2): FSDP2's MixedPrecisionPolicy, parameters gathered and computed in bf16 "
         "or fp16, reduced and kept in fp32.", "with `--world-size N` (or `auto`, searched from 2): FSDP2's MixedPrecisionPolicy, parameters gathered and "
         "computed in `bf16` or `fp16`, reduced and kept in fp32", ("bf16", "fp16"), verify=False, metavar="DTYPE"))
+    tensor_parallel: int = _option(1, "ranks each planned linear is split over by tensor parallelism (torch's `parallelize_module`, "
+                                   "`ColwiseParallel`/`RowwiseParallel`, as torchtitan applies it): the plan is then for one rank's slice "
+                                   "of the model, every byte per rank. `world_size` counts every GPU (FSDP's ranks × these); left at 1, it "
+                                   "is this. 1 (default): no tensor parallelism. [parallel.md](parallel.md)", Flag(
+        ("--tensor-parallel",), "Split the attention and MLP linears over N ranks (tensor parallelism); --world-size counts every GPU.",
+        "split the attention and MLP linears over N ranks (tensor parallelism, per [parallel.md](parallel.md)); `--world-size` counts "
+        "every GPU, FSDP's ranks times these", int, verify=False, metavar="N", minimum=1))
+    tensor_parallel_plan: Mapping[str, str] | None = _option(None, "with `tensor_parallel` > 1, which linears are split: `{module name "
+                                                             "pattern: \"colwise\" | \"rowwise\"}`. None (default): the model's own "
+                                                             "(transformers' `model.tp_plan`), else torchtitan's Llama names.")
     menu_size: int = _option(DEFAULT_MENU_SIZE, "per unit and precision, up to this many selective policies of its own (which op outputs "
                              "to save, `autoplan.profile.menu`) on top of keep/selective/full; 0: the three only.", recorded=False)
     loop: TrainingLoop | None = _option(None, "the training loop the peak is for, `autoplan.TrainingLoop(...)`: outputs kept or dropped, "
@@ -352,6 +298,8 @@ class PlanKeywords(TypedDict, total=False):
     world_size: int | str
     reshard_after_forward: bool | Mapping[str, bool]
     fsdp_mixed_precision: str | None
+    tensor_parallel: int
+    tensor_parallel_plan: Mapping[str, str] | None
     menu_size: int
     loop: TrainingLoop | None
     allow_over_device: bool

@@ -105,12 +105,14 @@ class Settings:
     device: Device
     step: StepOptions
     space: SearchSpace
-    ranks: int | Literal["auto"]  # GPUs under FSDP2, or "auto": the fewest that fit
+    ranks: int | Literal["auto"]  # FSDP2's ranks (every GPU over tensor_parallel), or "auto": the fewest that fit
     reshard_after_forward: bool | tuple[tuple[str, bool], ...]  # FSDP2 frees units' gathered parameters after forward (Mesh's)
     profile: str  # where unit times come from: "auto", "measure" or "roofline"
     time_limit_s: float  # per solve
     reserve: Size | None  # as given, read once (None: the default reserve); taken in bytes with each budget
     allow_over_device: bool
+    tensor_parallel: int = 1  # ranks each linear of `tp_layout_given` (or the model's own) is split over
+    tp_layout_given: tuple[tuple[str, str], ...] | None = None  # tensor_parallel_plan's (pattern, style) pairs
 
     @property
     def fsdp_policy(self) -> tuple[bool | tuple[tuple[str, bool], ...], str | None]:
@@ -123,7 +125,7 @@ def settle(options: PlanOptions) -> Settings:
     from autoplan.instruments.routing import check_moe_capacity  # torch: not for the command line's early checks
 
     check_optimizer(options.optimizer)
-    ranks: int | Literal["auto"] = "auto" if options.world_size == "auto" else check_world_size(options.world_size)
+    ranks = fsdp_ranks(options)
     mixed = check_fsdp_mixed_precision(options.fsdp_mixed_precision, ranks, options.precision)
     step = StepOptions(options.optimizer, options.loss_fn, check_loop(options.loop), check_moe_capacity(options.moe_capacity), mixed)
     device = with_context(get_device(options.device), options.cuda_context)
@@ -132,7 +134,23 @@ def settle(options: PlanOptions) -> Settings:
         space = dataclasses.replace(space, precision="fp32")
     return Settings(device, step, space, ranks, check_reshard(options.reshard_after_forward, ranks), check_choice("profile", options.profile, PROFILE_SOURCES),
                     check_time_limit(options.time_limit_s), read_reserve(options.reserve),
-                    flag("allow_over_device", options.allow_over_device))
+                    flag("allow_over_device", options.allow_over_device), check_degree(options.tensor_parallel),
+                    check_layout_given(options.tensor_parallel_plan))
+
+
+def fsdp_ranks(options: PlanOptions) -> int | Literal["auto"]:
+    """FSDP's ranks: every GPU (`world_size`) over the tensor-parallel ranks; world_size left at 1 is the TP ranks alone."""
+    tensor_parallel = check_degree(options.tensor_parallel)
+    if options.tensor_parallel_plan is not None and tensor_parallel == 1:
+        raise OptionError("tensor_parallel_plan says which linears tensor parallelism splits: give tensor_parallel=N (N > 1) too")
+    if options.world_size == "auto":
+        return "auto"
+    world_size = check_world_size(options.world_size)
+    if world_size % tensor_parallel and world_size != 1:
+        raise OptionError(f"world_size={world_size} counts every GPU: FSDP's ranks times tensor_parallel={tensor_parallel}, "
+                          f"so it must be a multiple of {tensor_parallel}; give world_size={tensor_parallel * max(1, world_size // tensor_parallel)} "
+                          f"(or leave it at 1 for tensor parallelism alone)")
+    return max(1, world_size // tensor_parallel)
 
 
 def with_context(device: Device, given: object) -> Device:
@@ -174,8 +192,9 @@ def search_space(options: PlanOptions, device: Device) -> SearchSpace:
         menu_size=check_menu_size(options.menu_size),
         segments=flag("segments", options.segments) and not compile,  # a segment's region runs eagerly between compiled graphs
         compile=compile,
-        fuse_loss=flag("fuse_loss", options.fuse_loss) and not compile and options.world_size == 1,
-        host=_host_memory(options.offload, host_budget_bytes(options.host_budget), device, sharded=options.world_size != 1),
+        fuse_loss=flag("fuse_loss", options.fuse_loss) and not compile and fsdp_ranks(options) == 1,
+        host=_host_memory(options.offload, host_budget_bytes(options.host_budget), device,
+                          sharded=options.world_size != 1 or options.tensor_parallel != 1),
     )
 
 
@@ -231,6 +250,28 @@ def check_reshard(reshard_after_forward: object, ranks: int | str) -> bool | tup
         raise OptionError("reshard_after_forward=False is FSDP's (the units' gathered parameters kept from forward to backward); "
                           "with world_size=1 nothing is sharded: give world_size=N (or \"auto\"), or leave it out")
     return reshard_after_forward
+
+
+STYLES = ("colwise", "rowwise")  # the tensor-parallel styles planned (inputs.tensor_parallel)
+
+
+def check_degree(degree: object) -> int:
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise OptionError(f"tensor_parallel is a whole number of ranks each split linear is divided over, at least 1; got {degree!r}")
+    return degree
+
+
+def check_layout_given(given: object) -> tuple[tuple[str, str], ...] | None:
+    """The person's `tensor_parallel_plan`: {module name pattern: "colwise" | "rowwise"}, or None."""
+    if given is None:
+        return None
+    if not isinstance(given, Mapping) or not given:
+        raise OptionError("tensor_parallel_plan takes {module name pattern: 'colwise' or 'rowwise'}, e.g. "
+                          f"{{'layers.*.attention.wq': 'colwise', 'layers.*.attention.wo': 'rowwise'}}; got {given!r}")
+    for pattern, style in given.items():
+        if not isinstance(pattern, str) or style not in STYLES:
+            raise OptionError(f"tensor_parallel_plan: {pattern!r}: {style!r} is not a style planned; use 'colwise' or 'rowwise'")
+    return tuple(given.items())
 
 
 def check_world_size(world_size: object, option: str = "world_size") -> int:

@@ -29,7 +29,7 @@ def fsdp_step(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: 
     if plan.request.world_size > 1:  # asked for: the plan is FSDP's already, whatever one GPU would do
         fits = "fits" if plan.outcome.feasible else "does not fit"
         one = f"; one {rank_noun(plan.target.device)} would fit too" if found is not None and found.world_size == 1 else ""
-        return Step("fsdp", title, "chosen", f"planned for {plan.request.world_size} × {plan.target.device} under FSDP2: per {rank_noun(plan.target.device)} "
+        return Step("fsdp", title, "chosen", f"planned for {plan.request.world_size} × {plan.target.device} under {plan.request.mesh.split_words}: per {rank_noun(plan.target.device)} "
                     f"{format_bytes(plan.prediction.peak_bytes)}, {fits} {format_bytes(plan.request.usable_bytes)} usable{one}")
     if found is None:
         limit = min((sharded_peak(profile, choices, Mesh.fsdp(2**k)) for k in range(13)), key=lambda peak: peak.total)

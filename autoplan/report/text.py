@@ -75,7 +75,7 @@ def _continues(previous: "UnitDecision", unit: "UnitDecision") -> bool:
 def _verdict(plan: "Plan") -> Text:
     usable = format_bytes(plan.request.usable_bytes)
     over = f"over the {usable} usable ({format_bytes(plan.request.budget_bytes)} budget)"
-    on = plan.target.device if plan.request.world_size == 1 else f"{plan.request.world_size} × {plan.target.device} (per {rank_noun(plan.target.device)}, FSDP)"
+    on = plan.target.device if plan.request.world_size == 1 else f"{plan.request.world_size} × {plan.target.device} (per {rank_noun(plan.target.device)}, {plan.request.mesh.split_words})"
     bound = state_bound(plan)
     if plan.outcome.feasible:
         text = Text("FITS", style="bold green")
@@ -249,7 +249,7 @@ def _world_sizes(plan: "Plan") -> list[RenderableType]:
         per_param = plan.model.state_bytes / plan.model.parameter_count
         floor = -(-plan.model.state_bytes // max(usable, 1))
         parts.append(Text(
-            f"before sharding: {format_count(plan.model.parameter_count)} parameters × {per_param:.1f} bytes each (weights, gradients, "
+            f"before sharding{plan.request.mesh.slice_words}: {format_count(plan.model.parameter_count)} parameters × {per_param:.1f} bytes each (weights, gradients, "
             f"{plan.request.optimizer} state; the rule of thumb for AdamW is 16) = {format_bytes(plan.model.state_bytes)}; over "
             f"{format_bytes(usable)} usable that is at least {floor} {rank_noun(plan.target.device, floor)} for the state alone, before activations"
         ))

@@ -1,0 +1,133 @@
+"""Tensor parallelism as planned: which linears are split, and the one rank's model the plan is made for.
+
+Under tensor parallelism (torch's `parallelize_module` with `ColwiseParallel` / `RowwiseParallel`, as
+torchtitan and transformers' `tp_plan` apply it), each of N ranks holds a slice of every split linear and
+computes on it: a column-wise linear the slice of its outputs (its weight's rows), a row-wise one the
+slice of its inputs (its weight's columns) and a partial sum of its outputs, which an all-reduce makes
+whole. What one rank holds and computes is then an ordinary model whose split linears are smaller:
+`rank_model` builds it, and every later stage plans it as it plans one device (FSDP, where the mesh has
+it too, shards this rank's model further).
+
+The collectives are written into that model where they allocate, as torch's functional collectives do
+(`_c10d_functional.all_reduce` returns a new tensor): a row-wise linear's forward all-reduce is a copy
+of its partial output, and a column-wise linear's input gradient, a partial sum across ranks, is copied
+by its all-reduce in backward. Checked against torch's own DTensor step on gloo ranks, counted by the
+CPU allocator (tests/apply/test_tensor_parallel.py).
+
+The layout (module name -> "colwise" | "rowwise") is the person's `tensor_parallel_plan` (patterns), else
+the model's own: transformers' `model.tp_plan` (its colwise and rowwise entries), or torchtitan's Llama
+names (attention.wq/wk/wv, feed_forward.w1/w3 column-wise; attention.wo, feed_forward.w2 row-wise).
+Embeddings and the output head stay whole on every rank (sequence parallelism, vocabulary-parallel
+embeddings and a parallel loss are not planned).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from autoplan.errors import OptionError
+from autoplan.inputs.settings import STYLES
+
+TORCHTITAN_LAYOUT = {"*attention.wq": "colwise", "*attention.wk": "colwise", "*attention.wv": "colwise",
+                     "*attention.wo": "rowwise", "*feed_forward.w1": "colwise", "*feed_forward.w3": "colwise",
+                     "*feed_forward.w2": "rowwise"}
+
+Layout = tuple[tuple[str, str], ...]  # (module name, style), in the model's module order
+
+
+class _AllReducedGradient(torch.autograd.Function):
+    """The identity forward; backward copies the gradient, as the all-reduce that makes it whole allocates its result."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor) -> torch.Tensor:
+        return gradient.clone(memory_format=torch.contiguous_format)
+
+
+class ColwiseShard(torch.nn.Linear):
+    """One rank's slice of a column-wise parallel linear: its share of the outputs; the input's gradient all-reduced."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_AllReducedGradient.apply(x), self.weight, self.bias)
+
+
+class RowwiseShard(torch.nn.Linear):
+    """One rank's slice of a row-wise parallel linear: its share of the inputs; the partial output all-reduced.
+
+    The bias is whole on every rank, as DTensor keeps it (replicated), and is added to the partial sum of rank 0
+    only in torch; here every rank adds it, which changes no byte."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias).clone(memory_format=torch.contiguous_format)
+
+
+def _model_layout(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    """The patterns the model brings: transformers' tp_plan (its colwise/rowwise entries), else torchtitan's names."""
+    own = getattr(model, "tp_plan", None)
+    if isinstance(own, Mapping) and own:
+        return tuple((pattern, style) for pattern, style in own.items() if style in STYLES)
+    return tuple(TORCHTITAN_LAYOUT.items())
+
+
+def resolve_layout(model: torch.nn.Module, degree: int, given: tuple[tuple[str, str], ...] | None) -> Layout:
+    """Every linear the patterns name, with its style, checked to divide by `degree`. No linear named: an OptionError."""
+    patterns = given if given is not None else _model_layout(model)
+    layout, others = [], []
+    for name, module in model.named_modules():
+        style = next((style for pattern, style in patterns if fnmatch.fnmatchcase(name, pattern)), None)
+        if style is None:
+            continue
+        if not isinstance(module, torch.nn.Linear):
+            others.append(f"{name} ({type(module).__name__})")
+            continue
+        size = module.out_features if style == "colwise" else module.in_features
+        if size % degree:
+            raise OptionError(f"{name} is {style} over {degree} ranks, but its {'outputs' if style == 'colwise' else 'inputs'} "
+                              f"({size}) do not divide by {degree}: choose a tensor_parallel that divides them")
+        layout.append((name, style))
+    if others:
+        raise OptionError(f"tensor_parallel_plan names modules that are not nn.Linear: {', '.join(others[:3])}; only linears "
+                          "are split column- or row-wise")
+    if not layout:
+        source = "tensor_parallel_plan" if given is not None else "the model's tp_plan or torchtitan's layer names"
+        raise OptionError(f"tensor_parallel={degree}: {source} names no linear of {type(model).__name__}; pass "
+                          "tensor_parallel_plan={'pattern': 'colwise' | 'rowwise'} naming its attention and MLP linears")
+    return tuple(layout)
+
+
+def rank_model(model: torch.nn.Module, layout: Layout, degree: int) -> torch.nn.Module:
+    """What one rank of `degree` holds and runs: `model`'s modules copied, every other tensor shared with it, each
+    split linear replaced by its rank-0 slice (`ColwiseShard`, `RowwiseShard`; copies of the slices' values)."""
+    shared = {id(tensor): tensor for tensor in (*model.parameters(), *model.buffers())}
+    twin = copy.deepcopy(model, memo=dict(shared))
+    for name, style in layout:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = twin.get_submodule(parent_name)
+        whole = getattr(parent, leaf)
+        setattr(parent, leaf, _slice(whole, style, degree))
+    return twin
+
+
+def _slice(whole: torch.nn.Linear, style: str, degree: int) -> torch.nn.Linear:
+    weight = whole.weight.detach()
+    kind: type[torch.nn.Linear]
+    if style == "colwise":
+        kind, part = ColwiseShard, weight[: whole.out_features // degree]
+        bias = whole.bias.detach()[: whole.out_features // degree] if whole.bias is not None else None
+    else:
+        kind, part = RowwiseShard, weight[:, : whole.in_features // degree]
+        bias = whole.bias.detach() if whole.bias is not None else None
+    shard = kind.__new__(kind)
+    torch.nn.Module.__init__(shard)
+    shard.in_features, shard.out_features = part.shape[1], part.shape[0]
+    shard.weight = torch.nn.Parameter(part.clone(memory_format=torch.contiguous_format), requires_grad=whole.weight.requires_grad)
+    shard.bias = None if bias is None else torch.nn.Parameter(bias.clone(), requires_grad=whole.bias.requires_grad)
+    return shard
