@@ -64,8 +64,10 @@ def optimize(model: torch.nn.Module, budget: str | int | Size, **options: Unpack
     if world_size == "auto" and process_group_world_size() is None:
         require_process_group(0)  # says how to start one
     ranks = fsdp_ranks(given)
-    if ranks != "auto" and ranks * check_degree(given.tensor_parallel) > 1:
-        require_process_group(ranks * check_degree(given.tensor_parallel))  # before minutes of planning, not after
+    degree = check_degree(given.tensor_parallel)
+    every_gpu = 0 if ranks == "auto" or degree == "auto" else ranks * degree
+    if every_gpu > 1:
+        require_process_group(every_gpu)  # before minutes of planning, not after
     decided = plan(model, budget, **options)
     if not decided.outcome.feasible:
         raise InfeasibleBudgetError(decided, infeasible_message(decided))

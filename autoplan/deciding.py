@@ -23,7 +23,7 @@ from autoplan.solve.assemble import HeadFigures, assemble_plan, faster_loss_head
 from autoplan.solve.ilp import LowestPeak, fastest, minimum_peak
 from autoplan.solve.request import SolveRequest
 from autoplan.solve.search import offloaded_by_hand, search
-from autoplan.solve.worlds import fewest_gpus
+from autoplan.solve.worlds import fewest_gpus, points_key
 from autoplan.trace.tracer import Traced
 from autoplan.verify.simulate import Simulation, reserved_peak, simulate_plan, simulation_of
 from autoplan.vocabulary.formatting import format_bytes
@@ -35,7 +35,8 @@ def decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepO
     curve: tuple[WorldSizePoint, ...] = ()
     if request.fewest_ranks:
         say("finding the smallest number of GPUs")
-        mesh, curve = fewest_gpus(measured, request)
+        kept = memo.setdefault(points_key(measured, request), {}) if memo is not None else None
+        mesh, curve = fewest_gpus(measured, request, points=kept)
         request = dataclasses.replace(request, mesh=mesh)
     offsets, extras = phase_offsets(measured, request.mesh)
     simulations, leasts, floors = _memo_of(measured, request, memo if memo is not None else {})

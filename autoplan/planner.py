@@ -32,7 +32,7 @@ from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
 from autoplan.inputs.settings import SearchSpace, StepOptions, flag, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.instruments.tracker import SEEN_INSIDE
-from autoplan.mesh import Mesh
+from autoplan.mesh import FSDP, MAX_RANKS, Mesh
 from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.profiler import Profile
 from autoplan.profile.profiler import profile as profile_units
@@ -46,7 +46,9 @@ from autoplan.solve.search import checkpoint_policies, pinned_choices, requested
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.training.step_parts import model_device, optimizer_name, parameter_count
-from autoplan.inputs.tensor_parallel import rank_model, resolve_layout
+from autoplan.inputs.tensor_parallel import degrees_to_plan, rank_model
+from autoplan.solve.degrees import DegreeFit, can_beat, chosen_degree, degrees_note
+from autoplan.solve.worlds import fewest_gpus, points_key
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.vocabulary.sizes import Size
@@ -63,6 +65,26 @@ class ProfiledLevel:
     # the whole-step simulations this level's plans ran, kept for the next budget: the same choices simulate the
     # same step (the floor's choices are simulated again at every budget of a sweep otherwise)
     simulated: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+@dataclass
+class RankSlice:
+    """One tensor-parallel degree of the model as a plan sees it: the linears split, the model one rank runs (the model
+    itself at degree 1; made when first planned), and its levels, profiled at the first plan() that needs them."""
+
+    degree: int
+    layout: tuple[tuple[str, str], ...]
+    whole: torch.nn.Module
+    levels: list[ProfiledLevel] | None = None
+    _model: torch.nn.Module | None = None
+    failed: str = ""  # searched (world_size="auto") and its slice would not run: why, and it is not planned again
+    tried: int = 0  # levels of units found, those planned (`levels`) and those that could not be
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            self._model = rank_model(self.whole, self.layout, self.degree) if self.layout else self.whole
+        return self._model
 
 
 def _compiled_code_runs_as_written(method):
@@ -101,18 +123,16 @@ class Planner:
         requested_modes(settings.space.checkpoint)  # a misspelt mode or policy is said now, not after the profile
         settle_first_forward(model)
         self._model = model
-        # what one rank holds and runs: the model itself, or its tensor-parallel slice (every stage plans this one)
-        self._tp_layout = resolve_layout(model, settings.tensor_parallel, settings.tp_layout_given) if settings.tensor_parallel > 1 else ()
-        self._rank_model = rank_model(model, self._tp_layout, settings.tensor_parallel) if self._tp_layout else model
+        # what one rank holds and runs, per tensor-parallel degree planned: the model itself, or its slice
+        degrees = degrees_to_plan(model, settings.tensor_parallel, settings.tp_layout_given)
+        self._slices = [RankSlice(degree, layout, model) for degree, layout in degrees]
         self._batch = training_batch(model, given.example_inputs, given.batch_size, given.seq_len)
         self._fingerprint = fingerprint_of(model, self._batch)  # before planning: what apply and verify check the plan against
         self._parameters = _parameter_states(model)
         self._say = given.progress if given.progress is not None else (lambda message: None)
-        self._levels: list[ProfiledLevel] | None = None
         self._counted: CountedStates | None = None  # the states, counted at the first plan()
         self._every_unit_runs: bool | None = None  # traced where the count alone would decide
         self._count_first = flag("count_first", given.count_first)
-        self._tried = 0
 
     @_compiled_code_runs_as_written
     @torch.enable_grad()
@@ -121,27 +141,69 @@ class Planner:
         settings = self._settings
         device, ranks, space = settings.device, settings.ranks, settings.space
         asked = SolveRequest(make_budget(budget, device, settings.reserve, allow_over_device=settings.allow_over_device),
-                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks, *settings.fsdp_policy,
-                                                                                    settings.tensor_parallel, self._tp_layout),
+                             time_limit_s=settings.time_limit_s, mesh=Mesh.fsdp(1 if ranks == "auto" else ranks, *settings.fsdp_policy),
                              fewest_ranks=ranks == "auto", host=space.host, segments=space.segments)
         arguments = (("budget", asked.budget.given), *self._options.arguments(device.name if device.name in DEVICES else None))
         self._check_unchanged()
-        if self._levels is None:
-            counted = self._states_decide(asked)
+        if self._slices[0].levels is None:
+            first = dataclasses.replace(asked, mesh=self._mesh_of(self._slices[0], asked))
+            counted = self._states_decide(first)
             if counted is not None:
-                return reported(self._states_bound(counted, asked, arguments))
-            self._levels = self._profile_levels()
-        # Where blocks nest (stages of blocks), every level is planned and the best kept (`best_level`);
-        # within a level, segments of consecutive blocks are candidates of the same program
-        planned = [decide_loss_head(level.traced, level.measured, dataclasses.replace(asked, pins=level.pins), settings.step, self._say,
-                                     level.simulated) for level in self._levels]
-        chosen, measured = best_level(planned, [level.level for level in self._levels], tried=self._tried)
+                return reported(self._states_bound(counted, first, arguments))
+        piece, note = self._slices[0], None
+        if len(self._slices) > 1:  # tensor_parallel="auto": the degree on the fewest GPUs is planned
+            found = self._degree_fits(asked)
+            chosen_fit = chosen_degree(found)
+            piece, note = next(p for p in self._slices if p.degree == chosen_fit.degree), degrees_note(found, chosen_fit)
+        chosen, measured = self._plan_slice(piece, dataclasses.replace(asked, mesh=self._mesh_of(piece, asked)))
+        if note is not None:
+            chosen = dataclasses.replace(chosen, notes=(*chosen.notes, note))
         if self._options.on_profile is not None:
             self._options.on_profile(measured)
         fingerprint = dataclasses.replace(self._fingerprint, values=batch_values(self._batch, measured.batch_reads))
         traced_as = dataclasses.replace(chosen.model, moe_routing=measured.routing_assumed, fingerprint=fingerprint,
                                         batch_values=measured.batch_reads, random_control_flow=measured.random_reads > 0)
         return reported(dataclasses.replace(chosen, request=dataclasses.replace(chosen.request, arguments=arguments), model=traced_as))
+
+    def _mesh_of(self, piece: RankSlice, asked: SolveRequest) -> Mesh:
+        """The request's mesh with `piece`'s tensor-parallel dimension."""
+        return Mesh.fsdp(asked.mesh.along(FSDP), *self._settings.fsdp_policy, piece.degree, piece.layout)
+
+    def _degree_fits(self, asked: SolveRequest) -> list[DegreeFit]:
+        """Each degree's fewest GPUs (the world-size search on each level's profile, no simulation), in order; a degree
+        that cannot need fewer than one found is not searched, a searched one whose slice does not run is left out."""
+        found: list[DegreeFit] = []
+        for piece in self._slices:
+            if piece.failed or not can_beat(piece.degree, found):
+                found.append(DegreeFit(piece.degree, failed=piece.failed))
+                continue
+            try:
+                piece.levels = piece.levels if piece.levels is not None else self._profile_levels(piece)
+            except ProfileError as error:
+                if piece is self._slices[0]:
+                    raise
+                piece.failed = first_line(error).split(" — ")[0]  # searched, not asked for: the other degrees answer
+                found.append(DegreeFit(piece.degree, failed=piece.failed))
+                continue
+            request = dataclasses.replace(asked, mesh=self._mesh_of(piece, asked))
+            fewest = min((fit.world_size for fit in found if fit.fits), default=None)  # to beat: at most one GPU fewer
+            largest = (fewest - 1) // piece.degree if fewest is not None else MAX_RANKS
+            meshes = [fewest_gpus(level.measured, dataclasses.replace(request, pins=level.pins), largest,
+                                  level.simulated.setdefault(points_key(level.measured, request), {})) for level in piece.levels]
+            fits = [(mesh, next(p.fits for p in curve if p.world_size == mesh.size)) for mesh, curve in meshes]
+            mesh, fit = min(fits, key=lambda item: (not item[1], item[0].size))
+            found.append(DegreeFit(piece.degree, mesh.size, fit, mesh.split_words))
+        return found
+
+    def _plan_slice(self, piece: RankSlice, asked: SolveRequest) -> tuple[Plan, Profile]:
+        """`piece`'s best plan over its levels (profiled now if not yet). Where blocks nest (stages of blocks), every
+        level is planned and the best kept (`best_level`); within a level, segments of consecutive blocks are
+        candidates of the same program."""
+        if piece.levels is None:
+            piece.levels = self._profile_levels(piece)
+        planned = [decide_loss_head(level.traced, level.measured, dataclasses.replace(asked, pins=level.pins), self._settings.step,
+                                    self._say, level.simulated) for level in piece.levels]
+        return best_level(planned, [level.level for level in piece.levels], tried=piece.tried)
 
     def _states_decide(self, asked: SolveRequest) -> CountedStates | None:
         """The counted states, where they alone decide (over the usable budget on one device), else None.
@@ -154,7 +216,7 @@ class Planner:
             return None
         if self._counted is None:
             try:
-                self._counted = count_states(self._rank_model, device=settings.device, optimizer=settings.step.optimizer,
+                self._counted = count_states(self._slices[0].model, device=settings.device, optimizer=settings.step.optimizer,
                                              loop=settings.step.loop)
             except Exception:  # noqa: BLE001 - no shortcut: the whole pipeline runs the same step and says what failed
                 self._count_first = False
@@ -162,7 +224,7 @@ class Planner:
         if not states_over_budget(self._counted, asked):
             return None
         if self._every_unit_runs is None:
-            self._every_unit_runs = every_unit_runs(self._rank_model, self._batch, self._options.units, settings.step.routing)
+            self._every_unit_runs = every_unit_runs(self._slices[0].model, self._batch, self._options.units, settings.step.routing)
         return self._counted if self._every_unit_runs else None
 
     def _states_bound(self, counted: CountedStates, asked: SolveRequest, arguments) -> Plan:
@@ -170,29 +232,31 @@ class Planner:
         settings = self._settings
         decided = states_bound_plan(counted, asked, device=settings.device, model_name=type(self._model).__name__,
                                     optimizer=optimizer_name(settings.step.optimizer), loop=settings.step.loop,
-                                    parameter_count=parameter_count(self._rank_model))
+                                    parameter_count=parameter_count(self._slices[0].model))
         model = dataclasses.replace(decided.model, fingerprint=self._fingerprint)
         return dataclasses.replace(decided, model=model, request=dataclasses.replace(decided.request, arguments=arguments))
 
-    def _profile_levels(self) -> list[ProfiledLevel]:
-        """Every level of units traced and profiled; a level whose Sequential run is called twice is skipped."""
+    def _profile_levels(self, piece: RankSlice) -> list[ProfiledLevel]:
+        """Every level of `piece`'s units traced and profiled; a level whose Sequential run is called twice is skipped."""
         settings = self._settings
-        levels, profiled = unit_levels(self._rank_model, self._options.units), list[ProfiledLevel]()
-        self._tried = len(levels)
+        if len(self._slices) > 1:
+            self._say(f"tensor parallel {piece.degree}" if piece.degree > 1 else "FSDP alone")
+        levels, profiled = unit_levels(piece.model, self._options.units), list[ProfiledLevel]()
+        piece.tried = len(levels)
         for number, level in enumerate(levels, 1):
             if len(levels) > 1:
                 self._say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
             try:
-                traced, measured = _trace_and_profile(self._rank_model, self._batch, settings.profile, settings.device, level.units,
+                traced, measured = _trace_and_profile(piece.model, self._batch, settings.profile, settings.device, level.units,
                                                       settings.step, settings.space, self._say)
             except RepeatedUnitError:
                 if number == len(levels) and not profiled:
                     raise
                 continue  # a Sequential run called twice: the other levels are the plan space
             except ProfileError as error:
-                if not self._tp_layout:
+                if not piece.layout:
                     raise
-                raise ProfileError(f"{error} — under tensor_parallel={settings.tensor_parallel}, one rank's slice of the model ran (its "
+                raise ProfileError(f"{error} — under tensor_parallel={piece.degree}, one rank's slice of the model ran (its "
                                    "split linears 1/N wide): linears whose outputs meet must be split alike (gate and up projections "
                                    "both column-wise), and the forward must reshape heads with -1, not a head count") from error
             space = settings.space  # pins, a named policy's as the profile measured it

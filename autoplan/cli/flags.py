@@ -115,9 +115,12 @@ class CommandLine:
         sequence length go to the factory instead."""
         from autoplan.inputs.loop import TrainingLoop
 
-        options = {name: self.given[name] for name in self.plan_names if name not in ("batch_size", "seq_len", "world_size")}
+        options = {name: self.given[name] for name in self.plan_names
+                   if name not in ("batch_size", "seq_len", "world_size", "tensor_parallel")}
         if self.given.get("world_size") is not None:
             options["world_size"] = parse_world_size(self.given["world_size"])
+        if self.given.get("tensor_parallel") is not None:
+            options["tensor_parallel"] = parse_tensor_parallel(self.given["tensor_parallel"])
         options["units"] = split_units(options.get("units"))
         kept = 0 if self.kept_on_device is None else read_kept_bytes(self.kept_on_device)
         options["loop"] = TrainingLoop(keep_outputs=not self.drop_outputs, accumulation_steps=self.accumulation_steps,
@@ -202,6 +205,15 @@ def parse_world_size(text: str) -> int | str:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise CliError(ExitCode.USAGE, f"--world-size must be a whole number of GPUs, at least 1, or auto; got {text!r}")
     return check_world_size(int(text), option="--world-size")
+
+
+def parse_tensor_parallel(text: str) -> int | str:
+    """--tensor-parallel N or auto; a usage error (exit 2) before torch is imported."""
+    if text == "auto":
+        return text
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise CliError(ExitCode.USAGE, f"--tensor-parallel must be a whole number of ranks, at least 1, or auto; got {text!r}")
+    return int(text)
 
 
 def split_units(values: Optional[list[str]]) -> Optional[list[str]]:

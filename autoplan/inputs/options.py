@@ -160,13 +160,16 @@ class PlanOptions:
         ("--fsdp-mixed-precision",), "With --world-size N (or auto, from 2): FSDP2's MixedPrecisionPolicy, parameters gathered and computed in bf16 "
         "or fp16, reduced and kept in fp32.", "with `--world-size N` (or `auto`, searched from 2): FSDP2's MixedPrecisionPolicy, parameters gathered and "
         "computed in `bf16` or `fp16`, reduced and kept in fp32", ("bf16", "fp16"), verify=False, metavar="DTYPE"))
-    tensor_parallel: int = _option(1, "ranks each planned linear is split over by tensor parallelism (torch's `parallelize_module`, "
-                                   "`ColwiseParallel`/`RowwiseParallel`, as torchtitan applies it): the plan is then for one rank's slice "
-                                   "of the model, every byte per rank. `world_size` counts every GPU (FSDP's ranks × these); left at 1, it "
-                                   "is this. 1 (default): no tensor parallelism. [parallel.md](parallel.md)", Flag(
-        ("--tensor-parallel",), "Split the attention and MLP linears over N ranks (tensor parallelism); --world-size counts every GPU.",
-        "split the attention and MLP linears over N ranks (tensor parallelism, per [parallel.md](parallel.md)); `--world-size` counts "
-        "every GPU, FSDP's ranks times these", int, verify=False, metavar="N", minimum=1))
+    tensor_parallel: int | str = _option(1, "ranks each planned linear is split over by tensor parallelism (torch's "
+                                         "`parallelize_module`, `ColwiseParallel`/`RowwiseParallel`, as torchtitan applies it): the plan "
+                                         "is then for one rank's slice of the model, every byte per rank. `world_size` counts every GPU "
+                                         "(FSDP's ranks × these); left at 1, it is this. `\"auto\"` (with `world_size=\"auto\"`): FSDP "
+                                         "alone, 2, 4 and 8 searched, the fewest GPUs in all chosen. 1 (default): none. "
+                                         "[parallel.md](parallel.md)", Flag(
+        ("--tensor-parallel",), "Split the attention and MLP linears over N ranks (tensor parallelism), or auto with --world-size "
+        "auto; --world-size counts every GPU.", "split the attention and MLP linears over N ranks (tensor parallelism, per "
+        "[parallel.md](parallel.md)), or `auto` with `--world-size auto` (the degree on the fewest GPUs); `--world-size` counts every "
+        "GPU, FSDP's ranks times these", str, verify=False, metavar="N", unset=True))
     tensor_parallel_plan: Mapping[str, str] | None = _option(None, "with `tensor_parallel` > 1, which linears are split: `{module name "
                                                              "pattern: \"colwise\" | \"rowwise\"}`. None (default): the model's own "
                                                              "(transformers' `model.tp_plan`), else torchtitan's Llama names.")
@@ -298,7 +301,7 @@ class PlanKeywords(TypedDict, total=False):
     world_size: int | str
     reshard_after_forward: bool | Mapping[str, bool]
     fsdp_mixed_precision: str | None
-    tensor_parallel: int
+    tensor_parallel: int | str
     tensor_parallel_plan: Mapping[str, str] | None
     menu_size: int
     loop: TrainingLoop | None

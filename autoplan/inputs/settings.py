@@ -111,7 +111,8 @@ class Settings:
     time_limit_s: float  # per solve
     reserve: Size | None  # as given, read once (None: the default reserve); taken in bytes with each budget
     allow_over_device: bool
-    tensor_parallel: int = 1  # ranks each linear of `tp_layout_given` (or the model's own) is split over
+    tensor_parallel: int | Literal["auto"] = 1  # ranks each linear of `tp_layout_given` (or the model's own) is split over;
+    # "auto": searched with world_size="auto" (`inputs.tensor_parallel.degrees_to_plan`)
     tp_layout_given: tuple[tuple[str, str], ...] | None = None  # tensor_parallel_plan's (pattern, style) pairs
 
     @property
@@ -140,11 +141,16 @@ def settle(options: PlanOptions) -> Settings:
 
 def fsdp_ranks(options: PlanOptions) -> int | Literal["auto"]:
     """FSDP's ranks: every GPU (`world_size`) over the tensor-parallel ranks; world_size left at 1 is the TP ranks alone."""
-    tensor_parallel = check_degree(options.tensor_parallel)
-    if options.tensor_parallel_plan is not None and tensor_parallel == 1:
-        raise OptionError("tensor_parallel_plan says which linears tensor parallelism splits: give tensor_parallel=N (N > 1) too")
+    degree = check_degree(options.tensor_parallel)
+    if options.tensor_parallel_plan is not None and degree == 1:
+        raise OptionError("tensor_parallel_plan says which linears tensor parallelism splits: give tensor_parallel=N (N > 1) "
+                          "or \"auto\" too")
+    if degree == "auto" and options.world_size != "auto":
+        raise OptionError("tensor_parallel=\"auto\" searches the degree beside FSDP's ranks: give world_size=\"auto\" too, or "
+                          "tensor_parallel=N for a world_size of your own")
     if options.world_size == "auto":
         return "auto"
+    tensor_parallel = degree if isinstance(degree, int) else 1
     world_size = check_world_size(options.world_size)
     if world_size % tensor_parallel and world_size != 1:
         raise OptionError(f"world_size={world_size} counts every GPU: FSDP's ranks times tensor_parallel={tensor_parallel}, "
@@ -255,9 +261,15 @@ def check_reshard(reshard_after_forward: object, ranks: int | str) -> bool | tup
 STYLES = ("colwise", "rowwise")  # the tensor-parallel styles planned (inputs.tensor_parallel)
 
 
-def check_degree(degree: object) -> int:
+def check_degree(degree: object) -> int | Literal["auto"]:
+    """tensor_parallel as given: a whole number of ranks (the command line's digits too), or "auto"."""
+    if degree == "auto":
+        return "auto"
+    if isinstance(degree, str) and degree.isdigit():
+        degree = int(degree)
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise OptionError(f"tensor_parallel is a whole number of ranks each split linear is divided over, at least 1; got {degree!r}")
+        raise OptionError(f"tensor_parallel is a whole number of ranks each split linear is divided over, at least 1, or \"auto\" "
+                          f"(with world_size=\"auto\"); got {degree!r}")
     return degree
 
 

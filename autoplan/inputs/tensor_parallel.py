@@ -103,6 +103,25 @@ def resolve_layout(model: torch.nn.Module, degree: int, given: tuple[tuple[str, 
     return tuple(layout)
 
 
+SEARCHED_DEGREES = (2, 4, 8)  # what world_size="auto" tries beside FSDP alone: within one node's NVLink, as torchtitan runs it
+
+
+def degrees_to_plan(model: torch.nn.Module, tensor_parallel: int | str,
+                    given: tuple[tuple[str, str], ...] | None) -> tuple[tuple[int, Layout], ...]:
+    """The tensor-parallel degrees to plan, each with its layout: the one given, or for "auto" (world_size="auto" too)
+    1 and every degree of SEARCHED_DEGREES the model's layout divides by (none where it has no layout: FSDP alone then)."""
+    if tensor_parallel != "auto":
+        degree = int(tensor_parallel)
+        return ((degree, resolve_layout(model, degree, given) if degree > 1 else ()),)
+    found: list[tuple[int, Layout]] = [(1, ())]
+    for degree in SEARCHED_DEGREES:
+        try:
+            found.append((degree, resolve_layout(model, degree, given)))
+        except OptionError:
+            continue  # a linear this degree does not divide, or no layout at all: not a degree of this model
+    return tuple(found)
+
+
 def rank_model(model: torch.nn.Module, layout: Layout, degree: int) -> torch.nn.Module:
     """What one rank of `degree` holds and runs: `model`'s modules copied, every other tensor shared with it, each
     split linear replaced by its rank-0 slice (`ColwiseShard`, `RowwiseShard`; copies of the slices' values)."""

@@ -2,7 +2,7 @@
 
 `advise(plan, profile)` walks the usual escalation — low-precision autocast, TF32, fused attention,
 torch.compile, activation checkpointing, gradient accumulation, shorter sequences, 8-bit optimizer
-state / QLoRA, FSDP — and says for each what it would save or cost *here*, computed from the
+state / QLoRA, FSDP, tensor parallelism — and says for each what it would save or cost *here*, computed from the
 profile and the memory model (`memory.model`), or why it does not apply. Estimates say how they were
 made; the micro-batch for gradient accumulation is checked by planning again when `replan` is given.
 """
@@ -22,7 +22,7 @@ from autoplan.axes.checkpoint import Mode
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.profiler import Profile
-from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size
+from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size, tensor_parallel_step
 from autoplan.report.offload_advice import offload_step
 from autoplan.report.allocator_advice import allocator_view
 from autoplan.report.optimizer_advice import optimizer_state_steps
@@ -280,6 +280,7 @@ def advise(
         shorter_sequences_step(plan, profile, phases, seq_len, least),
         *optimizer_state_steps(plan, profile, parameter_count),
         fsdp_step(plan, profile, found, least),
+        tensor_parallel_step(plan, found),
     ]
     steps = [_from_ladder(step, plan, ladder) for step in steps]
     if state_bound(plan) is not None:  # the units' choices do not matter: say so rather than advise on them

@@ -13,6 +13,7 @@ import math
 from autoplan.axes.precision import kind
 from autoplan.inputs.devices import Device
 from autoplan.plan import Plan
+from autoplan.report.fsdp_advice import tensor_parallel_step
 from autoplan.report.batch_steps import ACTIVATION_SIDE, Advice, Step
 from autoplan.report.optimizer_advice import eight_bit_step, qlora_step
 from autoplan.vocabulary.formatting import format_bytes, rank_noun
@@ -33,7 +34,7 @@ def counted_advice(plan: Plan, device: Device, *, parameter_count: int | None = 
                        "states as they are"),
                   Step("shorter_sequences", "shorter sequences", "n/a", "no help here: the states do not depend on the sequence")]
     steps = [*activation_side, *batch_side, eight_bit_step(plan.request.optimizer, states.optimizer, device),
-             qlora_step(plan, states, parameter_count), _fsdp_for_states(plan)]
+             qlora_step(plan, states, parameter_count), _fsdp_for_states(plan), tensor_parallel_step(plan, None)]
     # no first fix: the peak is a floor (the states), so no step's saving is known to make the step fit on its own
     return Advice(False, plan.prediction.peak_bytes, plan.request.usable_bytes, tuple(steps), None, None, None)
 

@@ -29,7 +29,7 @@ def fsdp_step(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: 
     if plan.request.world_size > 1:  # asked for: the plan is FSDP's already, whatever one GPU would do
         fits = "fits" if plan.outcome.feasible else "does not fit"
         one = f"; one {rank_noun(plan.target.device)} would fit too" if found is not None and found.world_size == 1 else ""
-        return Step("fsdp", title, "chosen", f"planned for {plan.request.world_size} × {plan.target.device} under {plan.request.mesh.split_words}: per {rank_noun(plan.target.device)} "
+        return Step("fsdp", title, "chosen", f"planned for {plan.request.world_size} × {plan.target.device} under {plan.request.mesh.split_words if plan.request.mesh.tensor_parallel > 1 else 'FSDP2'}: per {rank_noun(plan.target.device)} "
                     f"{format_bytes(plan.prediction.peak_bytes)}, {fits} {format_bytes(plan.request.usable_bytes)} usable{one}")
     if found is None:
         limit = min((sharded_peak(profile, choices, Mesh.fsdp(2**k)) for k in range(13)), key=lambda peak: peak.total)
@@ -50,3 +50,26 @@ def fsdp_step(plan: Plan, profile: Profile, found: ShardedPeak | None, choices: 
     code = (f"# in every rank of torchrun --nproc_per_node={n}, after torch.distributed.init_process_group()\n"
             f"model = autoplan.optimize(model, budget, example_inputs=batch, world_size={n})  # or world_size=\"auto\"")
     return Step("fsdp", title, "try", detail, plan.prediction.peak_bytes - found.total, None, code)
+
+
+def tensor_parallel_step(plan: Plan, found: ShardedPeak | None) -> Step:
+    """The rung after FSDP: split the blocks' linears (and the activations between them) over N ranks. Its per-rank peak
+    is planned, not estimated here: a slice of the model is a model of its own (docs/parallel.md)."""
+    title, noun = "tensor parallel (split the attention and MLP linears)", rank_noun(plan.target.device)
+    mesh = plan.request.mesh
+    if mesh.tensor_parallel > 1:
+        fits = "fits" if plan.outcome.feasible else "does not fit"
+        return Step("tensor-parallel", title, "chosen", f"planned for {plan.request.world_size} × {plan.target.device} under "
+                    f"{mesh.split_words}: per {noun} {format_bytes(plan.prediction.peak_bytes)}, {fits} "
+                    f"{format_bytes(plan.request.usable_bytes)} usable")
+    if plan.outcome.feasible:
+        return Step("tensor-parallel", title, "n/a", f"not needed: the plan fits {plan.request.world_size} {rank_noun(plan.target.device, plan.request.world_size)}")
+    if found is not None:
+        return Step("tensor-parallel", title, "n/a", f"FSDP alone fits on {found.world_size} (above), with no all-reduce in every "
+                    "block; world_size=\"auto\" tries tensor parallelism too and keeps it only where it needs fewer GPUs")
+    code = ("# every rank of torchrun; world_size counts every GPU, FSDP's ranks × tensor_parallel\n"
+            "model = autoplan.optimize(model, budget, example_inputs=batch, world_size=\"auto\")  # or tensor_parallel=8, world_size=N")
+    return Step("tensor-parallel", title, "try", "FSDP alone leaves each rank its whole activations and gathered blocks: tensor "
+                f"parallelism splits the blocks' linears and the activations between them over up to 8 {rank_noun(plan.target.device, 2)} "
+                "of a node; its per-rank peak is not estimated here: plan it (world_size=\"auto\" searches degrees 2, 4 and 8 "
+                "beside FSDP alone)", None, None, code)

@@ -46,12 +46,15 @@ class WorldSizeFound:
     fits: bool
 
 
-def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int, smallest: int = 1) -> WorldSizeFound:
-    """The fewest ranks N (at least `smallest`) with `peak_at(N)` within `usable_bytes`: the one GPU-count search.
+def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int, smallest: int = 1, largest: int = MAX_RANKS) -> WorldSizeFound:
+    """The fewest ranks N (at least `smallest`, at most `largest`) with `peak_at(N)` within `usable_bytes`: the one
+    GPU-count search.
 
     Doubling from `smallest` while the peak still falls (FSDP pads every parameter to a multiple of N rows,
     so past some N more GPUs hold more, not less; and the unsharded part is a floor), then bisection
-    between the first N that fits and its half. `peak_at` is called once per N.
+    between the first N that fits and its half. `peak_at` is called once per N. Below MAX_RANKS, `largest` is tried
+    first: where it does not fit, no smaller N is searched (the peak falls with N over the few ranks such a bound
+    leaves; padding turns it only past as many ranks as a parameter has rows).
     """
     peaks: dict[int, int] = {}
 
@@ -60,11 +63,13 @@ def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int, smallest: int
             peaks[n] = peak_at(n)
         return peaks[n]
 
+    if largest < MAX_RANKS and peak(largest) > usable_bytes:
+        return WorldSizeFound(largest, False)
     high = smallest
-    while peak(high) > usable_bytes and high < MAX_RANKS:
-        if peak(2 * high) >= peak(high):
+    while peak(high) > usable_bytes and high < largest:
+        if peak(min(2 * high, largest)) >= peak(high):
             break  # more GPUs no longer help
-        high = 2 * high
+        high = min(2 * high, largest)
     if peak(high) > usable_bytes:
         return WorldSizeFound(high, False)
     low = high // 2 + 1 if high > smallest else smallest  # high // 2 did not fit (or high is the smallest)
@@ -77,14 +82,16 @@ def fewest_ranks(peak_at: Callable[[int], int], usable_bytes: int, smallest: int
     return WorldSizeFound(high, True)
 
 
-def fewest_gpus(profile: Profile, request: SolveRequest) -> tuple[Mesh, tuple[WorldSizePoint, ...]]:
-    """The request's mesh with the fewest ranks along FSDP whose lowest per-rank peak fits, and the points
-    measured on the way (sorted by N).
+def fewest_gpus(profile: Profile, request: SolveRequest, largest: int = MAX_RANKS,
+                points: dict[int, WorldSizePoint] | None = None) -> tuple[Mesh, tuple[WorldSizePoint, ...]]:
+    """The request's mesh with the fewest ranks along FSDP (at most `largest`) whose lowest per-rank peak fits, and
+    the points measured on the way (sorted by N).
 
-    When none fits (doubling stops once the peak stops falling, or at MAX_RANKS), the answer
-    is the last N tried, which does not fit.
+    When none fits (doubling stops once the peak stops falling, or at `largest`), the answer
+    is the last N tried, which does not fit. `points`: those of an earlier search of the same profile, request and
+    budget (`points_key`), each solved once.
     """
-    points: dict[int, WorldSizePoint] = {}
+    points = {} if points is None else points
 
     def at(n: int) -> WorldSizePoint:
         if n not in points:
@@ -93,7 +100,13 @@ def fewest_gpus(profile: Profile, request: SolveRequest) -> tuple[Mesh, tuple[Wo
 
     # FSDP2's MixedPrecisionPolicy needs a sharded mesh: one GPU is not a point of the search then
     smallest = 2 if request.mesh.param_dtype else 1
-    found = fewest_ranks(lambda n: at(n).lowest_peak_bytes, request.usable_bytes, smallest)
-    if found.fits:
+    found = fewest_ranks(lambda n: at(n).lowest_peak_bytes, request.usable_bytes, smallest, largest)
+    if found.fits and largest == MAX_RANKS:
         at(2 * found.world_size)  # one point past the answer shows what more GPUs buy
     return request.mesh.resized(FSDP, found.world_size), tuple(points[n] for n in sorted(points))
+
+
+def points_key(profile: Profile, request: SolveRequest) -> tuple:
+    """What a world-size point depends on beside N: the loss head profiled, the budget and the mesh's other settings
+    (a Planner's level keeps its points under this key, `deciding.decide`)."""
+    return ("world-size points", profile.timeline.fused_loss, request.usable_bytes, request.mesh.resized(FSDP, 1))

@@ -69,6 +69,7 @@ def test_the_plan_is_per_rank_and_names_its_mesh() -> None:
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel=3), "do not divide by 3"),
     (dict(tensor_parallel=0), "at least 1"),
+    (dict(tensor_parallel="two"), "at least 1"),
     (dict(tensor_parallel=2, world_size=3), "multiple of 2"),
     (dict(tensor_parallel_plan={"layers.*.attention.wq": "colwise"}), "give tensor_parallel=N"),
     (dict(tensor_parallel=2, tensor_parallel_plan={"*attention_norm": "colwise"}), "not nn.Linear"),

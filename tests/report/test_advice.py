@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 import autoplan
 from autoplan.report.advice import Advice, advise, least_activation_choices, smallest_world_size
@@ -124,9 +125,10 @@ def test_advice_for_a_plan_that_fits(loose) -> None:
     _, plan, profile = loose
     advice = advise(plan, profile, batch_size=BATCH, seq_len=SEQ)
     assert [s.key for s in advice.steps] == ["bf16", "tf32", "sdpa", "compile", "checkpointing", "offload", "grad_accumulation",
-                                              "shorter_sequences", "optimizer_8bit", "qlora", "fsdp"]
+                                              "shorter_sequences", "optimizer_8bit", "qlora", "fsdp", "tensor-parallel"]
     assert advice.fits and advice.first_fix is None and advice.fsdp.world_size == 1
     assert advice.step("grad_accumulation").status == "n/a" and advice.step("fsdp").status == "n/a"
+    assert advice.step("tensor-parallel").status == "n/a" and "not needed" in advice.step("tensor-parallel").detail
     state = profile.timeline.static.optimizer
     eight_bit = state - advice.step("optimizer_8bit").saves_bytes  # 2 of AdamW's 8 bytes a parameter, an fp32 absmax per 256
     assert eight_bit == state // 4 + 2 * 4 * -(-(state // 8) // 256)
@@ -382,3 +384,19 @@ def test_low_precision_that_raises_the_peak_says_higher_and_is_not_recommended()
     assert step.saves_bytes < 0, "this model no longer shows a higher bf16 peak: pick another"
     assert step.status == "n/a"
     assert f"peaks {format_bytes(-step.saves_bytes)} higher than in fp32" in step.detail and "-" not in step.detail.split("than")[0]
+
+
+def test_the_tensor_parallel_rung_follows_fsdp() -> None:
+    from examples.llama import Llama, LlamaConfig, example_batch
+    from autoplan.report.fsdp_advice import tensor_parallel_step
+
+    config = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+    torch.manual_seed(0)
+    model, batch = Llama(config), example_batch(config, 2, 32)
+    options = dict(example_inputs=batch, device="cpu", reserve=0, profile="roofline", precision="fp32")
+    split = autoplan.plan(model, "1GB", tensor_parallel=2, **options)
+    chosen = tensor_parallel_step(split, None)
+    assert chosen.status == "chosen" and "tensor parallel" in chosen.detail and "2 × cpu" in chosen.detail
+    short = autoplan.plan(model, "100KB", **options)  # nothing fits one rank
+    tried = tensor_parallel_step(short, None)  # and FSDP alone would not either
+    assert tried.status == "try" and tried.saves_bytes is None and "world_size=\"auto\"" in tried.code
