@@ -319,6 +319,8 @@ def test_plot_writes_an_image(tmp_path) -> None:
         (["--budget", "1GB", "--device", "h900"], ExitCode.USAGE, "unknown device 'h900'"),
         (["--budget", "1GB", "--reserve", "lots"], ExitCode.USAGE, "invalid reserve"),
         (["--budget", "1GB", "--world-size", "0"], ExitCode.USAGE, "--world-size"),
+        (["--budget", "1GB", "--tensor-parallel", "two"], ExitCode.USAGE, "--tensor-parallel must be a whole number"),
+        (["--budget", "1GB", "--tensor-parallel", "auto"], ExitCode.USAGE, 'world_size="auto" too'),
         (["--budget", "1GB", "--plot", "memory.txt"], ExitCode.USAGE, ".png"),
         (["--budget", "1GB", "--moe-capacity", "0"], ExitCode.USAGE, "moe_capacity (--moe-capacity on the command line) must be a positive"),
     ],
