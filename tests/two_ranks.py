@@ -22,13 +22,19 @@ distributed = pytest.mark.skipif(
 )
 
 
+def torchrun(script: Path, ranks: int, *args: str, timeout_s: int = 300) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --nproc_per_node=RANKS SCRIPT ARGS...` on the CPU, the repository importable;
+    fails the test (with the processes' last output) on a non-zero exit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script), *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def run_on_two_ranks(worker: str, out: Path, *args: str) -> list[dict]:
     """`python -m torch.distributed.run --nproc_per_node=2 tests/WORKER OUT ARGS...`; each rank's JSON, rank 0 first."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "tests" / worker), str(out), *args]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun(ROOT / "tests" / worker, 2, str(out), *args)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

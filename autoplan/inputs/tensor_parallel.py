@@ -62,8 +62,8 @@ class ColwiseShard(torch.nn.Linear):
 class RowwiseShard(torch.nn.Linear):
     """One rank's slice of a row-wise parallel linear: its share of the inputs; the partial output all-reduced.
 
-    The bias is whole on every rank, as DTensor keeps it (replicated), and is added to the partial sum of rank 0
-    only in torch; here every rank adds it, which changes no byte."""
+    The bias is whole on every rank, as DTensor keeps it (replicated); where torch adds it to the partial sums
+    changes values, not bytes."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias).clone(memory_format=torch.contiguous_format)
