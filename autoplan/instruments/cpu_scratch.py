@@ -3,7 +3,8 @@
 Under fake tensors an op allocates its outputs and nothing else; the CPU kernel behind it may hold
 more while it runs: `aten.mm` copies an operand whose strides BLAS cannot take, oneDNN's convolution
 backward reorders its tensors into blocked layouts, the flash attention kernel keeps per-thread
-buffers, `aten.logsumexp` makes an input-sized difference. No dispatch mode sees those (they are made
+buffers, `aten.logsumexp` makes an input-sized difference, a pointwise op on two dtypes copies its
+operands into the common one (TensorIterator's CPU promotion). No dispatch mode sees those (they are made
 below it), so a plan for the CPU would count none of them, and the CPU allocator holds them at the
 moment they are made. For a CPU target the simulation asks here: the op is run once for real, outside
 every mode, on zeros with the call's shapes, strides and dtypes, under torch's profiler with its
@@ -61,12 +62,39 @@ def scratch_bytes(func, args: tuple, kwargs: dict) -> int:
     schema = getattr(func, "_schema", None)  # an aten or library operator (a higher-order one has none)
     if schema is None or schema.name not in SCRATCH_OPS:
         return 0
+    return _measured_call(func, args, kwargs)
+
+
+def promoted_copy_bytes(func, args: tuple, kwargs: dict) -> int:
+    """Bytes a pointwise op on tensors of two dtypes holds inside its CPU kernel (0 for any other call).
+
+    TensorIterator, on the CPU only, copies every operand that is not of the common dtype into it, and an in-place
+    result of another dtype into a temporary of it, copied back at the end (a bf16 `mul_` by a float32 tensor holds 8
+    bytes an element: torchao's float8 backward scales its bf16 gradients so); a GPU kernel casts as it reads. Read
+    off a real call like the ops above. A 0-dim operand makes no copy the step holds (host_blocks), and a bool operand
+    (where's condition) is not promoted: neither asks."""
+    if not isinstance(func, torch._ops.OpOverload) or not _mixes_dtypes(func, args, kwargs):
+        return 0
+    return _measured_call(func, args, kwargs)
+
+
+def _measured_call(func, args: tuple, kwargs: dict) -> int:
     try:
         signature = (_signature(args), tuple(sorted((name, _signature((value,))) for name, value in kwargs.items())))
         hash(signature)
     except TypeError:  # an argument that cannot key a cache: not measured
         return 0
     return _measured(func, signature, torch.get_num_threads())
+
+
+def _mixes_dtypes(func, args: tuple, kwargs: dict) -> bool:
+    if torch.Tag.pointwise not in func.tags or torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    dtypes = set()
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.dtype is not torch.bool:
+            dtypes.add(value.dtype)
+    return len(dtypes) > 1
 
 
 def _signature(values: tuple) -> tuple:

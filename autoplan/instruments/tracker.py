@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils.flop_counter import flop_registry
 
 from autoplan.errors import ProfileError
-from autoplan.instruments.cpu_scratch import scratch_bytes
+from autoplan.instruments.cpu_scratch import promoted_copy_bytes, scratch_bytes
 from autoplan.instruments.cuda_matmul import operand_copy_bytes
 from autoplan.instruments.flop_formulas import autoplan_flop_formulas
 from autoplan.instruments.host import allocating_on_host, moving_over_the_link
@@ -187,8 +187,11 @@ class LiveBytesTracker(TorchDispatchMode):
         if hidden and self.allocation_log is not None:  # allocated and freed inside the op
             handle = next(self._handles)
             self.allocation_log += [("alloc", handle, hidden), ("free", handle, 0)]
+        # a CPU kernel's copies of operands of another dtype: held, not priced (a roofline prices what the op reads
+        # and writes, and every plan's time stays what it was before they were counted)
+        promoted = promoted_copy_bytes(func, args, kwargs) if self.cpu_kernels and not moving_over_the_link() else 0
         current = self._phases[-1]
-        current.peak_bytes = max(current.peak_bytes, (live_before if in_place else self.live_bytes) + hidden)
+        current.peak_bytes = max(current.peak_bytes, (live_before if in_place else self.live_bytes) + hidden + promoted)
         if (created or flop_key(func) in flop_registry) and not moving_over_the_link():
             self._charge_time(func, args, kwargs, out, inputs, outputs, hidden)
         return out

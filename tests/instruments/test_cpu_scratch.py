@@ -60,3 +60,25 @@ def test_a_float8_matmuls_scratch_is_what_the_allocators_count_holds_inside_it()
     peak = count.stretches()[-1].peak_bytes - count.stretches()[-1].start_bytes
     assert scratch > 64 * 256 * 4  # at least an upcast operand
     assert scratch == peak - out.untyped_storage().nbytes()
+
+
+def test_a_pointwise_op_on_two_dtypes_holds_the_cpus_promoted_copies_and_the_gpu_none():
+    """TensorIterator on the CPU copies a bf16 operand into float32, and an in-place bf16 result into a float32
+    temporary copied back (torchao's float8 backward scales a bf16 gradient in place by a float32 tensor): 8 bytes an
+    element inside `mul_`, as the allocator's count holds them. A GPU kernel casts as it reads; same dtypes copy nothing."""
+    from autoplan.verify.allocator import AllocatorCount
+
+    def simulated_peak(device: str, other_dtype: torch.dtype) -> int:
+        with new_fake_mode() as mode:
+            grad = mode.from_tensor(torch.ones(128, 64, dtype=torch.bfloat16))
+            scale = mode.from_tensor(torch.ones(128, 64, dtype=other_dtype))
+            with LiveBytesTracker(autoplan.get_device(device)) as tracker:
+                grad.mul_(scale)
+        return tracker.phases()[0].peak_bytes
+
+    grad, scale = torch.ones(128, 64, dtype=torch.bfloat16), torch.ones(128, 64)
+    with AllocatorCount(resident=[grad, scale]) as count:
+        grad.mul_(scale)
+    counted = count.stretches()[-1].peak_bytes - count.stretches()[-1].start_bytes
+    assert counted == simulated_peak("cpu", torch.float32) == 128 * 64 * 8
+    assert simulated_peak("h100-80gb", torch.float32) == simulated_peak("cpu", torch.bfloat16) == 0
