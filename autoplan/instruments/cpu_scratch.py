@@ -88,13 +88,19 @@ def _measured_call(func, args: tuple, kwargs: dict) -> int:
 
 
 def _mixes_dtypes(func, args: tuple, kwargs: dict) -> bool:
-    if torch.Tag.pointwise not in func.tags or torch.Tag.nondeterministic_seeded in func.tags:
+    if not _promotes(func):
         return False
     dtypes = set()
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.dtype is not torch.bool:
             dtypes.add(value.dtype)
     return len(dtypes) > 1
+
+
+@functools.lru_cache(maxsize=None)
+def _promotes(func) -> bool:
+    """A pointwise op that draws no random numbers (asked on every op a CPU target simulates: cached per op)."""
+    return torch.Tag.pointwise in func.tags and torch.Tag.nondeterministic_seeded not in func.tags
 
 
 def _signature(values: tuple) -> tuple:
