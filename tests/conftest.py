@@ -44,7 +44,7 @@ WHOLE_PIPELINE_FOLDERS = ("end_to_end", "hf")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test under WHOLE_PIPELINE_FOLDERS is `slow` (`-m 'not slow'` leaves them out; .ci/run runs them)."""
+    """Every test under WHOLE_PIPELINE_FOLDERS is `slow` (the README's test command and .ci/run leave them out with `-m 'not slow'`; a plain `python -m pytest` runs them)."""
     for item in items:
         if item.path.parent.name in WHOLE_PIPELINE_FOLDERS and item.path.parent.parent.name == "tests":
             item.add_marker(pytest.mark.slow)
