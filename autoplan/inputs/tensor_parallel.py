@@ -55,6 +55,8 @@ class _AllReducedGradient(torch.autograd.Function):
 class ColwiseShard(torch.nn.Linear):
     """One rank's slice of a column-wise parallel linear: its share of the outputs; the input's gradient all-reduced."""
 
+    split_by_tensor_parallel = True  # planned.wrappers: a checkpointed unit holding one recomputes whole
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_AllReducedGradient.apply(x), self.weight, self.bias)
 
@@ -64,6 +66,8 @@ class RowwiseShard(torch.nn.Linear):
 
     The bias is whole on every rank, as DTensor keeps it (replicated); where torch adds it to the partial sums
     changes values, not bytes."""
+
+    split_by_tensor_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias).clone(memory_format=torch.contiguous_format)

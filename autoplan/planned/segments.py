@@ -29,7 +29,7 @@ from autoplan.errors import SegmentError
 from autoplan.plan import Choice
 from autoplan.units import Segment
 from autoplan.planned.buffers import BufferSnapshot, BufferWrites, has_buffers
-from autoplan.planned.wrappers import PlannedForward, without_cache_writes
+from autoplan.planned.wrappers import PlannedForward, recomputing_whole, without_cache_writes
 
 # torch.utils.checkpoint builds `checkpoint(use_reentrant=False)` on this generator: entered, it
 # installs the saved-tensors hooks of one region; resumed, it removes them. It is the only way to
@@ -98,7 +98,8 @@ class PlannedSegment:
                          buffers=self.buffer_writes.before_forward() if self.buffer_writes is not None else None)
         replay = functools.partial(self._replay, region)
         region.generator = _checkpoint_region(replay, True, noop_context_fn, "default", False, True, *tensors)
-        next(region.generator)
+        with recomputing_whole(any(planned.recompute_whole for planned in self.planned)):  # read as the region opens
+            next(region.generator)
         self.region = region
         return self._run(0, args, kwargs)
 
