@@ -167,7 +167,7 @@ def _advise(loaded: LoadedTarget, plan, profile, budget: Size, options: dict, pr
         from autoplan.inputs.devices import get_device
         from autoplan.report.counted_advice import counted_advice
 
-        return counted_advice(plan, get_device(options.get("device")), parameter_count=loaded.parameter_count)
+        return counted_advice(plan, get_device(options.get("device")), parameter_count=loaded.parameter_count, ladder=ladder)
     rebuild = loaded.rebuild
 
     def replan(micro: int, loop: TrainingLoop):

@@ -9,7 +9,6 @@ made; the micro-batch for gradient accumulation is checked by planning again whe
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +22,7 @@ from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.profiler import Profile
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size, tensor_parallel_step
+from autoplan.report.ladder_steps import planned_by_ladder
 from autoplan.report.offload_advice import offload_step
 from autoplan.report.allocator_advice import allocator_view
 from autoplan.report.optimizer_advice import optimizer_state_steps
@@ -187,31 +187,6 @@ def _checkpointing(plan: Plan, profile: Profile) -> Step:
     return Step("checkpointing", title, status, detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")
 
 
-def _from_ladder(step: Step, plan: Plan, ladder: Any) -> Step:
-    """A "try" step the ladder planned: its numbers become the planned ones (the rung against the one below, or this plan)."""
-    if ladder is None or step.status != "try":
-        return step
-    if step.key == "sdpa" and ladder.rung("sdpa") and ladder.rung("checkpointing"):
-        before, after = ladder.rung("checkpointing"), ladder.rung("sdpa")
-        where = "the ladder's rung below (eager attention)"
-    elif step.key == "qlora" and ladder.rung("qlora"):
-        before, after = None, ladder.rung("qlora")
-        where = "this plan"
-    else:
-        return step
-    peak = before.peak_bytes if before else plan.prediction.peak_bytes
-    time = before.step_time_s if before else plan.prediction.step_time_s
-    # two plans that fit both fill the budget for speed: their peaks say nothing, their step times do; a plan that
-    # does not fit is helped by a lower peak only
-    helps = after.fits and after.step_time_s < time if plan.outcome.feasible else after.peak_bytes < peak
-    detail = (f"planned (--ladder, {after.title.lstrip('+ ')}){'' if helps else ', no help here'}: peak "
-              f"{format_bytes(after.peak_bytes)} and step {format_seconds(after.step_time_s)}, against {format_bytes(peak)} "
-              f"and {format_seconds(time)} for {where}" + (f". {step.detail}" if helps else ""))
-    code = after.code if step.key == "qlora" else step.code
-    return dataclasses.replace(step, status="try" if helps else "n/a", detail=detail, saves_bytes=peak - after.peak_bytes,
-                               time_change_s=after.step_time_s - time, code=code)
-
-
 
 
 def _no_help(step: Step) -> Step:
@@ -258,7 +233,7 @@ def advise(
         from autoplan.inputs.devices import get_device
         from autoplan.report.counted_advice import counted_advice  # it builds on this module
 
-        return counted_advice(plan, device or get_device(plan.target.device), parameter_count=parameter_count)
+        return counted_advice(plan, device or get_device(plan.target.device), parameter_count=parameter_count, ladder=ladder)
     if not isinstance(plan, Plan) or not isinstance(profile, Profile):
         raise OptionTypeError("advise() takes the Plan and the Profile of one planning run; run autoplan.plan first")
     plan = allocator_view(plan)
@@ -282,7 +257,7 @@ def advise(
         fsdp_step(plan, profile, found, least),
         tensor_parallel_step(plan, found),
     ]
-    steps = [_from_ladder(step, plan, ladder) for step in steps]
+    steps = [planned_by_ladder(step, plan, ladder) for step in steps]
     if state_bound(plan) is not None:  # the units' choices do not matter: say so rather than advise on them
         steps = [_no_help(step) if step.key in ACTIVATION_SIDE else step for step in steps]
     first_fix = None

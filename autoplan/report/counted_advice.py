@@ -9,12 +9,14 @@ states alone, a lower bound that `world_size="auto"` (which simulates) refines w
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from autoplan.axes.precision import kind
 from autoplan.inputs.devices import Device
 from autoplan.plan import Plan
 from autoplan.report.fsdp_advice import tensor_parallel_step
 from autoplan.report.batch_steps import ACTIVATION_SIDE, Advice, Step
+from autoplan.report.ladder_steps import planned_by_ladder
 from autoplan.report.optimizer_advice import eight_bit_step, qlora_step
 from autoplan.vocabulary.formatting import format_bytes, rank_noun
 
@@ -24,8 +26,9 @@ _TITLES = {"tf32": "TF32 matmuls", "sdpa": "fused attention (SDPA / FlashAttenti
            "offload": "activation offload to host memory (autoplan's choice per unit)"}
 
 
-def counted_advice(plan: Plan, device: Device, *, parameter_count: int | None = None) -> Advice:
-    """The escalation advice of a counted plan, in `report.advice.advise`'s order and keys."""
+def counted_advice(plan: Plan, device: Device, *, parameter_count: int | None = None, ladder: Any = None) -> Advice:
+    """The escalation advice of a counted plan, in `report.advice.advise`'s order and keys; `ladder` (--ladder's, which
+    plans its rungs whatever the states: its QLoRA rung is where such a model fits) is shown and prices its steps."""
     states = plan.prediction.breakdown  # the counted parameters, gradients and optimizer state (solve.states_bound)
     low = plan.target.low_precision
     activation_side = [Step(low, kind(low).words, "n/a", _NO_HELP)]
@@ -35,8 +38,10 @@ def counted_advice(plan: Plan, device: Device, *, parameter_count: int | None = 
                   Step("shorter_sequences", "shorter sequences", "n/a", "no help here: the states do not depend on the sequence")]
     steps = [*activation_side, *batch_side, eight_bit_step(plan.request.optimizer, states.optimizer, device),
              qlora_step(plan, states, parameter_count), _fsdp_for_states(plan), tensor_parallel_step(plan, None)]
+    if ladder is not None:
+        steps = [planned_by_ladder(step, plan, ladder) for step in steps]
     # no first fix: the peak is a floor (the states), so no step's saving is known to make the step fit on its own
-    return Advice(False, plan.prediction.peak_bytes, plan.request.usable_bytes, tuple(steps), None, None, None)
+    return Advice(False, plan.prediction.peak_bytes, plan.request.usable_bytes, tuple(steps), None, None, None, ladder)
 
 
 def _fsdp_for_states(plan: Plan) -> Step:

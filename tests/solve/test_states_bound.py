@@ -100,3 +100,25 @@ def test_a_counted_plan_for_a_custom_device_is_advised_with_that_device() -> Non
     counted = autoplan.plan(model, 10_000, example_inputs=inputs, device=custom, reserve=0)
     assert counted.outcome.decided_by == "state count"
     assert advise(counted, None, device=custom).step("optimizer_8bit").status == "try"
+
+
+def test_a_counted_plan_shows_the_ladder_it_was_asked_for() -> None:
+    """`--ladder` plans its rungs whatever the states (its QLoRA rung is where such a model fits); a plan answered from
+    the count dropped the ladder it had waited minutes for, and printed none."""
+    from rich.console import Console
+
+    from autoplan.report.ladder import Ladder, Rung
+    from autoplan.report.text import report_renderables
+
+    model, inputs = make_residual_mlp()
+    counted = autoplan.plan(model, 10_000, example_inputs=inputs, device="h100-80gb", reserve=0, offload=False)
+    rungs = (Rung("baseline", "baseline (fp32, eager attention)", 60_000, 1e-3, False, "planned", ""),
+             Rung("qlora", "+ 4-bit QLoRA (NF4, r=16)", 9_000, 2e-3, True, "planned", "lora = ..."))
+    ladder = Ladder(rungs, 10_000, 10_000, "h100-80gb", "qlora", "lora = ...")
+    advice = advise(counted, None, ladder=ladder)
+    assert advice.ladder is ladder
+    console = Console(width=120, record=True)
+    for part in report_renderables(counted, advice):
+        console.print(part)
+    text = console.export_text()
+    assert "the toolbox ladder on h100-80gb" in text and "+ 4-bit QLoRA (NF4, r=16)" in text
