@@ -27,9 +27,11 @@ def planned_by_ladder(step: Step, plan: Plan, ladder: Any) -> Step:
     # two plans that fit both fill the budget for speed: their peaks say nothing, their step times do; a plan that
     # does not fit is helped by a lower peak only
     helps = after.fits and after.step_time_s < time if plan.outcome.feasible else after.peak_bytes < peak
+    timed = before is not None or not plan.outcome.counted_only  # a plan decided by counting has no step time
+    against = f"{format_bytes(peak)} and {format_seconds(time)}" if timed else f"{format_bytes(peak)} (its states, counted)"
     detail = (f"planned (--ladder, {after.title.lstrip('+ ')}){'' if helps else ', no help here'}: peak "
-              f"{format_bytes(after.peak_bytes)} and step {format_seconds(after.step_time_s)}, against {format_bytes(peak)} "
-              f"and {format_seconds(time)} for {where}" + (f". {step.detail}" if helps else ""))
+              f"{format_bytes(after.peak_bytes)} and step {format_seconds(after.step_time_s)}, against {against} "
+              f"for {where}" + (f". {step.detail}" if helps else ""))
     code = after.code if step.key == "qlora" else step.code
     return dataclasses.replace(step, status="try" if helps else "n/a", detail=detail, saves_bytes=peak - after.peak_bytes,
-                               time_change_s=after.step_time_s - time, code=code)
+                               time_change_s=after.step_time_s - time if timed else None, code=code)

@@ -117,6 +117,8 @@ def test_a_counted_plan_shows_the_ladder_it_was_asked_for() -> None:
     ladder = Ladder(rungs, 10_000, 10_000, "h100-80gb", "qlora", "lora = ...")
     advice = advise(counted, None, ladder=ladder)
     assert advice.ladder is ladder
+    for step in advice.steps:  # a counted plan has no step time to price a rung's against
+        assert step.time_change_s is None or "planned (--ladder" not in step.detail, step
     console = Console(width=120, record=True)
     for part in report_renderables(counted, advice):
         console.print(part)
