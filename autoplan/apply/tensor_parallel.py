@@ -30,9 +30,9 @@ def apply_tensor_parallel(model: torch.nn.Module, plan: Plan) -> torch.nn.Module
         raise OptionError(f"{type(model).__name__} holds DTensor parameters already (parallelized or sharded): pass the "
                           "model as it was planned, whole; autoplan.apply splits and shards it as the plan says")
     device_type = "cuda" if any(parameter.is_cuda for parameter in model.parameters()) else "cpu"
-    device_mesh = init_device_mesh(device_type, (mesh.along(FSDP), mesh.along(TP)), mesh_dim_names=("dp", "tp"))
+    device_mesh = init_device_mesh(device_type, (mesh.along(FSDP), mesh.along(TP)), mesh_dim_names=("dp", TP.name))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, device_mesh["tp"], {name: styles[style]() for name, style in mesh.tp_layout})
+    parallelize_module(model, device_mesh[TP.name], {name: styles[style]() for name, style in mesh.tp_layout})
     if mesh.shards > 1:
         return apply_fsdp(model, plan, mesh=device_mesh["dp"])
     return apply_choices(model, plan.decisions.choices_by_unit(), plan.decisions.outside_units)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from autoplan.axes.checkpoint import selective_contexts
 from autoplan.axes.placement import OffloadSaved
 from autoplan.axes.precision import kind, low_dtypes
+from autoplan.mesh import TP
 from autoplan.plan import Choice
 from autoplan.planned.buffers import BufferSnapshot, BufferWrites, has_buffers
 from autoplan.vocabulary.tensors import tensors_of
@@ -98,10 +99,10 @@ SPLIT_BY_TENSOR_PARALLEL = "split_by_tensor_parallel"  # a class attribute of a 
 def splits_by_tensor_parallel(module: torch.nn.Module) -> bool:
     """Whether `module` holds a linear split by tensor parallelism: a rank twin's shard (`inputs.tensor_parallel`'s
     linears say so by SPLIT_BY_TENSOR_PARALLEL), or a parameter torch's `parallelize_module` made a DTensor over a mesh
-    dimension named "tp" (`apply.tensor_parallel`)."""
+    dimension named as the plan's TP dimension (`apply.tensor_parallel` names it so)."""
     if any(getattr(inner, SPLIT_BY_TENSOR_PARALLEL, False) for inner in module.modules()):
         return True
-    return any("tp" in (getattr(getattr(parameter, "device_mesh", None), "mesh_dim_names", None) or ())
+    return any(TP.name in (getattr(getattr(parameter, "device_mesh", None), "mesh_dim_names", None) or ())
                for parameter in module.parameters())
 
 

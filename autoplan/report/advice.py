@@ -187,8 +187,6 @@ def _checkpointing(plan: Plan, profile: Profile) -> Step:
     return Step("checkpointing", title, status, detail, saves, cost, "model = autoplan.optimize(model, budget, example_inputs=batch)")
 
 
-
-
 def _no_help(step: Step) -> Step:
     return Step(step.key, step.title, "n/a", "no help here: the state is over the budget, not the activations", code=step.code)
 

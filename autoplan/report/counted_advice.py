@@ -38,8 +38,7 @@ def counted_advice(plan: Plan, device: Device, *, parameter_count: int | None = 
                   Step("shorter_sequences", "shorter sequences", "n/a", "no help here: the states do not depend on the sequence")]
     steps = [*activation_side, *batch_side, eight_bit_step(plan.request.optimizer, states.optimizer, device),
              qlora_step(plan, states, parameter_count), _fsdp_for_states(plan), tensor_parallel_step(plan, None)]
-    if ladder is not None:
-        steps = [planned_by_ladder(step, plan, ladder) for step in steps]
+    steps = [planned_by_ladder(step, plan, ladder) for step in steps]  # as they are without a ladder
     # no first fix: the peak is a floor (the states), so no step's saving is known to make the step fit on its own
     return Advice(False, plan.prediction.peak_bytes, plan.request.usable_bytes, tuple(steps), None, None, None, ladder)
 

@@ -117,8 +117,13 @@ def test_a_counted_plan_shows_the_ladder_it_was_asked_for() -> None:
     ladder = Ladder(rungs, 10_000, 10_000, "h100-80gb", "qlora", "lora = ...")
     advice = advise(counted, None, ladder=ladder)
     assert advice.ladder is ladder
-    for step in advice.steps:  # a counted plan has no step time to price a rung's against
-        assert step.time_change_s is None or "planned (--ladder" not in step.detail, step
+    # a QLoRA step priced by the rung: a counted plan has no step time to price it against
+    from autoplan.report.batch_steps import Step
+    from autoplan.report.ladder_steps import planned_by_ladder
+
+    priced = planned_by_ladder(Step("qlora", "4-bit QLoRA", "try", "about"), counted, ladder)
+    assert priced.status == "try" and priced.saves_bytes == counted.prediction.peak_bytes - 9_000
+    assert priced.time_change_s is None and "(its states, counted) for this plan" in priced.detail
     console = Console(width=120, record=True)
     for part in report_renderables(counted, advice):
         console.print(part)
