@@ -101,9 +101,10 @@ def resolve_layout(model: torch.nn.Module, degree: int, given: tuple[tuple[str, 
         raise OptionError(f"tensor_parallel_plan names modules that are not nn.Linear: {', '.join(others[:3])}; only linears "
                           "are split column- or row-wise")
     if not layout:
-        source = "tensor_parallel_plan" if given is not None else "the model's tp_plan or torchtitan's layer names"
+        source = "tensor_parallel_plan" if given is not None else "the model's own layout (its tp_plan, else torchtitan's layer names)"
         raise OptionError(f"tensor_parallel={degree}: {source} names no linear of {type(model).__name__}; pass "
-                          "tensor_parallel_plan={'pattern': 'colwise' | 'rowwise'} naming its attention and MLP linears")
+                          "tensor_parallel_plan={'pattern': 'colwise' | 'rowwise'} naming its attention and MLP linears "
+                          "(an option of autoplan.plan and Planner; the command line has no flag for it)")
     return tuple(layout)
 
 
