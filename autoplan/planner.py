@@ -20,7 +20,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from typing_extensions import Unpack
 
-from autoplan.axes.precision import choices_for
+from autoplan.axes.precision import choices_for, kind, rest_precision
+from autoplan.axes.precisions.float8 import Float8, check_some_run_in_float8
 from autoplan.deciding import decide_loss_head
 from autoplan.errors import (
     MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, SparseGradientError, TraceError,
@@ -33,7 +34,7 @@ from autoplan.inputs.settings import SearchSpace, StepOptions, flag, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
 from autoplan.instruments.tracker import SEEN_INSIDE
 from autoplan.mesh import FSDP, MAX_RANKS, Mesh
-from autoplan.plan import Choice, Plan, Precision
+from autoplan.plan import Choice, Plan
 from autoplan.profile.profiler import Profile
 from autoplan.profile.profiler import profile as profile_units
 from autoplan.profile.states import CountedStates, count_states
@@ -49,6 +50,7 @@ from autoplan.training.step_parts import model_device, optimizer_name, parameter
 from autoplan.inputs.tensor_parallel import degrees_to_plan, rank_model
 from autoplan.solve.degrees import DegreeFit, can_beat, chosen_degree, degrees_note
 from autoplan.solve.worlds import fewest_gpus, points_key
+from autoplan.vocabulary.names import unit_module
 from autoplan.vocabulary.fingerprint import batch_values, describe_tensor, first_difference, fingerprint_of
 from autoplan.vocabulary.formatting import first_line, where_in_user_code
 from autoplan.vocabulary.sizes import Size
@@ -335,9 +337,11 @@ def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, s
     precisions = choices_for(space.precision, device)
     if space.keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
-    rest: Precision = "fp32" if space.precision == "auto" else precisions[0]  # the one precision forced
+    rest = rest_precision(space.precision)
     say("tracing")
     traced = dataclasses.replace(trace(model, batch, unit_names=unit_names, routing=step.routing), parameter_dtype=step.parameter_dtype)
+    if any(isinstance(kind(precision), Float8) for precision in precisions):
+        check_some_run_in_float8({unit.name: unit_module(model, unit) for unit in traced.units}, space.precision)
     if space.compile and profile == "measure":
         raise OptionError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "
                           "use profile='roofline' or 'auto'")

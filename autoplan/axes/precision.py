@@ -26,8 +26,9 @@ from autoplan.errors import OptionError
 if TYPE_CHECKING:
     import torch
 
-Precision = str  # a name of `names()`: "fp32", "bf16", "fp16"
+Precision = str  # a name of `names()`: "fp32", "bf16", "fp16", "float8", "float8-rowwise"
 AUTO = "auto"  # the setting that lets the solver choose per unit
+AUTO_FLOAT8 = "auto-float8"  # the same, float8 (torchao's tensorwise recipe) among the choices
 
 
 class PrecisionKind(Protocol):
@@ -40,6 +41,7 @@ class PrecisionKind(Protocol):
     auto_preference: int | None  # among the low precisions "auto" may pick, lower first; None: never picked by "auto"
     grad_scaler: bool  # its gradients need torch.amp.GradScaler in the training loop (fp16's range)
     words: str  # the report's name for the step to it: "bf16 autocast"
+    around_the_model: bool  # forced on every unit, it runs outside them too (autocast); float8 swaps the units' linears only
 
     def unsupported(self, device: DeviceLike) -> str:
         """Why `device` cannot run it ("" when it can)."""
@@ -78,8 +80,8 @@ def names() -> tuple[Precision, ...]:
 
 
 def settings() -> tuple[str, ...]:
-    """What the precision option takes: "auto", or one precision for every unit."""
-    return (AUTO, *names())
+    """What the precision option takes: "auto" or "auto-float8" (a choice per unit), or one precision for every unit."""
+    return (AUTO, AUTO_FLOAT8, *names())
 
 
 def kind(name: str) -> PrecisionKind:
@@ -127,7 +129,7 @@ def check_setting(setting: object, device: DeviceLike) -> str:
     if not isinstance(setting, str) or setting not in settings():
         listed = ", ".join(repr(name) for name in settings()[:-1]) + f" or {settings()[-1]!r}"
         raise OptionError(f"precision must be {listed}; got {setting!r}")
-    why = "" if setting == AUTO else kind(setting).unsupported(device)
+    why = "" if setting == AUTO else kind("float8" if setting == AUTO_FLOAT8 else setting).unsupported(device)
     if why:
         low = low_precision(device).name
         raise OptionError(f"precision {setting!r} (--precision {setting}): {why}; use {low!r}"
@@ -136,10 +138,22 @@ def check_setting(setting: object, device: DeviceLike) -> str:
 
 
 def choices_for(setting: str, device: DeviceLike) -> tuple[Precision, ...]:
-    """The precisions the solver may choose from: "auto" means fp32 or the device's low precision."""
-    if check_setting(setting, device) == AUTO:
+    """The precisions the solver may choose from: "auto" means fp32 or the device's low precision, "auto-float8"
+    those or float8."""
+    checked = check_setting(setting, device)
+    if checked == AUTO:
         return ("fp32", low_precision(device).name)
+    if checked == AUTO_FLOAT8:
+        return ("fp32", low_precision(device).name, "float8")
     return (setting,)
+
+
+def rest_precision(setting: str) -> Precision:
+    """What runs outside the units (the embeddings, the loss head): the one precision forced where it runs around
+    the model (`around_the_model`), else fp32 (a choice per unit; float8, which converts the units' linears only)."""
+    if setting in (AUTO, AUTO_FLOAT8) or not kind(setting).around_the_model:
+        return "fp32"
+    return setting
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -151,7 +165,12 @@ def dtype_of(name: str) -> torch.dtype:
 
 @functools.cache
 def _by_dtype() -> dict[torch.dtype, PrecisionKind]:
-    return {dtype_of(found.name): found for found in kinds()}
+    import torch
+
+    by_dtype = {dtype_of(found.name): found for found in kinds()}
+    # a kind's other dtypes: float8's gradients are cast to e5m2, and its matmuls on them run at its rate
+    by_dtype.update({getattr(torch, name): found for found in kinds() for name in getattr(found, "other_dtype_names", ())})
+    return by_dtype
 
 
 def flops_for(device: DeviceLike, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:

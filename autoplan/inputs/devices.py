@@ -129,7 +129,7 @@ def _cpu() -> Device:
 
 
 _A100 = {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}
-_H100 = {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}
+_H100 = {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "float8": 1978.9}  # float8: dense e4m3 (sparse is twice)
 _V100 = {"fp32": 15.7, "fp16": 125}
 
 _TABLE = (
@@ -141,12 +141,12 @@ _TABLE = (
           "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", (9, 0), _PCIE5),
     _cuda("h200", "NVIDIA H200 SXM 141GB HBM3e", 141, _H100, 4.8e12,
           "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)", (9, 0), _PCIE5),
-    # GeForce: fp16/bf16 tensor rates with fp32 accumulate, as frameworks use.
+    # GeForce: fp16/bf16 (and float8) tensor rates with fp32 accumulate, as frameworks use.
     _cuda("rtx-3090", "NVIDIA GeForce RTX 3090 24GB GDDR6X", 24,
           {"fp32": 35.6, "tf32": 35.6, "bf16": 71, "fp16": 71}, 936e9,
           "NVIDIA Ampere GA102 GPU Architecture whitepaper (RTX 3090)", (8, 6), _PCIE4),
     _cuda("rtx-4090", "NVIDIA GeForce RTX 4090 24GB GDDR6X", 24,
-          {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2}, 1008e9,
+          {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "float8": 330.3}, 1008e9,
           "NVIDIA Ada GPU Architecture whitepaper (RTX 4090)", (8, 9), _PCIE4),
     _cuda("t4", "NVIDIA T4 16GB GDDR6", 16, {"fp32": 8.1, "fp16": 65}, 320e9,
           "NVIDIA T4 Tensor Core GPU datasheet", (7, 5), _PCIE3),
@@ -155,7 +155,7 @@ _TABLE = (
     _cuda("v100-32gb", "NVIDIA V100 SXM2 32GB HBM2", 32, _V100, 900e9,
           "NVIDIA Tesla V100 GPU datasheet (SXM2)", (7, 0), _PCIE3),
     _cuda("l4", "NVIDIA L4 24GB GDDR6", 24,
-          {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121}, 300e9,
+          {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "float8": 242.5}, 300e9,
           "NVIDIA L4 Tensor Core GPU datasheet", (8, 9), _PCIE4),
     _cuda("a10g", "NVIDIA A10G 24GB GDDR6 (AWS g5)", 24,
           {"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}, 600e9,
@@ -164,7 +164,7 @@ _TABLE = (
           {"fp32": 38.7, "tf32": 77.4, "bf16": 154.8, "fp16": 154.8}, 768e9,
           "NVIDIA RTX A6000 datasheet (dense tensor rates)", (8, 6), _PCIE4),
     _cuda("l40s", "NVIDIA L40S 48GB GDDR6", 48,
-          {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05}, 864e9,
+          {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "float8": 733}, 864e9,
           "NVIDIA L40S GPU datasheet (dense tensor rates)", (8, 9), _PCIE4),
     _cuda("gh200", "NVIDIA GH200 Grace Hopper Superchip, 96GB HBM3", 96, _H100, 4e12,
           "NVIDIA GH200 Grace Hopper Superchip datasheet (96GB HBM3, NVLink-C2C)", (9, 0), _NVLINK_C2C),
@@ -259,10 +259,10 @@ CUSTOM_KEYS = {
     "bf16_tflops": "dense bf16 tensor TFLOP/s (none: the card has no bf16, fp16 is its low precision)",
     "fp16_tflops": "dense fp16 tensor TFLOP/s (default: the bf16 rate, else the fp32 rate)",
     "tf32_tflops": "dense TF32 tensor TFLOP/s (default: none)",
+    "float8_tflops": "dense float8 (e4m3) tensor TFLOP/s (none: the card has no float8)",
     "capability": "CUDA compute capability, e.g. 8.9 (default 8.0 with bf16, else 7.0)",
     "host_bandwidth": "host link per direction, e.g. 32GB/s (default 32GB/s, PCIe Gen4 x16)",
-    "name": "what the report calls it (default: custom)",
-    "description": "a line for the report",
+    "name": "what the report calls it (default: custom)", "description": "a line for the report",
 }
 _REQUIRED = ("memory", "fp32_tflops", "bandwidth")
 
@@ -278,7 +278,7 @@ def custom_device(values: Mapping[str, object], spec: str = "custom") -> Device:
     if unknown or missing:
         raise fail(f"unknown key(s) {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}")
     rates = {name: _positive(values[f"{name}_tflops"], f"{name}_tflops", fail) * _T
-             for name in ("fp32", "bf16", "fp16", "tf32") if f"{name}_tflops" in values}
+             for name in ("fp32", "bf16", "fp16", "tf32", "float8") if f"{name}_tflops" in values}
     rates.setdefault("fp16", rates.get("bf16", rates["fp32"]))
     capability = _capability(str(values.get("capability", "8.0" if "bf16" in rates else "7.0")), fail)
     return Device(

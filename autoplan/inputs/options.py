@@ -77,7 +77,8 @@ class PlanOptions:
         ("--device", "-d"), "Device profile to plan for (see `autoplan devices`). Default: this machine's GPU, else the cpu profile.",
         "device profile (`autoplan devices`); default this machine's GPU, else the `cpu` profile. A card of your own: "
         "`custom:memory=48GiB,fp32_tflops=91.6,bf16_tflops=362,bandwidth=864GB/s,capability=8.9` (required: `memory`, `fp32_tflops`, "
-        "`bandwidth`; optional: `bf16_tflops` (none: an fp16 card), `fp16_tflops`, `tf32_tflops`, `capability` (default 8.0 with bf16, "
+        "`bandwidth`; optional: `bf16_tflops` (none: an fp16 card), `fp16_tflops`, `tf32_tflops`, `float8_tflops` (none: no float8), "
+        "`capability` (default 8.0 with bf16, "
         "else 7.0), `host_bandwidth` (the host link per direction, which prices offload; default 32GB/s), `name`, `description`), "
         "or a `.json` file holding the same keys", verify=False))
     optimizer: str | torch.optim.Optimizer = _option("adamw", "`\"adamw\"` (default), `\"adam\"`, `\"sgd\"`, `\"sgd-momentum\"`, or an "
@@ -90,9 +91,13 @@ class PlanOptions:
         verify_help="Optimizer to count and to train with; the 8-bit and paged ones are bitsandbytes' (pip install -e \".[qlora]\")."))
     precision: str = _option("auto", "`\"auto\"`: per unit, fp32 or the device's low precision (bf16; fp16 on T4/V100, and "
                              "`plan.target.needs_grad_scaler` tells you to use `torch.amp.GradScaler`). `\"fp32\"`, `\"bf16\"`, `\"fp16\"` "
-                             "force every unit and run the rest of the model under autocast too (`autoplan/axes/precision.py`).", Flag(
-        ("--precision",), "auto: per unit fp32 or the device's bf16/fp16; or force one for the whole model.",
-        "`auto` (per unit, fp32 or the device's bf16/fp16), `fp32`, `bf16`, `fp16`", precision_settings()))
+                             "force every unit and run the rest of the model under autocast too (`autoplan/axes/precision.py`). "
+                             "`\"auto-float8\"`: per unit, fp32, bf16 or float8 (torchao's float8 linears in a bf16 unit; CPU and "
+                             "cards with float8: H100, H200, L40S, RTX 4090, L4); `\"float8\"`, `\"float8-rowwise\"` force every "
+                             "unit's linears to float8 (one scale a tensor or a row), the rest as written ([float8.md](float8.md)).", Flag(
+        ("--precision",), "auto: per unit fp32 or the device's bf16/fp16; auto-float8: float8 too; or force one for every unit.",
+        "`auto` (per unit, fp32 or the device's bf16/fp16), `auto-float8` (the same, or torchao's float8 linears), `fp32`, `bf16`, "
+        "`fp16`, `float8`, `float8-rowwise` (every unit's linears float8, one scale a tensor or a row)", precision_settings()))
     units: list[str] | None = _option(None, UNITS_DOC, Flag(
         ("--units",), 'Name patterns of the blocks to plan, e.g. "layers.*" (repeat or comma-separate). Default: the blocks the model '
         "repeats.", "name patterns of the blocks to plan, repeated or comma-separated (`--units \"layers.*\"`); a pattern that names a "

@@ -11,6 +11,7 @@ import torch
 from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from autoplan.instruments.quantized import fake_quantized_entries
 from autoplan.instruments.rnn import MKLDNN_RNN_LAYER, with_real_workspace
@@ -217,7 +218,10 @@ _SAME_DTYPE_OPS = {
 
 def check_same_dtype(func, args) -> None:
     """Raise the error the real kernel raises when `func`'s tensor operands differ in dtype."""
-    dtypes = [arg.dtype for arg in args if isinstance(arg, torch.Tensor)]
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    if any(is_traceable_wrapper_subclass(tensor) for tensor in tensors):
+        return  # a subclass's dtype is what it stands for (torchao's float8 tensors: their bf16 or fp32 origin), not its kernel's
+    dtypes = [tensor.dtype for tensor in tensors]
     if len(set(dtypes)) > 1:
         names = " and ".join(str(dtype).removeprefix("torch.") for dtype in dict.fromkeys(dtypes))
         hint = " (an integer batch into a float layer: convert it with .float(), or embed token ids first)" if any(

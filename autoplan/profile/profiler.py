@@ -354,8 +354,8 @@ def profile(
     loop = check_loop(loop)
     if not isinstance(traced, Traced):
         raise OptionTypeError("profile() takes the Traced result of autoplan.trace.trace(); run trace first")
-    rest = rest_precision
-    base = {unit: Choice("keep", rest) for unit in traced.units}
+    rest = rest_precision  # each unit's base: keep in it, or in the one precision forced where that does not run outside (float8)
+    base = {unit: Choice("keep", rest if rest in precisions else precisions[0]) for unit in traced.units}
     say = progress or (lambda message: None)
     say("simulating a training step")
     timeline_mode = new_fake_mode(traced.routing, traced.draws)

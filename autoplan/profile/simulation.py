@@ -131,7 +131,7 @@ def base_timelines(
         timeline, alternative = (timeline, written) if holds_less(timeline, written) else (written, timeline)
     elif timeline.fusing_held_longer:  # nothing fused, and looking for a head held more than the step as written does
         timeline = written = simulate(base, rest_precision, False, fake_mode)
-    if rest_precision == "fp32":
+    if rest_precision == "fp32" and all(choice.precision == "fp32" for choice in base.values()):
         return BaseTimelines(timeline, written, alternative)
     # no plan: the model as written; under the loop's own autocast that runs its units in the loop's precision, with
     # autocast's weight cache (a planned keep/fp32 unit would switch the autocast off for itself)

@@ -21,6 +21,7 @@ from autoplan.axes.checkpoint import Mode
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.profiler import Profile
+from autoplan.report.float8_step import float8_step
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size, tensor_parallel_step
 from autoplan.report.ladder_steps import planned_by_ladder
 from autoplan.report.offload_advice import offload_step
@@ -90,7 +91,8 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
     saves = predict_peak(profile, fp32).bytes - predict_peak(profile, lowered).bytes
     change = predict_step_time(profile, lowered) - predict_step_time(profile, fp32)
     chosen = plan.decisions.unit_choices()
-    used = sum(1 for choice in chosen.values() if choice.precision == low)
+    # a float8 unit runs in bf16 autocast around its float8 linears
+    used = sum(1 for choice in chosen.values() if choice.precision == low or not kind(choice.precision).around_the_model)
     pace = f"{format_seconds(abs(change))} {'faster' if change <= 0 else 'slower'}"
     # a higher peak is possible: autocast saves each weight's low-precision copy for backward, which outweighs
     # small activations (the peak read "-1.11 MB lower" and the step said "try")
@@ -246,6 +248,7 @@ def advise(
         _low_precision(plan, profile),
         _tf32(plan, profile),
         _sdpa(plan, profile, peak_index),
+        float8_step(plan, profile, every_unit(profile, "keep", plan.target.low_precision), every_unit(profile, "keep", "float8")),
         _compile(plan, profile),
         _checkpointing(plan, profile),
         offload_step(plan, profile),

@@ -67,7 +67,7 @@ class Advice:
         }
 
 
-ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "compile", "checkpointing", "offload")  # what changes activations or speed
+ACTIVATION_SIDE = ("bf16", "fp16", "tf32", "sdpa", "float8", "compile", "checkpointing", "offload")  # what changes activations or speed
 
 
 def scaled_peak(phases: list[PhaseBytes], scale: Callable[[int, PhaseBytes], float]) -> int:

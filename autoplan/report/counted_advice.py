@@ -14,6 +14,7 @@ from typing import Any
 from autoplan.axes.precision import kind
 from autoplan.inputs.devices import Device
 from autoplan.plan import Plan
+from autoplan.report.float8_step import TITLE as FLOAT8_TITLE
 from autoplan.report.fsdp_advice import tensor_parallel_step
 from autoplan.report.batch_steps import ACTIVATION_SIDE, Advice, Step
 from autoplan.report.ladder_steps import planned_by_ladder
@@ -21,7 +22,8 @@ from autoplan.report.optimizer_advice import eight_bit_step, qlora_step
 from autoplan.vocabulary.formatting import format_bytes, rank_noun
 
 _NO_HELP = "no help here: the states alone are over the budget, not the activations (counted; no step was simulated)"
-_TITLES = {"tf32": "TF32 matmuls", "sdpa": "fused attention (SDPA / FlashAttention)", "compile": "torch.compile",
+_TITLES = {"tf32": "TF32 matmuls", "sdpa": "fused attention (SDPA / FlashAttention)", "float8": FLOAT8_TITLE,
+           "compile": "torch.compile",
            "checkpointing": "activation checkpointing (autoplan's choice per unit)",
            "offload": "activation offload to host memory (autoplan's choice per unit)"}
 

@@ -18,16 +18,17 @@ from autoplan.plan import Choice
 
 
 def test_every_file_of_precisions_is_a_precision_in_order():
-    files = {module.name for module in pkgutil.iter_modules(precisions.__path__)}
+    files = {module.name.replace("_", "-") for module in pkgutil.iter_modules(precisions.__path__)}
     assert set(names()) == files  # a new precision is a new file there, and nothing else
-    assert names() == ("fp32", "bf16", "fp16")
-    assert settings() == ("auto", "fp32", "bf16", "fp16")
+    assert names() == ("fp32", "bf16", "fp16", "float8", "float8-rowwise")
+    assert settings() == ("auto", "auto-float8", "fp32", "bf16", "fp16", "float8", "float8-rowwise")
     assert [k.order for k in kinds()] == sorted(k.order for k in kinds())
 
 
 def test_each_precision_is_torch_s_dtype():
-    assert [dtype_of(name) for name in names()] == [torch.float32, torch.bfloat16, torch.float16]
-    assert low_dtypes() == (torch.bfloat16, torch.float16)
+    assert [dtype_of(name) for name in names()] == [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                                    torch.float8_e4m3fn]
+    assert low_dtypes()[:2] == (torch.bfloat16, torch.float16)
 
 
 @pytest.mark.parametrize("axis", [CHECKPOINT, PRECISION, PLACEMENT])
@@ -51,7 +52,8 @@ def test_auto_picks_bf16_where_the_card_has_it_and_fp16_where_it_has_not():
 def test_one_check_of_a_precision_against_a_device():
     with pytest.raises(OptionError, match=r"precision 'bf16' \(--precision bf16\): t4 has no bf16; use 'fp16' \(with a GradScaler\)"):
         check_setting("bf16", get_device("t4"))
-    with pytest.raises(OptionError, match="precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got 'int8'"):
+    with pytest.raises(OptionError, match="precision must be 'auto', 'auto-float8', 'fp32', 'bf16', 'fp16', 'float8' or "
+                                          "'float8-rowwise'; got 'int8'"):
         check_setting("int8", get_device("t4"))
     assert check_setting("fp16", get_device("t4")) == "fp16"
 

@@ -24,7 +24,7 @@ from tests.cli_factories import small_gpt, tiny_gpt, wide_gpt_on_meta
 FACTORY = "tests/cli_factories.py:tiny_gpt"
 SMALL_FACTORY = "tests/cli_factories.py:small_gpt"  # activations beyond what the caching allocator's segments round away
 COMPILED_FACTORY = "tests/cli_factories.py:compiled_mlp"  # torch.compile(model), never compiled
-STEP_KEYS = ["bf16", "tf32", "sdpa", "compile", "checkpointing", "offload", "grad_accumulation", "shorter_sequences",
+STEP_KEYS = ["bf16", "tf32", "sdpa", "float8", "compile", "checkpointing", "offload", "grad_accumulation", "shorter_sequences",
              "optimizer_8bit", "qlora", "fsdp", "tensor-parallel"]
 runner = CliRunner()
 

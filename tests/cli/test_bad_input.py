@@ -468,7 +468,7 @@ def test_random_option_values_exit_cleanly(option: str, value: str) -> None:
 @pytest.mark.parametrize("option,value,says", [
     ("menu_size", -1, "menu_size takes a whole number"), ("menu_size", 2.5, "menu_size takes a whole number"),
     ("profile", "gpu", "profile must be 'auto', 'measure' or 'roofline'; got 'gpu'"),
-    ("precision", "int8", "precision must be 'auto', 'fp32', 'bf16' or 'fp16'; got 'int8'"),
+    ("precision", "int8", "precision must be 'auto', 'auto-float8', 'fp32', 'bf16', 'fp16', 'float8' or 'float8-rowwise'; got 'int8'"),
     ("optimizer", "lion", "optimizer .*: unknown optimizer 'lion'; expected one of"),  # issue 27: was a ProfileError
 ])
 def test_api_options_are_checked_before_tracing(option, value, says) -> None:

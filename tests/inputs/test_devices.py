@@ -30,7 +30,7 @@ def test_required_device_present_and_positive(name: str) -> None:
     assert device.description and device.source
     assert device.peak_flops["fp32"] > 0
     assert all(rate > 0 for rate in device.peak_flops.values())
-    assert set(device.peak_flops) <= {"fp32", "tf32", "bf16", "fp16"}
+    assert set(device.peak_flops) <= {"fp32", "tf32", "bf16", "fp16", "float8"}
 
 
 @pytest.mark.parametrize(

@@ -124,7 +124,7 @@ def test_least_activation_choices_keep_no_more_than_any_other(loose) -> None:
 def test_advice_for_a_plan_that_fits(loose) -> None:
     _, plan, profile = loose
     advice = advise(plan, profile, batch_size=BATCH, seq_len=SEQ)
-    assert [s.key for s in advice.steps] == ["bf16", "tf32", "sdpa", "compile", "checkpointing", "offload", "grad_accumulation",
+    assert [s.key for s in advice.steps] == ["bf16", "tf32", "sdpa", "float8", "compile", "checkpointing", "offload", "grad_accumulation",
                                               "shorter_sequences", "optimizer_8bit", "qlora", "fsdp", "tensor-parallel"]
     assert advice.fits and advice.first_fix is None and advice.fsdp.world_size == 1
     assert advice.step("grad_accumulation").status == "n/a" and advice.step("fsdp").status == "n/a"

@@ -29,6 +29,7 @@ class Autocast:
     words: str
     missing: Callable[[DeviceLike], str]  # why a device cannot run it ("" when it can)
     rewriting: int = 1  # an autocast around the unit
+    around_the_model: bool = True  # forced on every unit, an autocast around the whole forward
 
     def unsupported(self, device: DeviceLike) -> str:
         return self.missing(device)

@@ -19,6 +19,7 @@ class Fp32:
     auto_preference = None  # "auto" chooses between fp32 and a low precision
     grad_scaler = False
     words = "fp32"
+    around_the_model = True
 
     def unsupported(self, device: DeviceLike) -> str:
         return ""

@@ -1,0 +1,120 @@
+"""float8 and float8-rowwise: torchao's float8 training for a unit's linears, the rest of the unit in bf16 autocast.
+
+While the unit's forward runs (its recomputation too), each of its `torch.nn.Linear`s whose features divide by 16
+(what the float8 matmul takes) runs as torchao's `Float8Linear` with the same parameters: input, weight and
+gradient cast to float8 with dynamic scales, one per tensor (`float8`, torchao's "tensorwise" recipe) or one per row
+(`float8-rowwise`), as `convert_to_float8_training` with a filter naming these linears would run them. Nothing else
+changes: the parameters stay as they are (fp32), and the unit's other ops run under bf16 autocast, as float8 is run
+in practice (torchtitan's float8 runs beside bf16 parameters): a float8 unit is a bf16 unit whose linears are float8.
+
+Cards with float8 tensor cores run it (H100, H200, GH200, L40S, RTX 4090: the device table's "float8" rate); the
+CPU runs torchao's float8 matmul too (slowly, upcast inside `_scaled_mm`), which is how a plan's float8 units are
+checked against the CPU allocator's count of the real step. torchao is an optional extra (`pip install -e ".[float8]"`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+from autoplan.axes import DeviceLike
+
+if TYPE_CHECKING:
+    import torch
+
+FLOAT8_MULTIPLE = 16  # the float8 matmul's operands: both dimensions of the weight divide by 16
+
+
+@dataclass(frozen=True)
+class Float8:
+    """torchao's float8 training of a unit's linears, in one of its recipes ("tensorwise", "rowwise")."""
+
+    name: str
+    recipe: str
+    order: int
+    words: str
+    dtype_name: str = "float8_e4m3fn"
+    other_dtype_names: tuple[str, ...] = ("float8_e5m2",)  # the gradients' float8 (`axes.precision.flops_for`)
+    rewriting: int = 2  # the unit's linears swapped while it runs: more than an autocast
+    auto_preference: int | None = None  # "auto" never picks it: float8 is asked for ("auto-float8", or "float8")
+    grad_scaler: bool = False  # dynamic scales per cast: no loss scaling
+    around_the_model: bool = False  # the units' linears only: the loss head stays as written, as torchao's users keep it
+
+    def unsupported(self, device: DeviceLike) -> str:
+        if not _has_torchao():
+            return "float8 training runs torchao's float8 linears, and torchao is not installed (pip install torchao, or the float8 extra)"
+        if device.kind == "cpu" or "float8" in device.peak_flops:
+            return ""
+        return f"{device.name} has no float8 tensor cores (H100, H200, GH200, L40S and RTX 4090 have)"
+
+    def running(self, module: torch.nn.Module, device_type: str) -> contextlib.AbstractContextManager:
+        return _float8_linears(module, device_type, self.recipe)
+
+    def flops(self, device: DeviceLike, allow_tf32: bool) -> float:
+        # the CPU (and a card without a datasheet float8 rate) upcasts inside the kernel: the fp32 rate
+        return device.peak_flops.get("float8", device.peak_flops["fp32"])
+
+
+def _has_torchao() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+def float8_linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linears of `module` float8 runs: plain `torch.nn.Linear`s (not a library's subclass: a quantized or
+    adapter layer) whose in and out features divide by FLOAT8_MULTIPLE."""
+    import torch
+
+    return [inner for inner in module.modules() if type(inner) is torch.nn.Linear
+            and inner.in_features % FLOAT8_MULTIPLE == 0 and inner.out_features % FLOAT8_MULTIPLE == 0]
+
+
+def check_some_run_in_float8(units: dict[str, torch.nn.Module], setting: str) -> None:
+    """An OptionError when no unit holds a linear float8 runs: the plan would call bf16 units float8."""
+    if not any(float8_linears(module) for module in units.values()):
+        from autoplan.errors import OptionError
+
+        names = ", ".join(list(units)[:3]) + (", ..." if len(units) > 3 else "")
+        raise OptionError(f"precision={setting!r}: none of the units ({names}) holds a torch.nn.Linear whose features divide "
+                          f"by {FLOAT8_MULTIPLE}, the layers torchao's float8 training runs (transformers' GPT-2 Conv1D and "
+                          "quantized or adapter layers are not); plan with 'bf16' or 'auto'")
+
+
+@contextlib.contextmanager
+def _float8_linears(module: torch.nn.Module, device_type: str, recipe: str) -> Iterator[None]:
+    import torch
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    linears = float8_linears(module)
+    swapped = [(linear, linear.__dict__.get("forward")) for linear in linears]
+    for linear in linears:
+        # made at each entry, so that it shares the parameters the linear holds now (FSDP or apply may replace them)
+        linear.forward = _in_bf16(Float8Linear.from_float(linear, config=config))  # type: ignore[method-assign]
+    try:
+        # the weight cache would keep bf16 weight copies alive until the outermost autocast exits (as `Autocast`)
+        with torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False):
+            yield
+    finally:
+        for linear, before in swapped:
+            if before is None:
+                del linear.forward
+            else:
+                linear.forward = before  # type: ignore[method-assign]
+
+
+def _in_bf16(float8_linear: torch.nn.Module):
+    """Float8Linear's forward on a bf16 input: torchao casts its input to CUDA's autocast dtype itself, and not
+    under the CPU's autocast; cast here, the CPU and a GPU run the same."""
+    import torch
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        return float8_linear(input.to(torch.bfloat16) if input.is_floating_point() else input)
+
+    return forward
+
+
+KIND = Float8(name="float8", recipe="tensorwise", order=3, words="float8 linears (torchao, one scale a tensor)")
