@@ -193,7 +193,7 @@ def test_autoplan_devices_says_the_memory_there_is():
 
     assert (gib_text(80 * 2**30), gib_text(int(23.54 * 2**30)), gib_text(24 * 2**30 - 1)) == ("80", "23.5", "23.9")
     cpu = get_device("cpu").memory_bytes
-    row = next(line for line in CliRunner().invoke(app, ["devices"]).output.splitlines() if " cpu " in line)
+    row = next(line for line in CliRunner().invoke(app, ["devices"]).output.splitlines() if line.startswith("cpu "))
     assert f" {gib_text(cpu)} GiB ({cpu / 1e9:.1f} GB) " in row and cpu >= float(gib_text(cpu)) * 2**30
 
 

@@ -20,6 +20,7 @@ CUSTOM_KEYS = {
     "float8_tflops": "dense float8 (e4m3) tensor TFLOP/s (none: the card has no float8)",
     "capability": "CUDA compute capability, e.g. 8.9 (default 8.0 with bf16, else 7.0)",
     "host_bandwidth": "host link per direction, e.g. 32GB/s (default 32GB/s, PCIe Gen4 x16)",
+    "interconnect": "link to the card's peers per direction, e.g. 450GB/s for NVLink 4 (default: the host link)",
     "name": "what the report calls it (default: custom)", "description": "a line for the report",
 }
 _REQUIRED = ("memory", "fp32_tflops", "bandwidth")
@@ -38,13 +39,15 @@ def custom_device(values: Mapping[str, object], spec: str = "custom") -> Device:
     rates = {name: _positive(values[f"{name}_tflops"], f"{name}_tflops", fail) * TERA
              for name in ("fp32", "bf16", "fp16", "tf32", "float8") if f"{name}_tflops" in values}
     rates.setdefault("fp16", rates.get("bf16", rates["fp32"]))
+    host = float(_size(str(values.get("host_bandwidth", "32GB")).removesuffix("/s"), "host_bandwidth", fail))
     capability = _capability(str(values.get("capability", "8.0" if "bf16" in rates else "7.0")), fail)
     return Device(
         name=str(values.get("name", "custom")), description=str(values.get("description", f"custom card ({spec})")), kind="cuda",
         memory_bytes=_size(values["memory"], "memory", fail), peak_flops=rates,
         memory_bandwidth=float(_size(str(values["bandwidth"]).removesuffix("/s"), "bandwidth", fail)),
         source=f"given: {spec}", compute_capability=capability, **context_of(capability),
-        host_bandwidth=float(_size(str(values.get("host_bandwidth", "32GB")).removesuffix("/s"), "host_bandwidth", fail)),
+        host_bandwidth=host, interconnect_bandwidth=float(_size(str(values["interconnect"]).removesuffix("/s"), "interconnect",
+                                                                fail)) if "interconnect" in values else host,
     )
 
 

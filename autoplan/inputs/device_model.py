@@ -40,6 +40,9 @@ class Device:
     # (the card's PCIe generation, or NVLink-C2C); 0: no host link (the CPU)
     host_bandwidth: float = 0.0
     context_source: str = ""  # where context_bytes comes from (inputs.cuda_context): measured, estimated, or given
+    # the link to the card's peers, bytes per second each way: what tensor parallelism's all-reduces move at
+    # (instruments.collectives): NVLink on SXM cards, else PCIe peer to peer; 0: none (the CPU)
+    interconnect_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         # A plain dict would let callers mutate a "frozen" device's rates.
@@ -79,7 +82,9 @@ def cuda_card(
     source: str,
     compute_capability: tuple[int, int],
     host_bandwidth: float,
+    interconnect_bandwidth: float = 0.0,
 ) -> Device:
+    """A CUDA card's entry; its interconnect is its host link (PCIe peer to peer) unless it has NVLink's."""
     return Device(
         name=name,
         description=description,
@@ -90,6 +95,7 @@ def cuda_card(
         source=source,
         compute_capability=compute_capability,
         host_bandwidth=host_bandwidth,
+        interconnect_bandwidth=interconnect_bandwidth or host_bandwidth,
         **context_of(compute_capability),
     )
 
@@ -97,6 +103,9 @@ def cuda_card(
 # Host links, per direction, from the interface's specification (x16 lanes): real pinned copies
 # reach less (to be measured on a GPU); GH200's NVLink-C2C is 900 GB/s both ways together.
 PCIE3, PCIE4, PCIE5, NVLINK_C2C = 16e9, 32e9, 64e9, 450e9
+# NVLink between SXM cards, per direction (the datasheets' figure is both ways together): V100's NVLink 2 300 GB/s,
+# A100's NVLink 3 600 GB/s, H100's and H200's NVLink 4 900 GB/s
+NVLINK2, NVLINK3, NVLINK4 = 150e9, 300e9, 450e9
 
 
 def context_of(compute_capability: tuple[int, int]) -> dict[str, Any]:

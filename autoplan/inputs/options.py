@@ -79,7 +79,8 @@ class PlanOptions:
         "`custom:memory=48GiB,fp32_tflops=91.6,bf16_tflops=362,bandwidth=864GB/s,capability=8.9` (required: `memory`, `fp32_tflops`, "
         "`bandwidth`; optional: `bf16_tflops` (none: an fp16 card), `fp16_tflops`, `tf32_tflops`, `float8_tflops` (none: no float8), "
         "`capability` (default 8.0 with bf16, "
-        "else 7.0), `host_bandwidth` (the host link per direction, which prices offload; default 32GB/s), `name`, `description`), "
+        "else 7.0), `host_bandwidth` (the host link per direction, which prices offload; default 32GB/s), `interconnect` (the link "
+        "to its peers per direction, which prices tensor parallelism's all-reduces; default the host link), `name`, `description`), "
         "or a `.json` file holding the same keys", verify=False))
     optimizer: str | torch.optim.Optimizer = _option("adamw", "`\"adamw\"` (default), `\"adam\"`, `\"sgd\"`, `\"sgd-momentum\"`, or an "
                                                      "optimizer instance (its class and defaults are used); bitsandbytes' by name "

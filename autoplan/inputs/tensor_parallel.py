@@ -11,8 +11,9 @@ it too, shards this rank's model further).
 The collectives are written into that model where they allocate, as torch's functional collectives do
 (`_c10d_functional.all_reduce` returns a new tensor): a row-wise linear's forward all-reduce is a copy
 of its partial output, and a column-wise linear's input gradient, a partial sum across ranks, is copied
-by its all-reduce in backward. Checked against torch's own DTensor step on gloo ranks, counted by the
-CPU allocator (tests/apply/test_tensor_parallel.py).
+by its all-reduce in backward; both are `instruments.collectives.all_reduced`, which the roofline prices
+at the card's interconnect (a recomputed unit pays its forward all-reduces again). Checked against torch's
+own DTensor step on gloo ranks, counted by the CPU allocator (tests/apply/test_tensor_parallel.py).
 
 The layout (module name -> "colwise" | "rowwise") is the person's `tensor_parallel_plan` (patterns), else
 the model's own: transformers' `model.tp_plan` (its colwise and rowwise entries), or torchtitan's Llama
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from autoplan.errors import OptionError
+from autoplan.instruments.collectives import all_reduced
 from autoplan.inputs.settings import STYLES
 
 TORCHTITAN_LAYOUT = {"*attention.wq": "colwise", "*attention.wk": "colwise", "*attention.wv": "colwise",
@@ -41,24 +43,26 @@ Layout = tuple[tuple[str, str], ...]  # (module name, style), in the model's mod
 
 
 class _AllReducedGradient(torch.autograd.Function):
-    """The identity forward; backward copies the gradient, as the all-reduce that makes it whole allocates its result."""
+    """The identity forward; backward all-reduces the gradient over `ranks`, a new tensor as torch's collective makes."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, ranks: int) -> torch.Tensor:
+        ctx.ranks = ranks
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, gradient: torch.Tensor) -> torch.Tensor:
-        return gradient.clone(memory_format=torch.contiguous_format)
+    def backward(ctx, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduced(gradient, ctx.ranks), None
 
 
 class ColwiseShard(torch.nn.Linear):
     """One rank's slice of a column-wise parallel linear: its share of the outputs; the input's gradient all-reduced."""
 
     split_by_tensor_parallel = True  # planned.wrappers: a checkpointed unit holding one recomputes whole
+    ranks = 1  # the tensor-parallel degree it is split over (`_slice` sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_AllReducedGradient.apply(x), self.weight, self.bias)
+        return F.linear(_AllReducedGradient.apply(x, self.ranks), self.weight, self.bias)
 
 
 class RowwiseShard(torch.nn.Linear):
@@ -68,9 +72,10 @@ class RowwiseShard(torch.nn.Linear):
     changes values, not bytes."""
 
     split_by_tensor_parallel = True
+    ranks = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias).clone(memory_format=torch.contiguous_format)
+        return all_reduced(F.linear(x, self.weight, self.bias), self.ranks)
 
 
 def _model_layout(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
@@ -152,6 +157,7 @@ def _slice(whole: torch.nn.Linear, style: str, degree: int) -> torch.nn.Linear:
     shard = kind.__new__(kind)
     torch.nn.Module.__init__(shard)
     shard.in_features, shard.out_features = part.shape[1], part.shape[0]
+    shard.ranks = degree  # type: ignore[assignment]  # a class attribute of the shards, not a submodule
     shard.weight = torch.nn.Parameter(part.clone(memory_format=torch.contiguous_format), requires_grad=whole.weight.requires_grad)
     shard.bias = None if bias is None else torch.nn.Parameter(bias.clone(), requires_grad=whole.bias.requires_grad)
     return shard

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils.flop_counter import flop_registry
 
 from autoplan.errors import ProfileError
+from autoplan.instruments.collectives import ALL_REDUCE, all_reduce_time_s
 from autoplan.instruments.cpu_scratch import promoted_copy_bytes, scratch_bytes
 from autoplan.instruments.cuda_matmul import operand_copy_bytes
 from autoplan.instruments.flop_formulas import autoplan_flop_formulas
@@ -320,6 +321,8 @@ class OpCost:
 def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allow_tf32: bool = False, hidden_bytes: int = 0) -> OpCost:
     """One op's FLOPs (torch's flop counter) and roofline time; `touched`: its input and output tensors;
     `hidden_bytes`: a temporary it writes and reads back inside itself."""
+    if func is ALL_REDUCE and (link := getattr(device, "interconnect_bandwidth", 0.0)):  # the rank twin's all-reduce
+        return OpCost(0, all_reduce_time_s(out.numel() * out.element_size(), args[1], link))
     flops = 0
     if flop_key(func) in flop_registry:
         flops = int(flop_registry[flop_key(func)](*args, **kwargs, out_val=out))
@@ -347,6 +350,10 @@ class FusedElementwiseRates:
     @property
     def memory_bandwidth(self) -> float:
         return self.device.memory_bandwidth
+
+    @property
+    def interconnect_bandwidth(self) -> float:
+        return getattr(self.device, "interconnect_bandwidth", 0.0)
 
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
         return self.device.flops_for(dtype, allow_tf32=allow_tf32)
