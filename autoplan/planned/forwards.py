@@ -17,6 +17,7 @@ from typing import Any, Mapping, TypeGuard, cast
 
 import torch
 
+from autoplan.axes.precisions.float8 import Float8Forward
 from autoplan.plan import Choice, OutsideUnits
 from autoplan.planned.graph import split_by_units
 from autoplan.planned.loss_head import FusedLossForward
@@ -110,7 +111,8 @@ Planned = PlannedForward | PlannedSequential | PlannedGraph | PlannedCalls | Seg
 
 
 def _is_planned(forward: Any) -> TypeGuard[Planned]:
-    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph, PlannedCalls, SegmentMember, FusedLossForward))
+    return isinstance(forward, (PlannedForward, PlannedSequential, PlannedGraph, PlannedCalls, SegmentMember, FusedLossForward,
+                                Float8Forward))
 
 
 def remove_plan(model: torch.nn.Module) -> torch.nn.Module:

@@ -359,11 +359,11 @@ def profile(
     say = progress or (lambda message: None)
     say("simulating a training step")
     timeline_mode = new_fake_mode(traced.routing, traced.draws)
+    rates = FusedElementwiseRates(device) if compile else device  # the whole step too: its time is the units' base
     timelines = base_timelines(traced, base, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
-                               fake_mode=timeline_mode, loop=loop, fuse_loss=fuse_loss)
+                               fake_mode=timeline_mode, loop=loop, fuse_loss=fuse_loss, rates=rates)
     fake_mode = new_fake_mode(traced.routing, traced.draws)
     model = simulation_model(traced, fake_mode, {}, "fp32")
-    rates = FusedElementwiseRates(device) if compile else device
     units = _profile_units(model, timelines.timeline, base, precisions, rest, rates, fake_mode, menu_size, say, host, named)
     in_units = {id(p) for unit in units for p in unit_module(model, unit.unit).parameters()}
     return Profile(

@@ -31,6 +31,7 @@ from autoplan.units import SequentialRun, Unit
 from autoplan.vocabulary.names import run_layers, unit_module
 from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.instruments.fake import fake_copy, new_fake_mode
+from autoplan.instruments.tracker import RooflineRates
 from autoplan.planned.forwards import apply_choices, fused_losses, fusing_held_longer, remove_plan
 from autoplan.trace.tracer import Traced
 
@@ -87,14 +88,16 @@ def run_timeline(
     fake_mode: FakeTensorMode | None = None,
     loop: TrainingLoop | None = None,
     fused_loss: bool = False,
+    rates: RooflineRates | None = None,
 ) -> Timeline:
     """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with
-    `choices` (and its loss head fused, if `fused_loss`), under `fake_mode` (or a new one)."""
+    `choices` (and its loss head fused, if `fused_loss`), under `fake_mode` (or a new one); its ops timed at `rates`
+    (default the device's)."""
     fake_mode = fake_mode or new_fake_mode(traced.routing, traced.draws)
     model = simulation_model(traced, fake_mode, choices, rest_precision, fused_loss)
     timeline = simulate_training(
         model, traced.example_inputs, fake_mode=fake_mode, units=list(traced.units), device=device, optimizer=optimizer,
-        loss_fn=loss_fn, loop=loop,
+        loss_fn=loss_fn, loop=loop, rates=rates,
     )
     return dataclasses.replace(timeline, fused_logits=", ".join(f"{shape} logits" for shape in fused_losses(model)),
                                fusing_held_longer=fusing_held_longer(model))
@@ -117,12 +120,13 @@ class BaseTimelines:
 
 def base_timelines(
     traced: Traced, base: Mapping[Unit, Choice], *, device: Device, optimizer, rest_precision: Precision, loss_fn, fake_mode: FakeTensorMode,
-    loop: TrainingLoop, fuse_loss: bool,
+    loop: TrainingLoop, fuse_loss: bool, rates: RooflineRates | None = None,
 ) -> BaseTimelines:
-    """The profile's timeline and reference; with `fuse_loss`, the head fused where that holds less (`holds_less`)."""
+    """The profile's timeline and reference, timed at `rates` (default the device's); with `fuse_loss`, the head fused
+    where that holds less (`holds_less`)."""
     def simulate(choices, rest: Precision, fused: bool, mode: FakeTensorMode | None = None) -> Timeline:
         return run_timeline(traced, choices, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
-                            fake_mode=mode, loop=loop, fused_loss=fused)
+                            fake_mode=mode, loop=loop, fused_loss=fused, rates=rates)
 
     timeline = simulate(base, rest_precision, fuse_loss, fake_mode)
     written, alternative = timeline, None

@@ -31,7 +31,7 @@ from autoplan.training.runner import LoopRunner, StepHooks, held_by_loop
 from autoplan.instruments.quantized import resident_tensors
 from autoplan.vocabulary.tensors import tensors_of, unique_storage_bytes
 from autoplan.instruments.accumulation import accumulating_adds
-from autoplan.instruments.tracker import LiveBytesTracker, TrackedPhase
+from autoplan.instruments.tracker import LiveBytesTracker, RooflineRates, TrackedPhase
 from autoplan.training.step_parts import default_loss, loss_function, make_optimizer, model_loss, optimizer_state_tensors
 
 
@@ -116,8 +116,10 @@ def simulate_training(
     optimizer: str | torch.optim.Optimizer,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     loop: TrainingLoop | None = None,
+    rates: RooflineRates | None = None,
 ) -> Timeline:
-    """Simulate a steady-state training step of `model` (a fake copy) in `loop`; return its timeline.
+    """Simulate a steady-state training step of `model` (a fake copy) in `loop`; return its timeline, its ops timed at
+    `rates` (default the device's; compiled code's: `instruments.tracker.FusedElementwiseRates`).
 
     The earlier steps matter only for what they leave: the optimizer state, the gradients of the
     earlier micro-batches (accumulation) or zeroed ones (`zero_grad(set_to_none=False)`), and the
@@ -127,13 +129,13 @@ def simulate_training(
     """
     loop = loop or TrainingLoop()
     step = (model, example_inputs, fake_mode, units, device, optimizer, loss_fn, loop)
-    timeline, gradless = _simulated_step(*step, gradless=frozenset())
+    timeline, gradless = _simulated_step(*step, gradless=frozenset(), rates=rates)
     if gradless:
         # Parameters no gradient reaches (a vision layer whose output the model does not use) have
         # none in the real loop, and so no optimizer state: the step again without them.
         for param in model.parameters():
             param.grad = None
-        timeline, _ = _simulated_step(*step, gradless=gradless)
+        timeline, _ = _simulated_step(*step, gradless=gradless, rates=rates)
     return timeline
 
 
@@ -150,10 +152,10 @@ def _watched_loss(loss_fn, loop: TrainingLoop) -> tuple[Callable, list[bool]]:
 
 
 def _simulated_step(model, example_inputs, fake_mode, units, device, optimizer, loss_fn, loop: TrainingLoop, *,
-                    gradless: frozenset[int]) -> tuple[Timeline, frozenset[int]]:
+                    gradless: frozenset[int], rates: RooflineRates | None = None) -> tuple[Timeline, frozenset[int]]:
     """One simulated step (`simulate_training`), the parameters in `gradless` (by id) given no gradient by the
     earlier steps; and the trainable parameters its backward gave no gradient."""
-    tracker = LiveBytesTracker(device)
+    tracker = LiveBytesTracker(rates or device)
     recorder = UnitRecorder(tracker, model, units)
     try:
         # transformers' mask shortcuts are decided on the real batch, before it is faked

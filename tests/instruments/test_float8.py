@@ -210,3 +210,27 @@ def test_float8_on_a_model_with_no_linear_it_runs_is_refused():
     with pytest.raises(OptionError, match=r"precision='float8': none of the units \(transformer.h.0, transformer.h.1\) holds a "
                                           r"torch.nn.Linear .* GPT-2 Conv1D"):
         autoplan.plan(model, "1GB", example_inputs={"input_ids": ids, "labels": ids}, device="cpu", precision="float8")
+
+
+@pytest.mark.slow  # the whole pipeline, then torch.compile
+def test_a_float8_plan_compiles_whole_and_comes_off_with_remove_plan():
+    """The float8 linears are made when the plan is applied, so torch.compile traces them without a graph break (made
+    while the unit ran, their making broke the graph and the float8 units ran eagerly); remove_plan puts the linears'
+    own forwards back."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = _Net()
+    options = {**OPTIONS, "precision": "float8", "compile": True}
+    floor = autoplan.plan(model, autoplan.plan(model, "1GB", **options).prediction.minimum_budget_bytes, **options)
+    eager = autoplan.apply(copy.deepcopy(model), floor)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(autoplan.apply(copy.deepcopy(model), floor), backend="aot_eager")
+    for planned in (eager, compiled):
+        planned(BATCH).square().mean().backward()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), compiled.parameters()))
+    assert any("forward" in linear.__dict__ for linear in eager.modules() if isinstance(linear, torch.nn.Linear))
+    autoplan.remove_plan(eager)
+    assert not any("forward" in module.__dict__ for module in eager.modules())

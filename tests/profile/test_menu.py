@@ -303,3 +303,15 @@ def test_a_menu_point_selective_checkpointing_refuses_is_left_out_not_the_model(
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     plan = autoplan.plan(model, "1GB", example_inputs={"input_ids": ids, "labels": ids}, device="cpu", reserve=0)
     assert plan.outcome.feasible and len(plan.decisions.units) == 2
+
+
+def test_a_compile_plan_prices_the_whole_step_as_compiled_code_runs_it():
+    """Every unit in bf16 is the base choice of a bf16 plan, so its step time is the profile's whole step: under
+    compile=True that step is priced as compiled (ops without FLOPs fused), not eagerly (it was, until the whole step
+    was timed at compiled rates: the two plans' times were equal), and so is the step with no plan."""
+    model, inputs = make_tiny_gpt()
+    options = dict(example_inputs=inputs, device="h100-80gb", precision="bf16")
+    eager, compiled = autoplan.plan(model, "1GB", **options), autoplan.plan(model, "1GB", **options, compile=True)
+    assert {choice.mode for choice in compiled.decisions.choices().values()} == {"keep"}
+    assert compiled.prediction.step_time_s < 0.9 * eager.prediction.step_time_s
+    assert compiled.prediction.baseline_step_time_s < 0.9 * eager.prediction.baseline_step_time_s

@@ -51,6 +51,10 @@ class Float8:
     def running(self, module: torch.nn.Module, device_type: str) -> contextlib.AbstractContextManager:
         return _float8_linears(module, device_type, self.recipe)
 
+    def prepare(self, module: torch.nn.Module) -> None:
+        """A plan applied: the unit's float8 linears run as `Float8Forward` for good (`running` then swaps none)."""
+        prepare(module, self.recipe)
+
     def flops(self, device: DeviceLike, allow_tf32: bool) -> float:
         # the CPU (and a card without a datasheet float8 rate) upcasts inside the kernel: the fp32 rate
         return device.peak_flops.get("float8", device.peak_flops["fp32"])
@@ -82,39 +86,58 @@ def check_some_run_in_float8(units: dict[str, torch.nn.Module], setting: str) ->
                           "quantized or adapter layers are not); plan with 'bf16' or 'auto'")
 
 
-@contextlib.contextmanager
-def _float8_linears(module: torch.nn.Module, device_type: str, recipe: str) -> Iterator[None]:
-    import torch
+class Float8Forward:
+    """A linear's forward as torchao's `Float8Linear` on the linear's own parameters, its input cast to bf16 (torchao
+    casts to CUDA's autocast dtype itself, and not under the CPU's autocast: cast here, the CPU and a GPU run the same).
+
+    Set on a float8 unit's linears for good when a plan is applied (`Float8.prepare`: made eagerly, so that
+    torch.compile traces a made module, not its making, which breaks the graph), or while the unit runs (`running`: the
+    profile's measurements). `original` is the forward it replaced (`planned.forwards.remove_plan` puts it back)."""
+
+    def __init__(self, linear: torch.nn.Linear, recipe: str, original: object = None) -> None:
+        self.linear, self.recipe, self.original = linear, recipe, original
+        self.float8 = _float8_twin(linear, recipe)
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if self.float8.weight is not self.linear.weight or self.float8.bias is not self.linear.bias:
+            self.float8 = _float8_twin(self.linear, self.recipe)  # FSDP (or a load) replaced the parameters since
+        return self.float8(input.to(torch.bfloat16) if input.is_floating_point() else input)
+
+
+def _float8_twin(linear: torch.nn.Linear, recipe: str) -> torch.nn.Module:
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    linears = float8_linears(module)
-    swapped = [(linear, linear.__dict__.get("forward")) for linear in linears]
-    for linear in linears:
-        # made at each entry, so that it shares the parameters the linear holds now (FSDP or apply may replace them)
-        linear.forward = _in_bf16(Float8Linear.from_float(linear, config=config))  # type: ignore[method-assign]
+    return Float8Linear.from_float(linear, config=Float8LinearConfig.from_recipe_name(recipe))
+
+
+def prepare(module: torch.nn.Module, recipe: str) -> None:
+    """Set `Float8Forward` on `module`'s float8 linears for good (a plan applied)."""
+    for linear in float8_linears(module):
+        if not isinstance(linear.__dict__.get("forward"), Float8Forward):
+            linear.forward = Float8Forward(linear, recipe, linear.__dict__.get("forward"))  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _float8_linears(module: torch.nn.Module, device_type: str, recipe: str) -> Iterator[None]:
+    import torch
+
+    # those a plan has not prepared, swapped while the unit runs
+    swapped = [linear for linear in float8_linears(module) if not isinstance(linear.__dict__.get("forward"), Float8Forward)]
+    prepare(module, recipe)
     try:
         # the weight cache would keep bf16 weight copies alive until the outermost autocast exits (as `Autocast`)
         with torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False):
             yield
     finally:
-        for linear, before in swapped:
+        for linear in swapped:
+            before = linear.__dict__["forward"].original
             if before is None:
                 del linear.forward
             else:
                 linear.forward = before  # type: ignore[method-assign]
-
-
-def _in_bf16(float8_linear: torch.nn.Module):
-    """Float8Linear's forward on a bf16 input: torchao casts its input to CUDA's autocast dtype itself, and not
-    under the CPU's autocast; cast here, the CPU and a GPU run the same."""
-    import torch
-
-    def forward(input: torch.Tensor) -> torch.Tensor:
-        return float8_linear(input.to(torch.bfloat16) if input.is_floating_point() else input)
-
-    return forward
 
 
 KIND = Float8(name="float8", recipe="tensorwise", order=3, words="float8 linears (torchao, one scale a tensor)")
