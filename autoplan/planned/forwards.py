@@ -17,6 +17,7 @@ from typing import Any, Mapping, TypeGuard, cast
 
 import torch
 
+from autoplan.axes.precision import kind
 from autoplan.axes.precisions.float8 import Float8Forward
 from autoplan.plan import Choice, OutsideUnits
 from autoplan.planned.graph import split_by_units
@@ -153,14 +154,18 @@ def apply_choices(
             continue
         if isinstance(unit, Segment):
             _apply_segment(model, unit, choice)
+            for member in segment_members(model, unit):
+                prepare_precision(model.get_submodule(member), choice)
         elif isinstance(unit, CallSite):
             calls.setdefault(unit.module, {})[unit.index] = choice
         elif isinstance(unit, SequentialRun):
             layers = torch.nn.Sequential(*run_layers(model, unit))
             runs.setdefault(unit.parent, []).append((unit.start, unit.stop, PlannedForward(layers, choice)))
+            prepare_precision(layers, choice)
         else:  # a module, or a graph run on the split GraphModule (its submodule of that name)
             module = model.get_submodule(unit.name)
             module.forward = PlannedForward(module, choice, original=module.__dict__.get("forward"))
+            prepare_precision(module, choice)
     for parent_name, parent_runs in runs.items():
         parent = model.get_submodule(parent_name)  # a run's parent: a Sequential or ModuleList, indexed alike
         parent.forward = PlannedSequential(cast(torch.nn.Sequential, parent), sorted(parent_runs, key=lambda run: run[0]),
@@ -178,6 +183,15 @@ def apply_choices(
             model, Choice("keep", outside.precision), original=model.__dict__.get("forward"), cast_outputs=False
         )
     return model
+
+
+def prepare_precision(module: torch.nn.Module, choice: Choice) -> None:
+    """A unit's precision that swaps its modules (float8) swaps them now, for good (`remove_plan` undoes it), not
+    each time it runs: torch.compile then traces modules made before it, not their making. Not for a module called
+    at more than one call site, whose calls may differ in precision (they swap while they run)."""
+    prepare = getattr(kind(choice.precision), "prepare", None)
+    if prepare is not None:
+        prepare(module)
 
 
 def _apply_segment(model: torch.nn.Module, unit: Segment, choice: Choice) -> None:

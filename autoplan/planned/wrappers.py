@@ -70,9 +70,6 @@ class PlannedForward:
         # the buffers its forward writes, kept as if it ran once a step when it recomputes (planned.buffers)
         self.buffer_writes = BufferWrites(self.module) if self.choice.mode != "keep" and has_buffers(self.module) else None
         self.recompute_whole = splits_by_tensor_parallel(self.module)
-        prepare = getattr(kind(self.choice.precision), "prepare", None)  # a precision that swaps modules does it now
-        if prepare is not None:
-            prepare(self.module)
         if self.choice.offloaded:
             _eager_offloaded_call()  # made now, eagerly, so that a compiled forward finds it made
 
