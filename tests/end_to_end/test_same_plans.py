@@ -1,7 +1,8 @@
 """The same inputs give the same plans: the zoo planned now equals the zoo planned before a refactoring.
 
 `tests/end_to_end/plans_before.json` holds, for every model of `tests/models.py` (ALL_MODELS) and
-every structure of `tests/structures.py`, the plans made after a unit's profile stopped counting its own backward root
+every structure of `tests/structures.py` (the compile case recorded again 2026-11-29, when a compile plan's whole step
+came to be priced as compiled: its three plans' step times 0.38 of before, their choices as they were), the plans made after a unit's profile stopped counting its own backward root
 (the two FSDP cases recorded again 2026-11-29, when a phase's start became a moment of its own on a mesh,
 `memory.sharded.on_rank`: their per-rank peaks 0.3-0.6% lower, and three of their plans recompute less)
 and gradient seed in its forward (1,024 B on a keep unit; 2026-11-28: 8 plans chose other units at the same feasibility,
