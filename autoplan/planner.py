@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from typing_extensions import Unpack
 
 from autoplan.axes.precision import choices_for, kind, rest_precision
-from autoplan.axes.precisions.float8 import Float8, check_some_run_in_float8
+from autoplan.axes.precisions.float8 import FLOAT8_ON_A_GPU, Float8, check_converted, check_one_device, check_some_run_in_float8
 from autoplan.deciding import decide_loss_head
 from autoplan.errors import (
     MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, SparseGradientError, TraceError,
@@ -32,7 +32,6 @@ from autoplan.inputs.devices import DEVICES, Device, get_device
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
 from autoplan.inputs.settings import SearchSpace, StepOptions, flag, settle
 from autoplan.instruments.quantized import int8_layers, settle_first_forward
-from autoplan.instruments.tracker import SEEN_INSIDE
 from autoplan.mesh import FSDP, MAX_RANKS, Mesh
 from autoplan.plan import Choice, Plan
 from autoplan.profile.profiler import Profile
@@ -121,7 +120,8 @@ class Planner:
         settings = settle(given)
         self._settings, self._options = settings, dataclasses.replace(given, loop=settings.step.loop)  # the loop as checked
         _check_model(model, settings.device)
-        _check_float8(model, settings.device, settings.space.precision)
+        check_converted(model, settings.device.kind, settings.device.name, settings.space.precision)
+        check_one_device(settings.space.precision, settings.ranks, settings.tensor_parallel)
         requested_modes(settings.space.checkpoint)  # a misspelt mode or policy is said now, not after the profile
         settle_first_forward(model)
         self._model = model
@@ -160,6 +160,8 @@ class Planner:
         chosen, measured = self._plan_slice(piece, dataclasses.replace(asked, mesh=self._mesh_of(piece, asked)))
         if note is not None:
             chosen = dataclasses.replace(chosen, notes=(*chosen.notes, note))
+        if device.kind == "cuda" and any(choice.precision.startswith("float8") for choice in chosen.decisions.choices().values()):
+            chosen = dataclasses.replace(chosen, notes=(*chosen.notes, FLOAT8_ON_A_GPU))
         if self._options.on_profile is not None:
             self._options.on_profile(measured)
         fingerprint = dataclasses.replace(self._fingerprint, values=batch_values(self._batch, measured.batch_reads))
@@ -299,24 +301,6 @@ def _check_dense_gradients(model: torch.nn.Module) -> None:
             f"{type(model).__name__} has {len(sparse)} embedding layer(s) with sparse gradients ({', '.join(sparse[:3])}"
             f"{', ...' if len(sparse) > 3 else ''}: sparse=True); autoplan plans dense gradients only: build them with "
             "sparse=False (the default), whose gradient is the whole table, as the plan counts it")
-
-
-def _check_float8(model: torch.nn.Module, target: Device, precision: str) -> None:
-    """torchao's float8 training is planned as it was checked: on the CPU, with no autocast on top. Its simulation
-    (the tracker follows torchao's Float8TrainingTensor inside, `instruments.tracker.SEEN_INSIDE`) equals the CPU
-    allocator's count of the real step; a GPU's `_scaled_mm` (cuBLASLt, its scales as pointers) was never counted, and
-    under a planned bf16 autocast torchao's backward mixes dtypes the simulation refuses where the real step does not."""
-    layers = [name for name, module in model.named_modules() if type(module).__module__.startswith(SEEN_INSIDE)]
-    if not layers:
-        return
-    if target.kind != "cpu":
-        raise OptionError(f"{type(model).__name__} has {len(layers)} torchao float8 layers (e.g. {layers[0]}); autoplan plans "
-                          f"float8 training for the CPU only, not for {target.name}: a GPU's float8 matmul was never counted "
-                          "against a real step. Plan the model before convert_to_float8_training, and leave a margin")
-    if precision != "fp32":
-        raise OptionError(f"{type(model).__name__} has {len(layers)} torchao float8 layers (e.g. {layers[0]}): plan it with "
-                          f"precision='fp32' (--precision fp32), not {precision!r}: its linears compute in float8 either way, "
-                          "and a per-unit bf16 autocast over them is not simulated")
 
 
 def _check_int8_target(model: torch.nn.Module, target: Device) -> None:

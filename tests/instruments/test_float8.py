@@ -234,3 +234,16 @@ def test_a_float8_plan_compiles_whole_and_comes_off_with_remove_plan():
     assert any("forward" in linear.__dict__ for linear in eager.modules() if isinstance(linear, torch.nn.Linear))
     autoplan.remove_plan(eager)
     assert not any("forward" in module.__dict__ for module in eager.modules())
+
+
+def test_float8_per_unit_is_refused_on_a_mesh():
+    with pytest.raises(OptionError, match=r"precision='auto-float8' is planned for one device: float8 per unit under FSDP"):
+        autoplan.Planner(_Net(), example_inputs=(BATCH,), device="h100", precision="auto-float8", world_size=2)
+
+
+@pytest.mark.slow  # a whole plan
+def test_a_gpu_plan_with_float8_units_says_they_were_not_checked_on_a_gpu():
+    plan = autoplan.plan(_Net(), "80GB", example_inputs=(BATCH,), device="h100", precision="float8")
+    assert any(note.startswith("float8 units: simulated") and "not yet against a GPU's" in note for note in plan.notes)
+    cpu = autoplan.plan(_Net(), "1GB", **{**OPTIONS, "precision": "float8"})
+    assert not any(note.startswith("float8 units") for note in cpu.notes)

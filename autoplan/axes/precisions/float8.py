@@ -23,6 +23,8 @@ from autoplan.axes import DeviceLike
 if TYPE_CHECKING:
     import torch
 
+FLOAT8_ON_A_GPU = ("float8 units: simulated with torchao's float8 linears on CPU tensors standing in for the card's, priced at "
+                   "its float8 rate; checked to the byte against the CPU's real step, not yet against a GPU's (docs/float8.md)")
 FLOAT8_MULTIPLE = 16  # the float8 matmul's operands: both dimensions of the weight divide by 16
 
 
@@ -84,6 +86,36 @@ def check_some_run_in_float8(units: dict[str, torch.nn.Module], setting: str) ->
         raise OptionError(f"precision={setting!r}: none of the units ({names}) holds a torch.nn.Linear whose features divide "
                           f"by {FLOAT8_MULTIPLE}, the layers torchao's float8 training runs (transformers' GPT-2 Conv1D and "
                           "quantized or adapter layers are not); plan with 'bf16' or 'auto'")
+
+
+def check_one_device(setting: str, ranks: int | str, tensor_parallel: int | str) -> None:
+    """float8 per unit is planned for one device: under FSDP2 its linears would be made again at every forward (FSDP
+    swaps the gathered parameters in), and under tensor parallelism torchao's float8 needs parallel styles of its own."""
+    if "float8" in setting and (ranks != 1 or tensor_parallel != 1):
+        from autoplan.errors import OptionError
+
+        raise OptionError(f"precision={setting!r} is planned for one device: float8 per unit under FSDP or tensor "
+                          "parallelism (world_size, tensor_parallel) is not planned yet; plan the mesh in bf16 ('auto')")
+
+
+def check_converted(model: torch.nn.Module, target_kind: str, target_name: str, precision: str) -> None:
+    """A model already converted by torchao (`convert_to_float8_training`) is planned as it was checked: on the CPU,
+    with no autocast on top. Its simulation (the tracker follows torchao's Float8TrainingTensor inside,
+    `instruments.tracker.SEEN_INSIDE`) equals the CPU allocator's count of the real step; for a GPU, or with autocast,
+    plan the model as written with a float8 precision, which converts the units' linears itself."""
+    from autoplan.errors import OptionError
+    from autoplan.instruments.tracker import SEEN_INSIDE
+
+    layers = [name for name, module in model.named_modules() if type(module).__module__.startswith(SEEN_INSIDE)]
+    if not layers:
+        return
+    has = f"{type(model).__name__} has {len(layers)} torchao float8 layers (e.g. {layers[0]})"
+    instead = "or plan the model before convert_to_float8_training with precision='float8' or 'auto-float8' (docs/float8.md)"
+    if target_kind != "cpu":
+        raise OptionError(f"{has}; a converted model is planned for the CPU only, not for {target_name}, {instead}")
+    if precision != "fp32":
+        raise OptionError(f"{has}: plan it with precision='fp32' (--precision fp32), not {precision!r}: its linears compute "
+                          f"in float8 either way, and an autocast over them is not simulated; {instead}")
 
 
 class Float8Forward:
