@@ -79,7 +79,7 @@ SAMPLES = (
            prompt=True),
     Sample("llama-70b-counted", ("autoplan", "plan", "hf:llama-3-70b", "--budget", "80GB", "--device", "h100-80gb",
                                  "--seq-len", "4096"),
-           prompt=True, runs=((r"^DOES NOT FIT", r"^what to change"), (r"^ ?9\. 8-bit", r"^8-bit optimizer|^note"))),
+           prompt=True, runs=((r"^DOES NOT FIT", r"^what to change"), (r"^ ?\d+\. 8-bit", r"^8-bit optimizer|^note"))),
     Sample("qlora-example", (sys.executable, "examples/qlora.py"), prompt=False,
            runs=((r"^trainable", r"^training loop"),
                  (r"^ base_model\.model\.model\.layers\.", r"^(?! base_model)"),
