@@ -1,13 +1,14 @@
 """float8 and float8-rowwise: torchao's float8 training for a unit's linears, the rest of the unit in bf16 autocast.
 
-While the unit's forward runs (its recomputation too), each of its `torch.nn.Linear`s whose features divide by 16
-(what the float8 matmul takes) runs as torchao's `Float8Linear` with the same parameters: input, weight and
-gradient cast to float8 with dynamic scales, one per tensor (`float8`, torchao's "tensorwise" recipe) or one per row
-(`float8-rowwise`), as `convert_to_float8_training` with a filter naming these linears would run them. Nothing else
-changes: the parameters stay as they are (fp32), and the unit's other ops run under bf16 autocast, as float8 is run
-in practice (torchtitan's float8 runs beside bf16 parameters): a float8 unit is a bf16 unit whose linears are float8.
+Each of a float8 unit's `torch.nn.Linear`s whose features divide by 16 (what the float8 matmul takes) runs as
+torchao's `Float8Linear` with the same parameters (`Float8Forward`: set when a plan is applied, or while the unit runs
+where it is only measured): input, weight and gradient cast to float8 with dynamic scales, one per tensor (`float8`,
+torchao's "tensorwise" recipe) or one per row (`float8-rowwise`), as `convert_to_float8_training` with a filter
+naming these linears would run them. Nothing else changes: the parameters stay as they are (fp32), and the unit's
+other ops run under bf16 autocast, as float8 is run in practice (torchtitan's float8 runs beside bf16 parameters): a
+float8 unit is a bf16 unit whose linears are float8.
 
-Cards with float8 tensor cores run it (H100, H200, GH200, L40S, RTX 4090: the device table's "float8" rate); the
+Cards with float8 tensor cores run it (H100, H200, GH200, L40S, RTX 4090, L4: the device table's "float8" rate); the
 CPU runs torchao's float8 matmul too (slowly, upcast inside `_scaled_mm`), which is how a plan's float8 units are
 checked against the CPU allocator's count of the real step. torchao is an optional extra (`pip install -e ".[float8]"`).
 """
@@ -45,7 +46,8 @@ class Float8:
 
     def unsupported(self, device: DeviceLike) -> str:
         if not _has_torchao():
-            return "float8 training runs torchao's float8 linears, and torchao is not installed (pip install torchao, or the float8 extra)"
+            return ("float8 training runs torchao's float8 linears, and torchao is not installed (pip install torchao, or "
+                    "autoplan's float8 extra)")
         if device.kind == "cpu" or "float8" in device.peak_flops:
             return ""
         return f"{device.name} has no float8 tensor cores (H100, H200, GH200, L40S and RTX 4090 have)"
