@@ -50,7 +50,7 @@ class Float8:
                     "autoplan's float8 extra)")
         if device.kind == "cpu" or "float8" in device.peak_flops:
             return ""
-        return f"{device.name} has no float8 tensor cores (H100, H200, GH200, L40S and RTX 4090 have)"
+        return f"{device.name} has no float8 tensor cores (H100, H200, GH200, L40S, RTX 4090 and L4 have)"
 
     def running(self, module: torch.nn.Module, device_type: str) -> contextlib.AbstractContextManager:
         return _float8_linears(module, device_type, self.recipe)
