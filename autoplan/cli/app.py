@@ -313,9 +313,9 @@ def _to_device(inputs, where: str):
 def devices_command() -> None:
     """List the device profiles a plan can target (--device NAME)."""
     table = Table(title="device profiles: dense datasheet rates, TFLOP/s and GB/s", caption="GiB = 2³⁰ bytes (what vendors "
-                  "call GB), GB = 10⁹ bytes; low: the low precision and its rate; mem: memory bandwidth; peer: the link to the card's peers, each way (tensor parallelism's all-reduces); a "
-                  "card of your own: --device custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,...", box=None,
-                  pad_edge=False)
+                  "call GB), GB = 10⁹ bytes; low: the low precision and its rate; mem: memory bandwidth; peer: the link to "
+                  "the card's peers, each way (tensor parallelism's all-reduces); a card of your own: "
+                  "--device custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,...", box=None, pad_edge=False)
     table.add_column("name", justify="left")
     for column in ("memory", "sm", "fp32", "low", "float8", "mem/s", "peer/s"):
         table.add_column(column, justify="right", no_wrap=True)

@@ -39,15 +39,14 @@ def custom_device(values: Mapping[str, object], spec: str = "custom") -> Device:
     rates = {name: _positive(values[f"{name}_tflops"], f"{name}_tflops", fail) * TERA
              for name in ("fp32", "bf16", "fp16", "tf32", "float8") if f"{name}_tflops" in values}
     rates.setdefault("fp16", rates.get("bf16", rates["fp32"]))
-    host = float(_size(str(values.get("host_bandwidth", "32GB")).removesuffix("/s"), "host_bandwidth", fail))
+    host = _per_second(values.get("host_bandwidth", "32GB"), "host_bandwidth", fail)
     capability = _capability(str(values.get("capability", "8.0" if "bf16" in rates else "7.0")), fail)
     return Device(
         name=str(values.get("name", "custom")), description=str(values.get("description", f"custom card ({spec})")), kind="cuda",
         memory_bytes=_size(values["memory"], "memory", fail), peak_flops=rates,
-        memory_bandwidth=float(_size(str(values["bandwidth"]).removesuffix("/s"), "bandwidth", fail)),
-        source=f"given: {spec}", compute_capability=capability, **context_of(capability),
-        host_bandwidth=host, interconnect_bandwidth=float(_size(str(values["interconnect"]).removesuffix("/s"), "interconnect",
-                                                                fail)) if "interconnect" in values else host,
+        memory_bandwidth=_per_second(values["bandwidth"], "bandwidth", fail),
+        source=f"given: {spec}", compute_capability=capability, **context_of(capability), host_bandwidth=host,
+        interconnect_bandwidth=_per_second(values["interconnect"], "interconnect", fail) if "interconnect" in values else host,
     )
 
 
@@ -95,6 +94,11 @@ def _positive(value: object, key: str, fail) -> float:
 
 def _size(value: object, key: str, fail) -> int:
     return parse_size(value, None, allow_zero=False, what=key, fail=lambda reason: fail(f"{key}: {reason}"))
+
+
+def _per_second(value: object, key: str, fail) -> float:
+    """A bandwidth given as a size per second ("864GB/s", "864GB"), in bytes per second."""
+    return float(_size(str(value).removesuffix("/s"), key, fail))
 
 
 def _capability(text: str, fail) -> tuple[int, int]:
