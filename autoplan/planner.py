@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from typing_extensions import Unpack
 
-from autoplan.axes.precision import choices_for, kind, rest_precision
-from autoplan.axes.precisions.float8 import FLOAT8_ON_A_GPU, Float8, check_converted, check_one_device, check_some_run_in_float8
+from autoplan.axes.precision import choices_for, rest_precision
+from autoplan.axes.precisions.float8 import FLOAT8_ON_A_GPU, check_converted, is_float8, check_one_device, check_some_run_in_float8
 from autoplan.deciding import decide_loss_head
 from autoplan.errors import (
     MissingExtraError, OptionError, PlanMismatchError, ProfileError, RepeatedUnitError, SparseGradientError, TraceError,
@@ -160,7 +160,7 @@ class Planner:
         chosen, measured = self._plan_slice(piece, dataclasses.replace(asked, mesh=self._mesh_of(piece, asked)))
         if note is not None:
             chosen = dataclasses.replace(chosen, notes=(*chosen.notes, note))
-        if device.kind == "cuda" and any(choice.precision.startswith("float8") for choice in chosen.decisions.choices().values()):
+        if device.kind == "cuda" and any(is_float8(choice.precision) for choice in chosen.decisions.choices().values()):
             chosen = dataclasses.replace(chosen, notes=(*chosen.notes, FLOAT8_ON_A_GPU))
         if self._options.on_profile is not None:
             self._options.on_profile(measured)
@@ -324,7 +324,7 @@ def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, s
     rest = rest_precision(space.precision)
     say("tracing")
     traced = dataclasses.replace(trace(model, batch, unit_names=unit_names, routing=step.routing), parameter_dtype=step.parameter_dtype)
-    if any(isinstance(kind(precision), Float8) for precision in precisions):
+    if any(is_float8(precision) for precision in precisions):
         check_some_run_in_float8({unit.name: unit_module(model, unit) for unit in traced.units}, space.precision)
     if space.compile and profile == "measure":
         raise OptionError("profile='measure' times eager runs; compile=True prices the compiled model by roofline: "

@@ -21,6 +21,7 @@ from autoplan.axes.checkpoint import Mode
 from autoplan.mesh import Mesh
 from autoplan.plan import Choice, Plan, Precision
 from autoplan.profile.profiler import Profile
+from autoplan.axes.precisions.float8 import is_float8
 from autoplan.report.float8_step import float8_step
 from autoplan.report.fsdp_advice import fsdp_step, smallest_world_size, tensor_parallel_step
 from autoplan.report.ladder_steps import planned_by_ladder
@@ -92,7 +93,7 @@ def _low_precision(plan: Plan, profile: Profile) -> Step:
     change = predict_step_time(profile, lowered) - predict_step_time(profile, fp32)
     chosen = plan.decisions.unit_choices()
     # a float8 unit runs in bf16 autocast around its float8 linears
-    used = sum(1 for choice in chosen.values() if choice.precision == low or not kind(choice.precision).around_the_model)
+    used = sum(1 for choice in chosen.values() if choice.precision == low or is_float8(choice.precision))
     pace = f"{format_seconds(abs(change))} {'faster' if change <= 0 else 'slower'}"
     # a higher peak is possible: autocast saves each weight's low-precision copy for backward, which outweighs
     # small activations (the peak read "-1.11 MB lower" and the step said "try")

@@ -7,6 +7,7 @@ the rung is priced from the units' float8 options as the profile measured them (
 
 from __future__ import annotations
 
+from autoplan.axes.precisions.float8 import is_float8
 from autoplan.memory.model import predict_peak, predict_step_time
 from autoplan.plan import Plan
 from autoplan.profile.profiler import Profile
@@ -23,7 +24,7 @@ def float8_step(plan: Plan, profile: Profile, lowered: dict | None, float8: dict
     if "float8" not in device.peak_flops:
         return Step(KEY, TITLE, "n/a", f"{device.name} has no float8 tensor cores (H100, H200, L40S, RTX 4090 and L4 have)")
     chosen = plan.decisions.unit_choices()
-    used = sum(1 for choice in chosen.values() if choice.precision.startswith("float8"))
+    used = sum(1 for choice in chosen.values() if is_float8(choice.precision))
     low = plan.target.low_precision
     if float8 is None or lowered is None:
         return Step(KEY, TITLE, "try", f"not measured: plan with --precision auto-float8 --compile to price each unit's "

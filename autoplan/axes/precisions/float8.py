@@ -79,6 +79,13 @@ def float8_linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
             and inner.in_features % FLOAT8_MULTIPLE == 0 and inner.out_features % FLOAT8_MULTIPLE == 0]
 
 
+def is_float8(precision: str) -> bool:
+    """Whether the precision called `precision` is one of float8's recipes (the one question the other stages ask)."""
+    from autoplan.axes.precision import kind
+
+    return isinstance(kind(precision), Float8)
+
+
 def check_some_run_in_float8(units: dict[str, torch.nn.Module], setting: str) -> None:
     """An OptionError when no unit holds a linear float8 runs: the plan would call bf16 units float8."""
     if not any(float8_linears(module) for module in units.values()):
@@ -93,7 +100,10 @@ def check_some_run_in_float8(units: dict[str, torch.nn.Module], setting: str) ->
 def check_one_device(setting: str, ranks: int | str, tensor_parallel: int | str) -> None:
     """float8 per unit is planned for one device: under FSDP2 its linears would be made again at every forward (FSDP
     swaps the gathered parameters in), and under tensor parallelism torchao's float8 needs parallel styles of its own."""
-    if "float8" in setting and (ranks != 1 or tensor_parallel != 1):
+    from autoplan.axes.precision import AUTO, AUTO_FLOAT8
+
+    may_be_float8 = setting == AUTO_FLOAT8 or (setting != AUTO and is_float8(setting))
+    if may_be_float8 and (ranks != 1 or tensor_parallel != 1):
         from autoplan.errors import OptionError
 
         raise OptionError(f"precision={setting!r} is planned for one device: float8 per unit under FSDP or tensor "
