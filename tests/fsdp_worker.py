@@ -48,7 +48,7 @@ def main(out: str, budget: str, kind: str = "llama") -> None:
     args, kwargs = ((), batch) if isinstance(batch, dict) else (batch, {})
     measured = measure_rank_peak(model, (args, kwargs), optimizer, steps=STEPS, loop=plan.request.loop, keep_peak_blocks=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
-        json.dump({"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "losses": measured.losses,
+        json.dump({"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "floor_bytes": measured.floor_bytes, "losses": measured.losses,
                    "batch": [BATCH, SEQ], "peak_blocks": measured.peak_blocks}, file)
     dist.destroy_process_group()
 

@@ -60,7 +60,7 @@ def run(snapshot: str, rank: int) -> dict:
     shard_as_torchtitan(model, checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     measured = measure_rank_peak(model, ((tokens,), {}), optimizer, steps=STEPS, loss_fn=loss_fn, loop=loop)
-    return {"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "losses": measured.losses}
+    return {"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "floor_bytes": measured.floor_bytes, "losses": measured.losses}
 
 
 def main(out: str) -> None:

@@ -53,7 +53,7 @@ def main(out: str, which: str = "qwen2") -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     measured = measure_rank_peak(model, ((), batch), optimizer, steps=STEPS, loop=plan.request.loop)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
-        json.dump({"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "losses": measured.losses}, file)
+        json.dump({"plan": plan.to_dict(), "peak_bytes": measured.peak_bytes, "floor_bytes": measured.floor_bytes, "losses": measured.losses}, file)
     dist.destroy_process_group()
 
 

@@ -39,12 +39,13 @@ def run_on_two_ranks(worker: str, out: Path, *args: str) -> list[dict]:
 
 
 def assert_counted_to_the_byte(ranks: list[dict]) -> None:
-    """The two ranks' counts (the allocator's, gloo's own staging buffers left out as a GPU's NCCL holds none:
-    verify/allocator.py) against the per-rank prediction, on models whose ranks hold equal shards. A count can read
-    above its rank's peak, never below: a block freed in one of gloo's threads is learnt only when its address is
-    handed out again (seen on a loaded machine, one rank, one all-gather output). So the lower count equals the
-    prediction, and the other is at most the gathered parameters above it."""
+    """The ranks' counts (the allocator's, gloo's own staging buffers left out as a GPU's NCCL holds none:
+    verify/allocator.py) against the per-rank prediction. A count reads high, never low: a block freed in one of
+    gloo's threads (an all-gather output the collective's work held last, on a loaded machine) is learnt only when
+    its address is handed out again. Its `floor_bytes` leaves such blocks out, so each rank's true peak lies between
+    floor and count, and the prediction must too: to the byte on a rank whose count heard every free (the usual case),
+    within the blocks freed unheard on another."""
     predicted = ranks[0]["plan"]["predicted_peak_bytes"]
     assert all(rank["plan"]["predicted_peak_bytes"] == predicted for rank in ranks)
-    low, high = sorted(rank["peak_bytes"] for rank in ranks)
-    assert low == predicted and high <= predicted + ranks[0]["plan"]["fsdp"]["gathered_parameters"], (low, high, predicted)
+    for rank in ranks:
+        assert rank["floor_bytes"] <= predicted <= rank["peak_bytes"], (rank["floor_bytes"], predicted, rank["peak_bytes"])

@@ -56,6 +56,9 @@ class CountedStretch:
     label: str
     start_bytes: int
     peak_bytes: int
+    # the most bytes surely in use: the count less the blocks alive then whose frees were never reported (found when
+    # their address was handed out again). The stretch's true peak lies between the two; equal where none was late
+    floor_bytes: int
     # with AllocatorCount(keep_peak_blocks=True): what was alive at the peak, largest first, each line the bytes of the
     # blocks one maker made of one size: (bytes in all, blocks, bytes each, the records around the allocation)
     peak_blocks: tuple[tuple[int, int, int, str], ...] = ()
@@ -126,23 +129,27 @@ class AllocatorCount:
         return sum(1 for ref in self._resident_storages if ref() is None)
 
     def _replay(self, roots) -> list[CountedStretch]:
+        events = _in_time_order(roots)
+        freed_late, resident_freed_late = _freed_late(events, self._resident_blocks)
         in_use = self.resident_bytes
-        labels, starts, peaks = ["start"], [in_use], [in_use]
+        late = {address: nbytes for address, nbytes in self._resident_blocks.items() if address in resident_freed_late}
+        labels, starts, peaks, floors = ["start"], [in_use], [in_use], [in_use - sum(late.values())]
         counted: dict[int, int] = {}  # address of a block in use -> the bytes it counts
         resident = dict(self._resident_blocks)  # blocks from before counting: their frees are never reported
         host: dict[int, int] = {}  # the same for offloaded activations' host copies
         host_in_use = 0
         unsure: set[int] = set()  # blocks counted when a mark said what is held: alive or not, the count cannot tell
         listing = _PeakListing(self._keep_peak_blocks)
-        for node in _in_time_order(roots):
+        for node in events:
             if node.name.startswith(_MARK):
                 number, label = node.name[len(_MARK):].split(":", 1)
                 held = self._held.get(int(number))
                 if held is not None and in_use > held:
-                    in_use, unsure = held, set(counted) | set(resident)
+                    in_use, unsure, late = held, set(counted) | set(resident), {}  # what is held here is known
                 labels.append(label)
                 starts.append(in_use)
                 peaks.append(in_use)
+                floors.append(in_use - sum(late.values()))
                 listing.begin(in_use, counted, resident, unsure)
                 continue
             size, address = node.extra_fields.alloc_size, node.extra_fields.ptr
@@ -158,9 +165,13 @@ class AllocatorCount:
                 freed = counted.pop(address, 0) + resident.pop(address, 0)
                 in_use -= 0 if address in unsure else freed  # an unsure block's late free: the mark already left it out
                 unsure.discard(address)
+                late.pop(address, None)
                 counted[address] = 0 if _host_only(node) or _backend_buffer(node) else _rounded(size)
                 in_use += counted[address]
+                if node.id in freed_late:
+                    late[address] = counted[address]
                 listing.made(address, node)
+                floors[-1] = max(floors[-1], in_use - sum(late.values()))
                 if in_use > peaks[-1]:
                     peaks[-1] = in_use
                     listing.peak(in_use, counted, resident, unsure)
@@ -170,7 +181,29 @@ class AllocatorCount:
                 in_use -= counted.pop(address, 0)  # a block from before counting: its free is never reported
                 unsure.discard(address)  # reported: it was alive, and in what the mark said is held
         self.host_bytes = host_in_use
-        return [CountedStretch(label, start, peak, blocks) for label, start, peak, blocks in zip(labels, starts, peaks, listing.stretches)]
+        return [CountedStretch(*stretch) for stretch in zip(labels, starts, peaks, floors, listing.stretches)]
+
+
+def _freed_late(events, resident: dict[int, int]) -> tuple[set[int], set[int]]:
+    """The blocks whose frees the allocator never reported, each found when its address was handed out again while
+    it still counted: the ids of their allocations, and the addresses of such blocks from before counting (the
+    allocator reports no free of those: any block made at one's address means it was freed)."""
+    late_ids: set[int] = set()
+    reused_resident: set[int] = set()
+    live: dict[int, int] = {}  # address -> the id of the allocation there
+    for node in events:
+        if node.name.startswith(_MARK):
+            continue
+        size, address = node.extra_fields.alloc_size, node.extra_fields.ptr
+        if size > 0:
+            if address in resident:
+                reused_resident.add(address)
+            if address in live:
+                late_ids.add(live[address])
+            live[address] = node.id
+        else:
+            live.pop(address, None)
+    return late_ids, reused_resident
 
 
 class _PeakListing:

@@ -21,9 +21,12 @@ from autoplan.verify.allocator import AllocatorCount, resident_bytes
 
 @dataclass(frozen=True)
 class RankMeasurement:
-    peak_bytes: int  # the most bytes this rank's CPU allocator held during the last step
+    peak_bytes: int  # the most bytes this rank's CPU allocator held during the steady step counted lowest
     losses: tuple[float, ...]  # the loss of every step, as this rank computed it
     peak_blocks: tuple[tuple[int, int, int, str], ...] = ()  # with keep_peak_blocks: what was alive then (CountedStretch)
+    # the least the peak can be: the count less blocks gloo's threads freed unheard (CountedStretch.floor_bytes); the
+    # true peak lies between floor_bytes and peak_bytes, equal where the count heard every free that mattered
+    floor_bytes: int = 0
 
 
 def measure_rank_peak(
@@ -64,7 +67,7 @@ def measure_rank_peak(
             runner.step(args, kwargs, record_loss=losses.append)
     runner.close()
     steady = min(count.stretches()[-(steps - first_steady):], key=lambda stretch: stretch.peak_bytes)
-    return RankMeasurement(steady.peak_bytes, tuple(losses), steady.peak_blocks)
+    return RankMeasurement(steady.peak_bytes, tuple(losses), steady.peak_blocks, steady.floor_bytes)
 
 
 def _resident(model, optimizer, batch) -> list[torch.Tensor]:

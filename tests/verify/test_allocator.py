@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import pytest
@@ -121,3 +122,24 @@ def test_lists_the_blocks_alive_at_each_peak_by_their_maker_when_asked():
         torch.ones(16)
     assert plain.stretches()[0].peak_blocks == ()  # not asked: nothing kept
     del ones
+
+
+def _allocation(ident: int, address: int, size: int):
+    """One record of the profiler's event tree as the replay reads it: an allocation (size > 0) or a free (< 0)."""
+    fields = types.SimpleNamespace(alloc_size=size, ptr=address, device=torch.device("cpu"))
+    return types.SimpleNamespace(name="[memory]", id=ident, start_time_ns=ident, extra_fields=fields, children=[], parent=None)
+
+
+def test_a_free_never_reported_widens_the_count_into_a_range_that_holds_the_truth():
+    """A block freed where the profiler does not listen (gloo drops the buffers of an FSDP2 collective in its own
+    threads) counts until its address is handed out again: the count reads high, never low. `floor_bytes` is the
+    count less the blocks alive whose frees were never reported, so the true peak lies between the two."""
+    events = [_allocation(1, 0xA000, MB), _allocation(2, 0xB000, MB), _allocation(3, 0xC000, 2 * MB),
+              # A's free is never reported: its address made again is how the count learns it
+              _allocation(4, 0xA000, MB // 2), _allocation(5, 0xC000, -2 * MB)]
+    stretch, = AllocatorCount()._replay(events)
+    assert stretch.peak_bytes == 4 * MB  # A, B and C, as counted
+    assert stretch.floor_bytes == 3 * MB + MB // 2  # B and C without A; then B, C and the block made at A's address
+    reported = [_allocation(1, 0xA000, MB), _allocation(2, 0xA000, -MB), _allocation(3, 0xB000, 2 * MB)]
+    stretch, = AllocatorCount()._replay(reported)
+    assert stretch.peak_bytes == stretch.floor_bytes == 2 * MB  # every free reported: the count is exact
