@@ -60,7 +60,7 @@ class Size:
         else:
             result = math.floor(self.amount * UNITS[self.unit])
         if result == 0 and not allow_zero:
-            raise fail(f"a {what} must be at least 1 byte")
+            raise fail(f"{_a(what)} must be at least 1 byte")
         return result
 
 
@@ -71,23 +71,23 @@ def read_size(value: object, *, allow_zero: bool, what: str, fail: Callable[[str
         return value
     least = "at least 0" if allow_zero else "positive"
     if isinstance(value, bool):
-        raise fail(f"a {what} is a size, not a bool")
+        raise fail(f"{_a(what)} is a size, not a bool")
     if isinstance(value, numbers.Integral):  # int and numpy's integers
         if value < 0 or (value == 0 and not allow_zero):
-            raise fail(f"a {what} must be {least}")
+            raise fail(f"{_a(what)} must be {least}")
         return Size(value, Fraction(int(value)), "b")
     if isinstance(value, numbers.Real):
         raise fail("a float of bytes is ambiguous; give an int or a unit")
     if not isinstance(value, str):
-        raise fail(f"a {what} must be an int or a string, not {type(value).__name__}")
+        raise fail(f"{_a(what)} must be an int or a string, not {type(value).__name__}")
     text = value.strip()
     if not text:
         raise fail(f"the {what} is empty")
     match = SIZE.fullmatch(text)
     if match is None:
         if SIZE.match(text) is None:
-            raise fail(f"a {what} must start with a number")
-        raise fail(f"a {what} is a number followed by a unit")
+            raise fail(f"{_a(what)} must start with a number")
+        raise fail(f"{_a(what)} is a number followed by a unit")
     number = Fraction(match["number"])
     unit = match["unit"].lower()
     written = match["unit"]
@@ -96,9 +96,9 @@ def read_size(value: object, *, allow_zero: bool, what: str, fail: Callable[[str
     if unit == "":
         if number == 0 and allow_zero:
             return Size(value, Fraction(0), "b")
-        raise fail(f"a {what} must be {least}" if number == 0 else f"a {what} needs a unit")
+        raise fail(f"{_a(what)} must be {least}" if number == 0 else f"{_a(what)} needs a unit")
     if number < 0 or (number == 0 and not allow_zero):
-        raise fail(f"a {what} must be {least}")
+        raise fail(f"{_a(what)} must be {least}")
     if unit != "%" and unit not in UNITS:
         raise fail(f"unknown unit {written!r} (known: {KNOWN_UNITS})")
     return Size(value, number, unit, match["number"])
@@ -109,3 +109,8 @@ def parse_size(value: object, device_memory_bytes: int | None, *, allow_zero: bo
     """`value` in bytes (`read_size`, then `Size.bytes` of `device_memory_bytes`)."""
     return read_size(value, allow_zero=allow_zero, what=what, fail=fail).bytes(device_memory_bytes, allow_zero=allow_zero,
                                                                                what=what, fail=fail)
+
+
+def _a(what: str) -> str:
+    """`what` with its indefinite article: "a budget", "an interconnect" (a custom card's keys name the size)."""
+    return f"{'an' if what[:1].lower() in 'aeiou' else 'a'} {what}"

@@ -267,6 +267,7 @@ def test_a_json_device_file_that_gives_a_key_twice_is_refused(tmp_path) -> None:
     ("custom:memory=48GiB,fp32_tflops=91,bandwidth=864GB/s,colour=red", "unknown key(s) colour"),
     ("custom:memory=48,fp32_tflops=91,bandwidth=864GB/s", "memory: a memory needs a unit"),
     ("custom:memory=48GiB,fp32_tflops=-1,bandwidth=864GB/s", "fp32_tflops must be positive"),
+    ("custom:memory=48GiB,fp32_tflops=91,bandwidth=864GB/s,interconnect=fast", "interconnect: an interconnect must start with a number"),
     ("custom:memory=48GiB,fp32_tflops=91,bandwidth=864GB/s,capability=nine", "capability is major.minor"),
     ("custom:memory", "key=value pairs"),
     ("no/such/card.json", "cannot read the device file"),
