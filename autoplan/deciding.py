@@ -85,6 +85,7 @@ def _simulator(traced: Traced, measured: Profile, step: StepOptions, simulations
                 traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer,
                 rest_precision=measured.rest_precision, loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop,
                 fused_loss=measured.timeline.fused_loss, start_extras=extras,
+                shortcut=measured.device.kind != "cuda" or any(offsets.values()),  # no allocation log wanted
             )
         return simulations[key].peak_bytes
 

@@ -26,18 +26,21 @@ def _fake_like(tensor: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
 
 
-def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
+def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode, leave_out: frozenset[str] = frozenset()) -> torch.nn.Module:
     """A twin of `model` whose parameters and buffers are FakeTensors on the CPU.
 
     Tied parameters stay tied (deepcopy's memo maps each original tensor to one fake), and no
     parameter data is copied, so this works for meta-device models of any size. A quantized base
     (bitsandbytes 4-bit or 8-bit layers) gets fakes of its packed weights and their quantization
-    state too (`instruments.quantized`), sharing storage where the real ones do.
+    state too (`instruments.quantized`), sharing storage where the real ones do. `leave_out`: submodules, by
+    name, the twin goes without (taken out of their container, nothing of theirs copied: a shortened stack).
     """
     storage_fakes = StorageFakes(fake_mode)
     memo: dict[int, Any] = fake_quantized_entries(model, storage_fakes.fake_of)
     buffers = {id(buffer) for buffer in model.buffers()}
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    for name in leave_out:
+        memo[id(model.get_submodule(name))] = None
+    for tensor in _tensors_outside(model, leave_out):
         if id(tensor) in memo:
             continue
         fake = _fake_like(tensor, fake_mode)
@@ -46,7 +49,20 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
         elif id(tensor) in buffers:
             _know_counter(tensor, fake, getattr(fake_mode, "values", None))
         memo[id(tensor)] = fake
-    return copy.deepcopy(model, memo)
+    twin = copy.deepcopy(model, memo)
+    for name in leave_out:
+        container, _, key = name.rpartition(".")
+        del twin.get_submodule(container)._modules[key]
+    return twin
+
+
+def _tensors_outside(model: torch.nn.Module, leave_out: frozenset[str]) -> list[torch.Tensor]:
+    """The parameters and buffers of `model` that some submodule not named in `leave_out` (nor under one) holds."""
+    if not leave_out:
+        return list(model.parameters()) + list(model.buffers())
+    held = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    kept = {id(tensor): tensor for name, tensor in held.items() if not any(name.startswith(f"{out}.") for out in leave_out)}
+    return list(kept.values())
 
 
 def _know_counter(buffer: torch.Tensor, fake: torch.Tensor, values: KnownValues | None) -> None:

@@ -36,14 +36,16 @@ from autoplan.planned.forwards import apply_choices, fused_losses, fusing_held_l
 from autoplan.trace.tracer import Traced
 
 
-def simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping[Unit, Choice], rest: Precision, fused_loss: bool = False):
+def simulation_model(traced: Traced, fake_mode: FakeTensorMode, choices: Mapping[Unit, Choice], rest: Precision, fused_loss: bool = False,
+                     dropped: frozenset[str] = frozenset()):
     """A fake twin of the traced model in training mode, rewritten with `choices` (its parameters cast where FSDP2's
-    MixedPrecisionPolicy gathers them in another dtype: `Traced.parameter_dtype`)."""
-    model = remove_plan(fake_copy(traced.model, fake_mode))
+    MixedPrecisionPolicy gathers them in another dtype: `Traced.parameter_dtype`); without the layers in `dropped`."""
+    model = remove_plan(fake_copy(traced.model, fake_mode, leave_out=dropped))
     model.train()  # plans are for training: dropout on, BatchNorm updating its statistics
-    model = apply_choices(model, choices, OutsideUnits(rest, fused_loss))
+    kept = {unit: choice for unit, choice in choices.items() if unit.name not in dropped}
+    model = apply_choices(model, kept, OutsideUnits(rest, fused_loss))
     if traced.parameter_dtype is not None:
-        cast_as_fsdp_computes(model, traced.parameter_dtype, fake_mode, traced.units)
+        cast_as_fsdp_computes(model, traced.parameter_dtype, fake_mode, [unit for unit in traced.units if unit.name not in dropped])
     return model
 
 
@@ -89,15 +91,17 @@ def run_timeline(
     loop: TrainingLoop | None = None,
     fused_loss: bool = False,
     rates: RooflineRates | None = None,
+    dropped: frozenset[str] = frozenset(),
 ) -> Timeline:
     """Simulate a steady-state step of `loop` (default: the common loop) with the model rewritten with
     `choices` (and its loss head fused, if `fused_loss`), under `fake_mode` (or a new one); its ops timed at `rates`
-    (default the device's)."""
+    (default the device's). `dropped`: layers of a stack taken out of their container, a shortened step
+    (`profile.stack`)."""
     fake_mode = fake_mode or new_fake_mode(traced.routing, traced.draws)
-    model = simulation_model(traced, fake_mode, choices, rest_precision, fused_loss)
+    model = simulation_model(traced, fake_mode, choices, rest_precision, fused_loss, dropped)
     timeline = simulate_training(
-        model, traced.example_inputs, fake_mode=fake_mode, units=list(traced.units), device=device, optimizer=optimizer,
-        loss_fn=loss_fn, loop=loop, rates=rates,
+        model, traced.example_inputs, fake_mode=fake_mode, units=[u for u in traced.units if u.name not in dropped], device=device,
+        optimizer=optimizer, loss_fn=loss_fn, loop=loop, rates=rates,
     )
     return dataclasses.replace(timeline, fused_logits=", ".join(f"{shape} logits" for shape in fused_losses(model)),
                                fusing_held_longer=fusing_held_longer(model))

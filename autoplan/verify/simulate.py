@@ -19,6 +19,7 @@ from autoplan.inputs.loop import TrainingLoop
 from autoplan.memory.sharded import on_rank
 from autoplan.plan import Choice, Phase, Precision
 from autoplan.profile.simulation import run_timeline
+from autoplan.profile.stack import shortened_step
 from autoplan.profile.timeline import Timeline
 from autoplan.units import Unit
 from autoplan.trace.tracer import Traced
@@ -60,18 +61,22 @@ def simulate_plan(
     loop: TrainingLoop | None = None,
     fused_loss: bool = False,
     start_extras: Mapping[Phase, int] | None = None,
+    shortcut: bool = False,
 ) -> Simulation:
     """Simulate a training step of `traced.model` rewritten with `choices`.
 
     rank_offsets: per phase, what FSDP changes on one rank (`memory.sharded.rank_offsets`): the
     simulated activations with FSDP's shards, gathered parameters and buffers, for a per-rank peak.
     loop: the training loop to run (default: the common loop). fused_loss: the loss head fused (planned.loss_head).
+    shortcut: a long stack of identical layers is simulated a few layers deep and the whole step solved from those
+    (`profile.stack`); only where no allocation log is wanted (a CPU target, or per rank), as it makes none.
     """
-    timeline = run_timeline(
-        traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn, loop=loop,
-        fused_loss=fused_loss,
-    )
-    return simulation_of(timeline, rank_offsets, start_extras)
+    def simulated(dropped: frozenset[str] = frozenset()) -> Timeline:
+        return run_timeline(traced, choices, device=device, optimizer=optimizer, rest_precision=rest_precision, loss_fn=loss_fn,
+                            loop=loop, fused_loss=fused_loss, dropped=dropped)
+
+    timeline = shortened_step(traced, choices, simulated) if shortcut else None
+    return simulation_of(timeline or simulated(), rank_offsets, start_extras)
 
 
 def simulation_of(timeline: Timeline, rank_offsets: Mapping[Phase, int] | None = None,
