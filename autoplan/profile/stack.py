@@ -97,7 +97,8 @@ def _layer(model: torch.nn.Module, unit: Unit, choices: Mapping[str, Choice]) ->
     container = model.get_submodule(match.group(1)) if match.group(1) else model
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
         return None
-    structure, attributes = [], []
+    structure: list[tuple] = []
+    attributes: list[object] = []
     for name, sub in model.get_submodule(unit.name).named_modules():
         parameters = tuple((key, tuple(p.shape), p.dtype, p.requires_grad) for key, p in sub.named_parameters(recurse=False))
         buffers = tuple((key, tuple(b.shape), b.dtype) for key, b in sub.named_buffers(recurse=False))
