@@ -41,7 +41,7 @@ def decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepO
     offsets, extras = phase_offsets(measured, request.mesh)
     simulations, leasts, floors = _memo_of(measured, request, memo if memo is not None else {})
     simulate = _simulator(traced, measured, step, simulations, offsets, extras)
-    least_of = _least_limits(measured, request, simulations, simulate, on_one_gpu=not any(offsets.values()), leasts=leasts)
+    least_of = _least_limits(measured, request, simulations, simulate, replays_allocator=_replays_allocator(measured, offsets), leasts=leasts)
 
     def lowest_of(profile: Profile, asked: SolveRequest) -> LowestPeak:
         if "floor" not in floors:
@@ -85,20 +85,26 @@ def _simulator(traced: Traced, measured: Profile, step: StepOptions, simulations
                 traced, choices_by_unit(measured, choices), device=measured.device, optimizer=step.optimizer,
                 rest_precision=measured.rest_precision, loss_fn=step.loss_fn, rank_offsets=offsets, loop=measured.loop,
                 fused_loss=measured.timeline.fused_loss, start_extras=extras,
-                shortcut=measured.device.kind != "cuda" or any(offsets.values()),  # no allocation log wanted
+                shortcut=not _replays_allocator(measured, offsets),  # its shortened steps make no allocation log
             )
         return simulations[key].peak_bytes
 
     return simulate
 
 
+def _replays_allocator(measured: Profile, offsets: Mapping) -> bool:
+    """Whether a plan's steps are replayed through the caching allocator's model: one GPU (a CPU target has no such
+    allocator; per rank, FSDP's gathers and frees are not in the step's allocation log)."""
+    return measured.device.kind == "cuda" and not any(offsets.values())
+
+
 def _least_limits(measured: Profile, request: SolveRequest, simulations: dict[frozenset, Simulation], simulate,
-                  on_one_gpu: bool, leasts: dict[frozenset, int]):
+                  replays_allocator: bool, leasts: dict[frozenset, int]):
     """choices -> their least limit (`Simulation.least_limit_bytes`, raised as `reserved_peak` raises the reserved
     peak), each replayed once (kept in `leasts`); 0 on a CPU target or across ranks, where the allocator is not modelled."""
 
     def least_of(choices: Mapping[str, Choice]) -> int:
-        if measured.device.kind != "cuda" or not on_one_gpu:
+        if not replays_allocator:
             return 0
         key = frozenset(choices.items())
         if key not in leasts:
@@ -206,6 +212,6 @@ def _known_figures(traced: Traced, profile: Profile, fastest_s: float, request: 
     by_hand = offloaded_by_hand(profile, request) if request.host is not None else None
     if by_hand is not None and by_hand != dict(lowest.choices) and _simulator(traced, profile, step, simulations, offsets, extras)(by_hand) < peak:
         return None
-    least_of = _least_limits(profile, request, simulations, simulate=None, on_one_gpu=not any(offsets.values()), leasts=leasts)
+    least_of = _least_limits(profile, request, simulations, simulate=None, replays_allocator=_replays_allocator(profile, offsets), leasts=leasts)
     budget = max(request.budget.needed_for(peak, profile.device), allocator_floor_of(lowest.choices, request.budget, profile.device, least_of))
     return HeadFigures(fastest_s, peak, budget)

@@ -43,10 +43,6 @@ class Run:
     def interior(self) -> tuple[str, ...]:
         return self.names[1:-1]
 
-    def kept(self, interior: int) -> tuple[str, ...]:
-        """The layers a shortened step keeps with `interior` interior layers: the first, those, the last."""
-        return (self.names[0], *self.names[1:1 + interior], self.names[-1])
-
 
 def stack_runs(model: torch.nn.Module, units: tuple[Unit, ...], choices: Mapping[str, Choice]) -> tuple[Run, ...]:
     """The runs of `units` (forward order) worth shortening: the numbered children of one ModuleList or Sequential,
@@ -180,7 +176,6 @@ class _AffineSteps:
     def __init__(self, runs: tuple[Run, ...], base: Timeline, varied: list[Timeline]) -> None:
         self.runs, self.base, self.varied = runs, base, varied
         self.position = {name: (r, j) for r, run in enumerate(runs) for j, name in enumerate(run.interior)}
-        self.base_rows = {p.phase: p for p in base.phases}
         self.varied_rows = [{p.phase: p for p in timeline.phases} for timeline in varied]
 
     def timeline(self, interiors: list[int]) -> Timeline:

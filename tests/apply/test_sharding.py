@@ -408,7 +408,8 @@ def test_a_transformers_model_under_fsdp_meets_its_prediction_and_trains_like_on
     # where the count peaks, by maker, on a rank whose count heard every free (one read high by gloo's late free
     # peaks elsewhere: in one full suite of 2026-11-29 a rank's peak moved to a forward's copy-out, "held at the mark");
     # on a loaded machine both ranks can read high (a suite run with -n 2), and the bounds above are the check
-    for exact in [rank for rank in qwen2_two_ranks if rank["floor_bytes"] == rank["peak_bytes"]][:1]:
+    exact = next((rank for rank in qwen2_two_ranks if rank["floor_bytes"] == rank["peak_bytes"]), None)
+    if exact is not None:
         makers = " | ".join(line[3] for line in exact["peak_blocks"])  # the blocks alive at the counted peak, by maker
         assert "FSDP::post_backward_reduce (model.layers.1)" in makers and "FSDP::pre_backward (model.layers.0)" in makers
     model = tiny_qwen2()

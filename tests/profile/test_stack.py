@@ -17,7 +17,7 @@ from autoplan.inputs.devices import get_device
 from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice
 from autoplan.profile.simulation import run_timeline
-from autoplan.profile.stack import Run, agrees, shortened_step, shortened_timeline, stack_runs
+from autoplan.profile.stack import agrees, shortened_step, shortened_timeline, stack_runs
 from autoplan.trace.tracer import trace
 from tests.families import BY_NAME
 
@@ -142,7 +142,6 @@ def test_a_short_stack_is_simulated_whole() -> None:
     choices = {unit: Choice("keep", "fp32") for unit in traced.units}
     calls = []
     assert shortened_step(traced, choices, lambda dropped: calls.append(dropped)) is None and calls == []
-    assert Run(("a.0", "a.1", "a.2")).kept(1) == ("a.0", "a.1", "a.2")
 
 
 def test_a_stack_whose_optimizer_steps_two_dtypes_is_simulated_whole() -> None:
