@@ -7,7 +7,7 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterable, cast
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -159,30 +159,30 @@ class UnitRecorder:
         held_keys: tensors alive through the whole step whatever the units choose (the batch, the
         parameters).
         """
-        produced = {key: (call.name, leaf) for call in self.calls.values() for leaf, key in enumerate(call.output_keys)}
-        sizes = {key: n for call in self.calls.values() for key, n in zip(call.output_keys, call.output_bytes)}
-        consumers: dict[int, tuple[tuple[str, int], ...]] = {key: () for key in produced}
-        for call in self.calls.values():
-            for leaf, (key, nbytes) in enumerate(zip(call.input_keys, call.input_bytes)):
-                consumers[key] = consumers.get(key, ()) + ((call.name, leaf),)
-                sizes[key] = nbytes
         labels = [cast(Phase, phase.label) for phase in self.tracker.phases()]  # begin() labels each with a Phase
-        return tuple(
-            Boundary(
-                key,
-                sizes[key],
-                produced.get(key),
-                used_by,
-                key in held_keys,
-                labels[self.tracker.last_use[key]] if key in self.tracker.last_use else None,
-                self.rest_saved.get(key),
-            )
-            for key, used_by in consumers.items()
-        )
+        last_use = self.tracker.last_use
+        return boundaries_of(self.calls.values(), held_keys.__contains__,
+                             lambda key: labels[last_use[key]] if key in last_use else None, self.rest_saved.get)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def boundaries_of(calls: Iterable[UnitCall], held_by_rest: Callable[[int], bool], last_forward_use: Callable[[int], Phase | None],
+                  rest_saved_in: Callable[[int], Phase | None]) -> tuple[Boundary, ...]:
+    """The boundaries of a step's unit calls (forward order): each output first, then each input no unit made; a
+    tensor's producer is the last unit that returned it. The rest comes from the step, by storage key."""
+    calls = tuple(calls)
+    produced = {key: (call.name, leaf) for call in calls for leaf, key in enumerate(call.output_keys)}
+    sizes = {key: n for call in calls for key, n in zip(call.output_keys, call.output_bytes)}
+    consumers: dict[int, tuple[tuple[str, int], ...]] = {key: () for key in produced}
+    for call in calls:
+        for leaf, (key, nbytes) in enumerate(zip(call.input_keys, call.input_bytes)):
+            consumers[key] = consumers.get(key, ()) + ((call.name, leaf),)
+            sizes[key] = nbytes
+    return tuple(Boundary(key, sizes[key], produced.get(key), used_by, held_by_rest(key), last_forward_use(key), rest_saved_in(key))
+                 for key, used_by in consumers.items())
 
 
 @dataclass(frozen=True)

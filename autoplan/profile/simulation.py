@@ -29,6 +29,7 @@ from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice, OutsideUnits, Precision
 from autoplan.units import SequentialRun, Unit
 from autoplan.vocabulary.names import run_layers, unit_module
+from autoplan.profile.stack import shortened_step
 from autoplan.profile.timeline import Timeline, simulate_training
 from autoplan.instruments.fake import fake_copy, new_fake_mode
 from autoplan.instruments.tracker import RooflineRates
@@ -129,8 +130,12 @@ def base_timelines(
     """The profile's timeline and reference, timed at `rates` (default the device's); with `fuse_loss`, the head fused
     where that holds less (`holds_less`)."""
     def simulate(choices, rest: Precision, fused: bool, mode: FakeTensorMode | None = None) -> Timeline:
-        return run_timeline(traced, choices, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
-                            fake_mode=mode, loop=loop, fused_loss=fused, rates=rates)
+        def step(dropped: frozenset[str] = frozenset()) -> Timeline:
+            return run_timeline(traced, choices, device=device, optimizer=optimizer, rest_precision=rest, loss_fn=loss_fn,
+                                fake_mode=mode, loop=loop, fused_loss=fused, rates=rates, dropped=dropped)
+        # a deep stack of identical layers: a few layers deep, the rest solved (profile.stack); the profile's timeline
+        # replays no allocation log, so this holds on any target
+        return shortened_step(traced, choices, step, records=True) or step()
 
     timeline = simulate(base, rest_precision, fuse_loss, fake_mode)
     written, alternative = timeline, None

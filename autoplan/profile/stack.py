@@ -10,9 +10,10 @@ container), and the whole step's phases are solved from those: one shortened ste
 one interior layer, one per run with that run at two, and a check at three that every phase lands
 where the others put it (else no shortcut: the whole step is simulated).
 
-What comes out is phases, peak, static bytes and host peak: what checking a plan's peak needs. It
-has no unit calls, boundaries or allocation log: not a profile's timeline, and not for one GPU,
-whose caching allocator replays the whole log (`verify.simulate.Simulation.reserved_bytes`).
+What comes out is phases, peak, static bytes and host peak: what checking a plan's peak needs; asked, the
+unit calls and boundaries too (`profile.stack_records`), what a profile's timeline needs. It has no
+allocation log: not for checking a plan on one GPU, whose caching allocator replays the whole log
+(`verify.simulate.Simulation.reserved_bytes`); a profile's timeline replays none.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable, Mapping
 import torch
 
 from autoplan.plan import Choice, Phase
+from autoplan.profile.stack_records import NoPattern, same_records, whole_records
 from autoplan.profile.timeline import PhaseSample, StaticBytes, Timeline
 from autoplan.units import ModuleUnit, Unit
 
@@ -73,7 +75,7 @@ class _Layer:
     index: int
     structure: tuple  # classes, parameter and buffer shapes, by submodule
     attributes: tuple  # every plain attribute of every submodule, in order
-    choice: Choice
+    choice: Choice | None
 
     def follows(self, other: "_Layer") -> bool:
         """The next layer of `other`'s container, the same module and choice; an attribute may differ only where
@@ -88,7 +90,7 @@ class _Layer:
 def _layer(model: torch.nn.Module, unit: Unit, choices: Mapping[str, Choice]) -> _Layer | None:
     """A unit that is a numbered child of a ModuleList or Sequential, as `stack_runs` compares it; else None."""
     match = _NUMBERED.match(unit.name)
-    if type(unit) is not ModuleUnit or match is None or unit.name not in choices:
+    if type(unit) is not ModuleUnit or match is None:
         return None
     container = model.get_submodule(match.group(1)) if match.group(1) else model
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
@@ -101,24 +103,26 @@ def _layer(model: torch.nn.Module, unit: Unit, choices: Mapping[str, Choice]) ->
         plain = sorted((key, value) for key, value in vars(sub).items() if not key.startswith("_") and _is_plain(value))
         structure.append((name, type(sub), parameters, buffers, tuple(key for key, _ in plain)))
         attributes.extend(value for _, value in plain)
-    return _Layer(match.group(1), int(match.group(2)), tuple(structure), tuple(attributes), choices[unit.name])
+    return _Layer(match.group(1), int(match.group(2)), tuple(structure), tuple(attributes), choices.get(unit.name))  # None: as written
 
 
 def _is_plain(value) -> bool:
     return isinstance(value, _SCALARS) or (isinstance(value, tuple) and all(isinstance(item, _SCALARS) for item in value))
 
 
-def shortened_step(traced, choices: Mapping[Unit, Choice], simulate: Callable[[frozenset[str]], Timeline]) -> Timeline | None:
+def shortened_step(traced, choices: Mapping[Unit, Choice], simulate: Callable[[frozenset[str]], Timeline], *,
+                   records: bool = False) -> Timeline | None:
     """The whole step's timeline from shortened ones where the model has a stack long enough to win time, else None
     (`simulate(dropped)` simulates the step without the layers in `dropped`). A shortened step that fails to run (a
-    forward that indexes its layers by number) or is not affine is None too: the whole step is simulated."""
+    forward that indexes its layers by number) or is not affine is None too: the whole step is simulated. `records`:
+    with its unit calls and boundaries too (`profile.stack_records`), as a profile's timeline needs them."""
     if not _one_optimizer_group(traced.model):
         return None
     runs = stack_runs(traced.model, traced.units, {unit.name: choice for unit, choice in choices.items()})
     if not runs or _kept_layers(runs) > sum(len(run.names) for run in runs) // 2:
         return None
     try:
-        return shortened_timeline(runs, simulate)
+        return shortened_timeline(runs, simulate, records=records)
     except Exception:  # noqa: BLE001 - the whole step runs next, and says what is wrong if anything is
         return None
 
@@ -137,9 +141,11 @@ def _kept_layers(runs: tuple[Run, ...]) -> int:
     return (per_step + len(runs)) + sum(per_step + len(runs) + 1 for _ in runs) + (per_step + 3 * len(runs))
 
 
-def shortened_timeline(runs: tuple[Run, ...], simulate: Callable[[frozenset[str]], Timeline]) -> Timeline | None:
-    """The whole step's timeline (phases, peak, static bytes, host peak) from shortened steps, `simulate(dropped)`
-    simulating the step without the layers named in `dropped`; None where the check step disagrees (not affine)."""
+def shortened_timeline(runs: tuple[Run, ...], simulate: Callable[[frozenset[str]], Timeline], *,
+                       records: bool = False) -> Timeline | None:
+    """The whole step's timeline (phases, peak, static bytes, host peak; with `records`, unit calls and boundaries too)
+    from shortened steps, `simulate(dropped)` simulating the step without the layers named in `dropped`; None where
+    the check step disagrees (not affine, or its calls not a chain of identical layers)."""
     interiors = [len(run.interior) for run in runs]
 
     def shortened(counts: list[int]) -> Timeline:
@@ -152,7 +158,18 @@ def shortened_timeline(runs: tuple[Run, ...], simulate: Callable[[frozenset[str]
     check = shortened([3] * len(runs))
     if not agrees(model.timeline([3] * len(runs)), check):
         return None
-    return model.timeline(interiors)
+    timeline = model.timeline(interiors)
+    if not records:
+        return timeline
+    template = varied[0] if len(runs) == 1 else shortened([2] * len(runs))
+    names = [run.interior for run in runs]
+    try:
+        if not same_records(whole_records(names, template, [3] * len(runs)), check):
+            return None
+        made = whole_records(names, template, interiors)
+    except NoPattern:
+        return None
+    return dataclasses.replace(timeline, unit_calls=made.unit_calls, boundaries=made.boundaries)
 
 
 def agrees(shortcut: Timeline, whole: Timeline) -> bool:
@@ -166,8 +183,8 @@ def agrees(shortcut: Timeline, whole: Timeline) -> bool:
             return False
         if abs(mine.time_s - theirs.time_s) > 1e-9 * max(abs(theirs.time_s), 1e-12):
             return False
-    return (shortcut.peak_bytes, shortcut.static, shortcut.carried_bytes, shortcut.host_peak_bytes) == \
-        (whole.peak_bytes, whole.static, whole.carried_bytes, whole.host_peak_bytes)
+    same = ("peak_bytes", "static", "carried_bytes", "host_peak_bytes", "fused_logits", "fusing_held_longer", "loss_summed", "target_kernels")
+    return all(getattr(shortcut, name) == getattr(whole, name) for name in same)
 
 
 class _AffineSteps:

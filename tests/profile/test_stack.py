@@ -18,6 +18,7 @@ from autoplan.inputs.loop import TrainingLoop
 from autoplan.plan import Choice
 from autoplan.profile.simulation import run_timeline
 from autoplan.profile.stack import agrees, shortened_step, shortened_timeline, stack_runs
+from autoplan.profile.stack_records import Records, same_records
 from autoplan.trace.tracer import trace
 from tests.families import BY_NAME
 
@@ -58,7 +59,12 @@ def _compare(model, batch, pattern, device="cpu", loop=None):
         return run_timeline(traced, choices, device=target, optimizer="adamw", loop=loop, dropped=dropped)
 
     runs = stack_runs(traced.model, traced.units, {unit.name: choice for unit, choice in choices.items()})
-    return runs, shortened_timeline(runs, simulated), simulated()
+    return runs, shortened_timeline(runs, simulated, records=True), simulated()
+
+
+def _same(shortcut, whole) -> bool:
+    """Every phase (`agrees`) and every unit call and boundary, the storage keys numbered alike."""
+    return agrees(shortcut, whole) and same_records(Records(shortcut.unit_calls, shortcut.boundaries), whole)
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
@@ -66,7 +72,8 @@ def test_a_llama_stack_simulated_a_few_layers_deep_is_its_whole_step(pattern: st
     model, batch = _deep("Llama")
     runs, shortcut, whole = _compare(model, batch, pattern)
     assert runs and shortcut is not None
-    assert agrees(shortcut, whole)
+    assert _same(shortcut, whole)
+    assert len(shortcut.unit_calls) == len(whole.unit_calls) == DEPTH
     assert len(shortcut.phases) == len(whole.phases) and shortcut.peak_bytes == whole.peak_bytes
 
 
@@ -77,7 +84,7 @@ def test_every_family_s_stack_is_its_whole_step(family: str, pattern: str) -> No
     model, batch = _deep(family)
     runs, shortcut, whole = _compare(model, batch, pattern)
     assert runs and shortcut is not None, runs
-    assert agrees(shortcut, whole)
+    assert _same(shortcut, whole)
 
 
 @pytest.mark.slow
@@ -87,7 +94,7 @@ def test_a_stack_in_other_loops_and_on_a_gpu_is_its_whole_step(loop: TrainingLoo
     model, batch = _deep("Llama")
     for device in ("cpu", "h100"):
         runs, shortcut, whole = _compare(model, batch, "first layer recomputed", device, loop)
-        assert shortcut is not None and agrees(shortcut, whole), device
+        assert shortcut is not None and _same(shortcut, whole), device
 
 
 def test_two_runs_of_one_stack_are_each_shortened() -> None:
@@ -102,8 +109,8 @@ def test_two_runs_of_one_stack_are_each_shortened() -> None:
     def simulated(dropped=frozenset()):
         return run_timeline(traced, choices, device=target, optimizer="adamw", dropped=dropped)
 
-    shortcut = shortened_timeline(runs, simulated)
-    assert shortcut is not None and agrees(shortcut, simulated())
+    shortcut = shortened_timeline(runs, simulated, records=True)
+    assert shortcut is not None and _same(shortcut, simulated())
 
 
 def test_layers_that_differ_or_alternate_make_no_run() -> None:
