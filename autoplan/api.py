@@ -17,7 +17,7 @@ from autoplan.apply.sharding import process_group_world_size, require_process_gr
 from autoplan.apply.rewrite import apply_plan, refuse_meta
 from autoplan.errors import InfeasibleBudgetError
 from autoplan.inputs.options import PlanKeywords, PlanOptions, with_options
-from autoplan.inputs.settings import check_degree, fsdp_ranks
+from autoplan.inputs.settings import fsdp_ranks, requested_degree
 from autoplan.plan import Plan
 from autoplan.planner import Planner
 from autoplan.report.reported import ReportedPlan
@@ -64,7 +64,7 @@ def optimize(model: torch.nn.Module, budget: str | int | Size, **options: Unpack
     if world_size == "auto" and process_group_world_size() is None:
         require_process_group(0)  # says how to start one
     ranks = fsdp_ranks(given)
-    degree = check_degree(given.tensor_parallel)
+    degree = requested_degree(given)
     every_gpu = 0 if ranks == "auto" or degree == "auto" else ranks * degree
     if every_gpu > 1:
         require_process_group(every_gpu)  # before minutes of planning, not after

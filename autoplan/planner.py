@@ -183,7 +183,7 @@ class Planner:
                 continue
             try:
                 piece.levels = piece.levels if piece.levels is not None else self._profile_levels(piece)
-            except ProfileError as error:
+            except (ProfileError, TraceError) as error:
                 if piece is self._slices[0]:
                     raise
                 piece.failed = first_line(error).split(" — ")[0]  # searched, not asked for: the other degrees answer
@@ -252,7 +252,7 @@ class Planner:
                 self._say(f"level {number} of {len(levels)}: {level.source}, {len(level.units)} units")
             try:
                 traced, measured = _trace_and_profile(piece.model, self._batch, settings.profile, settings.device, level.units,
-                                                      settings.step, settings.space, self._say)
+                                                      settings.step, settings.space, self._say, self._traced_whole(piece, level))
             except RepeatedUnitError:
                 if number == len(levels) and not profiled:
                     raise
@@ -267,6 +267,17 @@ class Planner:
             pins = pinned_choices(list(traced.unit_names), choices_for(space.precision, settings.device), space.keep_fp32, space.checkpoint, measured)
             profiled.append(ProfiledLevel(level, traced, measured, pins))
         return profiled
+
+    def _traced_whole(self, piece: RankSlice, level: UnitLevel) -> Traced | None:
+        """The whole model's trace of `level`, for a tensor-parallel slice of it: the slice runs the same modules in the
+        same order, only its split linears narrower, so the units and the dataflow between them are the whole model's
+        (traced by a forward on fake tensors of the model itself, "hooks"; a graph is of its own modules). None where
+        there is none to take: the slice is traced."""
+        whole = self._slices[0]
+        if piece is whole or whole.levels is None:
+            return None
+        traced = next((done.traced for done in whole.levels if done.level.units == level.units), None)
+        return traced if traced is not None and traced.method == "hooks" and traced.model is whole.model else None
 
     def _check_unchanged(self) -> None:
         """The model is the one profiled: a parameter added, dropped, reshaped, moved, cast or (un)frozen is not."""
@@ -316,14 +327,16 @@ def _check_int8_target(model: torch.nn.Module, target: Device) -> None:
 
 
 def _trace_and_profile(model, batch, profile: str, device: Device, unit_names, step: StepOptions, space: SearchSpace,
-                       say) -> tuple[Traced, Profile]:
-    """The trace and profile stages: units found, and what each costs under every allowed choice."""
+                       say, traced_whole: Traced | None = None) -> tuple[Traced, Profile]:
+    """The trace and profile stages: units found, and what each costs under every allowed choice. `traced_whole`: the
+    trace of the model `model` is a tensor-parallel slice of, taken for it (`Planner._traced_whole`)."""
     precisions = choices_for(space.precision, device)
     if space.keep_fp32 and "fp32" not in precisions:
         precisions = (*precisions, "fp32")
     rest = rest_precision(space.precision)
     say("tracing")
-    traced = dataclasses.replace(trace(model, batch, unit_names=unit_names, routing=step.routing), parameter_dtype=step.parameter_dtype)
+    found = trace(model, batch, unit_names=unit_names, routing=step.routing) if traced_whole is None else dataclasses.replace(traced_whole, model=model)
+    traced = dataclasses.replace(found, parameter_dtype=step.parameter_dtype)
     if any(is_float8(precision) for precision in precisions):
         check_some_run_in_float8({unit.name: unit_module(model, unit) for unit in traced.units}, space.precision)
     if space.compile and profile == "measure":

@@ -1,7 +1,8 @@
 """Planning time and peak RAM for Llama-style models built on the meta device (no weights).
 
     python benchmarks/scale.py                 # 1b, 8b and 70b, batch 1 × 8192, 8 × h100-80gb
-    python benchmarks/scale.py 70b --world-size auto
+    python benchmarks/scale.py 70b --world-size auto                   # tensor-parallel degrees searched too
+    python benchmarks/scale.py 70b --world-size auto --tensor-parallel 1  # FSDP alone
     python benchmarks/scale.py hf:llama-3-70b hf:llama-3-8b --world-size 1 --seq-len 4096   # the command line's presets
 
 Each configuration is planned in a fresh process, timed with /usr/bin/time -v (wall clock and
@@ -32,10 +33,13 @@ import torch, autoplan
 from examples.llama import LlamaConfig, build_on_meta
 model, batch = build_on_meta(LlamaConfig.preset({preset!r}), {batch}, {seq})
 world = {world!r}
+degree = {degree!r}
 started = time.perf_counter()
-plan = autoplan.plan(model, {budget!r}, example_inputs=batch, device={device!r}, world_size=world)
+plan = autoplan.plan(model, {budget!r}, example_inputs=batch, device={device!r}, world_size=world,
+                     **({{}} if degree is None else {{"tensor_parallel": degree}}))
 print(json.dumps({{"seconds": time.perf_counter() - started, "parameters": plan.model.parameter_count,
-    "world_size": plan.request.world_size, "feasible": plan.outcome.feasible, "peak": plan.prediction.peak_bytes,
+    "world_size": plan.request.world_size, "tensor_parallel": plan.request.mesh.tensor_parallel,
+    "feasible": plan.outcome.feasible, "peak": plan.prediction.peak_bytes,
     "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
 """
 
@@ -44,22 +48,23 @@ def run(preset: str, args) -> dict:
     if preset.startswith("hf:"):
         return _timed(_command_line(preset, args), preset, lambda stdout: _row_of_plan(json.loads(stdout)))
     world = args.world_size if args.world_size == "auto" else int(args.world_size)
+    degree = None if args.tensor_parallel is None else (args.tensor_parallel if args.tensor_parallel == "auto" else int(args.tensor_parallel))
     code = CHILD.format(root=ROOT, preset=preset, batch=args.batch_size, seq=args.seq_len, world=world,
-                        budget=args.budget, device=args.device)
+                        budget=args.budget, device=args.device, degree=degree)
     return _timed([sys.executable, "-c", code], preset, lambda stdout: json.loads(stdout.strip().splitlines()[-1]))
 
 
 def _command_line(preset: str, args) -> list[str]:
     return [sys.executable, "-c", "from autoplan.cli.main import run; run()", "plan", preset, "--budget", args.budget, "--device", args.device,
             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--world-size", str(args.world_size),
-            "--json", "-"]
+            *(["--tensor-parallel", args.tensor_parallel] if args.tensor_parallel is not None else []), "--json", "-"]
 
 
 def _row_of_plan(document: dict) -> dict:
     """The row's fields from `autoplan plan --json -`'s document."""
     plan = document["plan"]
     return {"seconds": None, "parameters": plan["parameter_count"], "world_size": plan["world_size"],
-            "feasible": plan["feasible"], "peak": plan["predicted_peak_bytes"]}
+            "tensor_parallel": plan.get("tensor_parallel", 1), "feasible": plan["feasible"], "peak": plan["predicted_peak_bytes"]}
 
 
 def _timed(command: list[str], preset: str, read_row: Callable[[str], dict]) -> dict:
@@ -90,6 +95,8 @@ def main() -> None:
     llama_arguments(parser, ["1b", "8b", "70b"], seq_len=8192)
     parser.add_argument("--world-size", default="8")
     parser.add_argument("--budget", default="80GB")
+    parser.add_argument("--tensor-parallel", default=None, help="N, auto or 1 (FSDP alone); left out: autoplan's default "
+                        "(the degree searched under --world-size auto)")
     args = parser.parse_args()
     from machine import describe_machine  # imports torch, which this process otherwise leaves to its children
 
@@ -99,7 +106,8 @@ def main() -> None:
     for preset in args.presets:
         row = run(preset, args)
         planned = "-" if row["seconds"] is None else f"{row['seconds']:.1f}"
-        print(f"{preset:>16} {row['parameters'] / 1e9:>10.2f}B {row['world_size']:>10} {'yes' if row['feasible'] else 'no':>5} "
+        world = f"{row['world_size']}" + (f" tp{row['tensor_parallel']}" if row.get("tensor_parallel", 1) > 1 else "")
+        print(f"{preset:>16} {row['parameters'] / 1e9:>10.2f}B {world:>10} {'yes' if row['feasible'] else 'no':>5} "
               f"{row['peak'] / 1e9:>7.1f}GB {planned:>7} {row['wall_s']:>7.1f} {row['maxrss_kb'] / 2**20:>6.2f}GiB", flush=True)
 
 

@@ -166,16 +166,19 @@ class PlanOptions:
         ("--fsdp-mixed-precision",), "With --world-size N (or auto, from 2): FSDP2's MixedPrecisionPolicy, parameters gathered and computed in bf16 "
         "or fp16, reduced and kept in fp32.", "with `--world-size N` (or `auto`, searched from 2): FSDP2's MixedPrecisionPolicy, parameters gathered and "
         "computed in `bf16` or `fp16`, reduced and kept in fp32", ("bf16", "fp16"), verify=False, metavar="DTYPE"))
-    tensor_parallel: int | str = _option(1, "ranks each planned linear is split over by tensor parallelism (torch's "
-                                         "`parallelize_module`, `ColwiseParallel`/`RowwiseParallel`, as torchtitan applies it): the plan "
-                                         "is then for one rank's slice of the model, every byte per rank. `world_size` counts every GPU "
-                                         "(FSDP's ranks × these); left at 1, it is this. `\"auto\"` (with `world_size=\"auto\"`): FSDP "
-                                         "alone, 2, 4 and 8 searched, the fewest GPUs in all chosen. 1 (default): none. "
-                                         "[parallel.md](parallel.md)", Flag(
-        ("--tensor-parallel",), "Split the attention and MLP linears over N ranks (tensor parallelism), or auto with --world-size "
-        "auto; --world-size counts every GPU.", "split the attention and MLP linears over N ranks (tensor parallelism, per "
-        "[parallel.md](parallel.md)), or `auto` with `--world-size auto` (the degree on the fewest GPUs); `--world-size` counts every "
-        "GPU, FSDP's ranks times these", str, verify=False, metavar="N", unset=True))
+    tensor_parallel: int | str | None = _option(None, "ranks each planned linear is split over by tensor parallelism (torch's "
+                                                "`parallelize_module`, `ColwiseParallel`/`RowwiseParallel`, as torchtitan applies it): the "
+                                                "plan is then for one rank's slice of the model, every byte per rank. `world_size` counts "
+                                                "every GPU (FSDP's ranks × these); left at 1, it is this. `\"auto\"` (with "
+                                                "`world_size=\"auto\"`): FSDP alone, 2, 4 and 8 searched, the fewest GPUs in all chosen. "
+                                                "1: none. None (default): `\"auto\"` under `world_size=\"auto\"` where the model has "
+                                                "linears to split (its own `tp_plan`, or torchtitan's Llama names), else 1. "
+                                                "[parallel.md](parallel.md)", Flag(
+        ("--tensor-parallel",), "Split the attention and MLP linears over N ranks (tensor parallelism); --world-size auto searches "
+        "the degree unless given (1: FSDP alone); --world-size counts every GPU.", "split the attention and MLP linears over N ranks "
+        "(tensor parallelism, per [parallel.md](parallel.md)), or `auto` (the degree on the fewest GPUs, what `--world-size auto` "
+        "does when this is left out; `1` there searches FSDP alone); `--world-size` counts every GPU, FSDP's ranks times these", str,
+        verify=False, metavar="N", unset=True))
     tensor_parallel_plan: Mapping[str, str] | None = _option(None, "with `tensor_parallel` > 1, which linears are split: `{module name "
                                                              "pattern: \"colwise\" | \"rowwise\"}`. None (default): the model's own "
                                                              "(transformers' `model.tp_plan`), else torchtitan's Llama names.")
@@ -307,7 +310,7 @@ class PlanKeywords(TypedDict, total=False):
     world_size: int | str
     reshard_after_forward: bool | Mapping[str, bool]
     fsdp_mixed_precision: str | None
-    tensor_parallel: int | str
+    tensor_parallel: int | str | None
     tensor_parallel_plan: Mapping[str, str] | None
     menu_size: int
     loop: TrainingLoop | None

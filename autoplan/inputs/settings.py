@@ -135,13 +135,13 @@ def settle(options: PlanOptions) -> Settings:
         space = dataclasses.replace(space, precision="fp32")
     return Settings(device, step, space, ranks, check_reshard(options.reshard_after_forward, ranks), check_choice("profile", options.profile, PROFILE_SOURCES),
                     check_time_limit(options.time_limit_s), read_reserve(options.reserve),
-                    flag("allow_over_device", options.allow_over_device), check_degree(options.tensor_parallel),
+                    flag("allow_over_device", options.allow_over_device), requested_degree(options),
                     check_layout_given(options.tensor_parallel_plan))
 
 
 def fsdp_ranks(options: PlanOptions) -> int | Literal["auto"]:
     """FSDP's ranks: every GPU (`world_size`) over the tensor-parallel ranks; world_size left at 1 is the TP ranks alone."""
-    degree = check_degree(options.tensor_parallel)
+    degree = requested_degree(options)
     if options.tensor_parallel_plan is not None and degree == 1:
         raise OptionError("tensor_parallel_plan says which linears tensor parallelism splits: give tensor_parallel=N (N > 1) "
                           "or \"auto\" too")
@@ -200,7 +200,7 @@ def search_space(options: PlanOptions, device: Device) -> SearchSpace:
         compile=compile,
         fuse_loss=flag("fuse_loss", options.fuse_loss) and not compile and fsdp_ranks(options) == 1,
         host=_host_memory(options.offload, host_budget_bytes(options.host_budget), device,
-                          sharded=options.world_size != 1 or options.tensor_parallel != 1),
+                          sharded=options.world_size != 1 or requested_degree(options) != 1),
     )
 
 
@@ -259,6 +259,15 @@ def check_reshard(reshard_after_forward: object, ranks: int | str) -> bool | tup
 
 
 STYLES = ("colwise", "rowwise")  # the tensor-parallel styles planned (inputs.tensor_parallel)
+
+
+def requested_degree(options: PlanOptions) -> int | Literal["auto"]:
+    """The tensor-parallel degree to plan: `tensor_parallel` as given, or left out (None), searched ("auto") under
+    world_size="auto" and none (1) under a world size of the person's own. Under "auto" a model with no linears to split
+    plans FSDP alone (`inputs.tensor_parallel.degrees_to_plan`)."""
+    if options.tensor_parallel is None:
+        return "auto" if options.world_size == "auto" else 1
+    return check_degree(options.tensor_parallel)
 
 
 def check_degree(degree: object) -> int | Literal["auto"]:

@@ -53,5 +53,5 @@ def degrees_note(found: list[DegreeFit], chosen: DegreeFit) -> str | None:
         else:
             words.append(f"{name}: does not fit on {fit.world_size}")
     chosen_name = "FSDP alone" if chosen.degree == 1 else f"tensor parallel {chosen.degree}"
-    return (f"tensor_parallel=\"auto\": the fewest GPUs that fit per tensor-parallel degree: {'; '.join(words)}; "
-            f"chosen: {chosen_name} (tensor_parallel=N plans one degree)")
+    return (f"world_size=\"auto\" searched tensor parallelism too: the fewest GPUs that fit per tensor-parallel degree: "
+            f"{'; '.join(words)}; chosen: {chosen_name} (tensor_parallel=1: FSDP alone; tensor_parallel=N: that degree)")

@@ -1,4 +1,5 @@
-"""tensor_parallel="auto" with world_size="auto": the degree on the fewest GPUs in all, FSDP alone where it is as few."""
+"""world_size="auto" searches the tensor-parallel degree too (tensor_parallel left out, or "auto"): the degree on the
+fewest GPUs in all, FSDP alone where it is as few; tensor_parallel=1 searches FSDP alone."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ OPTIONS = dict(device="cpu", reserve=0, profile="roofline", precision="fp32")
 def planner():
     torch.manual_seed(0)
     model = Llama(CONFIG)
-    return model, autoplan.Planner(model, example_inputs=example_batch(CONFIG, 4, 256), world_size="auto", tensor_parallel="auto",
-                                   **OPTIONS)
+    return model, autoplan.Planner(model, example_inputs=example_batch(CONFIG, 4, 256), world_size="auto", **OPTIONS)  # the default
 
 
 @pytest.mark.slow  # three degrees profiled
@@ -31,8 +31,8 @@ def test_tensor_parallelism_is_chosen_where_it_needs_fewer_gpus(planner) -> None
     note = next(note for note in plan.notes if "per tensor-parallel degree" in note)
     assert "FSDP alone: does not fit" in note and "tensor parallel 2: 12 (6 FSDP × 2 tensor parallel)" in note
     assert "tensor parallel 4: its slice does not run" in note  # half a kv head per rank
-    fsdp_alone = autoplan.plan(model, "14MB", example_inputs=example_batch(CONFIG, 4, 256), world_size="auto", **OPTIONS)
-    assert not fsdp_alone.outcome.feasible and fsdp_alone.request.mesh.tensor_parallel == 1  # the default: FSDP alone
+    fsdp_alone = autoplan.plan(model, "14MB", example_inputs=example_batch(CONFIG, 4, 256), world_size="auto", tensor_parallel=1, **OPTIONS)
+    assert not fsdp_alone.outcome.feasible and fsdp_alone.request.mesh.tensor_parallel == 1  # told: FSDP alone
     assert not any("per tensor-parallel degree" in note for note in fsdp_alone.notes)
 
 
@@ -50,3 +50,23 @@ def test_the_degree_is_searched_only_beside_fsdps_ranks() -> None:
     torch.manual_seed(0)
     with pytest.raises(OptionError, match='world_size="auto" too'):
         autoplan.Planner(Llama(CONFIG), example_inputs=example_batch(CONFIG, 4, 256), world_size=8, tensor_parallel="auto", **OPTIONS)
+
+
+def test_the_degree_is_searched_by_default_only_under_world_size_auto() -> None:
+    from autoplan.inputs.options import PlanOptions
+    from autoplan.inputs.settings import requested_degree
+
+    def degree(**options):
+        return requested_degree(PlanOptions.given(options, "plan"))
+
+    assert degree(world_size="auto") == "auto" and degree(world_size="auto", tensor_parallel=1) == 1
+    assert degree() == 1 and degree(world_size=8) == 1 and degree(world_size=8, tensor_parallel=2) == 2
+    assert degree(world_size="auto", tensor_parallel="4") == 4  # the command line's digits
+
+
+def test_a_model_with_nothing_to_split_searches_fsdp_alone() -> None:
+    from autoplan.inputs.tensor_parallel import degrees_to_plan
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    assert degrees_to_plan(mlp, "auto", None) == ((1, ()),)
+    assert [degree for degree, _ in degrees_to_plan(Llama(CONFIG), "auto", None)] == [1, 2, 4, 8]
