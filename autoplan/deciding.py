@@ -49,7 +49,9 @@ def decide(traced: Traced, measured: Profile, request: SolveRequest, step: StepO
             return floors["floor"]
         return dataclasses.replace(floors["floor"], solve_time_s=0.0)  # kept, not solved again: no solver time this plan
 
-    searched = functools.partial(search, measured, simulate=simulate, progress=say, lowest_of=lowest_of)
+    # a deep stack's choices side by side where its step is then simulated a few layers deep (not one GPU's: solve.stacks)
+    searched = functools.partial(search, measured, simulate=simulate, progress=say, lowest_of=lowest_of,
+                                 side_by_side=not _replays_allocator(measured, offsets))
     fit = fit_allocator(searched(request), request, measured.device, least_of=least_of, simulate=simulate, search_again=searched)
     found = fit.found
     decided = assemble_plan(measured, traced, found, request)

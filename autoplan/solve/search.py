@@ -21,6 +21,7 @@ from autoplan.profile.profiler import Profile
 from autoplan.vocabulary.names import match_units
 from autoplan.solve.ilp import STOPPED_WITH_PLAN, LowestPeak, allowed_choices, minimum_peak, solve
 from autoplan.solve.request import SolveRequest
+from autoplan.solve import stacks
 
 MAX_RESOLVES = 4
 RESOLVE_SLACK_BYTES = 2**20  # tighten by the overshoot and a MiB more, so a re-solve cannot land on the same point
@@ -156,9 +157,40 @@ def offloaded_by_hand(profile: Profile, request: SolveRequest) -> dict[str, Choi
     return choices
 
 
+@dataclass(frozen=True)
+class _Checked:
+    choices: Mapping[str, Choice]
+    simulated_peak: int
+    predicted: int
+    fits: bool
+
+
+def _proposals(profile: Profile, request: SolveRequest, solved: Mapping[str, Choice], side_by_side: bool) -> list[Mapping[str, Choice]]:
+    """The solved choices to simulate, in order: first ordered side by side (`solve.stacks`) where that moves any and the
+    memory model predicts it no higher, then as solved."""
+    if not side_by_side:
+        return [solved]
+    ordered = stacks.side_by_side(profile, solved)
+    if ordered == dict(solved) or predict_peak(profile, ordered, request.mesh).bytes > predict_peak(profile, solved, request.mesh).bytes:
+        return [solved]
+    return [ordered, solved]
+
+
+def _first_fitting(profile: Profile, request: SolveRequest, simulate, proposals: list[Mapping[str, Choice]]) -> _Checked:
+    """The first proposal whose simulated and predicted peaks both fit; else the last one's figures (the solved order)."""
+    checked = None
+    for choices in proposals:
+        simulated_peak, predicted = simulate(choices), predict_peak(profile, choices, request.mesh).bytes
+        checked = _Checked(choices, simulated_peak, predicted, simulated_peak <= request.usable_bytes and predicted <= request.usable_bytes)
+        if checked.fits:
+            return checked
+    assert checked is not None  # one proposal at least
+    return checked
+
+
 def search(profile: Profile, request: SolveRequest, *, simulate: Callable[[Mapping[str, Choice]], int],
            progress: Callable[[str], None] | None = None,
-           lowest_of: Callable[[Profile, SolveRequest], LowestPeak] = minimum_peak) -> SearchResult:
+           lowest_of: Callable[[Profile, SolveRequest], LowestPeak] = minimum_peak, side_by_side: bool = False) -> SearchResult:
     """The fastest choices whose predicted and simulated peaks both fit the request's usable bytes.
 
     `simulate(choices)` returns the simulated peak of a training step with those choices. When the
@@ -187,11 +219,11 @@ def search(profile: Profile, request: SolveRequest, *, simulate: Callable[[Mappi
         if not solution.feasible:
             break
         say("verifying the plan with a simulated training step")
-        simulated_peak = simulate(solution.choices)
-        predicted = predict_peak(profile, solution.choices, request.mesh).bytes
-        if simulated_peak <= usable_bytes and predicted <= usable_bytes:
-            chosen, simulated, feasible = solution.choices, simulated_peak, True
+        fitting = _first_fitting(profile, request, simulate, _proposals(profile, request, solution.choices, side_by_side))
+        if fitting.fits:
+            chosen, simulated, feasible = fitting.choices, fitting.simulated_peak, True
             break
+        simulated_peak, predicted = fitting.simulated_peak, fitting.predicted
         # the next solve must land below this one (else it returns it again), and below the usable budget by as
         # much as the linear model erred here: plans near this one err alike
         error = max(simulated_peak - predicted, 0)
