@@ -90,7 +90,9 @@ class _Layer:
 def _layer(model: torch.nn.Module, unit: Unit, choices: Mapping[str, Choice]) -> _Layer | None:
     """A unit that is a numbered child of a ModuleList or Sequential, as `stack_runs` compares it; else None."""
     match = _NUMBERED.match(unit.name)
-    if type(unit) is not ModuleUnit or match is None:
+    # a unit left out of a plan's choices is in a segment (planned as one region with its neighbours), never shortened;
+    # no choices at all is the step with no plan, every unit as written
+    if type(unit) is not ModuleUnit or match is None or (choices and unit.name not in choices):
         return None
     container = model.get_submodule(match.group(1)) if match.group(1) else model
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
@@ -103,7 +105,7 @@ def _layer(model: torch.nn.Module, unit: Unit, choices: Mapping[str, Choice]) ->
         plain = sorted((key, value) for key, value in vars(sub).items() if not key.startswith("_") and _is_plain(value))
         structure.append((name, type(sub), parameters, buffers, tuple(key for key, _ in plain)))
         attributes.extend(value for _, value in plain)
-    return _Layer(match.group(1), int(match.group(2)), tuple(structure), tuple(attributes), choices.get(unit.name))  # None: as written
+    return _Layer(match.group(1), int(match.group(2)), tuple(structure), tuple(attributes), choices.get(unit.name))  # None: as written (no plan)
 
 
 def _is_plain(value) -> bool:

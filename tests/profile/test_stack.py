@@ -120,6 +120,10 @@ def test_layers_that_differ_or_alternate_make_no_run() -> None:
     assert stack_runs(traced.model, traced.units, alternate) == ()
     same = {unit.name: Choice("keep", "fp32") for unit in traced.units}
     assert [len(run.names) for run in stack_runs(traced.model, traced.units, same)] == [12]
+    assert [len(run.names) for run in stack_runs(traced.model, traced.units, {})] == [12]  # no plan: every layer as written
+    # layers 3-8 left out of the choices (a segment's members, planned as one region): no run through or of them
+    segmented = {name: choice for name, choice in same.items() if not 3 <= (_index(name) or 0) <= 8}
+    assert stack_runs(traced.model, traced.units, segmented) == ()
     model.model.layers[3].mlp.down_proj = torch.nn.Linear(128, 32, bias=True)  # one layer not like the others
     assert [run.names for run in stack_runs(model, traced.units, same)] == [tuple(f"model.layers.{k}" for k in range(4, 12))]
 
