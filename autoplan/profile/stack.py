@@ -19,7 +19,6 @@ allocation log: not for checking a plan on one GPU, whose caching allocator repl
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -29,9 +28,9 @@ from autoplan.plan import Choice, Phase
 from autoplan.profile.stack_records import NoPattern, same_records, whole_records
 from autoplan.profile.timeline import PhaseSample, StaticBytes, Timeline
 from autoplan.units import ModuleUnit, Unit
+from autoplan.vocabulary.names import numbered_child
 
 MIN_INTERIOR = 4  # a run shorter than its first, last and this many layers is simulated whole: no time to win
-_NUMBERED = re.compile(r"^(.*)\.(\d+)$")
 _SCALARS = (int, float, str, bool, type(None))
 
 
@@ -89,12 +88,13 @@ class _Layer:
 
 def _layer(model: torch.nn.Module, unit: Unit, choices: Mapping[str, Choice]) -> _Layer | None:
     """A unit that is a numbered child of a ModuleList or Sequential, as `stack_runs` compares it; else None."""
-    match = _NUMBERED.match(unit.name)
+    numbered = numbered_child(unit.name)
     # a unit left out of a plan's choices is in a segment (planned as one region with its neighbours), never shortened;
     # no choices at all is the step with no plan, every unit as written
-    if type(unit) is not ModuleUnit or match is None or (choices and unit.name not in choices):
+    if type(unit) is not ModuleUnit or numbered is None or (choices and unit.name not in choices):
         return None
-    container = model.get_submodule(match.group(1)) if match.group(1) else model
+    container_name, index = numbered
+    container = model.get_submodule(container_name) if container_name else model
     if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
         return None
     structure: list[tuple] = []
@@ -105,7 +105,7 @@ def _layer(model: torch.nn.Module, unit: Unit, choices: Mapping[str, Choice]) ->
         plain = sorted((key, value) for key, value in vars(sub).items() if not key.startswith("_") and _is_plain(value))
         structure.append((name, type(sub), parameters, buffers, tuple(key for key, _ in plain)))
         attributes.extend(value for _, value in plain)
-    return _Layer(match.group(1), int(match.group(2)), tuple(structure), tuple(attributes), choices.get(unit.name))  # None: as written (no plan)
+    return _Layer(container_name, index, tuple(structure), tuple(attributes), choices.get(unit.name))  # None: as written (no plan)
 
 
 def _is_plain(value) -> bool:

@@ -57,8 +57,7 @@ class _RunCopies:
         self.first, self.second = calls[interior[0]], calls[interior[1]]
         if len(self.first.output_keys) != len(self.second.output_keys) or len(self.first.input_keys) != len(self.second.input_keys):
             raise NoPattern("interior layers called differently")
-        self.fresh = fresh
-        self._outputs = {j: tuple(self.fresh() for _ in self.second.output_keys) for j in range(1, count - 1)}
+        self._outputs = {j: tuple(fresh() for _ in self.second.output_keys) for j in range(1, count - 1)}
 
     def renamed(self, before: int, after: int) -> dict[str, str]:
         return {self.first.name: self.names[before], self.second.name: self.names[after]}

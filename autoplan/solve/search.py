@@ -165,22 +165,22 @@ class _Checked:
     fits: bool
 
 
-def _proposals(profile: Profile, request: SolveRequest, solved: Mapping[str, Choice], side_by_side: bool) -> list[Mapping[str, Choice]]:
-    """The solved choices to simulate, in order: first ordered side by side (`solve.stacks`) where that moves any and the
-    memory model predicts it no higher, then as solved."""
-    if not side_by_side:
-        return [solved]
-    ordered = stacks.side_by_side(profile, solved)
-    if ordered == dict(solved) or predict_peak(profile, ordered, request.mesh).bytes > predict_peak(profile, solved, request.mesh).bytes:
-        return [solved]
-    return [ordered, solved]
+def _proposals(profile: Profile, request: SolveRequest, solved: Mapping[str, Choice], side_by_side: bool) -> list[tuple[Mapping[str, Choice], int]]:
+    """The solved choices to simulate, each with its predicted peak, in order: first ordered side by side
+    (`solve.stacks`) where that moves any and the memory model predicts it no higher, then as solved."""
+    as_solved = (solved, predict_peak(profile, solved, request.mesh).bytes)
+    ordered = stacks.side_by_side(profile, solved) if side_by_side else dict(solved)
+    if ordered == dict(solved):
+        return [as_solved]
+    predicted = predict_peak(profile, ordered, request.mesh).bytes
+    return [(ordered, predicted), as_solved] if predicted <= as_solved[1] else [as_solved]
 
 
-def _first_fitting(profile: Profile, request: SolveRequest, simulate, proposals: list[Mapping[str, Choice]]) -> _Checked:
+def _first_fitting(request: SolveRequest, simulate, proposals: list[tuple[Mapping[str, Choice], int]]) -> _Checked:
     """The first proposal whose simulated and predicted peaks both fit; else the last one's figures (the solved order)."""
     checked = None
-    for choices in proposals:
-        simulated_peak, predicted = simulate(choices), predict_peak(profile, choices, request.mesh).bytes
+    for choices, predicted in proposals:
+        simulated_peak = simulate(choices)
         checked = _Checked(choices, simulated_peak, predicted, simulated_peak <= request.usable_bytes and predicted <= request.usable_bytes)
         if checked.fits:
             return checked
@@ -219,7 +219,7 @@ def search(profile: Profile, request: SolveRequest, *, simulate: Callable[[Mappi
         if not solution.feasible:
             break
         say("verifying the plan with a simulated training step")
-        fitting = _first_fitting(profile, request, simulate, _proposals(profile, request, solution.choices, side_by_side))
+        fitting = _first_fitting(request, simulate, _proposals(profile, request, solution.choices, side_by_side))
         if fitting.fits:
             chosen, simulated, feasible = fitting.choices, fitting.simulated_peak, True
             break

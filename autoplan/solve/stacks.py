@@ -14,14 +14,13 @@ Only for stacks as deep as the shortcut needs (`MIN_LAYERS`): a shallower stack'
 
 from __future__ import annotations
 
-import re
 from typing import Mapping
 
 from autoplan.plan import Choice
 from autoplan.profile.profiler import Profile, UnitProfile
+from autoplan.vocabulary.names import numbered_child
 
 MIN_LAYERS = 24  # profile.stack shortens a step where its shortened steps simulate under half a run: 24 layers for one
-_NUMBERED = re.compile(r"^(.*)\.(\d+)$")
 
 
 def identical_stacks(profile: Profile) -> list[list[UnitProfile]]:
@@ -41,10 +40,10 @@ def identical_stacks(profile: Profile) -> list[list[UnitProfile]]:
 
 
 def _follows(before: UnitProfile, unit: UnitProfile) -> bool:
-    mine, theirs = _NUMBERED.match(unit.name), _NUMBERED.match(before.name)
+    mine, theirs = numbered_child(unit.name), numbered_child(before.name)
     if mine is None or theirs is None or type(unit.unit) is not type(before.unit):
         return False
-    same_place = mine.group(1) == theirs.group(1) and int(mine.group(2)) == int(theirs.group(2)) + 1
+    same_place = mine == (theirs[0], theirs[1] + 1)
     return same_place and unit.options == before.options and unit.param_layout == before.param_layout and unit.base == before.base
 
 

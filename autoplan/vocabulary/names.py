@@ -9,12 +9,22 @@ units' names.
 from __future__ import annotations
 
 import fnmatch
+import re
 from typing import cast
 
 import torch
 
 from autoplan.errors import PlanMismatchError, UnitPatternError
 from autoplan.units import CallSite, Segment, SequentialRun, Unit
+
+_NUMBERED = re.compile(r"^(.*)\.(\d+)$")
+
+
+def numbered_child(name: str) -> tuple[str, int] | None:
+    """`(container, index)` of a name that ends in a number (`model.layers.7` -> `("model.layers", 7)`), else None:
+    how a stack's layers are told apart by their names."""
+    match = _NUMBERED.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
 
 
 def run_container(model: torch.nn.Module, run: SequentialRun) -> torch.nn.Sequential:
