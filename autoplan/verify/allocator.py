@@ -187,10 +187,15 @@ class AllocatorCount:
 def _freed_late(events, resident: dict[int, int]) -> tuple[set[int], set[int]]:
     """The blocks whose frees the allocator never reported, each found when its address was handed out again while
     it still counted: the ids of their allocations, and the addresses of such blocks from before counting (the
-    allocator reports no free of those: any block made at one's address means it was freed)."""
+    allocator reports no free of those: any block made at one's address means it was freed).
+
+    An FSDP2 all-gather output whose free was never reported and whose address was not handed out again before
+    counting ended is one too: FSDP2 drops it within the unit's gather, right after copying out of it, so it is never
+    alive at a step's end; when gloo's thread held the last reference, it was freed there, unheard."""
     late_ids: set[int] = set()
     reused_resident: set[int] = set()
     live: dict[int, int] = {}  # address -> the id of the allocation there
+    gathered: dict[int, int] = {}  # the same for FSDP2's all-gather outputs
     for node in events:
         if node.name.startswith(_MARK):
             continue
@@ -201,9 +206,21 @@ def _freed_late(events, resident: dict[int, int]) -> tuple[set[int], set[int]]:
             if address in live:
                 late_ids.add(live[address])
             live[address] = node.id
+            gathered.pop(address, None)
+            if _all_gather_output(node):
+                gathered[address] = node.id
         else:
             live.pop(address, None)
-    return late_ids, reused_resident
+            gathered.pop(address, None)
+    return late_ids | set(gathered.values()), reused_resident
+
+
+def _all_gather_output(allocation) -> bool:
+    """The block an FSDP2 all-gather gathers into (made by FSDP outside the collective, not a backend's own buffer)."""
+    return _made_inside(allocation, lambda name: name.startswith(_ALL_GATHER)) and not _backend_buffer(allocation)
+
+
+_ALL_GATHER = "FSDP::all_gather ("  # FSDP2's record around one unit's all-gather (its copy-out is a record apart)
 
 
 class _PeakListing:

@@ -143,3 +143,23 @@ def test_a_free_never_reported_widens_the_count_into_a_range_that_holds_the_trut
     reported = [_allocation(1, 0xA000, MB), _allocation(2, 0xA000, -MB), _allocation(3, 0xB000, 2 * MB)]
     stretch, = AllocatorCount()._replay(reported)
     assert stretch.peak_bytes == stretch.floor_bytes == 2 * MB  # every free reported: the count is exact
+
+
+def test_an_all_gather_output_freed_unheard_and_never_reused_is_left_out_of_the_floor():
+    """FSDP2 drops a unit's all-gather output right after copying out of it; when gloo's thread held its last
+    reference the free goes unreported, and if its address is not handed out again before counting ends, no reuse
+    tells. Such a block is out of the floor (it lived only within its gather); any other block never freed stays in."""
+    gather = types.SimpleNamespace(name="FSDP::all_gather (layers.0)", parent=None, extra_fields=types.SimpleNamespace())
+    inside_gloo = types.SimpleNamespace(name="c10d::_allgather_base_", parent=gather, extra_fields=types.SimpleNamespace())
+    output, staged = _allocation(1, 0xA000, MB), _allocation(2, 0xD000, 4 * MB)
+    output.parent, staged.parent = gather, inside_gloo
+    events = [output, staged, _allocation(3, 0xB000, MB), _allocation(4, 0xC000, 2 * MB)]
+    stretch, = AllocatorCount()._replay(events)
+    assert stretch.peak_bytes == 4 * MB  # the output, B and C (gloo's own staging buffer never counts)
+    assert stretch.floor_bytes == 3 * MB  # B and C: the output's free may have gone unheard
+    reported = [output, _allocation(5, 0xA000, -MB), _allocation(6, 0xB000, 2 * MB)]
+    stretch, = AllocatorCount()._replay(reported)
+    assert stretch.peak_bytes == stretch.floor_bytes == 2 * MB  # its free heard: the count is exact
+    kept = [_allocation(1, 0xA000, MB), _allocation(2, 0xB000, MB)]
+    stretch, = AllocatorCount()._replay(kept)
+    assert stretch.floor_bytes == 2 * MB  # a block made elsewhere and never freed is alive, as far as anyone can tell
