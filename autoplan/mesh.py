@@ -66,17 +66,20 @@ class Mesh:
     param_dtype: str | None = None
     # with a TP dimension: the linears split, (module name, "colwise" | "rowwise"), as parallelize_module takes them
     tp_layout: tuple[tuple[str, str], ...] = ()
+    # with a TP dimension: the residual stream between the split linears is one Nth of the sequence on each rank
+    sequence_parallel: bool = False
 
     @staticmethod
     def fsdp(ranks: int, reshard_after_forward: bool | tuple[tuple[str, bool], ...] = True, param_dtype: str | None = None,
-             tensor_parallel: int = 1, tp_layout: tuple[tuple[str, str], ...] = ()) -> Mesh:
+             tensor_parallel: int = 1, tp_layout: tuple[tuple[str, str], ...] = (), sequence_parallel: bool = False) -> Mesh:
         """FSDP over `ranks` devices (one device: no FSDP, the empty mesh, which keeps `reshard_after_forward` for the
         world-size search to resize it with); with `tensor_parallel` > 1, each of those is a group of that many
         tensor-parallel ranks splitting `tp_layout`'s linears (FSDP's dimension first, as torchtitan's ("dp", "tp"))."""
         dims: tuple[MeshDim, ...] = (MeshDim(ranks, FSDP),) if ranks != 1 else ()
         if tensor_parallel != 1:
             dims += (MeshDim(tensor_parallel, TP),)
-        return Mesh(dims, reshard_after_forward, param_dtype, tp_layout if tensor_parallel != 1 else ())
+        split = tensor_parallel != 1
+        return Mesh(dims, reshard_after_forward, param_dtype, tp_layout if split else (), sequence_parallel and split)
 
     @property
     def reshard_as_given(self) -> bool | dict[str, bool]:
@@ -104,7 +107,8 @@ class Mesh:
         dims = ((MeshDim(size, strategy),) if size > 1 else ()) + kept
         dims = tuple(sorted(dims, key=lambda dim: dim.strategy != FSDP))  # FSDP's dimension outermost, as fsdp() makes it
         sharded = any(dim.strategy == FSDP for dim in dims)
-        return Mesh(dims, self.reshard_after_forward if sharded else True, self.param_dtype, self.tp_layout)  # no FSDP: nothing to reshard
+        return Mesh(dims, self.reshard_after_forward if sharded else True, self.param_dtype, self.tp_layout,  # no FSDP: nothing to reshard
+                    self.sequence_parallel)
 
     @property
     def gathered_words(self) -> str:
@@ -125,7 +129,7 @@ class Mesh:
     @property
     def split_words(self) -> str:
         """How the work is split, as the report says it: "FSDP", "tensor parallel", "2 FSDP × 4 tensor parallel"."""
-        names = {"fsdp": "FSDP", "tp": "tensor parallel"}
+        names = {"fsdp": "FSDP", "tp": "tensor parallel" + (" (sequence parallel)" if self.sequence_parallel else "")}
         if len(self.dims) == 1:
             return names[self.dims[0].strategy.name]
         return " × ".join(f"{dim.size} {names[dim.strategy.name]}" for dim in self.dims)
@@ -138,7 +142,7 @@ class Mesh:
     def __str__(self) -> str:
         if not self.dims:
             return "one device"
-        words = " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims)
+        words = " × ".join(f"{dim.size} {dim.strategy.name}" for dim in self.dims) + (" (sequence parallel)" if self.sequence_parallel else "")
         if self.reshard_after_forward is not True:
             words += f" ({self.gathered_words} gathered)"
         if self.param_dtype:

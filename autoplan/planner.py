@@ -46,6 +46,7 @@ from autoplan.solve.search import checkpoint_policies, pinned_choices, requested
 from autoplan.trace.discovery import UnitLevel, unit_levels
 from autoplan.trace.tracer import FAKE_TENSOR_HINT, Traced, trace
 from autoplan.training.step_parts import model_device, optimizer_name, parameter_count
+from autoplan.inputs.sequence_parallel import SequenceLayout, resolve_sequence_layout
 from autoplan.inputs.tensor_parallel import degrees_to_plan, rank_model
 from autoplan.solve.degrees import DegreeFit, can_beat, chosen_degree, degrees_note
 from autoplan.solve.worlds import fewest_gpus, points_key
@@ -76,6 +77,7 @@ class RankSlice:
     degree: int
     layout: tuple[tuple[str, str], ...]
     whole: torch.nn.Module
+    sequence: SequenceLayout | None = None  # sequence parallelism's layout, where asked for (a degree > 1)
     levels: list[ProfiledLevel] | None = None
     _model: torch.nn.Module | None = None
     failed: str = ""  # searched (world_size="auto") and its slice would not run: why, and it is not planned again
@@ -84,7 +86,7 @@ class RankSlice:
     @property
     def model(self) -> torch.nn.Module:
         if self._model is None:
-            self._model = rank_model(self.whole, self.layout, self.degree) if self.layout else self.whole
+            self._model = rank_model(self.whole, self.layout, self.degree, self.sequence) if self.layout else self.whole
         return self._model
 
 
@@ -127,7 +129,8 @@ class Planner:
         self._model = model
         # what one rank holds and runs, per tensor-parallel degree planned: the model itself, or its slice
         degrees = degrees_to_plan(model, settings.tensor_parallel, settings.tp_layout_given)
-        self._slices = [RankSlice(degree, layout, model) for degree, layout in degrees]
+        self._slices = [RankSlice(degree, layout, model, resolve_sequence_layout(model, layout) if settings.sequence_parallel and layout else None)
+                        for degree, layout in degrees]
         self._batch = training_batch(model, given.example_inputs, given.batch_size, given.seq_len)
         self._fingerprint = fingerprint_of(model, self._batch)  # before planning: what apply and verify check the plan against
         self._parameters = _parameter_states(model)
@@ -171,7 +174,7 @@ class Planner:
 
     def _mesh_of(self, piece: RankSlice, asked: SolveRequest) -> Mesh:
         """The request's mesh with `piece`'s tensor-parallel dimension."""
-        return Mesh.fsdp(asked.mesh.along(FSDP), *self._settings.fsdp_policy, piece.degree, piece.layout)
+        return Mesh.fsdp(asked.mesh.along(FSDP), *self._settings.fsdp_policy, piece.degree, piece.layout, piece.sequence is not None)
 
     def _degree_fits(self, asked: SolveRequest) -> list[DegreeFit]:
         """Each degree's fewest GPUs (the world-size search on each level's profile, no simulation), in order; a degree

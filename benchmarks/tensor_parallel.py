@@ -72,7 +72,7 @@ def unsharded_losses(family: str, data_ranks: int, steps: int) -> list[float]:
     return losses
 
 
-def rank_main(family: str, out: str, steps: int) -> None:
+def rank_main(family: str, out: str, steps: int, sequence_parallel: bool) -> None:
     """One rank under torchrun: plan, apply, train, count; rank 0 adds the unsharded losses."""
     import torch
     import torch.distributed as dist
@@ -84,7 +84,7 @@ def rank_main(family: str, out: str, steps: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, batch = build(family, rank // TP)
     planner = autoplan.Planner(model, example_inputs=batch, device="cpu", reserve=0, profile="roofline", precision="fp32",
-                               world_size=world, tensor_parallel=TP)
+                               world_size=world, tensor_parallel=TP, sequence_parallel=sequence_parallel)
     roomy = planner.plan("1GB")
     plan = planner.plan((roomy.prediction.minimum_peak_bytes + roomy.prediction.baseline_peak_bytes) // 2)
     autoplan.apply(model, plan)
@@ -98,14 +98,17 @@ def rank_main(family: str, out: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def run(family: str, ranks: int, steps: int) -> str:
+def run(family: str, ranks: int, steps: int, sequence_parallel: bool) -> str:
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
-                   "--rank-of", family, "--out", out, "--steps", str(steps)]
+                   "--rank-of", family, "--out", out, "--steps", str(steps), *(["--sequence-parallel"] if sequence_parallel else [])]
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if result.returncode:
-            return f"{family:>14} {ranks} ranks: failed: {result.stderr.strip().splitlines()[-1][:120]}"
+            lines = result.stderr.strip().splitlines()
+            said = next((line for line in reversed(lines) if "Error: " in line and "ChildFailedError" not in line),  # the worker's own
+                        lines[-1] if lines else "")
+            return f"{family:>14} {ranks} ranks: failed: {said.strip()[:160]}"
         every = [json.load(open(os.path.join(out, f"rank{rank}.json"))) for rank in range(ranks)]
     predicted = every[0]["predicted"]
     low, high = min(seen["measured"] for seen in every), max(seen["measured"] for seen in every)
@@ -120,20 +123,21 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--ranks", nargs="*", type=int, default=[2, 4], help="processes: 2 = tensor parallel alone, 4 = 2 FSDP × 2 TP")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--sequence-parallel", action="store_true", help="torchtitan's sequence parallelism besides (Llama-family layouts)")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
         sys.path.insert(0, ROOT)
-        return rank_main(args.rank_of, args.out, args.steps)
+        return rank_main(args.rank_of, args.out, args.steps, args.sequence_parallel)
     sys.path.insert(0, ROOT)
     from benchmarks.machine import describe_machine
 
     print(f"{'model':>14} {'mesh':>14} {'predicted B':>12} {'lowest B':>12} {'highest B':>12} {'high/pred':>8} {'modes':>26} {'losses':>9}")
     for family in args.families:
         for ranks in args.ranks:
-            print(run(family, ranks, args.steps), flush=True)
-    print(f"machine: {describe_machine()}; per rank, counted by the CPU allocator over {args.steps} steps (the lowest steady step)")
+            print(run(family, ranks, args.steps, args.sequence_parallel), flush=True)
+    print(f"machine: {describe_machine()}; {'sequence parallel; ' if args.sequence_parallel else ''}per rank, counted by the CPU allocator over {args.steps} steps (the lowest steady step)")
 
 
 if __name__ == "__main__":

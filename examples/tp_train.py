@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=4 examples/tp_train.py                          # FSDP 2 × tensor parallel 2
     torchrun --nproc_per_node=2 examples/tp_train.py                          # tensor parallel 2 alone
     torchrun --nproc_per_node=4 examples/tp_train.py --tensor-parallel 4 --budget 20MB
+    torchrun --nproc_per_node=4 examples/tp_train.py --sequence-parallel      # the norms and residual split along the sequence
 
 Every rank plans the same model (examples/llama.py) for `world_size` = every rank and `tensor_parallel`
 ranks per split linear, halfway between its lowest per-rank peak and no plan (or at `--budget`), applies
@@ -33,9 +34,9 @@ CONFIG = LlamaConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=
 BATCH, SEQ, LR = 4, 256, 1e-2
 
 
-def plan_for_this_rank(model: Llama, batch, world_size: int, tensor_parallel: int, budget: str | None):
+def plan_for_this_rank(model: Llama, batch, world_size: int, tensor_parallel: int, budget: str | None, sequence_parallel: bool):
     planner = autoplan.Planner(model, example_inputs=batch, device="cpu", reserve=0, profile="roofline", precision="fp32",
-                               world_size=world_size, tensor_parallel=tensor_parallel)
+                               world_size=world_size, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
     if budget is not None:
         return planner.plan(budget)
     roomy = planner.plan("1GB")
@@ -62,6 +63,7 @@ def unsharded_losses(batches: list, steps: int) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensor-parallel", type=int, default=2, help="ranks each attention and MLP linear is split over")
+    parser.add_argument("--sequence-parallel", action="store_true", help="norms and the residual stream split along the sequence")
     parser.add_argument("--budget", help="per-rank budget (default: halfway between the lowest peak and no plan)")
     parser.add_argument("--steps", type=int, default=4, help="training steps; the steady peak is the lowest after the first")
     parser.add_argument("--out", help="folder for each rank's JSON (rank<N>.json)")
@@ -72,7 +74,7 @@ def main() -> int:
     torch.manual_seed(0)
     model = Llama(CONFIG)
     batch = example_batch(CONFIG, BATCH, SEQ, seed=data_rank)
-    plan = plan_for_this_rank(model, batch, world_size, args.tensor_parallel, args.budget)
+    plan = plan_for_this_rank(model, batch, world_size, args.tensor_parallel, args.budget, args.sequence_parallel)
     autoplan.apply(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     measured = measure_rank_peak(model, (batch, {}), optimizer, steps=args.steps, loop=plan.request.loop)

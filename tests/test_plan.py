@@ -61,7 +61,7 @@ JSON_KEYS = {
 }
 # keys a field fills besides its own: the request's host memory says whether offload was allowed at all, its mesh how FSDP reshards
 DERIVED_KEYS = {"offload": ("request", "host"), "reshard_after_forward": ("request", "mesh"), "fsdp_mixed_precision": ("request", "mesh"),
-                "tensor_parallel": ("request", "mesh"), "tensor_parallel_layout": ("request", "mesh")}
+                "tensor_parallel": ("request", "mesh"), "tensor_parallel_layout": ("request", "mesh"), "sequence_parallel": ("request", "mesh")}
 PARTS = ("request", "model", "target", "decisions", "prediction", "outcome")
 
 

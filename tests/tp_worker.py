@@ -3,7 +3,8 @@
 
 Run by the test with `python -m torch.distributed.run --nproc_per_node=2 tests/tp_worker.py OUT [MODEL]` (each rank
 writes OUT/rank<N>.json: its plan, its measured peak and its losses). MODEL: `qwen2` (default), planned halfway
-between its lowest peak and none; or `gptneox-full`, a GPT-NeoX with every layer pinned to full checkpointing (its
+between its lowest peak and none; `qwen2-sp`, the same with sequence parallelism (torchtitan's styles on the norms, the
+attention's and MLP's inputs, the head's); or `gptneox-full`, a GPT-NeoX with every layer pinned to full checkpointing (its
 attention output is added only after the MLP runs: a recomputation stopped early leaves that all-reduce unwaited).
 Both ranks are one tensor-parallel group: they train the same batch.
 """
@@ -41,8 +42,12 @@ def tiny_gptneox():
 def main(out: str, which: str = "qwen2") -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, batch = (tiny_qwen2(), qwen2_batch(0)) if which == "qwen2" else tiny_gptneox()
-    options = dict(example_inputs=batch, device="cpu", reserve=0, profile="roofline", precision="fp32", tensor_parallel=world)
+    model, batch = (tiny_qwen2(), qwen2_batch(0)) if which.startswith("qwen2") else tiny_gptneox()
+    if which == "qwen2-sp":  # longer: activations, not the optimizer step, set the peak, so halfway recomputes some layer
+        ids = torch.randint(0, model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(1))
+        batch = {"input_ids": ids, "labels": ids}
+    options = dict(example_inputs=batch, device="cpu", reserve=0, profile="roofline", precision="fp32", tensor_parallel=world,
+                   sequence_parallel=which == "qwen2-sp")
     if which == "gptneox-full":
         plan = autoplan.plan(model, "1GB", checkpoint={"*": "full"}, **options)
     else:

@@ -182,6 +182,15 @@ class PlanOptions:
     tensor_parallel_plan: Mapping[str, str] | None = _option(None, "with `tensor_parallel` > 1, which linears are split: `{module name "
                                                              "pattern: \"colwise\" | \"rowwise\"}`. None (default): the model's own "
                                                              "(transformers' `model.tp_plan`), else torchtitan's Llama names.")
+    sequence_parallel: bool = _option(False, "with tensor parallelism (`tensor_parallel` > 1, or searched), keep the residual stream "
+                                      "between the split linears as one Nth of the sequence on each rank, as torchtitan does "
+                                      "(torch's `SequenceParallel` on the norms, the attention's and MLP's input all-gathered, the "
+                                      "row-wise output reduce-scattered): a rank holds 1/N of the norms' and the residual's activations. "
+                                      "For torchtitan's Llama names and transformers' Llama family; the sequence must divide by N. "
+                                      "False (default): tensor parallelism alone. [parallel.md](parallel.md)", Flag(
+        ("--sequence-parallel",), "With tensor parallelism: the norms and the residual stream hold 1/N of the sequence on each rank "
+        "(torchtitan's sequence parallelism).", "with tensor parallelism: the norms and the residual stream hold one Nth of the sequence "
+        "on each rank (torchtitan's sequence parallelism, per [parallel.md](parallel.md))", bool, verify=False))
     menu_size: int = _option(DEFAULT_MENU_SIZE, "per unit and precision, up to this many selective policies of its own (which op outputs "
                              "to save, `autoplan.profile.menu`) on top of keep/selective/full; 0: the three only.", recorded=False)
     loop: TrainingLoop | None = _option(None, "the training loop the peak is for, `autoplan.TrainingLoop(...)`: outputs kept or dropped, "
@@ -312,6 +321,7 @@ class PlanKeywords(TypedDict, total=False):
     fsdp_mixed_precision: str | None
     tensor_parallel: int | str | None
     tensor_parallel_plan: Mapping[str, str] | None
+    sequence_parallel: bool
     menu_size: int
     loop: TrainingLoop | None
     allow_over_device: bool

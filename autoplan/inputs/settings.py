@@ -114,6 +114,7 @@ class Settings:
     tensor_parallel: int | Literal["auto"] = 1  # ranks each linear of `tp_layout_given` (or the model's own) is split over;
     # "auto": searched with world_size="auto" (`inputs.tensor_parallel.degrees_to_plan`)
     tp_layout_given: tuple[tuple[str, str], ...] | None = None  # tensor_parallel_plan's (pattern, style) pairs
+    sequence_parallel: bool = False  # with a degree > 1: the residual stream split along the sequence (inputs.sequence_parallel)
 
     @property
     def fsdp_policy(self) -> tuple[bool | tuple[tuple[str, bool], ...], str | None]:
@@ -136,7 +137,16 @@ def settle(options: PlanOptions) -> Settings:
     return Settings(device, step, space, ranks, check_reshard(options.reshard_after_forward, ranks), check_choice("profile", options.profile, PROFILE_SOURCES),
                     check_time_limit(options.time_limit_s), read_reserve(options.reserve),
                     flag("allow_over_device", options.allow_over_device), requested_degree(options),
-                    check_layout_given(options.tensor_parallel_plan))
+                    check_layout_given(options.tensor_parallel_plan), check_sequence_parallel(options))
+
+
+def check_sequence_parallel(options: PlanOptions) -> bool:
+    """sequence_parallel as given: True or False, and True only with tensor parallelism to split the sequence over."""
+    wanted = flag("sequence_parallel", options.sequence_parallel)
+    if wanted and requested_degree(options) == 1:
+        raise OptionError("sequence_parallel splits the sequence over tensor parallelism's ranks: give tensor_parallel=N (N > 1), "
+                          "or world_size=\"auto\" with tensor_parallel left out or \"auto\"")
+    return wanted
 
 
 def fsdp_ranks(options: PlanOptions) -> int | Literal["auto"]:

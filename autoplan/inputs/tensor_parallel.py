@@ -18,8 +18,9 @@ own DTensor step on gloo ranks, counted by the CPU allocator (tests/apply/test_t
 The layout (module name -> "colwise" | "rowwise") is the person's `tensor_parallel_plan` (patterns), else
 the model's own: transformers' `model.tp_plan` (its colwise and rowwise entries), or torchtitan's Llama
 names (attention.wq/wk/wv, feed_forward.w1/w3 column-wise; attention.wo, feed_forward.w2 row-wise).
-Embeddings and the output head stay whole on every rank (sequence parallelism, vocabulary-parallel
-embeddings and a parallel loss are not planned).
+Embeddings and the output head stay whole on every rank (vocabulary-parallel embeddings and a parallel
+loss are not planned). With sequence parallelism (`inputs.sequence_parallel`) the residual stream between
+the split linears is one Nth of the sequence on each rank.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from autoplan.errors import OptionError
 from autoplan.instruments.collectives import all_reduced
+from autoplan.inputs.sequence_parallel import SequenceLayout, redistributed, split_sequence
 from autoplan.inputs.settings import STYLES
 
 TORCHTITAN_LAYOUT = {"*attention.wq": "colwise", "*attention.wk": "colwise", "*attention.wv": "colwise",
@@ -60,8 +62,11 @@ class ColwiseShard(torch.nn.Linear):
 
     split_by_tensor_parallel = True  # planned.wrappers: a checkpointed unit holding one recomputes whole
     ranks = 1  # the tensor-parallel degree it is split over (`_slice` sets it)
+    sequence_parallel = False  # its input is gathered whole before it, and its gradient reduce-scattered there
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return F.linear(x, self.weight, self.bias)
         return F.linear(_AllReducedGradient.apply(x, self.ranks), self.weight, self.bias)
 
 
@@ -73,8 +78,11 @@ class RowwiseShard(torch.nn.Linear):
 
     split_by_tensor_parallel = True
     ranks = 1
+    sequence_parallel = False  # the partial output reduce-scattered to this rank's part of the sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return redistributed(F.linear(x, self.weight, self.bias), self.ranks, "scatter")
         return all_reduced(F.linear(x, self.weight, self.bias), self.ranks)
 
 
@@ -132,16 +140,21 @@ def degrees_to_plan(model: torch.nn.Module, tensor_parallel: int | str,
     return tuple(found)
 
 
-def rank_model(model: torch.nn.Module, layout: Layout, degree: int) -> torch.nn.Module:
+def rank_model(model: torch.nn.Module, layout: Layout, degree: int, sequence: SequenceLayout | None = None) -> torch.nn.Module:
     """What one rank of `degree` holds and runs: `model`'s modules copied, every other tensor shared with it, each
-    split linear replaced by its rank-0 slice (`ColwiseShard`, `RowwiseShard`; copies of the slices' values)."""
+    split linear replaced by its rank-0 slice (`ColwiseShard`, `RowwiseShard`; copies of the slices' values); with
+    `sequence`, the residual stream between them split along the sequence (`inputs.sequence_parallel`)."""
     shared = {id(tensor): tensor for tensor in (*model.parameters(), *model.buffers())}
     twin = copy.deepcopy(model, memo=dict(shared))
     for name, style in layout:
         parent_name, _, leaf = name.rpartition(".")
         parent = twin.get_submodule(parent_name)
         whole = getattr(parent, leaf)
-        setattr(parent, leaf, _slice(whole, style, degree))
+        shard = _slice(whole, style, degree)
+        shard.sequence_parallel = sequence is not None  # type: ignore[assignment]  # a class attribute, set per instance
+        setattr(parent, leaf, shard)
+    if sequence is not None:
+        split_sequence(twin, sequence, degree)
     return twin
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism's all-reduce as the rank twin writes it (`inputs.tensor_parallel`), and its time.
+"""Tensor parallelism's collectives as the rank twin writes them (`inputs.tensor_parallel`), and their time.
 
 The twin plans one rank as an ordinary model; where torch's functional all-reduce returns a new tensor, the twin
 calls `all_reduced(x, ranks)`: a copy, as many bytes as torch's, and an op of its own, so that the tracker prices it
@@ -7,6 +7,11 @@ tensor on every rank (`all_reduce_time_s`), at the card's link to its peers (`De
 on SXM cards, PCIe on the others); latency is left out, and a rate the collective reaches in practice is below the
 link's nominal one (NCCL's bus bandwidth), so the time is a floor. A device with no interconnect (the CPU) prices
 it as the copy it is.
+
+Sequence parallelism (`inputs.sequence_parallel`) replaces each all-reduce by an all-gather and a reduce-scatter
+along the ranks' first dimension, as torch's `all_gather_into_tensor` and `reduce_scatter_tensor` stack them:
+`all_gathered` makes N times its input, `reduce_scattered` one Nth of it, each a new tensor. A ring sends and
+receives (N-1)/N of the whole tensor on every rank for either: half an all-reduce.
 """
 
 from __future__ import annotations
@@ -34,6 +39,46 @@ all_reduced.register_autograd(_backward)
 ALL_REDUCE = torch.ops.autoplan.all_reduced.default
 
 
+@torch.library.custom_op("autoplan::all_gathered", mutates_args=())
+def all_gathered(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Every rank's `x` stacked along the first dimension, on the one rank planned: `ranks` copies of its own."""
+    return x.repeat(ranks, *([1] * (x.dim() - 1)))
+
+
+@all_gathered.register_fake
+def _(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    return x.new_empty((ranks * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("autoplan::reduce_scattered", mutates_args=())
+def reduce_scattered(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """This rank's Nth of the sum over ranks of `x` (its first dimension split N ways): the first part, a new tensor."""
+    return x[: x.shape[0] // ranks].clone(memory_format=torch.contiguous_format)
+
+
+@reduce_scattered.register_fake
+def _(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0] // ranks, *x.shape[1:]))
+
+
+ALL_GATHER = torch.ops.autoplan.all_gathered.default
+REDUCE_SCATTER = torch.ops.autoplan.reduce_scattered.default
+
+
 def all_reduce_time_s(nbytes: int, ranks: int, interconnect_bandwidth: float) -> float:
     """A ring all-reduce of `nbytes` over `ranks` at `interconnect_bandwidth` bytes per second each way."""
     return 2 * (ranks - 1) / ranks * nbytes / interconnect_bandwidth
+
+
+def collective_time_s(func, ranks: int, out: torch.Tensor, interconnect_bandwidth: float) -> float | None:
+    """The ring time of one of the rank twin's collectives (`func`, over `ranks`, making `out`); None for any other op."""
+    if func not in _COLLECTIVES:
+        return None
+    nbytes = out.numel() * out.element_size()
+    if func is ALL_REDUCE:
+        return all_reduce_time_s(nbytes, ranks, interconnect_bandwidth)
+    whole = nbytes if func is ALL_GATHER else nbytes * ranks  # a reduce-scatter's output is one Nth of what it reduces
+    return (ranks - 1) / ranks * whole / interconnect_bandwidth
+
+
+_COLLECTIVES = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER})

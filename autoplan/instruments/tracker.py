@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils.flop_counter import flop_registry
 
 from autoplan.errors import ProfileError
-from autoplan.instruments.collectives import ALL_REDUCE, all_reduce_time_s
+from autoplan.instruments.collectives import collective_time_s
 from autoplan.instruments.cpu_scratch import promoted_copy_bytes, scratch_bytes
 from autoplan.instruments.cuda_matmul import operand_copy_bytes
 from autoplan.instruments.flop_formulas import autoplan_flop_formulas
@@ -321,8 +321,9 @@ class OpCost:
 def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allow_tf32: bool = False, hidden_bytes: int = 0) -> OpCost:
     """One op's FLOPs (torch's flop counter) and roofline time; `touched`: its input and output tensors;
     `hidden_bytes`: a temporary it writes and reads back inside itself."""
-    if func is ALL_REDUCE and (link := getattr(device, "interconnect_bandwidth", 0.0)):  # the rank twin's all-reduce
-        return OpCost(0, all_reduce_time_s(out.numel() * out.element_size(), args[1], link))
+    link = getattr(device, "interconnect_bandwidth", 0.0)
+    if link and (collective_s := collective_time_s(func, args[1] if len(args) > 1 else 0, out, link)) is not None:
+        return OpCost(0, collective_s)  # the rank twin's collectives, at the card's link to its peers
     flops = 0
     if flop_key(func) in flop_registry:
         flops = int(flop_registry[flop_key(func)](*args, **kwargs, out_val=out))

@@ -59,9 +59,11 @@ def tensor_parallel_step(plan: Plan, found: ShardedPeak | None) -> Step:
     mesh = plan.request.mesh
     if mesh.tensor_parallel > 1:
         fits = "fits" if plan.outcome.feasible else "does not fit"
+        split_more = ("" if plan.outcome.feasible or mesh.sequence_parallel else "; sequence_parallel=True (--sequence-parallel) "
+                      "splits the norms' and the residual stream's activations too (torchtitan's and transformers' Llama layouts)")
         return Step("tensor-parallel", title, "chosen", f"planned for {plan.request.world_size} × {plan.target.device} under "
                     f"{mesh.split_words}: per {noun} {format_bytes(plan.prediction.peak_bytes)}, {fits} "
-                    f"{format_bytes(plan.request.usable_bytes)} usable")
+                    f"{format_bytes(plan.request.usable_bytes)} usable{split_more}")
     if plan.outcome.feasible:
         return Step("tensor-parallel", title, "n/a", f"not needed: the plan fits {plan.request.world_size} {rank_noun(plan.target.device, plan.request.world_size)}")
     if found is not None:

@@ -52,6 +52,30 @@ def test_a_transformers_model_split_by_its_own_tp_plan_is_counted_as_planned(tmp
 
 
 @distributed
+def test_the_sequence_split_over_two_ranks_is_counted_as_planned(tmp_path: Path) -> None:
+    """torch's SequenceParallel on the norms, PrepareModuleInput gathering the attention's, MLP's and head's inputs and
+    splitting the first layer's, RowwiseParallel reduce-scattering: each rank's count is its slice's simulation."""
+    ranks = run_on_two_ranks("tp_worker.py", tmp_path, "qwen2-sp")
+    plan = ranks[0]["plan"]
+    assert plan["sequence_parallel"] is True and plan["tensor_parallel"] == 2
+    assert {unit["mode"] for unit in plan["units"]} - {"keep"}  # halfway: some layer recomputes its gathers too
+    assert_counted_to_the_byte(ranks)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+@distributed
+@pytest.mark.slow  # four processes on the CPU
+def test_the_example_with_the_sequence_split_trains_a_2x2_mesh_within_its_prediction(tmp_path: Path) -> None:
+    result = torchrun(ROOT / "examples" / "tp_train.py", 4, "--sequence-parallel", "--out", str(tmp_path), timeout_s=600)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    assert {rank["mesh"] for rank in ranks} == {"2 fsdp × 2 tp (sequence parallel)"}
+    for rank in ranks:
+        predicted, measured, floor = rank["predicted_peak_bytes"], rank["measured_peak_bytes"], rank["measured_floor_bytes"]
+        assert max(floor, 0.99 * predicted) <= min(measured, predicted), rank
+    assert "equal" in result.stdout and "DIFFERENT" not in result.stdout
+
+
+@distributed
 @pytest.mark.slow
 def test_a_recomputed_layer_whose_row_wise_output_is_used_late_holds_what_was_planned(tmp_path: Path) -> None:
     """GPT-NeoX adds its attention output after the MLP has run; a recomputation stopped once the last saved tensor is

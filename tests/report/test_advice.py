@@ -397,6 +397,11 @@ def test_the_tensor_parallel_rung_follows_fsdp() -> None:
     split = autoplan.plan(model, "1GB", tensor_parallel=2, **options)
     chosen = tensor_parallel_step(split, None)
     assert chosen.status == "chosen" and "tensor parallel" in chosen.detail and "2 × cpu" in chosen.detail
+    assert "sequence_parallel" not in chosen.detail  # it fits: nothing more to split
+    over = tensor_parallel_step(autoplan.plan(model, "100KB", tensor_parallel=2, **options), None)
+    assert "does not fit" in over.detail and "sequence_parallel=True" in over.detail
+    over = tensor_parallel_step(autoplan.plan(model, "100KB", tensor_parallel=2, sequence_parallel=True, **options), None)
+    assert "(sequence parallel)" in over.detail and "sequence_parallel=True" not in over.detail  # asked already
     short = autoplan.plan(model, "100KB", **options)  # nothing fits one rank
     tried = tensor_parallel_step(short, None)  # and FSDP alone would not either
     assert tried.status == "try" and tried.saves_bytes is None and "world_size=\"auto\"" in tried.code

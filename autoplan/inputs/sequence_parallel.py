@@ -1,0 +1,171 @@
+"""Sequence parallelism as planned: the residual stream split along the sequence between the split linears.
+
+Under tensor parallelism alone every rank holds the whole residual stream: each block's input, its norms'
+inputs and outputs, the sums after attention and the MLP, each [batch, sequence, width] on every rank.
+Sequence parallelism (torchtitan applies it with every tensor-parallel plan; torch's `SequenceParallel`,
+`PrepareModuleInput` and `RowwiseParallel(output_layouts=Shard(1))`) keeps one Nth of the sequence on
+each rank there: the first block's input is split, each norm runs on its rank's part, the input of the
+attention and of the MLP is all-gathered whole before their column-wise linears, and the row-wise
+linear's partial output is reduce-scattered back to the rank's part in place of the all-reduce. The
+head's input is gathered whole (the head and the loss stay whole on every rank, as without it).
+
+In the rank twin (`inputs.tensor_parallel.rank_model`) these are written where torch's DTensor makes
+them, byte for byte: the split is a clone of the rank's part (`Shard._replicate_to_shard`), a gather is
+torch's `all_gather_into_tensor` (the ranks stacked along the first dimension) then a cat along the
+sequence unless the batch is one (`_maybe_view_chunk_cat`), and a reduce-scatter is a cat of the
+sequence's chunks along the first dimension then `reduce_scatter_tensor` (`_chunk_or_narrow_cat`). Each
+one's backward is the other. The norms need no change: they compute on whatever part they are given.
+
+Two layouts are known: torchtitan's Llama names (`layers.*.attention_norm`, `.attention`, `.ffn_norm`,
+`.feed_forward`, `norm`, `output`) and transformers' Llama family (`model.layers.*.input_layernorm`,
+`.self_attn`, `.post_attention_layernorm`, `.mlp`, `model.norm`, `lm_head`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autoplan.errors import OptionError
+from autoplan.instruments.collectives import all_gathered, reduce_scattered
+
+SEQUENCE_DIM = 1  # [batch, sequence, width]: the dimension split, as torchtitan's Shard(1)
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Where a model's residual stream is split, run in parts and gathered (module names)."""
+
+    first_block: str  # its input is split along the sequence
+    # modules whose input is gathered whole, each with the keyword it takes that input by (None: the first argument)
+    gathered: tuple[tuple[str, str | None], ...]
+    norms: tuple[str, ...]  # run on the rank's part (torch's SequenceParallel), the final norm last
+    head: str  # its input gathered whole
+
+
+@dataclass(frozen=True)
+class _Family:
+    blocks: str  # the ModuleList of blocks
+    norms: tuple[str, ...]  # in each block
+    gathered: tuple[tuple[str, str | None], ...]  # in each block
+    final_norm: str
+    head: str
+
+
+_FAMILIES = (
+    _Family("layers", ("attention_norm", "ffn_norm"), (("attention", None), ("feed_forward", None)), "norm", "output"),
+    _Family("model.layers", ("input_layernorm", "post_attention_layernorm"), (("self_attn", "hidden_states"), ("mlp", None)),
+            "model.norm", "lm_head"),
+)
+
+
+def resolve_sequence_layout(model: torch.nn.Module, split_linears: tuple[tuple[str, str], ...]) -> SequenceLayout:
+    """The model's layout for sequence parallelism; an OptionError where it has neither known layout, or a split linear
+    lies outside every gathered module (its input would be the rank's part of the sequence, not the whole)."""
+    modules = dict(model.named_modules())
+    for family in _FAMILIES:
+        blocks = modules.get(family.blocks)
+        if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
+            continue
+        names = [f"{family.blocks}.{index}" for index in range(len(blocks))]
+        wanted = [f"{block}.{leaf}" for block in names for leaf in (*family.norms, *(name for name, _ in family.gathered))]
+        if any(name not in modules for name in (*wanted, family.final_norm, family.head)):
+            continue
+        gathered = tuple((f"{block}.{leaf}", keyword) for block in names for leaf, keyword in family.gathered)
+        _check_nothing_else_learns(blocks, names, family)
+        outside = [name for name, _ in split_linears if not any(name.startswith(f"{inside}.") for inside, _ in gathered)]
+        if outside:
+            raise OptionError(f"sequence_parallel: {outside[0]} is split but lies outside the attention and MLP modules whose "
+                              "input is gathered whole; split only their linears, or leave sequence_parallel off")
+        norms = tuple(f"{block}.{leaf}" for block in names for leaf in family.norms) + (family.final_norm,)
+        return SequenceLayout(names[0], gathered, norms, family.head)
+    raise OptionError(f"sequence_parallel: {type(model).__name__} has neither torchtitan's Llama layout (layers.N.attention_norm, "
+                      ".attention, .ffn_norm, .feed_forward, norm, output) nor transformers' Llama family's (model.layers.N."
+                      "input_layernorm, .self_attn, .post_attention_layernorm, .mlp, model.norm, lm_head); plan it with "
+                      "tensor parallelism alone (sequence_parallel=False)")
+
+
+def _check_nothing_else_learns(blocks: torch.nn.ModuleList, names: list[str], family: _Family) -> None:
+    """Every parameter of a block lies in its norms or its gathered modules: anything else would run on the rank's part
+    of the sequence with a weight torch's SequenceParallel does not hold (Gemma 2's pre- and post-feedforward norms)."""
+    known = (*family.norms, *(leaf for leaf, _ in family.gathered))
+    for name, block in zip(names, blocks):
+        stray = [leaf for leaf, _ in block.named_parameters() if not leaf.startswith(tuple(f"{part}." for part in known))]
+        if stray:
+            raise OptionError(f"sequence_parallel: {name}.{stray[0]} is outside the norms ({', '.join(family.norms)}) and the "
+                              f"modules whose input is gathered whole; sequence parallelism is laid out for blocks of those "
+                              "alone (torchtitan's and transformers' Llama family): leave sequence_parallel off for this model")
+
+
+def split_sequence(twin: torch.nn.Module, layout: SequenceLayout, ranks: int) -> None:
+    """Write sequence parallelism into a rank twin whose linears are split already: the first block's input split, the
+    gathered modules' and the head's inputs gathered (forward pre-hooks, where torch's PrepareModuleInput runs)."""
+    twin.get_submodule(layout.first_block).register_forward_pre_hook(_on_input("split", None, ranks), with_kwargs=True)
+    for name, keyword in (*layout.gathered, (layout.head, None)):
+        twin.get_submodule(name).register_forward_pre_hook(_on_input("gather", keyword, ranks), with_kwargs=True)
+
+
+def _on_input(change: str, keyword: str | None, ranks: int):
+    def hook(module, args, kwargs):
+        if keyword is not None and keyword in kwargs:
+            return args, {**kwargs, keyword: redistributed(_checked(kwargs[keyword], module), ranks, change)}
+        return (redistributed(_checked(args[0], module), ranks, change), *args[1:]), kwargs
+    return hook
+
+
+def _checked(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """`x`, said to be [batch, sequence, ...] where a module of the layout takes something else."""
+    if x.dim() < 2:
+        raise OptionError(f"sequence_parallel: {type(module).__name__}'s input is {tuple(x.shape)}, not [batch, sequence, ...]")
+    return x
+
+
+def _check_divides(x: torch.Tensor, ranks: int) -> None:
+    if x.shape[SEQUENCE_DIM] % ranks:
+        raise OptionError(f"sequence_parallel over {ranks} ranks: the sequence ({x.shape[SEQUENCE_DIM]}) does not divide by "
+                          f"{ranks}; give a sequence length that does, or leave sequence_parallel off")
+
+
+def gather_sequence(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Every rank's part of the sequence, whole: funcol.all_gather_single(x, gather_dim=1), as DTensor calls it."""
+    stacked = all_gathered(x.contiguous(), ranks)
+    if x.shape[0] == 1:  # the ranks' parts lie in sequence order already: a view
+        return stacked.view(1, ranks * x.shape[SEQUENCE_DIM], *x.shape[2:])
+    return torch.cat(torch.chunk(stacked, ranks, dim=0), dim=SEQUENCE_DIM)
+
+
+def scatter_sequence(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """This rank's part of the sum of every rank's `x`: funcol.reduce_scatter_single(x, scatter_dim=1), as DTensor calls it."""
+    _check_divides(x, ranks)
+    x = x if x.is_contiguous() else x.contiguous()
+    return reduce_scattered(torch.cat(torch.chunk(x, ranks, dim=SEQUENCE_DIM), dim=0), ranks)
+
+
+def _part(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Replicate -> Shard(1): this rank's part of the sequence, a clone, as `Shard._replicate_to_shard` makes it."""
+    _check_divides(x, ranks)
+    return x.narrow(SEQUENCE_DIM, 0, x.shape[SEQUENCE_DIM] // ranks).clone()
+
+
+# DTensor's changes of the sequence dimension's placement, each with its backward: a split (Replicate -> Shard(1)) and
+# a gather (Shard(1) -> Replicate) reduce-scatter or gather the gradient back; a scatter (Partial -> Shard(1), a row-wise
+# linear's output) gathers it whole
+_FORWARD = {"split": _part, "gather": gather_sequence, "scatter": scatter_sequence}
+_BACKWARD = {"split": gather_sequence, "gather": scatter_sequence, "scatter": gather_sequence}
+
+
+class _Redistributed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ranks: int, change: str) -> torch.Tensor:
+        ctx.ranks, ctx.change = ranks, change
+        return _FORWARD[change](x, ranks)
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _BACKWARD[ctx.change](gradient, ctx.ranks), None, None
+
+
+def redistributed(x: torch.Tensor, ranks: int, change: str) -> torch.Tensor:
+    """`x` split, gathered or scattered along the sequence (`_FORWARD`'s names), differentiably."""
+    return _Redistributed.apply(x, ranks, change)
