@@ -313,18 +313,19 @@ def _to_device(inputs, where: str):
 def devices_command() -> None:
     """List the device profiles a plan can target (--device NAME)."""
     table = Table(title="device profiles: dense datasheet rates, TFLOP/s and GB/s", caption="GiB = 2³⁰ bytes (what vendors "
-                  "call GB), GB = 10⁹ bytes; low: the low precision and its rate; mem: memory bandwidth; peer: the link to "
-                  "the card's peers, each way (tensor parallelism's all-reduces); a card of your own: "
+                  "call GB), GB = 10⁹ bytes; low: the low precision and its rate; mem: memory bandwidth; link: to the card's "
+                  "peers / between nodes per GPU, each way (tensor parallelism's collectives; the network's above 8 ranks); "
+                  "a card of your own: "
                   "--device custom:memory=48GiB,fp32_tflops=91.6,bandwidth=864GB/s,...", box=None, pad_edge=False)
     table.add_column("name", justify="left")
-    for column in ("memory", "sm", "fp32", "low", "float8", "mem/s", "peer/s"):
+    for column in ("memory", "sm", "fp32", "low", "float8", "mem/s", "link/s"):
         table.add_column(column, justify="right", no_wrap=True)
     for device in list_devices():
         low = device.peak_flops.get(device.low_precision_name, device.peak_flops["fp32"])
         memory = f"{gib_text(device.memory_bytes)} GiB ({device.memory_bytes / 1e9:.1f} GB)"
         capability = ".".join(map(str, device.compute_capability)) if device.compute_capability else "-"
         float8 = f"{device.peak_flops['float8'] / 1e12:g}" if "float8" in device.peak_flops else "-"
-        link = f"{device.interconnect_bandwidth / 1e9:g}" if device.interconnect_bandwidth else "-"
+        link = f"{device.interconnect_bandwidth / 1e9:g}/{device.network_bandwidth / 1e9:g}" if device.interconnect_bandwidth else "-"
         table.add_row(device.name, memory, capability, f"{device.peak_flops['fp32'] / 1e12:g}",
                       f"{device.low_precision_name} {low / 1e12:g}", float8, f"{device.memory_bandwidth / 1e9:g}", link)
     Console(highlight=False).print(table)

@@ -21,6 +21,7 @@ CUSTOM_KEYS = {
     "capability": "CUDA compute capability, e.g. 8.9 (default 8.0 with bf16, else 7.0)",
     "host_bandwidth": "host link per direction, e.g. 32GB/s (default 32GB/s, PCIe Gen4 x16)",
     "interconnect": "link to the card's peers per direction, e.g. 450GB/s for NVLink 4 (default: the host link)",
+    "network": "link between nodes per GPU per direction, e.g. 50GB/s for one 400 Gb/s port a GPU (default 12.5GB/s)",
     "name": "what the report calls it (default: custom)", "description": "a line for the report",
 }
 _REQUIRED = ("memory", "fp32_tflops", "bandwidth")
@@ -47,6 +48,7 @@ def custom_device(values: Mapping[str, object], spec: str = "custom") -> Device:
         memory_bandwidth=_per_second(values["bandwidth"], "bandwidth", fail),
         source=f"given: {spec}", compute_capability=capability, **context_of(capability), host_bandwidth=host,
         interconnect_bandwidth=_per_second(values["interconnect"], "interconnect", fail) if "interconnect" in values else host,
+        network_bandwidth=_per_second(values.get("network", "12.5GB"), "network", fail),
     )
 
 

@@ -43,6 +43,10 @@ class Device:
     # the link to the card's peers, bytes per second each way: what tensor parallelism's all-reduces move at
     # (instruments.collectives): NVLink on SXM cards, else PCIe peer to peer; 0: none (the CPU)
     interconnect_bandwidth: float = 0.0
+    # the link between nodes, per GPU, bytes per second each way: what a collective over more ranks than one node holds
+    # (`node_size`) moves at; 0: none (the CPU, whose collectives are priced as copies)
+    network_bandwidth: float = 0.0
+    node_size: int = 8  # GPUs that share the peer link (an HGX/DGX board's eight)
 
     def __post_init__(self) -> None:
         # A plain dict would let callers mutate a "frozen" device's rates.
@@ -83,8 +87,10 @@ def cuda_card(
     compute_capability: tuple[int, int],
     host_bandwidth: float,
     interconnect_bandwidth: float = 0.0,
+    network_bandwidth: float = 0.0,
 ) -> Device:
-    """A CUDA card's entry; its interconnect is its host link (PCIe peer to peer) unless it has NVLink's."""
+    """A CUDA card's entry; its interconnect is its host link (PCIe peer to peer) unless it has NVLink's; its network
+    one 100 Gb/s port a GPU unless given."""
     return Device(
         name=name,
         description=description,
@@ -96,6 +102,7 @@ def cuda_card(
         compute_capability=compute_capability,
         host_bandwidth=host_bandwidth,
         interconnect_bandwidth=interconnect_bandwidth or host_bandwidth,
+        network_bandwidth=network_bandwidth or NETWORK_100G,
         **context_of(compute_capability),
     )
 
@@ -106,6 +113,10 @@ PCIE3, PCIE4, PCIE5, NVLINK_C2C = 16e9, 32e9, 64e9, 450e9
 # NVLink between SXM cards, per direction (the datasheets' figure is both ways together): V100's NVLink 2 300 GB/s,
 # A100's NVLink 3 600 GB/s, H100's and H200's NVLink 4 900 GB/s
 NVLINK2, NVLINK3, NVLINK4 = 150e9, 300e9, 450e9
+# Between nodes, one InfiniBand port a GPU, per direction: DGX H100's eight ConnectX-7 at 400 Gb/s (NDR), DGX A100's
+# eight ConnectX-6 at 200 Gb/s (HDR); a card sold without a board of its own is assumed at 100 Gb/s (give a custom
+# device's `network` where yours differs)
+NETWORK_400G, NETWORK_200G, NETWORK_100G = 50e9, 25e9, 12.5e9
 
 
 def context_of(compute_capability: tuple[int, int]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, TypeGuard
 
 from autoplan.errors import DeviceError
 from autoplan.inputs.custom_devices import CUSTOM_KEYS, custom_device, json_object, key_values
-from autoplan.inputs.device_model import NVLINK2, NVLINK3, NVLINK4, NVLINK_C2C, PCIE3, PCIE4, PCIE5, Device, context_of, cuda_card
+from autoplan.inputs.device_model import (NETWORK_200G, NETWORK_400G, NVLINK2, NVLINK3, NVLINK4, NVLINK_C2C, PCIE3, PCIE4, PCIE5,
+                                          Device, context_of, cuda_card)
 
 if TYPE_CHECKING:  # torch is imported where a device needs it: naming a profile (`--device h100`) costs no torch import
     import torch
@@ -45,13 +46,13 @@ _V100 = {"fp32": 15.7, "fp16": 125}
 
 _TABLE = (
     cuda_card("a100-40gb", "NVIDIA A100 SXM4 40GB HBM2", 40, _A100, 1555e9,
-          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 40GB)", (8, 0), PCIE4, NVLINK3),
+          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 40GB)", (8, 0), PCIE4, NVLINK3, NETWORK_200G),
     cuda_card("a100-80gb", "NVIDIA A100 SXM4 80GB HBM2e", 80, _A100, 2039e9,
-          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 80GB)", (8, 0), PCIE4, NVLINK3),
+          "NVIDIA A100 Tensor Core GPU datasheet (SXM, 80GB)", (8, 0), PCIE4, NVLINK3, NETWORK_200G),
     cuda_card("h100-80gb", "NVIDIA H100 SXM5 80GB HBM3", 80, _H100, 3.35e12,
-          "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", (9, 0), PCIE5, NVLINK4),
+          "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)", (9, 0), PCIE5, NVLINK4, NETWORK_400G),
     cuda_card("h200", "NVIDIA H200 SXM 141GB HBM3e", 141, _H100, 4.8e12,
-          "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)", (9, 0), PCIE5, NVLINK4),
+          "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)", (9, 0), PCIE5, NVLINK4, NETWORK_400G),
     # GeForce: fp16/bf16 (and float8) tensor rates with fp32 accumulate, as frameworks use.
     cuda_card("rtx-3090", "NVIDIA GeForce RTX 3090 24GB GDDR6X", 24,
           {"fp32": 35.6, "tf32": 35.6, "bf16": 71, "fp16": 71}, 936e9,
@@ -78,7 +79,7 @@ _TABLE = (
           {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "float8": 733}, 864e9,
           "NVIDIA L40S GPU datasheet (dense tensor rates)", (8, 9), PCIE4),
     cuda_card("gh200", "NVIDIA GH200 Grace Hopper Superchip, 96GB HBM3", 96, _H100, 4e12,
-          "NVIDIA GH200 Grace Hopper Superchip datasheet (96GB HBM3, NVLink-C2C)", (9, 0), NVLINK_C2C, NVLINK4),
+          "NVIDIA GH200 Grace Hopper Superchip datasheet (96GB HBM3, NVLink-C2C)", (9, 0), NVLINK_C2C, NVLINK4, NETWORK_400G),
     _cpu(),
 )
 

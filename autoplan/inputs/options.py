@@ -80,7 +80,8 @@ class PlanOptions:
         "`bandwidth`; optional: `bf16_tflops` (none: an fp16 card), `fp16_tflops`, `tf32_tflops`, `float8_tflops` (none: no float8), "
         "`capability` (default 8.0 with bf16, "
         "else 7.0), `host_bandwidth` (the host link per direction, which prices offload; default 32GB/s), `interconnect` (the link "
-        "to its peers per direction, which prices tensor parallelism's all-reduces; default the host link), `name`, `description`), "
+        "to its peers per direction, which prices tensor parallelism's collectives; default the host link), `network` (between "
+        "nodes, per GPU per direction: a tensor-parallel degree above 8; default 12.5GB/s), `name`, `description`), "
         "or a `.json` file holding the same keys", verify=False))
     optimizer: str | torch.optim.Optimizer = _option("adamw", "`\"adamw\"` (default), `\"adam\"`, `\"sgd\"`, `\"sgd-momentum\"`, or an "
                                                      "optimizer instance (its class and defaults are used); bitsandbytes' by name "

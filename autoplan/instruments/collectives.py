@@ -4,7 +4,8 @@ The twin plans one rank as an ordinary model; where torch's functional all-reduc
 calls `all_reduced(x, ranks)`: a copy, as many bytes as torch's, and an op of its own, so that the tracker prices it
 at the card's interconnect rather than as a copy in memory. A ring all-reduce sends and receives 2(N-1)/N of the
 tensor on every rank (`all_reduce_time_s`), at the card's link to its peers (`Device.interconnect_bandwidth`: NVLink
-on SXM cards, PCIe on the others); latency is left out, and a rate the collective reaches in practice is below the
+on SXM cards, PCIe on the others), or at the network's between nodes where the ranks are more than one node holds
+(`peer_link`); latency is left out, and a rate the collective reaches in practice is below the
 link's nominal one (NCCL's bus bandwidth), so the time is a floor. A device with no interconnect (the CPU) prices
 it as the copy it is.
 
@@ -70,9 +71,13 @@ def all_reduce_time_s(nbytes: int, ranks: int, interconnect_bandwidth: float) ->
     return 2 * (ranks - 1) / ranks * nbytes / interconnect_bandwidth
 
 
-def collective_time_s(func, ranks: int, out: torch.Tensor, interconnect_bandwidth: float) -> float | None:
-    """The ring time of one of the rank twin's collectives (`func`, over `ranks`, making `out`); None for any other op."""
+def collective_time_s(func, ranks: int, out: torch.Tensor, device) -> float | None:
+    """The ring time of one of the rank twin's collectives (`func`, over `ranks`, making `out`) on `device`'s links; None
+    for any other op, or on a device with no link to its peers (the CPU: the tracker prices the copy)."""
     if func not in _COLLECTIVES:
+        return None
+    interconnect_bandwidth = peer_link(device, ranks)
+    if not interconnect_bandwidth:
         return None
     nbytes = out.numel() * out.element_size()
     if func is ALL_REDUCE:
@@ -82,3 +87,13 @@ def collective_time_s(func, ranks: int, out: torch.Tensor, interconnect_bandwidt
 
 
 _COLLECTIVES = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER})
+
+
+def peer_link(device, ranks: int) -> float:
+    """The rate a ring over `ranks` moves at on `device` (bytes per second each way): its peer link (NVLink, PCIe) within
+    a node, the network's where the ranks span nodes (the ring's slowest hop); 0: none."""
+    link = getattr(device, "interconnect_bandwidth", 0.0)
+    network = getattr(device, "network_bandwidth", 0.0)
+    if link and network and ranks > getattr(device, "node_size", ranks):
+        return min(link, network)
+    return link

@@ -321,8 +321,7 @@ class OpCost:
 def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allow_tf32: bool = False, hidden_bytes: int = 0) -> OpCost:
     """One op's FLOPs (torch's flop counter) and roofline time; `touched`: its input and output tensors;
     `hidden_bytes`: a temporary it writes and reads back inside itself."""
-    link = getattr(device, "interconnect_bandwidth", 0.0)
-    if link and (collective_s := collective_time_s(func, args[1] if len(args) > 1 else 0, out, link)) is not None:
+    if (collective_s := collective_time_s(func, args[1] if len(args) > 1 else 0, out, device)) is not None:
         return OpCost(0, collective_s)  # the rank twin's collectives, at the card's link to its peers
     flops = 0
     if flop_key(func) in flop_registry:
@@ -355,6 +354,14 @@ class FusedElementwiseRates:
     @property
     def interconnect_bandwidth(self) -> float:
         return getattr(self.device, "interconnect_bandwidth", 0.0)
+
+    @property
+    def network_bandwidth(self) -> float:
+        return getattr(self.device, "network_bandwidth", 0.0)
+
+    @property
+    def node_size(self) -> int:
+        return getattr(self.device, "node_size", 8)
 
     def flops_for(self, dtype: torch.dtype, *, allow_tf32: bool = False) -> float:
         return self.device.flops_for(dtype, allow_tf32=allow_tf32)

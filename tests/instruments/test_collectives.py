@@ -40,10 +40,34 @@ def test_an_all_reduce_is_a_copy_priced_at_the_interconnect_by_the_ring():
     assert _time_of_one(cpu)[0] == 2 * nbytes / cpu.memory_bandwidth  # no interconnect: the copy it is here
 
 
+def test_a_ring_wider_than_a_node_moves_at_the_network_rate():
+    """Eight H100s share NVLink; sixteen tensor-parallel ranks span two nodes, and the ring's slowest hop is the network
+    (one 400 Gb/s port a GPU). A reduce-scatter and an all-gather each move (N-1)/N of the whole tensor: half a ring
+    all-reduce."""
+    from autoplan.inputs.sequence_parallel import gather_sequence
+    from autoplan.instruments.collectives import peer_link
+
+    h100, shape = get_device("h100-80gb"), (4, 1024, 1024)
+    nbytes = 4 * 1024 * 1024 * 2
+    assert peer_link(h100, 8) == 450e9 and peer_link(h100, 16) == 50e9 == h100.network_bandwidth
+    assert _time_of_one(h100, shape, ranks=16)[0] == 2 * 15 / 16 * nbytes / 50e9
+    assert _time_of_one(h100, shape, ranks=8)[0] == 2 * 7 / 8 * nbytes / 450e9
+    assert peer_link(get_device("rtx-4090"), 16) == 12.5e9 and peer_link(get_device("cpu"), 16) == 0.0
+    with new_fake_mode() as mode:
+        part = mode.from_tensor(torch.empty(shape, dtype=torch.bfloat16))
+        with LiveBytesTracker(h100) as tracker:
+            gather_sequence(part, 4)  # all_gathered (priced) then a cat along the sequence (a copy in memory)
+    gathered = 4 * nbytes
+    copy = 2 * gathered / h100.memory_bandwidth
+    assert tracker.phases()[-1].time_s == 3 / 4 * gathered / 450e9 + copy
+
+
 def test_a_custom_card_names_its_interconnect_or_uses_its_host_link():
     assert get_device("custom:memory=80GiB,fp32_tflops=60,bandwidth=3TB/s,interconnect=450GB/s").interconnect_bandwidth == 450e9
     plain = get_device("custom:memory=80GiB,fp32_tflops=60,bandwidth=3TB/s,host_bandwidth=64GB/s")
     assert plain.interconnect_bandwidth == plain.host_bandwidth == 64e9
+    assert plain.network_bandwidth == 12.5e9
+    assert get_device("custom:memory=80GiB,fp32_tflops=60,bandwidth=3TB/s,network=50GB/s").network_bandwidth == 50e9
 
 
 class _Collectives(TorchDispatchMode):
