@@ -48,18 +48,20 @@ def _styles(model: torch.nn.Module, mesh: Mesh) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    sequence, whole = Shard(SEQUENCE_DIM), Replicate()
     if not mesh.sequence_parallel:
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "colwise_gather_output": lambda: ColwiseParallel(output_layouts=whole)}
         return {name: styles[style]() for name, style in mesh.tp_layout}
     layout = resolve_sequence_layout(model, mesh.tp_layout)
-    sequence, whole = Shard(SEQUENCE_DIM), Replicate()
     plan: dict = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=sequence)
                   for name, style in mesh.tp_layout}
     plan |= {name: SequenceParallel(use_local_output=True) for name in layout.norms}
     plan[layout.first_block] = _first_input(whole, sequence, use_local_output=True)
     for name, keyword in layout.gathered:
         plan[name] = _first_input(sequence, whole, keyword=keyword)
-    plan[layout.head] = _first_input(sequence, whole, use_local_output=True)
+    split_head = dict(mesh.tp_layout).get(layout.head) == "colwise_gather_output"  # its input gathered by its own style
+    plan[layout.head] = (ColwiseParallel(input_layouts=sequence, output_layouts=whole) if split_head
+                         else _first_input(sequence, whole, use_local_output=True))
     return plan
 
 

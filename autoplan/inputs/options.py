@@ -181,8 +181,10 @@ class PlanOptions:
         "does when this is left out; `1` there searches FSDP alone); `--world-size` counts every GPU, FSDP's ranks times these", str,
         verify=False, metavar="N", unset=True))
     tensor_parallel_plan: Mapping[str, str] | None = _option(None, "with `tensor_parallel` > 1, which linears are split: `{module name "
-                                                             "pattern: \"colwise\" | \"rowwise\"}`. None (default): the model's own "
-                                                             "(transformers' `model.tp_plan`), else torchtitan's Llama names.")
+                                                             "pattern: \"colwise\" | \"rowwise\" | \"colwise_gather_output\"}` (the "
+                                                             "last for an output head: split by the vocabulary, its logits gathered "
+                                                             "whole). None (default): the model's own (transformers' `model.tp_plan`), "
+                                                             "else torchtitan's Llama names (its head `output` split and gathered).")
     sequence_parallel: bool = _option(False, "with tensor parallelism (`tensor_parallel` > 1, or searched), keep the residual stream "
                                       "between the split linears as one Nth of the sequence on each rank, as torchtitan does "
                                       "(torch's `SequenceParallel` on the norms, the attention's and MLP's input all-gathered, the "

@@ -23,6 +23,7 @@ Two layouts are known: torchtitan's Llama names (`layers.*.attention_norm`, `.at
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,8 @@ def resolve_sequence_layout(model: torch.nn.Module, split_linears: tuple[tuple[s
             continue
         gathered = tuple((f"{block}.{leaf}", keyword) for block in names for leaf, keyword in family.gathered)
         _check_nothing_else_learns(blocks, names, family)
-        outside = [name for name, _ in split_linears if not any(name.startswith(f"{inside}.") for inside, _ in gathered)]
+        outside = [name for name, style in split_linears if not any(name.startswith(f"{inside}.") for inside, _ in gathered)
+                   and (name, style) != (family.head, "colwise_gather_output")]  # a split head gathers its own input
         if outside:
             raise OptionError(f"sequence_parallel: {outside[0]} is split but lies outside the attention and MLP modules whose "
                               "input is gathered whole; split only their linears, or leave sequence_parallel off")
@@ -121,51 +123,54 @@ def _checked(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     return x
 
 
-def _check_divides(x: torch.Tensor, ranks: int) -> None:
-    if x.shape[SEQUENCE_DIM] % ranks:
-        raise OptionError(f"sequence_parallel over {ranks} ranks: the sequence ({x.shape[SEQUENCE_DIM]}) does not divide by "
+def _check_divides(x: torch.Tensor, ranks: int, dim: int) -> None:
+    if x.shape[dim] % ranks:
+        raise OptionError(f"sequence_parallel over {ranks} ranks: the sequence ({x.shape[dim]}) does not divide by "
                           f"{ranks}; give a sequence length that does, or leave sequence_parallel off")
 
 
-def gather_sequence(x: torch.Tensor, ranks: int) -> torch.Tensor:
-    """Every rank's part of the sequence, whole: funcol.all_gather_single(x, gather_dim=1), as DTensor calls it."""
+def gather_sequence(x: torch.Tensor, ranks: int, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Every rank's part, whole along `dim`: funcol.all_gather_single(x, gather_dim=dim), as DTensor calls it."""
     stacked = all_gathered(x.contiguous(), ranks)
-    if x.shape[0] == 1:  # the ranks' parts lie in sequence order already: a view
-        return stacked.view(1, ranks * x.shape[SEQUENCE_DIM], *x.shape[2:])
-    return torch.cat(torch.chunk(stacked, ranks, dim=0), dim=SEQUENCE_DIM)
+    dim = dim % x.dim()
+    if x.shape[0] == 1 and math.prod(x.shape[1:dim]) == 1:  # the ranks' parts lie in order already: a view
+        return stacked.view(*x.shape[:dim], ranks * x.shape[dim], *x.shape[dim + 1:])
+    return torch.cat(torch.chunk(stacked, ranks, dim=0), dim=dim)
 
 
-def scatter_sequence(x: torch.Tensor, ranks: int) -> torch.Tensor:
-    """This rank's part of the sum of every rank's `x`: funcol.reduce_scatter_single(x, scatter_dim=1), as DTensor calls it."""
-    _check_divides(x, ranks)
+def scatter_sequence(x: torch.Tensor, ranks: int, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """This rank's part of the sum of every rank's `x`: funcol.reduce_scatter_single(x, scatter_dim=dim), as DTensor calls it."""
+    _check_divides(x, ranks, dim)
     x = x if x.is_contiguous() else x.contiguous()
-    return reduce_scattered(torch.cat(torch.chunk(x, ranks, dim=SEQUENCE_DIM), dim=0), ranks)
+    return reduce_scattered(torch.cat(torch.chunk(x, ranks, dim=dim), dim=0), ranks)
 
 
-def _part(x: torch.Tensor, ranks: int) -> torch.Tensor:
-    """Replicate -> Shard(1): this rank's part of the sequence, a clone, as `Shard._replicate_to_shard` makes it."""
-    _check_divides(x, ranks)
-    return x.narrow(SEQUENCE_DIM, 0, x.shape[SEQUENCE_DIM] // ranks).clone()
+def _part(x: torch.Tensor, ranks: int, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Replicate -> Shard(dim): this rank's part, a clone, as `Shard._replicate_to_shard` makes it."""
+    _check_divides(x, ranks, dim)
+    return x.narrow(dim, 0, x.shape[dim] // ranks).clone()
 
 
-# DTensor's changes of the sequence dimension's placement, each with its backward: a split (Replicate -> Shard(1)) and
-# a gather (Shard(1) -> Replicate) reduce-scatter or gather the gradient back; a scatter (Partial -> Shard(1), a row-wise
-# linear's output) gathers it whole
-_FORWARD = {"split": _part, "gather": gather_sequence, "scatter": scatter_sequence}
-_BACKWARD = {"split": gather_sequence, "gather": scatter_sequence, "scatter": gather_sequence}
+# DTensor's changes of a dimension's placement, each with its backward, which takes the gradient back to the input's
+# placement from its own: a split (Replicate -> Shard) gathers it whole; a gather (Shard -> Replicate) before
+# column-wise linears gets their partial sums and reduce-scatters them, a gather of their output (a head's logits,
+# "gather_output") a whole gradient and keeps this rank's part; a scatter (Partial -> Shard, a row-wise linear's
+# output) gathers it whole
+_FORWARD = {"split": _part, "gather": gather_sequence, "gather_output": gather_sequence, "scatter": scatter_sequence}
+_BACKWARD = {"split": gather_sequence, "gather": scatter_sequence, "gather_output": _part, "scatter": gather_sequence}
 
 
 class _Redistributed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, ranks: int, change: str) -> torch.Tensor:
-        ctx.ranks, ctx.change = ranks, change
-        return _FORWARD[change](x, ranks)
+    def forward(ctx, x: torch.Tensor, ranks: int, change: str, dim: int) -> torch.Tensor:
+        ctx.ranks, ctx.change, ctx.dim = ranks, change, dim
+        return _FORWARD[change](x, ranks, dim)
 
     @staticmethod
-    def backward(ctx, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _BACKWARD[ctx.change](gradient, ctx.ranks), None, None
+    def backward(ctx, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _BACKWARD[ctx.change](gradient, ctx.ranks, ctx.dim), None, None, None
 
 
-def redistributed(x: torch.Tensor, ranks: int, change: str) -> torch.Tensor:
-    """`x` split, gathered or scattered along the sequence (`_FORWARD`'s names), differentiably."""
-    return _Redistributed.apply(x, ranks, change)
+def redistributed(x: torch.Tensor, ranks: int, change: str, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """`x` split, gathered or scattered along `dim` (`_FORWARD`'s names), differentiably."""
+    return _Redistributed.apply(x, ranks, change, dim)

@@ -268,7 +268,9 @@ def check_reshard(reshard_after_forward: object, ranks: int | str) -> bool | tup
     return reshard_after_forward
 
 
-STYLES = ("colwise", "rowwise")  # the tensor-parallel styles planned (inputs.tensor_parallel)
+# the tensor-parallel styles planned (inputs.tensor_parallel); "colwise_gather_output": an output head split by its
+# outputs, its logits gathered whole (transformers' name; torch's ColwiseParallel(output_layouts=Replicate()))
+STYLES = ("colwise", "rowwise", "colwise_gather_output")
 
 
 def requested_degree(options: PlanOptions) -> int | Literal["auto"]:
@@ -301,7 +303,8 @@ def check_layout_given(given: object) -> tuple[tuple[str, str], ...] | None:
                           f"{{'layers.*.attention.wq': 'colwise', 'layers.*.attention.wo': 'rowwise'}}; got {given!r}")
     for pattern, style in given.items():
         if not isinstance(pattern, str) or style not in STYLES:
-            raise OptionError(f"tensor_parallel_plan: {pattern!r}: {style!r} is not a style planned; use 'colwise' or 'rowwise'")
+            raise OptionError(f"tensor_parallel_plan: {pattern!r}: {style!r} is not a style planned; use 'colwise', 'rowwise' or "
+                              "'colwise_gather_output' (an output head)")
     return tuple(given.items())
 
 

@@ -15,11 +15,13 @@ by its all-reduce in backward; both are `instruments.collectives.all_reduced`, w
 at the card's interconnect (a recomputed unit pays its forward all-reduces again). Checked against torch's
 own DTensor step on gloo ranks, counted by the CPU allocator (tests/apply/test_tensor_parallel.py).
 
-The layout (module name -> "colwise" | "rowwise") is the person's `tensor_parallel_plan` (patterns), else
-the model's own: transformers' `model.tp_plan` (its colwise and rowwise entries), or torchtitan's Llama
-names (attention.wq/wk/wv, feed_forward.w1/w3 column-wise; attention.wo, feed_forward.w2 row-wise).
-Embeddings and the output head stay whole on every rank (vocabulary-parallel embeddings and a parallel
-loss are not planned). With sequence parallelism (`inputs.sequence_parallel`) the residual stream between
+The layout (module name -> "colwise" | "rowwise" | "colwise_gather_output") is the person's
+`tensor_parallel_plan` (patterns), else the model's own: transformers' `model.tp_plan` (those entries),
+or torchtitan's Llama names (attention.wq/wk/wv, feed_forward.w1/w3 column-wise; attention.wo,
+feed_forward.w2 row-wise; the head `output` column-wise with its logits gathered). An output head split
+by the vocabulary ("colwise_gather_output", `GatheredColwiseShard`) gathers its logits whole on every
+rank, so the loss is the whole one; a head tied to the embedding stays whole, as do embeddings
+(vocabulary-parallel embeddings and a parallel loss are not planned). With sequence parallelism (`inputs.sequence_parallel`) the residual stream between
 the split linears is one Nth of the sequence on each rank.
 """
 
@@ -39,7 +41,7 @@ from autoplan.inputs.settings import STYLES
 
 TORCHTITAN_LAYOUT = {"*attention.wq": "colwise", "*attention.wk": "colwise", "*attention.wv": "colwise",
                      "*attention.wo": "rowwise", "*feed_forward.w1": "colwise", "*feed_forward.w3": "colwise",
-                     "*feed_forward.w2": "rowwise"}
+                     "*feed_forward.w2": "rowwise", "output": "colwise_gather_output"}
 
 Layout = tuple[tuple[str, str], ...]  # (module name, style), in the model's module order
 
@@ -86,6 +88,15 @@ class RowwiseShard(torch.nn.Linear):
         return all_reduced(F.linear(x, self.weight, self.bias), self.ranks)
 
 
+class GatheredColwiseShard(ColwiseShard):
+    """One rank's slice of an output head split by its outputs (the vocabulary): its logits gathered whole on every rank,
+    as torch's `ColwiseParallel(output_layouts=Replicate())` does (transformers' "colwise_gather_output"), so the loss
+    is the whole one; its gradient comes back whole and the rank keeps its part."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return redistributed(super().forward(x), self.ranks, "gather_output", -1)
+
+
 def _model_layout(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
     """The patterns the model brings: transformers' tp_plan (its colwise/rowwise entries), else torchtitan's names."""
     own = getattr(model, "tp_plan", None)
@@ -98,6 +109,11 @@ def resolve_layout(model: torch.nn.Module, degree: int, given: tuple[tuple[str, 
     """Every linear the patterns name, with its style, checked to divide by `degree`. No linear named: an OptionError."""
     patterns = given if given is not None else _model_layout(model)
     layout, others = [], []
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            holders[id(parameter)] = holders.get(id(parameter), 0) + 1
+    tied = {ident for ident, count in holders.items() if count > 1}
     for name, module in model.named_modules():
         style = next((style for pattern, style in patterns if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None:
@@ -105,10 +121,16 @@ def resolve_layout(model: torch.nn.Module, degree: int, given: tuple[tuple[str, 
         if not isinstance(module, torch.nn.Linear):
             others.append(f"{name} ({type(module).__name__})")
             continue
-        size = module.out_features if style == "colwise" else module.in_features
+        columns = style.startswith("colwise")
+        size = module.out_features if columns else module.in_features
         if size % degree:
-            raise OptionError(f"{name} is {style} over {degree} ranks, but its {'outputs' if style == 'colwise' else 'inputs'} "
+            raise OptionError(f"{name} is {style} over {degree} ranks, but its {'outputs' if columns else 'inputs'} "
                               f"({size}) do not divide by {degree}: choose a tensor_parallel that divides them")
+        if style == "colwise_gather_output" and id(module.weight) in tied:
+            if given is not None:
+                raise OptionError(f"tensor_parallel_plan splits {name}, whose weight is tied to another module's (the "
+                                  "embedding's): leave it whole")
+            continue  # tied to the embedding, which stays whole: the head stays whole too
         layout.append((name, style))
     if others:
         raise OptionError(f"tensor_parallel_plan names modules that are not nn.Linear: {', '.join(others[:3])}; only linears "
@@ -161,8 +183,9 @@ def rank_model(model: torch.nn.Module, layout: Layout, degree: int, sequence: Se
 def _slice(whole: torch.nn.Linear, style: str, degree: int) -> torch.nn.Linear:
     weight = whole.weight.detach()
     kind: type[torch.nn.Linear]
-    if style == "colwise":
-        kind, part = ColwiseShard, weight[: whole.out_features // degree]
+    if style.startswith("colwise"):
+        kind = GatheredColwiseShard if style == "colwise_gather_output" else ColwiseShard
+        part = weight[: whole.out_features // degree]
         bias = whole.bias.detach()[: whole.out_features // degree] if whole.bias is not None else None
     else:
         kind, part = RowwiseShard, weight[:, : whole.in_features // degree]

@@ -35,7 +35,7 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoplan.errors import TraceError
+from autoplan.errors import OptionError, TraceError
 from autoplan.inputs.batch import normalize_inputs
 from autoplan.vocabulary.formatting import first_line
 from autoplan.vocabulary.tensors import tensors_of
@@ -218,6 +218,8 @@ def trace(
                 executed, dataflow, random_reads, draws = _worst_case_draws(model, inputs, found, routing)
             else:
                 graph = _symbolic_trace(model, leaves) if method == "symbolic_trace" else _export(model, inputs)
+        except OptionError:
+            raise  # an option the model cannot run with (a sequence tensor parallelism cannot split), whichever tracer ran it
         except Exception as error:  # noqa: BLE001 - any failure means: try the next tracer
             label = labels[method]
             errors.append(f"{label}: {first_line(error)}" if method == "hooks" else f"{label}: {type(error).__name__}: {first_line(error)}")

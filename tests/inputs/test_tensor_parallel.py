@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,16 +25,34 @@ def _tiny():
 def test_torchtitan_names_give_the_llama_layout() -> None:
     model, _ = _tiny()
     layout = dict(resolve_layout(model, 2, None))
-    assert len(layout) == 7 * CONFIG.n_layers
+    assert len(layout) == 7 * CONFIG.n_layers + 1
     assert layout["layers.0.attention.wq"] == layout["layers.1.feed_forward.w3"] == "colwise"
     assert layout["layers.0.attention.wo"] == layout["layers.1.feed_forward.w2"] == "rowwise"
-    assert "output" not in layout and "tok_embeddings" not in layout  # whole on every rank
+    assert layout["output"] == "colwise_gather_output"  # the head split by the vocabulary, its logits gathered (torchtitan's)
+    assert "tok_embeddings" not in layout  # whole on every rank
 
 
 def test_a_transformers_model_brings_its_own_tp_plan() -> None:
     layout = dict(resolve_layout(tiny_qwen2(), 2, None))
     assert layout["model.layers.0.self_attn.k_proj"] == "colwise" and layout["model.layers.1.mlp.down_proj"] == "rowwise"
-    assert "lm_head" not in layout and "model.embed_tokens" not in layout  # its gather and embedding styles are not planned
+    assert layout["lm_head"] == "colwise_gather_output" and "model.embed_tokens" not in layout  # its embedding style is not planned
+
+
+def test_a_split_head_gathers_its_logits_whole_and_a_tied_one_stays_whole() -> None:
+    from autoplan.inputs.tensor_parallel import GatheredColwiseShard
+
+    model, (tokens, targets) = _tiny()
+    twin = rank_model(model, resolve_layout(model, 2, None), 2)
+    assert isinstance(twin.output, GatheredColwiseShard) and twin.output.weight.shape == (CONFIG.vocab_size // 2, CONFIG.dim)
+    hidden = torch.randn(2, 32, CONFIG.dim, requires_grad=True)
+    logits = twin.output(hidden)
+    assert logits.shape == (2, 32, CONFIG.vocab_size)  # every rank's part, whole: the loss is the whole one
+    logits.sum().backward()
+    assert hidden.grad.shape == hidden.shape and twin.output.weight.grad.shape == twin.output.weight.shape
+    tied, _ = Llama(dataclasses.replace(CONFIG, tie_embeddings=True)), None
+    assert "output" not in dict(resolve_layout(tied, 2, None))  # its weight is the embedding's, which stays whole
+    with pytest.raises(OptionError, match="tied to another module"):
+        resolve_layout(tied, 2, (("output", "colwise_gather_output"),))
 
 
 def test_a_rank_holds_its_slices_and_shares_the_rest() -> None:
@@ -74,7 +94,7 @@ def test_the_plan_is_per_rank_and_names_its_mesh() -> None:
     (dict(tensor_parallel_plan={"layers.*.attention.wq": "colwise"}), "give tensor_parallel=N"),
     (dict(tensor_parallel=2, tensor_parallel_plan={"*attention_norm": "colwise"}), "not nn.Linear"),
     (dict(tensor_parallel=2, tensor_parallel_plan={"*.nothing": "rowwise"}), "names no linear"),
-    (dict(tensor_parallel=2, tensor_parallel_plan={"*.wq": "sequence"}), "'colwise' or 'rowwise'"),
+    (dict(tensor_parallel=2, tensor_parallel_plan={"*.wq": "sequence"}), "'colwise', 'rowwise' or 'colwise_gather_output'"),
 ])
 def test_a_layout_that_cannot_be_split_is_refused_before_planning(options, message) -> None:
     model, batch = _tiny()
