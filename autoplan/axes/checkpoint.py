@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from autoplan.axes import DeviceLike
 from autoplan.errors import OptionError
+from autoplan.instruments.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from autoplan.instruments.quantized import is_quantized_matmul
 
 Mode = Literal["keep", "selective", "full"]
@@ -87,8 +88,16 @@ _FUSED_ATTENTION = {
 
 def op_name(func) -> str:
     """How a menu names an aten op: its overload packet, "aten.mm" (occurrences add "#0", "#1", ...);
-    "aten.sdpa" for any fused attention kernel."""
-    return "aten.sdpa" if func in _FUSED_ATTENTION else str(func.overloadpacket)
+    "aten.sdpa" for any fused attention kernel; a tensor-parallel rank twin's collective by the functional collective
+    torch's DTensor calls in its place, so that a policy that saves one saves it in the real step too."""
+    if func in _FUSED_ATTENTION:
+        return "aten.sdpa"
+    return TWIN_COLLECTIVES.get(func) or str(func.overloadpacket)
+
+
+# the rank twin's collectives (instruments.collectives) -> the op DTensor dispatches for each
+TWIN_COLLECTIVES = {ALL_REDUCE: "_c10d_functional.all_reduce", ALL_GATHER: "_c10d_functional.all_gather_into_tensor",
+                    REDUCE_SCATTER: "_c10d_functional.reduce_scatter_tensor"}
 
 
 def can_save(func) -> bool:

@@ -65,7 +65,7 @@ WALL_TIMES = ("solve_time_s",)  # the only fields a second run on the same machi
 ADDED_SINCE = {"decided_by": "simulation", "breakdown.loop_held": 0, "loop.zero_grad_before_backward": False,
                "loop.fetches_whole_step": False, "loop.batches_ahead": 0, "loop.kept_on_device_bytes": 0,
                "loop.outer_autocast": None, "context_bytes": 0, "context_source": "", "reshard_after_forward": True, "fsdp_mixed_precision": None,
-               "tensor_parallel": 1, "tensor_parallel_layout": []}
+               "tensor_parallel": 1, "tensor_parallel_layout": [], "sequence_parallel": False}
 NOTES_ADDED_SINCE = (CPU_PRECISION_NOTE,)  # notes added since the fixture (a CPU plan's bf16 units, solve.assemble): left out
 HOST_BUDGET = "1GB"  # given, not this machine's RAM: the fixture holds on any machine
 GPU = "a100-80gb"
