@@ -7,14 +7,15 @@ Sequence parallelism (torchtitan applies it with every tensor-parallel plan; tor
 each rank there: the first block's input is split, each norm runs on its rank's part, the input of the
 attention and of the MLP is all-gathered whole before their column-wise linears, and the row-wise
 linear's partial output is reduce-scattered back to the rank's part in place of the all-reduce. The
-head's input is gathered whole (the head and the loss stay whole on every rank, as without it).
+head's input is gathered whole (a split head's logits are gathered whole too, so the loss is the whole one).
 
 In the rank twin (`inputs.tensor_parallel.rank_model`) these are written where torch's DTensor makes
 them, byte for byte: the split is a clone of the rank's part (`Shard._replicate_to_shard`), a gather is
 torch's `all_gather_into_tensor` (the ranks stacked along the first dimension) then a cat along the
 sequence unless the batch is one (`_maybe_view_chunk_cat`), and a reduce-scatter is a cat of the
 sequence's chunks along the first dimension then `reduce_scatter_tensor` (`_chunk_or_narrow_cat`). Each
-one's backward is the other. The norms need no change: they compute on whatever part they are given.
+one's backward takes the gradient back to its input's placement (`_BACKWARD`). The norms need no change:
+they compute on whatever part they are given.
 
 Two layouts are known: torchtitan's Llama names (`layers.*.attention_norm`, `.attention`, `.ffn_norm`,
 `.feed_forward`, `norm`, `output`) and transformers' Llama family (`model.layers.*.input_layernorm`,
