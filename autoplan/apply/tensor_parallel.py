@@ -46,15 +46,13 @@ def apply_tensor_parallel(model: torch.nn.Module, plan: Plan) -> torch.nn.Module
 def _styles(model: torch.nn.Module, mesh: Mesh) -> dict:
     """parallelize_module's plan: {module name: its ParallelStyle}."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
-    sequence, whole = Shard(SEQUENCE_DIM), Replicate()
+    plan: dict = {name: _linear_style(style, mesh.sequence_parallel) for name, style in mesh.tp_layout}
     if not mesh.sequence_parallel:
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "colwise_gather_output": lambda: ColwiseParallel(output_layouts=whole)}
-        return {name: styles[style]() for name, style in mesh.tp_layout}
+        return plan
     layout = resolve_sequence_layout(model, mesh.tp_layout)
-    plan: dict = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel(output_layouts=sequence)
-                  for name, style in mesh.tp_layout}
+    sequence, whole = Shard(SEQUENCE_DIM), Replicate()
     plan |= {name: SequenceParallel(use_local_output=True) for name in layout.norms}
     plan[layout.first_block] = _first_input(whole, sequence, use_local_output=True)
     for name, keyword in layout.gathered:
@@ -63,6 +61,17 @@ def _styles(model: torch.nn.Module, mesh: Mesh) -> dict:
     plan[layout.head] = (ColwiseParallel(input_layouts=sequence, output_layouts=whole) if split_head
                          else _first_input(sequence, whole, use_local_output=True))
     return plan
+
+
+def _linear_style(style: str, sequence_parallel: bool):
+    """torch's style for one split linear of the layout: a row-wise one's output reduce-scattered to the rank's part of
+    the sequence under sequence parallelism; a head's ("colwise_gather_output") logits gathered whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM)) if sequence_parallel else RowwiseParallel()
+    return ColwiseParallel(output_layouts=Replicate()) if style == "colwise_gather_output" else ColwiseParallel()
 
 
 def _first_input(given, desired, keyword: str | None = None, use_local_output: bool = False):

@@ -189,9 +189,10 @@ def _freed_late(events, resident: dict[int, int]) -> tuple[set[int], set[int]]:
     it still counted: the ids of their allocations, and the addresses of such blocks from before counting (the
     allocator reports no free of those: any block made at one's address means it was freed).
 
-    An FSDP2 all-gather output whose free was never reported and whose address was not handed out again before
-    counting ended is one too: FSDP2 drops it within the unit's gather, right after copying out of it, so it is never
-    alive at a step's end; when gloo's thread held the last reference, it was freed there, unheard."""
+    A block handed to a collective (an FSDP2 all-gather output, a functional collective's output: DTensor's
+    all-reduces, all-gathers and reduce-scatters) whose free was never reported and whose address was not handed out
+    again before counting ended is one too: each lives within its step (FSDP2 drops an all-gather output right after
+    copying out of it), and when gloo's thread held the last reference, it was freed there, unheard."""
     late_ids: set[int] = set()
     reused_resident: set[int] = set()
     live: dict[int, int] = {}  # address -> the id of the allocation there
@@ -207,7 +208,7 @@ def _freed_late(events, resident: dict[int, int]) -> tuple[set[int], set[int]]:
                 late_ids.add(live[address])
             live[address] = node.id
             gathered.pop(address, None)
-            if _all_gather_output(node):
+            if _handed_to_a_collective(node):
                 gathered[address] = node.id
         else:
             live.pop(address, None)
@@ -215,12 +216,14 @@ def _freed_late(events, resident: dict[int, int]) -> tuple[set[int], set[int]]:
     return late_ids | set(gathered.values()), reused_resident
 
 
-def _all_gather_output(allocation) -> bool:
-    """The block an FSDP2 all-gather gathers into (made by FSDP outside the collective, not a backend's own buffer)."""
-    return _made_inside(allocation, lambda name: name.startswith(_ALL_GATHER)) and not _backend_buffer(allocation)
+def _handed_to_a_collective(allocation) -> bool:
+    """A block a collective writes into: an FSDP2 all-gather's output (made by FSDP outside the collective) or a
+    functional collective's output (made inside its op); not a backend's own staging buffer, which is never counted."""
+    return _made_inside(allocation, lambda name: name.startswith(_HANDED)) and not _backend_buffer(allocation)
 
 
-_ALL_GATHER = "FSDP::all_gather ("  # FSDP2's record around one unit's all-gather (its copy-out is a record apart)
+# FSDP2's record around one unit's all-gather (its copy-out is a record apart), and torch's functional collectives
+_HANDED = ("FSDP::all_gather (", "_c10d_functional::")
 
 
 class _PeakListing:

@@ -27,9 +27,9 @@ def test_tensor_parallelism_is_chosen_where_it_needs_fewer_gpus(planner) -> None
     model, searched = planner
     plan = searched.plan("14MB")  # activations over the budget whatever FSDP shards: splitting the blocks' matmuls helps
     assert plan.outcome.feasible and plan.request.mesh.tensor_parallel == 2
-    assert str(plan.request.mesh) == "6 fsdp × 2 tp" and plan.request.world_size == 12
+    assert str(plan.request.mesh) == "5 fsdp × 2 tp" and plan.request.world_size == 10  # the head split too
     note = next(note for note in plan.notes if "per tensor-parallel degree" in note)
-    assert "FSDP alone: does not fit" in note and "tensor parallel 2: 12 (6 FSDP × 2 tensor parallel)" in note
+    assert "FSDP alone: does not fit" in note and "tensor parallel 2: 10 (5 FSDP × 2 tensor parallel)" in note
     assert "tensor parallel 4: its slice does not run" in note  # half a kv head per rank
     fsdp_alone = autoplan.plan(model, "14MB", example_inputs=example_batch(CONFIG, 4, 256), world_size="auto", tensor_parallel=1, **OPTIONS)
     assert not fsdp_alone.outcome.feasible and fsdp_alone.request.mesh.tensor_parallel == 1  # told: FSDP alone

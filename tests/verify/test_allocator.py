@@ -163,3 +163,7 @@ def test_an_all_gather_output_freed_unheard_and_never_reused_is_left_out_of_the_
     kept = [_allocation(1, 0xA000, MB), _allocation(2, 0xB000, MB)]
     stretch, = AllocatorCount()._replay(kept)
     assert stretch.floor_bytes == 2 * MB  # a block made elsewhere and never freed is alive, as far as anyone can tell
+    reduced = _allocation(1, 0xA000, MB)  # DTensor's all-reduce output, made inside the functional collective's op
+    reduced.parent = types.SimpleNamespace(name="_c10d_functional::all_reduce", parent=None, extra_fields=types.SimpleNamespace())
+    stretch, = AllocatorCount()._replay([reduced, _allocation(2, 0xB000, MB)])
+    assert stretch.peak_bytes == 2 * MB and stretch.floor_bytes == MB  # its free may have gone unheard too
