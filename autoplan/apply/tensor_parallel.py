@@ -14,6 +14,8 @@ norms run on the rank's part (`SequenceParallel`), the row-wise linears' outputs
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from autoplan.apply.sharding import apply_fsdp, require_process_group
@@ -79,13 +81,23 @@ def _first_input(given, desired, keyword: str | None = None, use_local_output: b
     many the call passes, as they are (PrepareModuleInput wants a layout for each positional one)."""
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    class FirstInput(PrepareModuleInput):
-        def _prepare_input_fn(self, inputs, device_mesh):
-            extra = (None,) * (len(inputs) - 1)
-            self.input_layouts, self.desired_input_layouts = (given, *extra), (desired, *extra)
-            return super()._prepare_input_fn(inputs, device_mesh)
-
     if keyword is not None:
         return PrepareModuleInput(input_kwarg_layouts={keyword: given}, desired_input_kwarg_layouts={keyword: desired},
                                   use_local_output=use_local_output)
-    return FirstInput(input_layouts=(given,), desired_input_layouts=(desired,), use_local_output=use_local_output)
+    return _first_positional()(input_layouts=(given,), desired_input_layouts=(desired,), use_local_output=use_local_output)
+
+
+@functools.cache
+def _first_positional() -> type:
+    """PrepareModuleInput whose layouts name the first positional argument and pass any others as they are (made once,
+    on first use: importing torch.distributed.tensor is left to a plan that needs it)."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    class FirstPositional(PrepareModuleInput):
+        def _prepare_input_fn(self, inputs, device_mesh):
+            extra = (None,) * (len(inputs) - 1)
+            self.input_layouts = (self.input_layouts[0], *extra)
+            self.desired_input_layouts = (self.desired_input_layouts[0], *extra)
+            return super()._prepare_input_fn(inputs, device_mesh)
+
+    return FirstPositional

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+from collections import Counter
 from typing import Mapping
 
 import torch
@@ -98,22 +99,24 @@ class GatheredColwiseShard(ColwiseShard):
 
 
 def _model_layout(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
-    """The patterns the model brings: transformers' tp_plan (its colwise/rowwise entries), else torchtitan's names."""
+    """The patterns the model brings: transformers' tp_plan (its entries of the styles planned), else torchtitan's names."""
     own = getattr(model, "tp_plan", None)
     if isinstance(own, Mapping) and own:
         return tuple((pattern, style) for pattern, style in own.items() if style in STYLES)
     return tuple(TORCHTITAN_LAYOUT.items())
 
 
+def _tied_parameters(model: torch.nn.Module) -> set[int]:
+    """The ids of parameters more than one module holds (a head tied to its embedding)."""
+    held = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    return {ident for ident, holders in held.items() if holders > 1}
+
+
 def resolve_layout(model: torch.nn.Module, degree: int, given: tuple[tuple[str, str], ...] | None) -> Layout:
     """Every linear the patterns name, with its style, checked to divide by `degree`. No linear named: an OptionError."""
     patterns = given if given is not None else _model_layout(model)
     layout, others = [], []
-    holders: dict[int, int] = {}
-    for module in model.modules():
-        for parameter in module.parameters(recurse=False):
-            holders[id(parameter)] = holders.get(id(parameter), 0) + 1
-    tied = {ident for ident, count in holders.items() if count > 1}
+    tied = _tied_parameters(model)
     for name, module in model.named_modules():
         style = next((style for pattern, style in patterns if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None:

@@ -71,11 +71,13 @@ def all_reduce_time_s(nbytes: int, ranks: int, interconnect_bandwidth: float) ->
     return 2 * (ranks - 1) / ranks * nbytes / interconnect_bandwidth
 
 
-def collective_time_s(func, ranks: int, out: torch.Tensor, device) -> float | None:
-    """The ring time of one of the rank twin's collectives (`func`, over `ranks`, making `out`) on `device`'s links; None
-    for any other op, or on a device with no link to its peers (the CPU: the tracker prices the copy)."""
+def collective_time_s(func, args: tuple, out: torch.Tensor, device) -> float | None:
+    """The ring time of one of the rank twin's collectives (`func` called with `args`: the tensor, then the ranks; making
+    `out`) on `device`'s links; None for any other op, or on a device with no link to its peers (the CPU: the tracker
+    prices the copy)."""
     if func not in _COLLECTIVES:
         return None
+    ranks = args[1]
     interconnect_bandwidth = peer_link(device, ranks)
     if not interconnect_bandwidth:
         return None

@@ -321,7 +321,7 @@ class OpCost:
 def op_roofline(device: RooflineRates, func, args, kwargs, out, touched, *, allow_tf32: bool = False, hidden_bytes: int = 0) -> OpCost:
     """One op's FLOPs (torch's flop counter) and roofline time; `touched`: its input and output tensors;
     `hidden_bytes`: a temporary it writes and reads back inside itself."""
-    if (collective_s := collective_time_s(func, args[1] if len(args) > 1 else 0, out, device)) is not None:
+    if (collective_s := collective_time_s(func, args, out, device)) is not None:
         return OpCost(0, collective_s)  # the rank twin's collectives, at the card's link to its peers
     flops = 0
     if flop_key(func) in flop_registry:

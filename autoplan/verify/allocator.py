@@ -196,7 +196,7 @@ def _freed_late(events, resident: dict[int, int]) -> tuple[set[int], set[int]]:
     late_ids: set[int] = set()
     reused_resident: set[int] = set()
     live: dict[int, int] = {}  # address -> the id of the allocation there
-    gathered: dict[int, int] = {}  # the same for FSDP2's all-gather outputs
+    handed: dict[int, int] = {}  # the same for blocks handed to a collective (`_handed_to_a_collective`)
     for node in events:
         if node.name.startswith(_MARK):
             continue
@@ -207,13 +207,13 @@ def _freed_late(events, resident: dict[int, int]) -> tuple[set[int], set[int]]:
             if address in live:
                 late_ids.add(live[address])
             live[address] = node.id
-            gathered.pop(address, None)
+            handed.pop(address, None)
             if _handed_to_a_collective(node):
-                gathered[address] = node.id
+                handed[address] = node.id
         else:
             live.pop(address, None)
-            gathered.pop(address, None)
-    return late_ids | set(gathered.values()), reused_resident
+            handed.pop(address, None)
+    return late_ids | set(handed.values()), reused_resident
 
 
 def _handed_to_a_collective(allocation) -> bool:
